@@ -1,0 +1,12 @@
+"""The speculative decoding engine: pure torch + transformers. Never imports ray or fastapi."""
+from .engine import CompletionOutput, SpeculativeEngine
+from .model_runner import CacheMiss, ModelRunner, RowInput
+from .proposers import DraftModelProposer, Proposal, Proposer
+from .sampling import SamplingParams
+from .step import RequestMetrics, StepOutput
+from .verifier import TargetVerifier, Verdict
+
+__all__ = [
+    "CacheMiss", "CompletionOutput", "DraftModelProposer", "ModelRunner", "Proposal", "Proposer",
+    "RequestMetrics", "RowInput", "SamplingParams", "SpeculativeEngine", "StepOutput", "TargetVerifier", "Verdict",
+]

@@ -1,0 +1,164 @@
+"""SpeculativeEngine: the in-process API used by tests, benchmarks and the serving workers.
+
+It knows token ids only (no tokenizer, no HTTP, no Ray). `generate` runs prompts to completion;
+`add_request` / `step` / `abort` let a server join and leave requests between steps.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .model_runner import RowInput
+from .proposers import DraftModelProposer, Proposer
+from .sampling import SamplingParams
+from .scheduler import SpeculationPolicy
+from .step import RequestMetrics, Sequence, StepOutput, speculative_step
+from .verifier import TargetVerifier
+
+
+@dataclass(frozen=True)
+class CompletionOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated tokens only
+    finish_reason: str  # "length" | "stop"
+    metrics: RequestMetrics
+
+
+class SpeculativeEngine:
+    def __init__(
+        self,
+        target_model: torch.nn.Module,
+        draft_model: torch.nn.Module | None = None,
+        num_speculative_tokens: int = 4,
+        *,
+        adaptive: bool = True,
+        max_batch_size: int = 64,
+        max_model_len: int | None = None,
+        eos_token_ids: list[int] | None = None,
+        proposer: Proposer | None = None,
+    ) -> None:
+        if num_speculative_tokens < 0:
+            raise ValueError("num_speculative_tokens must be >= 0")
+        self.verifier = TargetVerifier(target_model, max_model_len)
+        limits = [self.verifier.runner.max_positions]
+        if proposer is None and draft_model is not None:
+            proposer = DraftModelProposer(draft_model, self.verifier.vocab_size, max_model_len)
+            limits.append(proposer.runner.max_positions)
+        if proposer is None and num_speculative_tokens > 0:
+            raise ValueError("num_speculative_tokens > 0 needs a draft model or a proposer")
+        self.proposer = proposer
+        self.max_model_len = min(x for x in limits if x) if any(limits) else 1 << 30
+        self.max_batch_size = max_batch_size
+        self.policy = SpeculationPolicy(num_speculative_tokens, adaptive=adaptive)
+        self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None else _eos_ids(target_model))
+        self._running: dict[str, Sequence] = {}
+        self._waiting: list[Sequence] = []
+        self._ids = itertools.count()
+
+    # -- incremental API ----------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if request_id in self._running or any(s.request_id == request_id for s in self._waiting):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt = [int(t) for t in prompt_token_ids]
+        if not prompt:
+            raise ValueError("the prompt must hold at least one token")
+        vocab = self.verifier.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        if len(prompt) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
+                f"context of {self.max_model_len} tokens"
+            )
+        stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        self._waiting.append(Sequence(request_id, prompt, params, stops, self.max_model_len))
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request wherever it is and free its caches."""
+        self._waiting = [s for s in self._waiting if s.request_id != request_id]
+        if self._running.pop(request_id, None) is not None:
+            self._free(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._running or self._waiting)
+
+    def num_cached(self) -> dict[str, int]:
+        """Requests holding a cache slot, per model."""
+        counts = {"target": self.verifier.runner.num_cached()}
+        if isinstance(self.proposer, DraftModelProposer):
+            counts["draft"] = self.proposer.runner.num_cached()
+        return counts
+
+    def step(self) -> list[StepOutput]:
+        """Admit waiting requests (up to max_batch_size), run one speculative step over them all."""
+        while self._waiting and len(self._running) < self.max_batch_size:
+            seq = self._waiting.pop(0)
+            self._running[seq.request_id] = seq
+        if not self._running:
+            return []
+        seqs = list(self._running.values())
+        outputs = speculative_step(seqs, self.proposer, self.verifier, self.policy)
+        for seq in seqs:
+            if seq.finish_reason is not None:
+                del self._running[seq.request_id]
+                self._free(seq.request_id)
+        return outputs
+
+    def sequence(self, request_id: str) -> Sequence | None:
+        return self._running.get(request_id) or next((s for s in self._waiting if s.request_id == request_id), None)
+
+    # -- batch API ----------------------------------------------------------------------------
+    def generate(
+        self, prompt_token_ids: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+    ) -> list[CompletionOutput]:
+        params = params if params is not None else SamplingParams()
+        per_prompt = params if isinstance(params, list) else [params] * len(prompt_token_ids)
+        if len(per_prompt) != len(prompt_token_ids):
+            raise ValueError("give one SamplingParams for all prompts or one per prompt")
+        ids = [f"gen-{next(self._ids)}" for _ in prompt_token_ids]
+        seqs = {}
+        for rid, prompt, p in zip(ids, prompt_token_ids, per_prompt):
+            self.add_request(rid, prompt, p)
+            seqs[rid] = self.sequence(rid)
+        try:
+            while any(seqs[r].finish_reason is None for r in ids):
+                self.step()
+        finally:
+            for rid in ids:
+                self.abort(rid)
+        return [
+            CompletionOutput(r, seqs[r].prompt, seqs[r].output, seqs[r].finish_reason, seqs[r].metrics) for r in ids
+        ]
+
+    # -- internals ----------------------------------------------------------------------------
+    def _free(self, request_id: str) -> None:
+        self.verifier.free(request_id)
+        if self.proposer is not None:
+            self.proposer.free(request_id)
+
+    def calibrate(self, sizes: tuple[int, ...] = (1, 8, 32)) -> None:
+        """Time each model on dummy rows of a few sizes so the policy starts from measurements."""
+        runners = [("target", self.verifier.runner)]
+        if isinstance(self.proposer, DraftModelProposer):
+            runners.append(("draft", self.proposer.runner))
+        forwards = []
+        for name, runner in runners:
+            for n in sizes:
+                began = time.perf_counter()
+                runner.forward([RowInput("__calibrate__", 0, [0] * n)], logits="last")
+                forwards.append((name, n, time.perf_counter() - began))
+            runner.free("__calibrate__")
+        for name, n, seconds in forwards:
+            (self.policy.target_cost if name == "target" else self.policy.draft_cost).observe(n, seconds)
+
+
+def _eos_ids(model: torch.nn.Module) -> list[int]:
+    for source in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(source, "eos_token_id", None)
+        if eos is not None:
+            return [eos] if isinstance(eos, int) else list(eos)
+    return []

@@ -1,0 +1,163 @@
+"""Runs one HF causal LM over a batch of requests, each with its own KV cache slot.
+
+The runner knows requests only by id: it maps ids to cache slots, and for every id remembers how
+many leading positions of its slot hold valid keys. A call names, per row, where its new tokens
+start; a start below the valid length rolls the row back, a start above it is a cache miss (the
+caller must resend from `valid_length`), which is how a restarted worker rebuilds its caches from
+the tokens the coordinator holds.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .kv_cache import SlotKVCache
+
+
+@dataclass(frozen=True)
+class RowInput:
+    """One request's row in a call: its new tokens, written from position `start` on."""
+
+    request_id: str
+    start: int
+    tokens: list[int]
+
+
+class CacheMiss(RuntimeError):
+    """The runner holds fewer valid positions for a request than a call assumed."""
+
+    def __init__(self, request_id: str, valid_length: int, start: int) -> None:
+        super().__init__(f"request {request_id!r}: cache holds {valid_length} tokens, call starts at {start}")
+        self.request_id = request_id
+        self.valid_length = valid_length
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, max_positions: int | None = None) -> None:
+        self.model = model.eval()
+        attn = getattr(model.config, "_attn_implementation", None) or "eager"
+        if attn not in ("sdpa", "eager"):
+            raise ValueError(f"attention implementation {attn!r} cannot take a per-row mask; load with sdpa or eager")
+        _reject_sliding_window(model.config)
+        self._float_mask = attn == "eager"
+        self.device = model.get_input_embeddings().weight.device
+        self.dtype = model.get_input_embeddings().weight.dtype
+        limit = getattr(model.config, "max_position_embeddings", None)
+        self.max_positions = min(p for p in (max_positions, limit) if p) if (max_positions or limit) else None
+        self.cache = SlotKVCache(self.max_positions)
+        self.token_map: torch.Tensor | None = getattr(model, "draft_token_map", None)  # [K] target ids, or None
+        self._slot_of: dict[str, int] = {}
+        self._valid: dict[str, int] = {}
+        self._slot_owner: list[str] = []  # slot -> request id, dense
+        self.last_forward_seconds = 0.0
+        self.last_forward_tokens = 0
+
+    # -- bookkeeping ------------------------------------------------------------------------
+    def valid_length(self, request_id: str) -> int:
+        return self._valid.get(request_id, 0)
+
+    def num_cached(self) -> int:
+        return len(self._slot_of)
+
+    def free(self, request_id: str) -> None:
+        """Forget a request; the last live slot moves into its place so that live slots stay dense."""
+        slot = self._slot_of.pop(request_id, None)
+        self._valid.pop(request_id, None)
+        if slot is None:
+            return
+        last = len(self._slot_owner) - 1
+        if slot != last:
+            moved = self._slot_owner[last]
+            self.cache.move_slot(last, slot)
+            self._slot_of[moved] = slot
+            self._slot_owner[slot] = moved
+        self._slot_owner.pop()
+
+    def _slot(self, request_id: str) -> int:
+        if request_id not in self._slot_of:
+            self._slot_of[request_id] = len(self._slot_owner)
+            self._slot_owner.append(request_id)
+            self._valid[request_id] = 0
+        return self._slot_of[request_id]
+
+    def check(self, rows: list[RowInput]) -> None:
+        """Raise CacheMiss for the first row that starts past its valid cache."""
+        for row in rows:
+            if row.start > self.valid_length(row.request_id):
+                raise CacheMiss(row.request_id, self.valid_length(row.request_id), row.start)
+
+    # -- forward ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(self, rows: list[RowInput], logits: str = "last") -> torch.Tensor | None:
+        """Write every row's tokens into its cache and return logits.
+
+        logits="last": [B, V'] at each row's last token; "all": [B, Q, V'] (Q = longest row; a
+        shorter row's padded positions hold junk); "none": None. V' is the model's output size
+        (K for a draft with a token map). Rows are right-padded; padding is written past a row's
+        end, where the causal mask hides it and the next call overwrites it.
+        """
+        self.check(rows)
+        lengths = [len(r.tokens) for r in rows]
+        width = max(lengths)
+        input_ids = torch.zeros(len(rows), width, dtype=torch.long)  # [B, Q]
+        for b, row in enumerate(rows):
+            input_ids[b, : lengths[b]] = torch.tensor(row.tokens, dtype=torch.long)
+        starts = torch.tensor([r.start for r in rows], dtype=torch.long)  # [B]
+        positions = starts[:, None] + torch.arange(width)[None, :]  # [B, Q]
+        if self.max_positions is not None:
+            # Real tokens stay below max_positions - 1 (the caller's invariant); padding and
+            # unused drafts past that all land on the last position, which nothing real attends.
+            positions = positions.clamp(max=self.max_positions - 1)
+        slots = torch.tensor([self._slot(r.request_id) for r in rows], dtype=torch.long)  # [B]
+        view_length = self.cache.prepare(slots, positions)
+        mask = self._mask(positions, view_length)  # [B, 1, Q, K]
+        keep = {"last": width, "all": width, "none": 1}[logits]
+        began = time.perf_counter()
+        out = self.model(
+            input_ids=input_ids.to(self.device),
+            position_ids=positions.to(self.device),
+            attention_mask=mask,
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=keep,
+        ).logits  # [B, keep, V']
+        for row, n in zip(rows, lengths):
+            self._valid[row.request_id] = row.start + n
+        if logits == "none":
+            self._record(began, sum(lengths))
+            return None
+        if logits == "last":
+            last = torch.tensor(lengths, device=out.device) - 1  # [B]
+            out = out[torch.arange(len(rows), device=out.device), last]  # [B, V']
+        self._record(began, sum(lengths), out)
+        return out
+
+    def _record(self, began: float, num_tokens: int, out: torch.Tensor | None = None) -> None:
+        if out is not None and out.is_cuda:
+            torch.cuda.synchronize(out.device)
+        self.last_forward_seconds = time.perf_counter() - began
+        self.last_forward_tokens = num_tokens
+
+    def _mask(self, positions: torch.Tensor, view_length: int) -> torch.Tensor:
+        """positions [B, Q] -> [B, 1, Q, K]: key k is visible to a query at position p iff k <= p."""
+        keys = torch.arange(view_length)[None, None, :]  # [1, 1, K]
+        visible = (keys <= positions[:, :, None])[:, None]  # [B, 1, Q, K]
+        if not self._float_mask:
+            return visible.to(self.device)
+        blocked = torch.finfo(self.dtype).min
+        return torch.zeros(visible.shape, dtype=self.dtype).masked_fill(~visible, blocked).to(self.device)
+
+    def map_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        """Ids in the model's output space -> target vocabulary ids."""
+        return ids if self.token_map is None else self.token_map.to(ids.device)[ids]
+
+
+def _reject_sliding_window(config) -> None:
+    layer_types = getattr(config, "layer_types", None) or []
+    uses_window = any(t != "full_attention" for t in layer_types) or (
+        getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None)
+    )
+    if uses_window:
+        raise ValueError("models with sliding-window or non-attention layers are not supported yet")

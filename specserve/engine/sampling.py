@@ -1,0 +1,136 @@
+"""Sampling parameters and the pure maths that turns logits into a distribution.
+
+Everything here is a function of its arguments: no model, no cache, no global random state.
+Temperature, top-k and top-p are applied to the target's and the draft's logits by the very same
+function, which is what makes the rejection rule in `rejection.py` exact.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request is decoded.
+
+    temperature 0 means greedy; top_k 0 means off; top_p 1 means off. A request with a seed draws
+    every random number from its own generator, so its tokens do not depend on what else is in the
+    batch. stop_token_ids end the request (the stop token is kept in the output ids); the model's
+    EOS does too unless ignore_eos.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not (self.temperature >= 0.0) or self.temperature == float("inf"):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class BatchSampling:
+    """Per-row sampling parameters of a batch, as tensors (one row per request)."""
+
+    temperature: torch.Tensor  # [B] float32; 0 = greedy
+    top_k: torch.Tensor  # [B] int64; 0 = off
+    top_p: torch.Tensor  # [B] float32; 1 = off
+
+    @staticmethod
+    def from_params(params: list[SamplingParams], device: torch.device | str = "cpu") -> "BatchSampling":
+        return BatchSampling(
+            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+        )
+
+    @property
+    def all_greedy(self) -> bool:
+        return bool((self.temperature == 0).all())
+
+    def to(self, device: torch.device | str) -> "BatchSampling":
+        return BatchSampling(self.temperature.to(device), self.top_k.to(device), self.top_p.to(device))
+
+    def repeat_rows(self, n: int) -> "BatchSampling":
+        """Each row repeated n times in place: [B] -> [B * n] (row b's copies are adjacent)."""
+        return BatchSampling(
+            self.temperature.repeat_interleave(n),
+            self.top_k.repeat_interleave(n),
+            self.top_p.repeat_interleave(n),
+        )
+
+
+def logits_to_probs(logits: torch.Tensor, sampling: BatchSampling) -> torch.Tensor:
+    """logits [N, V] -> probs [N, V] float32 after temperature, top-k, then top-p.
+
+    Greedy rows (temperature 0) become one-hot at their argmax, so that the rejection rule treats
+    greedy and sampled rows alike.
+    """
+    logits = logits.float()
+    greedy = sampling.temperature == 0  # [N]
+    temperature = torch.where(greedy, torch.ones_like(sampling.temperature), sampling.temperature)
+    scaled = logits / temperature[:, None]  # [N, V]
+    if bool(((sampling.top_k > 0) | (sampling.top_p < 1)).any()):
+        scaled = _apply_top_k_top_p(scaled, sampling.top_k, sampling.top_p)
+    probs = torch.softmax(scaled, dim=-1)  # [N, V]
+    if bool(greedy.any()):
+        one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        probs = torch.where(greedy[:, None], one_hot, probs)
+    return probs
+
+
+def _apply_top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """scaled [N, V] -> the same with filtered-out entries at -inf. top_k [N] (0 = off), top_p [N]."""
+    vocab = scaled.shape[-1]
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)  # [N, V]
+    rank = torch.arange(vocab, device=scaled.device)  # [V]
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))  # [N]
+    sorted_logits = sorted_logits.masked_fill(rank[None, :] >= k[:, None], float("-inf"))
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)  # [N, V]
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # [N, V] mass of strictly better tokens
+    drop_p = mass_before >= top_p[:, None]
+    drop_p[:, 0] = False  # the best token always stays
+    sorted_logits = sorted_logits.masked_fill(drop_p, float("-inf"))
+    return torch.empty_like(scaled).scatter_(-1, order, sorted_logits)
+
+
+def sample_with_uniforms(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling. probs [N, V] (rows need not be normalised), uniforms [N] in [0, 1) -> ids [N].
+
+    A token of zero probability is never returned.
+    """
+    cdf = probs.cumsum(dim=-1)  # [N, V]
+    total = cdf[:, -1:]  # [N, 1]
+    idx = torch.searchsorted(cdf, uniforms[:, None].to(cdf.dtype) * total, right=True).squeeze(-1)  # [N]
+    vocab = probs.shape[-1]
+    last_positive = vocab - 1 - (probs > 0).flip(-1).int().argmax(-1)  # [N]
+    return torch.minimum(idx, last_positive)
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    """A request's own random stream: seeded when the request has a seed, else from OS entropy."""
+    gen = torch.Generator(device=device)
+    if seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(seed)
+    return gen

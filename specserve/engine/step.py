@@ -1,0 +1,186 @@
+"""One speculative step over a batch: propose, verify, append. The function to read first.
+
+The caller (the in-process engine, or the Ray coordinator) holds the truth about each request:
+its tokens, its sampling parameters and random stream, and how much of it each model's cache holds.
+`plan_step` decides the drafts and random numbers, `speculative_step` runs the two calls, and
+`apply_verdict` appends the new tokens and moves the cache marks. The coordinator awaits the same
+two calls on remote workers between `plan_step` and `apply_verdict`.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .model_runner import RowInput
+from .proposers import Proposal, Proposer
+from .sampling import BatchSampling, SamplingParams, make_generator
+from .scheduler import AcceptanceEstimate, SpeculationPolicy
+from .verifier import TargetVerifier, Verdict
+
+
+@dataclass
+class RequestMetrics:
+    num_steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # [j]: steps whose draft j was accepted
+
+    def record(self, num_draft: int, num_accepted: int) -> None:
+        self.num_steps += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_position) < num_draft:
+            self.accepted_per_position.extend([0] * (num_draft - len(self.accepted_per_position)))
+        for j in range(num_accepted):
+            self.accepted_per_position[j] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+
+@dataclass
+class Sequence:
+    """A request as the coordinator holds it."""
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    stop_ids: frozenset[int]
+    max_positions: int  # tokens the request may reach (prompt + output)
+    output: list[int] = field(default_factory=list)
+    target_len: int = 0  # leading tokens whose keys the target's cache holds
+    draft_len: int = 0  # the same for the draft
+    finish_reason: str | None = None
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        if self.generator is None:
+            self.generator = make_generator(self.params.seed)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def remaining(self) -> int:
+        return min(self.params.max_tokens - len(self.output), self.max_positions - self.num_tokens)
+
+    @property
+    def reproducible(self) -> bool:
+        """Seeded sampling: its γ must not depend on the batch, or its tokens would."""
+        return self.params.seed is not None and not self.params.greedy
+
+
+@dataclass
+class StepPlan:
+    seqs: list[Sequence]
+    num_positions: int  # G: drafts per row proposed this step
+    num_draft: torch.Tensor  # [B] int64, g_b <= G drafts each row may accept
+    sampling: BatchSampling
+    draft_uniforms: torch.Tensor | None  # [B, G]
+    accept_uniforms: torch.Tensor | None  # [B, G]
+    final_uniforms: torch.Tensor | None  # [B]
+
+    def draft_rows(self) -> list[RowInput]:
+        return [RowInput(s.request_id, s.draft_len, s.tokens[s.draft_len :]) for s in self.seqs]
+
+    def target_rows(self) -> list[RowInput]:
+        return [RowInput(s.request_id, s.target_len, s.tokens[s.target_len :]) for s in self.seqs]
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None
+
+
+def plan_step(seqs: list[Sequence], policy: SpeculationPolicy) -> StepPlan:
+    """Pick γ for the batch (and per row), and draw every random number the step needs."""
+    alphas = [policy.alpha(s.acceptance) for s in seqs]
+    batch_gamma = policy.choose(alphas)
+    # A seeded sampled request always asks for max_gamma, so that its random stream, and with it
+    # its tokens, depend on nothing but its seed and its own tokens.
+    own = [policy.max_gamma if s.reproducible else batch_gamma for s in seqs]
+    # g_b <= remaining - 1 keeps every real position of a row below its limit minus one; drafts a
+    # row will not use (when another row asks for more) go to clamped junk positions.
+    num_draft = [max(0, min(g, s.remaining - 1)) for g, s in zip(own, seqs)]
+    positions = max(num_draft)
+    sampling = BatchSampling.from_params([s.params for s in seqs])
+    draft_u = accept_u = final_u = None
+    if not sampling.all_greedy:
+        draft_u = torch.full((len(seqs), positions), 0.5)
+        accept_u = torch.zeros(len(seqs), positions)
+        final_u = torch.zeros(len(seqs))
+        for b, (s, g) in enumerate(zip(seqs, num_draft)):
+            if s.params.greedy:
+                continue
+            draws = torch.rand(2 * g + 1, generator=s.generator)  # this row's stream only
+            draft_u[b, :g], accept_u[b, :g], final_u[b] = draws[:g], draws[g : 2 * g], draws[2 * g]
+    return StepPlan(seqs, positions, torch.tensor(num_draft, dtype=torch.long), sampling, draft_u, accept_u, final_u)
+
+
+def empty_proposal(batch: int) -> Proposal:
+    return Proposal(torch.zeros(batch, 0, dtype=torch.long), None)
+
+
+def apply_verdict(plan: StepPlan, proposal: Proposal, verdict: Verdict) -> list[StepOutput]:
+    """Append accepted + next tokens (cut at a stop token or the length limit); move cache marks."""
+    outputs = []
+    drafts = proposal.tokens.tolist()
+    for b, s in enumerate(plan.seqs):
+        accepted, g = verdict.num_accepted[b], int(plan.num_draft[b])
+        s.metrics.record(g, accepted)
+        n = s.num_tokens
+        s.target_len = n + accepted
+        if plan.num_positions > 0:
+            s.draft_len = n + min(accepted, plan.num_positions - 1)
+        new = _cut(s, drafts[b][:accepted] + [verdict.next_token[b]])
+        s.output.extend(new)
+        outputs.append(StepOutput(s.request_id, new, s.finish_reason))
+    return outputs
+
+
+def _cut(seq: Sequence, new: list[int]) -> list[int]:
+    """Keep tokens up to and including a stop token, and no more than the request may still take."""
+    limit = seq.remaining
+    for i, token in enumerate(new[:limit]):
+        if token in seq.stop_ids:
+            seq.finish_reason = "stop"
+            return new[: i + 1]
+    if len(new) >= limit:
+        seq.finish_reason = "length"
+    return new[:limit]
+
+
+def speculative_step(
+    seqs: list[Sequence], proposer: Proposer | None, verifier: TargetVerifier, policy: SpeculationPolicy
+) -> list[StepOutput]:
+    """Propose, verify and append for every sequence in the batch, in process."""
+    began = time.perf_counter()
+    plan = plan_step(seqs, policy)
+    forwards = []
+    proposal = empty_proposal(len(seqs))
+    if plan.num_positions > 0:
+        proposal = proposer.propose(plan.draft_rows(), plan.num_positions, plan.sampling, plan.draft_uniforms)
+        forwards.append(("draft", proposal.forward_tokens, proposal.seconds))
+    verdict = verifier.verify(
+        plan.target_rows(), proposal.tokens, proposal.probs, plan.num_draft, plan.sampling,
+        plan.accept_uniforms, plan.final_uniforms,
+    )
+    forwards.append(("target", verdict.forward_tokens, verdict.seconds))
+    outputs = apply_verdict(plan, proposal, verdict)
+    for s, g, a in zip(seqs, plan.num_draft.tolist(), verdict.num_accepted):
+        policy.observe_acceptance(s.acceptance, a, g)
+    policy.observe_step(time.perf_counter() - began, forwards)
+    return outputs
+

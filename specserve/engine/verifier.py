@@ -1,0 +1,78 @@
+"""The target side of a step: one forward over [last token + drafts] for every row, then the rule."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .model_runner import ModelRunner, RowInput
+from .rejection import AcceptResult, greedy_accept, rejection_sample
+from .sampling import BatchSampling, logits_to_probs, sample_with_uniforms
+
+
+@dataclass(frozen=True)
+class Verdict:
+    num_accepted: list[int]  # per row, accepted draft tokens
+    next_token: list[int]  # per row, the recovered or bonus token
+    seconds: float = 0.0  # time in the verifying forward (prefill excluded)
+    forward_tokens: int = 0
+
+
+class TargetVerifier:
+    def __init__(self, model: torch.nn.Module, max_positions: int | None = None) -> None:
+        self.runner = ModelRunner(model, max_positions)
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+
+    def free(self, request_id: str) -> None:
+        self.runner.free(request_id)
+
+    def valid_length(self, request_id: str) -> int:
+        return self.runner.valid_length(request_id)
+
+    @torch.no_grad()
+    def verify(
+        self,
+        rows: list[RowInput],
+        draft_tokens: torch.Tensor,
+        draft_probs: torch.Tensor | None,
+        num_draft: torch.Tensor,
+        sampling: BatchSampling,
+        accept_uniforms: torch.Tensor | None,
+        final_uniforms: torch.Tensor | None,
+    ) -> Verdict:
+        """rows: each row's unseen tokens (ending with its last accepted token); draft_tokens [B, G]
+        (G may be 0); draft_probs [B, G, V] or None (all rows greedy); num_draft [B] (g_b <= G);
+        accept_uniforms [B, G], final_uniforms [B] (None when all rows greedy)."""
+        self.runner.check(rows)
+        backlog = [RowInput(r.request_id, r.start, r.tokens[:-1]) for r in rows if len(r.tokens) > 1]
+        if backlog:
+            self.runner.forward(backlog, logits="none")
+        drafts = draft_tokens.tolist()
+        step_rows = [
+            RowInput(r.request_id, r.start + len(r.tokens) - 1, r.tokens[-1:] + d) for r, d in zip(rows, drafts)
+        ]
+        logits = self.runner.forward(step_rows, logits="all")  # [B, G+1, V]
+        logits = logits[..., : self.vocab_size]
+        result = self._accept(logits, draft_tokens, draft_probs, num_draft, sampling, accept_uniforms, final_uniforms)
+        return Verdict(
+            result.num_accepted.tolist(),
+            result.next_token.tolist(),
+            self.runner.last_forward_seconds,
+            self.runner.last_forward_tokens,
+        )
+
+    def _accept(self, logits, draft_tokens, draft_probs, num_draft, sampling, accept_uniforms, final_uniforms):
+        device = logits.device
+        draft_tokens, num_draft = draft_tokens.to(device), num_draft.to(device)
+        if sampling.all_greedy:
+            return greedy_accept(logits.argmax(-1), draft_tokens, num_draft)
+        batch, width, vocab = logits.shape
+        probs = logits_to_probs(logits.reshape(batch * width, vocab), sampling.to(device).repeat_rows(width))
+        probs = probs.view(batch, width, vocab)  # [B, G+1, V]
+        final_uniforms = final_uniforms.to(device)
+        if width == 1:
+            token = sample_with_uniforms(probs[:, 0], final_uniforms)
+            return AcceptResult(torch.zeros_like(token), token)
+        return rejection_sample(
+            probs, draft_tokens, draft_probs.to(device), num_draft, accept_uniforms.to(device), final_uniforms
+        )
