@@ -9,10 +9,12 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 VOCAB = 96
 
 
-def tiny_llama(seed: int, layers: int = 2, vocab: int = VOCAB, init_range: float = 0.02, attn: str = "sdpa"):
+def tiny_llama(
+    seed: int, layers: int = 2, vocab: int = VOCAB, init_range: float = 0.02, attn: str = "sdpa", hidden: int = 48
+):
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=vocab, hidden_size=48, intermediate_size=96, num_hidden_layers=layers,
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
         initializer_range=init_range, bos_token_id=None, eos_token_id=None, pad_token_id=None,
     )

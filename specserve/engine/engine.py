@@ -56,12 +56,12 @@ class SpeculativeEngine:
         self.policy = SpeculationPolicy(num_speculative_tokens, adaptive=adaptive)
         self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None else _eos_ids(target_model))
         self._running: dict[str, Sequence] = {}
-        self._waiting: list[Sequence] = []
+        self._waiting: dict[str, Sequence] = {}  # insertion order is arrival order
         self._ids = itertools.count()
 
     # -- incremental API ----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        if request_id in self._running or any(s.request_id == request_id for s in self._waiting):
+        if request_id in self._running or request_id in self._waiting:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt = [int(t) for t in prompt_token_ids]
         if not prompt:
@@ -75,11 +75,11 @@ class SpeculativeEngine:
                 f"context of {self.max_model_len} tokens"
             )
         stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
-        self._waiting.append(Sequence(request_id, prompt, params, stops, self.max_model_len))
+        self._waiting[request_id] = Sequence(request_id, prompt, params, stops, self.max_model_len)
 
     def abort(self, request_id: str) -> None:
         """Drop a request wherever it is and free its caches."""
-        self._waiting = [s for s in self._waiting if s.request_id != request_id]
+        self._waiting.pop(request_id, None)
         if self._running.pop(request_id, None) is not None:
             self._free(request_id)
 
@@ -96,8 +96,8 @@ class SpeculativeEngine:
     def step(self) -> list[StepOutput]:
         """Admit waiting requests (up to max_batch_size), run one speculative step over them all."""
         while self._waiting and len(self._running) < self.max_batch_size:
-            seq = self._waiting.pop(0)
-            self._running[seq.request_id] = seq
+            request_id = next(iter(self._waiting))
+            self._running[request_id] = self._waiting.pop(request_id)
         if not self._running:
             return []
         seqs = list(self._running.values())
@@ -109,7 +109,7 @@ class SpeculativeEngine:
         return outputs
 
     def sequence(self, request_id: str) -> Sequence | None:
-        return self._running.get(request_id) or next((s for s in self._waiting if s.request_id == request_id), None)
+        return self._running.get(request_id) or self._waiting.get(request_id)
 
     # -- batch API ----------------------------------------------------------------------------
     def generate(

@@ -101,9 +101,7 @@ class ModelRunner:
         self.check(rows)
         lengths = [len(r.tokens) for r in rows]
         width = max(lengths)
-        input_ids = torch.zeros(len(rows), width, dtype=torch.long)  # [B, Q]
-        for b, row in enumerate(rows):
-            input_ids[b, : lengths[b]] = torch.tensor(row.tokens, dtype=torch.long)
+        input_ids = torch.tensor([r.tokens + [0] * (width - n) for r, n in zip(rows, lengths)])  # [B, Q]
         starts = torch.tensor([r.start for r in rows], dtype=torch.long)  # [B]
         positions = starts[:, None] + torch.arange(width)[None, :]  # [B, Q]
         if self.max_positions is not None:

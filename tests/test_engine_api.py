@@ -1,0 +1,232 @@
+"""Seeds, stop tokens, max_tokens, rollback, the incremental API and the step bookkeeping."""
+import pytest
+import torch
+
+from models import hf_greedy, perturbed, tiny_llama
+from specserve import SamplingParams, SpeculativeEngine
+from specserve.engine import CacheMiss, ModelRunner, RowInput
+from specserve.engine.rejection import greedy_accept, rejection_sample
+from specserve.engine.sampling import BatchSampling, logits_to_probs, sample_with_uniforms
+from specserve.engine.scheduler import LinearCost, SpeculationPolicy, expected_tokens
+
+GREEDY = SamplingParams(max_tokens=20, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def draft(target):
+    return perturbed(target, 0.6, seed=1)
+
+
+def engine_for(target, draft, gamma=4, **kw):
+    return SpeculativeEngine(target, draft, num_speculative_tokens=gamma, adaptive=False, **kw)
+
+
+# -- the acceptance rule on hand-made numbers ---------------------------------------------------
+def test_greedy_accept_counts_and_next_token():
+    target_argmax = torch.tensor([[5, 6, 7, 8], [5, 6, 7, 8], [5, 6, 7, 8]])  # [B=3, G+1=4]
+    drafts = torch.tensor([[5, 6, 7], [5, 9, 7], [5, 6, 7]])
+    result = greedy_accept(target_argmax, drafts, torch.tensor([3, 3, 2]))
+    assert result.num_accepted.tolist() == [3, 1, 2]
+    assert result.next_token.tolist() == [8, 6, 7]  # bonus, recovered, bonus after g_b = 2
+    assert result.tokens(drafts) == [[5, 6, 7, 8], [5, 6], [5, 6, 7]]
+
+
+def test_rejection_recovered_token_comes_from_residual():
+    p = torch.tensor([[[0.5, 0.5, 0.0], [0.2, 0.3, 0.5]]])  # [B=1, G+1=2, V=3]
+    q = torch.tensor([[[0.0, 1.0, 0.0]]])  # the draft proposed token 1 with certainty
+    drafts = torch.tensor([[1]])
+    # u = 0.9 > p/q = 0.5: rejected; residual max(0, p - q) = [0.5, 0, 0] -> token 0 whatever u.
+    out = rejection_sample(p, drafts, q, torch.tensor([1]), torch.tensor([[0.9]]), torch.tensor([0.99]))
+    assert out.num_accepted.tolist() == [0] and out.next_token.tolist() == [0]
+    # u = 0.1 < 0.5: accepted; the bonus token comes from p at the next position.
+    out = rejection_sample(p, drafts, q, torch.tensor([1]), torch.tensor([[0.1]]), torch.tensor([0.99]))
+    assert out.num_accepted.tolist() == [1] and out.next_token.tolist() == [2]
+
+
+def test_rejection_respects_per_row_draft_count():
+    p = torch.full((2, 3, 4), 0.25)
+    q = torch.full((2, 2, 4), 0.25)
+    drafts = torch.tensor([[1, 2], [1, 2]])
+    out = rejection_sample(p, drafts, q, torch.tensor([2, 0]), torch.zeros(2, 2), torch.zeros(2))
+    assert out.num_accepted.tolist() == [2, 0]
+
+
+def test_top_k_top_p_and_greedy_probs():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0], [3.0, 2.0, 1.0, 0.0], [0.0, 5.0, 1.0, 0.0]])
+    params = [SamplingParams(temperature=1.0, top_k=2), SamplingParams(temperature=1.0, top_p=0.5),
+              SamplingParams(temperature=0.0)]
+    probs = logits_to_probs(logits, BatchSampling.from_params(params))
+    assert (probs[0, 2:] == 0).all() and torch.isclose(probs[0].sum(), torch.tensor(1.0))
+    assert probs[1].tolist() == [1.0, 0.0, 0.0, 0.0]  # the best token alone holds > 0.5
+    assert probs[2].tolist() == [0.0, 1.0, 0.0, 0.0]
+
+
+def test_inverse_cdf_never_picks_zero_probability():
+    probs = torch.tensor([[0.0, 0.5, 0.5, 0.0]] * 3)
+    tokens = sample_with_uniforms(probs, torch.tensor([0.0, 0.4999, 0.9999999]))
+    assert tokens.tolist() == [1, 1, 2]
+
+
+# -- the runner: per-row rollback and cache misses ------------------------------------------------
+def test_rollback_then_rewrite_equals_fresh_computation(target):
+    runner = ModelRunner(target)
+    runner.forward([RowInput("a", 0, [1, 2, 3, 4, 5, 6]), RowInput("b", 0, [7, 8])], logits="none")
+    # Roll "a" back to 3 tokens and write different ones; "b" extends normally.
+    rolled = runner.forward([RowInput("a", 3, [9, 10]), RowInput("b", 2, [11])], logits="last")
+    fresh = ModelRunner(target).forward([RowInput("x", 0, [1, 2, 3, 9, 10]), RowInput("y", 0, [7, 8, 11])])
+    assert torch.allclose(rolled, fresh, atol=1e-5)
+    assert runner.valid_length("a") == 5
+
+
+def test_cache_miss_reports_valid_length(target):
+    runner = ModelRunner(target)
+    runner.forward([RowInput("a", 0, [1, 2, 3])], logits="none")
+    with pytest.raises(CacheMiss) as err:
+        runner.forward([RowInput("a", 7, [4])])
+    assert err.value.valid_length == 3
+    with pytest.raises(CacheMiss):
+        runner.forward([RowInput("never-seen", 2, [4])])
+
+
+def test_free_keeps_other_rows_intact(target):
+    runner = ModelRunner(target)
+    runner.forward([RowInput(r, 0, [i + 1, i + 2, i + 3]) for i, r in enumerate("abc")], logits="none")
+    runner.free("a")  # "c" moves into a's slot
+    moved = runner.forward([RowInput("c", 3, [9])])
+    fresh = ModelRunner(target).forward([RowInput("z", 0, [3, 4, 5, 9])])
+    assert torch.allclose(moved, fresh, atol=1e-5) and runner.num_cached() == 2
+
+
+# -- stop tokens, max_tokens, seeds ---------------------------------------------------------------
+@pytest.mark.parametrize("max_tokens", [1, 2, 5, 7])
+def test_max_tokens_is_exact(target, draft, max_tokens):
+    outs = engine_for(target, target, gamma=4).generate([[1, 2, 3]], SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    assert len(outs[0].token_ids) == max_tokens and outs[0].finish_reason == "length"
+
+
+def test_stop_token_ends_inside_a_step(target):
+    reference = hf_greedy(target, [4, 5, 6], 20)
+    stop = reference[6]
+    cut = reference.index(stop)
+    # A draft equal to the target accepts 4 tokens a step, so the stop lands inside a step.
+    out = engine_for(target, target).generate([[4, 5, 6]], SamplingParams(max_tokens=20, temperature=0.0,
+                                                                          stop_token_ids=[stop]))[0]
+    assert out.token_ids == reference[: cut + 1] and out.finish_reason == "stop"
+
+
+def test_eos_from_model_config_and_ignore_eos(target):
+    reference = hf_greedy(target, [4, 5, 6], 20)
+    eos = reference[3]
+    engine = SpeculativeEngine(target, target, 4, adaptive=False, eos_token_ids=[eos])
+    out = engine.generate([[4, 5, 6]], GREEDY)[0]
+    assert out.token_ids == reference[: reference.index(eos) + 1] and out.finish_reason == "stop"
+    out = engine.generate([[4, 5, 6]], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))[0]
+    assert out.token_ids == reference
+
+
+def test_seeded_request_is_independent_of_batch(target, draft):
+    params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, seed=1234)
+    alone = engine_for(target, draft).generate([[3, 1, 4]], params)[0].token_ids
+    others = [SamplingParams(max_tokens=n, temperature=1.0) for n in (3, 9, 16)]
+    crowd = SpeculativeEngine(target, draft, 4, adaptive=True).generate(
+        [[9, 9], [3, 1, 4], [2, 7, 1, 8, 2, 8], [5]], [others[0], params, others[1], others[2]]
+    )
+    assert crowd[1].token_ids == alone
+    other_seed = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, seed=99)
+    assert engine_for(target, draft).generate([[3, 1, 4]], other_seed)[0].token_ids != alone
+
+
+def test_mixed_greedy_and_sampled_rows(target, draft):
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    params = [GREEDY, SamplingParams(max_tokens=20, temperature=1.0, seed=7), GREEDY]
+    outs = engine_for(target, draft).generate(prompts, params)
+    assert outs[0].token_ids == hf_greedy(target, prompts[0], 20)
+    assert outs[2].token_ids == hf_greedy(target, prompts[2], 20)
+
+
+# -- incremental API ------------------------------------------------------------------------------
+def test_requests_join_and_leave_between_steps(target, draft):
+    engine = engine_for(target, draft, gamma=3)
+    engine.add_request("a", [1, 2, 3], GREEDY)
+    got = {"a": [], "b": []}
+    for step in range(40):
+        if step == 3:
+            engine.add_request("b", [5, 6, 7, 8], GREEDY)
+        for out in engine.step():
+            got[out.request_id].extend(out.new_token_ids)
+        if not engine.has_unfinished():
+            break
+    assert got["a"] == hf_greedy(target, [1, 2, 3], 20)
+    assert got["b"] == hf_greedy(target, [5, 6, 7, 8], 20)
+    assert engine.num_cached() == {"target": 0, "draft": 0}
+
+
+def test_abort_frees_caches(target, draft):
+    engine = engine_for(target, draft)
+    engine.add_request("a", [1, 2, 3], GREEDY)
+    engine.add_request("b", [4, 5], GREEDY)
+    engine.step()
+    assert engine.num_cached() == {"target": 2, "draft": 2}
+    engine.abort("a")
+    assert engine.num_cached() == {"target": 1, "draft": 1}
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.num_cached() == {"target": 0, "draft": 0}
+
+
+def test_bad_requests_are_refused(target, draft):
+    engine = engine_for(target, draft)
+    with pytest.raises(ValueError, match="context"):
+        engine.add_request("long", [1] * 250, SamplingParams(max_tokens=10))
+    with pytest.raises(ValueError, match="token ids"):
+        engine.add_request("oov", [1, 10_000], GREEDY)
+    with pytest.raises(ValueError, match="at least one"):
+        engine.add_request("empty", [], GREEDY)
+    engine.add_request("dup", [1], GREEDY)
+    with pytest.raises(ValueError, match="in use"):
+        engine.add_request("dup", [1], GREEDY)
+    for bad in (dict(max_tokens=0), dict(temperature=-1.0), dict(temperature=float("nan")), dict(top_p=0.0),
+                dict(top_p=1.5), dict(top_k=-1)):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
+
+
+def test_requests_up_to_the_context_limit(target, draft):
+    prompt = list(range(1, 60)) * 4  # 236 of 256 positions
+    out = engine_for(target, draft, gamma=7).generate([prompt, [1, 2]], SamplingParams(max_tokens=20, temperature=0.0))
+    assert out[0].token_ids == hf_greedy(target, prompt, 20)
+
+
+# -- adaptive speculation length ------------------------------------------------------------------
+def test_linear_cost_fit():
+    cost = LinearCost()
+    for n in (1, 4, 16, 64, 1, 16):
+        cost.observe(n, 0.010 + 0.001 * n)
+    a, b = cost.coefficients()
+    assert abs(a - 0.010) < 1e-6 and abs(b - 0.001) < 1e-7
+
+
+def policy_with(fixed: float, per_token: float, draft_fixed: float) -> SpeculationPolicy:
+    policy = SpeculationPolicy(max_gamma=6)
+    for n in (1, 8, 64, 256):
+        policy.target_cost.observe(n, fixed + per_token * n)
+        policy.draft_cost.observe(n, draft_fixed + per_token * n / 10)
+    return policy
+
+
+def test_gamma_shrinks_as_batch_grows_and_turns_off_for_bad_drafts():
+    policy = policy_with(fixed=0.050, per_token=0.002, draft_fixed=0.005)
+    small, large = policy.best_gamma([0.8]), policy.best_gamma([0.8] * 64)
+    assert small >= 3 and large < small
+    assert policy.best_gamma([0.02]) == 0
+    assert expected_tokens(0.0, 4) == 1.0 and abs(expected_tokens(0.5, 1) - 1.5) < 1e-9
+
+
+def test_adaptive_engine_turns_off_a_useless_draft(target):
+    from models import ShiftedDraft
+
+    engine = SpeculativeEngine(target, ShiftedDraft(target), num_speculative_tokens=4, adaptive=True)
+    out = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=60, temperature=0.0))[0]
+    assert out.token_ids == hf_greedy(target, [1, 2, 3], 60)
+    # Speculation is off after the first steps, bar the periodic one-token probes.
+    assert out.metrics.num_draft_tokens <= 4 * 3 + 60 // 16

@@ -1,0 +1,100 @@
+"""Sampled speculative output follows the target's distribution exactly (Leviathan/Chen rule).
+
+With an 8-token vocabulary the exact distribution of the 2nd and 3rd generated tokens is computed
+by enumerating every prefix; 20,000 seeded sequences from the engine must match it (chi-square),
+and a deliberately wrong rule (resampling from p instead of the residual on rejection) must not.
+"""
+import collections
+
+import pytest
+import torch
+
+import specserve.engine.verifier as verifier_module
+from models import tiny_llama
+from specserve import SamplingParams, SpeculativeEngine
+from specserve.engine.rejection import AcceptResult, _leading_true
+from specserve.engine.sampling import BatchSampling, logits_to_probs, sample_with_uniforms
+
+VOCAB = 8
+PROMPT = [1, 2, 3]
+NUM_SEQUENCES = 20_000
+SETTINGS = {
+    "plain": SamplingParams(max_tokens=3, temperature=1.0),
+    "top_k": SamplingParams(max_tokens=3, temperature=0.8, top_k=3),
+    "top_p": SamplingParams(max_tokens=3, temperature=1.0, top_p=0.7),
+}
+
+
+@pytest.fixture(scope="module")
+def pair():
+    small = dict(vocab=VOCAB, init_range=0.3, layers=1, hidden=16)
+    return tiny_llama(0, **small), tiny_llama(5, **small)
+
+
+def next_probs(model, prefixes: list[list[int]], params: SamplingParams) -> torch.Tensor:
+    """[N, V] the sampling distribution after each prefix (all prefixes of one length)."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor(prefixes)).logits[:, -1]
+    return logits_to_probs(logits, BatchSampling.from_params([params] * len(prefixes)))
+
+
+def exact_marginals(model, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact P(2nd token) and P(3rd token), each [V]."""
+    p1 = next_probs(model, [PROMPT], params)[0]  # [V]
+    p2_given = next_probs(model, [PROMPT + [a] for a in range(VOCAB)], params)  # [V(a), V(b)]
+    joint12 = p1[:, None] * p2_given  # [V(a), V(b)]
+    prefixes = [PROMPT + [a, b] for a in range(VOCAB) for b in range(VOCAB)]
+    p3_given = next_probs(model, prefixes, params).view(VOCAB, VOCAB, VOCAB)  # [a, b, c]
+    return joint12.sum(0), (joint12[..., None] * p3_given).sum((0, 1))
+
+
+def sampled_marginals(target, draft, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    engine = SpeculativeEngine(target, draft, num_speculative_tokens=2, adaptive=False, max_batch_size=2500)
+    seeded = [SamplingParams(**{**params.__dict__, "seed": i, "ignore_eos": True}) for i in range(NUM_SEQUENCES)]
+    outs = engine.generate([PROMPT] * NUM_SEQUENCES, seeded)
+    second = collections.Counter(o.token_ids[1] for o in outs)
+    third = collections.Counter(o.token_ids[2] for o in outs)
+    assert sum(o.metrics.num_accepted_tokens for o in outs) > 0.1 * NUM_SEQUENCES  # the rule is exercised
+    count = lambda c: torch.tensor([c[v] for v in range(VOCAB)], dtype=torch.float64)  # noqa: E731
+    return count(second), count(third)
+
+
+def chi_square_pvalue(observed: torch.Tensor, probs: torch.Tensor) -> float:
+    """Goodness of fit; a count on a zero-probability token is an outright failure (p = 0)."""
+    expected = probs.double() * observed.sum()
+    support = expected > 0
+    if observed[~support].sum() > 0:
+        return 0.0
+    stat = ((observed[support] - expected[support]) ** 2 / expected[support]).sum()
+    dof = int(support.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0), stat / 2.0))
+
+
+@pytest.mark.parametrize("setting", sorted(SETTINGS))
+def test_sampling_matches_target_distribution(pair, setting):
+    target, draft = pair
+    params = SETTINGS[setting]
+    exact2, exact3 = exact_marginals(target, params)
+    seen2, seen3 = sampled_marginals(target, draft, params)
+    assert chi_square_pvalue(seen2, exact2) > 1e-4
+    assert chi_square_pvalue(seen3, exact3) > 1e-4
+
+
+def wrong_rule(target_probs, draft_tokens, draft_probs, num_draft, accept_uniforms, final_uniforms):
+    """The classic mistake: on rejection, resample from p instead of norm(max(0, p - q))."""
+    idx = draft_tokens[..., None]
+    p_of_x = target_probs[:, :-1].gather(-1, idx).squeeze(-1)
+    q_of_x = draft_probs.gather(-1, idx).squeeze(-1)
+    in_range = torch.arange(draft_tokens.shape[1])[None, :] < num_draft[:, None]
+    num_accepted = _leading_true((accept_uniforms * q_of_x < p_of_x) & in_range)
+    p_next = target_probs[torch.arange(draft_tokens.shape[0]), num_accepted]
+    return AcceptResult(num_accepted, sample_with_uniforms(p_next, final_uniforms))
+
+
+def test_wrong_rule_is_caught(pair, monkeypatch):
+    monkeypatch.setattr(verifier_module, "rejection_sample", wrong_rule)
+    target, draft = pair
+    params = SETTINGS["plain"]
+    exact2, exact3 = exact_marginals(target, params)
+    seen2, seen3 = sampled_marginals(target, draft, params)
+    assert min(chi_square_pvalue(seen2, exact2), chi_square_pvalue(seen3, exact3)) < 1e-6
