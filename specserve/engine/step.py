@@ -26,11 +26,15 @@ class RequestMetrics:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)  # [j]: steps whose draft j was accepted
+    num_draft_steps: int = 0  # steps that drafted at least one token
+    num_full_accept_steps: int = 0  # ... and accepted every draft
 
     def record(self, num_draft: int, num_accepted: int) -> None:
         self.num_steps += 1
         self.num_draft_tokens += num_draft
         self.num_accepted_tokens += num_accepted
+        self.num_draft_steps += num_draft > 0
+        self.num_full_accept_steps += num_draft > 0 and num_accepted == num_draft
         if len(self.accepted_per_position) < num_draft:
             self.accepted_per_position.extend([0] * (num_draft - len(self.accepted_per_position)))
         for j in range(num_accepted):

@@ -1,0 +1,180 @@
+"""HTTP benchmark against a running specserve app: speculative vs γ=0 in one run.
+
+    python -m specserve.bench.http --url http://127.0.0.1:8000 [--concurrency 1,4,16,64]
+
+For each γ setting ("default" = the server's configured γ; "0" = the per-request extension field
+`num_speculative_tokens: 0`, i.e. target-only decoding on the same replica and workers) and each
+concurrency level, it sends `--requests` streaming completions (default: as many as the
+concurrency, at least 4) with `ignore_eos` so every request makes exactly `--max-tokens` tokens.
+
+Per level: output tokens/s (all tokens / wall time), TTFT p50/p99, inter-token latency p50/p99
+(per request: (last chunk - first chunk) / (tokens - 1); a speculative step delivers several
+tokens in one chunk, so per-chunk gaps would overstate it), the acceptance rate, and the
+coordinator's per-step timings from /v1/stats (step wall p50; overhead p50 = step wall - model
+forward time; rpc p50 = step wall - time inside the worker calls). Stats are per coordinator
+replica: run against a single-replica app for exact figures. Prints a table, writes JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+PROMPTS = [
+    "Explain what speculative decoding is in two sentences.",
+    "Write a short poem about the sea.",
+    "List three uses of a hash table.",
+    "What is the capital of France? Answer briefly.",
+    "Describe how a bicycle works.",
+    "Give me a recipe for pancakes.",
+    "Why is the sky blue?",
+    "Summarise the plot of Hamlet.",
+]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--model", default=None, help="default: the server's only model")
+    p.add_argument("--concurrency", default="1,4,16,64")
+    p.add_argument("--requests", type=int, default=None, help="per level (default: max(concurrency, 4))")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--gammas", default="default,0", help="comma list: 'default' and/or integers")
+    p.add_argument("--chat", action="store_true", help="use /v1/chat/completions")
+    p.add_argument("--out", type=Path, default=Path("bench-results/http.json"))
+    p.add_argument("--timeout", type=float, default=600.0)
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+
+async def _one(client: httpx.AsyncClient, args, model: str, prompt: str, gamma: int | None) -> dict:
+    body = {"model": model, "max_tokens": args.max_tokens, "temperature": args.temperature, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    if args.chat:
+        path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": prompt}]
+    else:
+        path, body["prompt"] = "/v1/completions", prompt
+    if gamma is not None:
+        body["num_speculative_tokens"] = gamma
+    began, chunk_times, usage, spec = time.perf_counter(), [], None, None
+    async with client.stream("POST", path, json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {await r.aread()!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                usage, spec = event["usage"], event.get("speculation")
+            elif event.get("choices"):
+                chunk_times.append(time.perf_counter())
+    tokens = usage["completion_tokens"] if usage else 0
+    ttft = chunk_times[0] - began if chunk_times else None
+    itl = (chunk_times[-1] - chunk_times[0]) / (tokens - 1) if tokens > 1 and len(chunk_times) > 1 else None
+    return {"tokens": tokens, "ttft": ttft, "itl": itl, "speculation": spec or {}}
+
+
+async def _level(client, args, model: str, concurrency: int, gamma: int | None) -> dict:
+    n = args.requests or max(concurrency, 4)
+    await client.post("/v1/stats/reset")
+    gate = asyncio.Semaphore(concurrency)
+
+    async def run(i: int) -> dict:
+        async with gate:
+            return await _one(client, args, model, PROMPTS[i % len(PROMPTS)], gamma)
+
+    began = time.perf_counter()
+    results = await asyncio.gather(*(run(i) for i in range(n)))
+    wall = time.perf_counter() - began
+    stats = (await client.get("/v1/stats")).json()
+    tokens = sum(r["tokens"] for r in results)
+    drafted = sum(r["speculation"].get("num_draft_tokens", 0) for r in results)
+    accepted = sum(r["speculation"].get("num_accepted_tokens", 0) for r in results)
+    ttfts = [r["ttft"] for r in results if r["ttft"] is not None]
+    itls = [r["itl"] for r in results if r["itl"] is not None]
+    return {
+        "gamma": "default" if gamma is None else gamma, "concurrency": concurrency, "requests": n,
+        "wall_s": wall, "output_tokens": tokens, "tokens_per_s": tokens / wall,
+        "ttft_p50_ms": _ms(_pct(ttfts, 0.5)), "ttft_p99_ms": _ms(_pct(ttfts, 0.99)),
+        "itl_p50_ms": _ms(_pct(itls, 0.5)), "itl_p99_ms": _ms(_pct(itls, 0.99)),
+        "acceptance_rate": accepted / drafted if drafted else None, "draft_tokens": drafted,
+        "accepted_tokens": accepted, "coordinator": stats,
+    }
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else 1e3 * seconds
+
+
+def _fmt(x, spec: str = ".1f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _table(rows: list[dict]) -> str:
+    head = (f"{'gamma':>7} {'conc':>4} {'req':>4} {'tok/s':>8} {'ttft50':>7} {'ttft99':>7} {'itl50':>6} "
+            f"{'itl99':>6} {'alpha':>5} {'step50':>7} {'ovh50':>6} {'rpc50':>6}   (ms)")
+    lines = [head]
+    for r in rows:
+        c = r["coordinator"]
+        lines.append(
+            f"{r['gamma']!s:>7} {r['concurrency']:>4} {r['requests']:>4} {r['tokens_per_s']:>8.1f} "
+            f"{_fmt(r['ttft_p50_ms']):>7} {_fmt(r['ttft_p99_ms']):>7} {_fmt(r['itl_p50_ms']):>6} "
+            f"{_fmt(r['itl_p99_ms']):>6} {_fmt(r['acceptance_rate'], '.2f'):>5} "
+            f"{_fmt(c.get('step_wall_p50_ms')):>7} {_fmt(c.get('overhead_p50_ms')):>6} "
+            f"{_fmt(c.get('rpc_overhead_p50_ms')):>6}")
+    return "\n".join(lines)
+
+
+def _speedups(rows: list[dict]) -> dict[int, float]:
+    base = {r["concurrency"]: r["tokens_per_s"] for r in rows if r["gamma"] == 0}
+    return {r["concurrency"]: r["tokens_per_s"] / base[r["concurrency"]]
+            for r in rows if r["gamma"] == "default" and base.get(r["concurrency"])}
+
+
+async def _main(args) -> dict:
+    levels = [int(c) for c in args.concurrency.split(",")]
+    gammas = [None if g.strip() == "default" else int(g) for g in args.gammas.split(",")]
+    limits = httpx.Limits(max_connections=max(levels) + 4, max_keepalive_connections=max(levels) + 4)
+    async with httpx.AsyncClient(base_url=args.url, timeout=args.timeout, limits=limits) as client:
+        model = args.model or (await client.get("/v1/models")).json()["data"][0]["id"]
+        await _one(client, args, model, PROMPTS[0], None)  # warm-up
+        rows = []
+        for gamma in gammas:
+            for c in levels:
+                rows.append(await _level(client, args, model, c, gamma))
+                print(_table(rows[-1:]).splitlines()[1], flush=True)
+    return {"url": args.url, "model": model, "max_tokens": args.max_tokens, "temperature": args.temperature,
+            "chat": args.chat, "rows": rows, "speedup_vs_gamma0": _speedups(rows)}
+
+
+def run(args: argparse.Namespace) -> int:
+    report = asyncio.run(_main(args))
+    print()
+    print(_table(report["rows"]))
+    for c, s in report["speedup_vs_gamma0"].items():
+        print(f"speedup vs gamma=0 at concurrency {c}: {s:.2f}x")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="specserve bench http", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
