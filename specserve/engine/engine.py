@@ -15,7 +15,7 @@ from .model_runner import RowInput
 from .proposers import DraftModelProposer, Proposer
 from .sampling import SamplingParams
 from .scheduler import SpeculationPolicy
-from .step import RequestMetrics, Sequence, StepOutput, speculative_step
+from .step import RequestMetrics, Sequence, StepOutput, new_sequence, speculative_step
 from .verifier import TargetVerifier
 
 
@@ -54,7 +54,7 @@ class SpeculativeEngine:
         self.max_model_len = min(x for x in limits if x) if any(limits) else 1 << 30
         self.max_batch_size = max_batch_size
         self.policy = SpeculationPolicy(num_speculative_tokens, adaptive=adaptive)
-        self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None else _eos_ids(target_model))
+        self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None else model_eos_ids(target_model))
         self._running: dict[str, Sequence] = {}
         self._waiting: dict[str, Sequence] = {}  # insertion order is arrival order
         self._ids = itertools.count()
@@ -63,19 +63,10 @@ class SpeculativeEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if request_id in self._running or request_id in self._waiting:
             raise ValueError(f"request id {request_id!r} is already in use")
-        prompt = [int(t) for t in prompt_token_ids]
-        if not prompt:
-            raise ValueError("the prompt must hold at least one token")
-        vocab = self.verifier.vocab_size
-        if min(prompt) < 0 or max(prompt) >= vocab:
-            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
-        if len(prompt) + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
-                f"context of {self.max_model_len} tokens"
-            )
-        stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
-        self._waiting[request_id] = Sequence(request_id, prompt, params, stops, self.max_model_len)
+        self._waiting[request_id] = new_sequence(
+            request_id, prompt_token_ids, params, vocab_size=self.verifier.vocab_size,
+            max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids,
+        )
 
     def abort(self, request_id: str) -> None:
         """Drop a request wherever it is and free its caches."""
@@ -156,7 +147,8 @@ class SpeculativeEngine:
             (self.policy.target_cost if name == "target" else self.policy.draft_cost).observe(n, seconds)
 
 
-def _eos_ids(model: torch.nn.Module) -> list[int]:
+def model_eos_ids(model: torch.nn.Module) -> list[int]:
+    """The EOS ids a model's generation config (else its config) declares."""
     for source in (getattr(model, "generation_config", None), model.config):
         eos = getattr(source, "eos_token_id", None)
         if eos is not None:

@@ -32,6 +32,10 @@ class CacheMiss(RuntimeError):
         super().__init__(f"request {request_id!r}: cache holds {valid_length} tokens, call starts at {start}")
         self.request_id = request_id
         self.valid_length = valid_length
+        self.start = start
+
+    def __reduce__(self):  # survives pickling across processes (Ray)
+        return (CacheMiss, (self.request_id, self.valid_length, self.start))
 
 
 class ModelRunner:
@@ -53,6 +57,7 @@ class ModelRunner:
         self._slot_owner: list[str] = []  # slot -> request id, dense
         self.last_forward_seconds = 0.0
         self.last_forward_tokens = 0
+        self._forward_log: list[tuple[int, float]] = []  # (tokens, seconds) per forward since last taken
 
     # -- bookkeeping ------------------------------------------------------------------------
     def valid_length(self, request_id: str) -> int:
@@ -137,6 +142,12 @@ class ModelRunner:
             torch.cuda.synchronize(out.device)
         self.last_forward_seconds = time.perf_counter() - began
         self.last_forward_tokens = num_tokens
+        self._forward_log.append((num_tokens, self.last_forward_seconds))
+
+    def take_forward_log(self) -> tuple[tuple[int, float], ...]:
+        """(tokens, seconds) of every forward since the last call, for the cost model."""
+        log, self._forward_log = tuple(self._forward_log), []
+        return log
 
     def _mask(self, positions: torch.Tensor, view_length: int) -> torch.Tensor:
         """positions [B, Q] -> [B, 1, Q, K]: key k is visible to a query at position p iff k <= p."""

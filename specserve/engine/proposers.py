@@ -21,8 +21,11 @@ from .sampling import BatchSampling, logits_to_probs, sample_with_uniforms
 class Proposal:
     tokens: torch.Tensor  # [B, G] int64 target-vocabulary ids
     probs: torch.Tensor | None  # [B, G, V] float32 q of each draft token; None when every row is greedy
-    seconds: float = 0.0  # time spent in model forwards
-    forward_tokens: int = 0  # tokens those forwards processed
+    forwards: tuple[tuple[int, float], ...] = ()  # (tokens, seconds) of each model forward it took
+
+    @property
+    def seconds(self) -> float:
+        return sum(s for _, s in self.forwards)
 
 
 class Proposer(Protocol):
@@ -58,19 +61,16 @@ class DraftModelProposer:
     ) -> Proposal:
         """rows: B rows; uniforms [B, G] (G = num_tokens) or None when all greedy -> Proposal."""
         self.runner.check(rows)
-        seconds, forward_tokens = 0.0, 0
+        self.runner.take_forward_log()
         backlog = [RowInput(r.request_id, r.start, r.tokens[:-1]) for r in rows if len(r.tokens) > 2]
         if backlog:
             self.runner.forward(backlog, logits="none")
-            seconds, forward_tokens = self.runner.last_forward_seconds, self.runner.last_forward_tokens
             rows = [RowInput(r.request_id, r.start + len(r.tokens) - 1, r.tokens[-1:]) if len(r.tokens) > 2 else r
                     for r in rows]
         sampling = sampling.to(self.runner.device)
         tokens, probs = [], []
         for j in range(num_tokens):
             logits = self.runner.forward(rows, logits="last")  # [B, V']
-            seconds += self.runner.last_forward_seconds
-            forward_tokens += self.runner.last_forward_tokens
             token, q = self._choose(logits, sampling, None if uniforms is None else uniforms[:, j])
             tokens.append(token)
             probs.append(q)
@@ -79,7 +79,7 @@ class DraftModelProposer:
                 rows = [RowInput(r.request_id, r.start + len(r.tokens), [t]) for r, t in zip(rows, ids)]
         draft_tokens = torch.stack(tokens, dim=1).cpu()  # [B, G]
         draft_probs = None if probs[0] is None else torch.stack(probs, dim=1)  # [B, G, V]
-        return Proposal(draft_tokens, draft_probs, seconds, forward_tokens)
+        return Proposal(draft_tokens, draft_probs, self.runner.take_forward_log())
 
     def _choose(
         self, logits: torch.Tensor, sampling: BatchSampling, uniforms: torch.Tensor | None

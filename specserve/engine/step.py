@@ -54,6 +54,7 @@ class Sequence:
     params: SamplingParams
     stop_ids: frozenset[int]
     max_positions: int  # tokens the request may reach (prompt + output)
+    max_gamma: int | None = None  # this request's own cap on drafts per step (None: the engine's)
     output: list[int] = field(default_factory=list)
     target_len: int = 0  # leading tokens whose keys the target's cache holds
     draft_len: int = 0  # the same for the draft
@@ -82,6 +83,39 @@ class Sequence:
     def reproducible(self) -> bool:
         """Seeded sampling: its γ must not depend on the batch, or its tokens would."""
         return self.params.seed is not None and not self.params.greedy
+
+
+class InvalidPrompt(ValueError):
+    """The prompt is empty or holds token ids outside the vocabulary."""
+
+
+class ContextLengthExceeded(ValueError):
+    """prompt + max_tokens does not fit the model's context."""
+
+
+def new_sequence(
+    request_id: str,
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    *,
+    vocab_size: int,
+    max_model_len: int,
+    eos_token_ids: frozenset[int],
+    max_gamma: int | None = None,
+) -> Sequence:
+    """Admission: check a new request against the models and make it a Sequence."""
+    prompt = [int(t) for t in prompt_token_ids]
+    if not prompt:
+        raise InvalidPrompt("the prompt must hold at least one token")
+    if min(prompt) < 0 or max(prompt) >= vocab_size:
+        raise InvalidPrompt(f"prompt token ids must lie in [0, {vocab_size})")
+    if len(prompt) + params.max_tokens > max_model_len:
+        raise ContextLengthExceeded(
+            f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
+            f"context of {max_model_len} tokens"
+        )
+    stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_token_ids)
+    return Sequence(request_id, prompt, params, stops, max_model_len, max_gamma=max_gamma)
 
 
 @dataclass
@@ -115,6 +149,7 @@ def plan_step(seqs: list[Sequence], policy: SpeculationPolicy) -> StepPlan:
     # A seeded sampled request always asks for max_gamma, so that its random stream, and with it
     # its tokens, depend on nothing but its seed and its own tokens.
     own = [policy.max_gamma if s.reproducible else batch_gamma for s in seqs]
+    own = [g if s.max_gamma is None else min(g, s.max_gamma) for g, s in zip(own, seqs)]
     # g_b <= remaining - 1 keeps every real position of a row below its limit minus one; drafts a
     # row will not use (when another row asks for more) go to clamped junk positions.
     num_draft = [max(0, min(g, s.remaining - 1)) for g, s in zip(own, seqs)]
@@ -172,19 +207,26 @@ def speculative_step(
     """Propose, verify and append for every sequence in the batch, in process."""
     began = time.perf_counter()
     plan = plan_step(seqs, policy)
-    forwards = []
     proposal = empty_proposal(len(seqs))
     if plan.num_positions > 0:
         proposal = proposer.propose(plan.draft_rows(), plan.num_positions, plan.sampling, plan.draft_uniforms)
-        forwards.append(("draft", proposal.forward_tokens, proposal.seconds))
     verdict = verifier.verify(
         plan.target_rows(), proposal.tokens, proposal.probs, plan.num_draft, plan.sampling,
         plan.accept_uniforms, plan.final_uniforms,
     )
-    forwards.append(("target", verdict.forward_tokens, verdict.seconds))
+    return finish_step(plan, proposal, verdict, policy, began)
+
+
+def finish_step(
+    plan: StepPlan, proposal: Proposal, verdict: Verdict, policy: SpeculationPolicy, began: float
+) -> list[StepOutput]:
+    """Apply the verdict, then teach the policy what the step cost and how much was accepted.
+
+    began: `time.perf_counter()` when the step was planned (the wall time includes the calls).
+    """
     outputs = apply_verdict(plan, proposal, verdict)
-    for s, g, a in zip(seqs, plan.num_draft.tolist(), verdict.num_accepted):
+    for s, g, a in zip(plan.seqs, plan.num_draft.tolist(), verdict.num_accepted):
         policy.observe_acceptance(s.acceptance, a, g)
+    forwards = [("draft", n, sec) for n, sec in proposal.forwards] + [("target", n, sec) for n, sec in verdict.forwards]
     policy.observe_step(time.perf_counter() - began, forwards)
     return outputs
-

@@ -14,8 +14,11 @@ from .sampling import BatchSampling, logits_to_probs, sample_with_uniforms
 class Verdict:
     num_accepted: list[int]  # per row, accepted draft tokens
     next_token: list[int]  # per row, the recovered or bonus token
-    seconds: float = 0.0  # time in the verifying forward (prefill excluded)
-    forward_tokens: int = 0
+    forwards: tuple[tuple[int, float], ...] = ()  # (tokens, seconds) of each model forward, prefill included
+
+    @property
+    def seconds(self) -> float:
+        return sum(s for _, s in self.forwards)
 
 
 class TargetVerifier:
@@ -44,6 +47,7 @@ class TargetVerifier:
         (G may be 0); draft_probs [B, G, V] or None (all rows greedy); num_draft [B] (g_b <= G);
         accept_uniforms [B, G], final_uniforms [B] (None when all rows greedy)."""
         self.runner.check(rows)
+        self.runner.take_forward_log()
         backlog = [RowInput(r.request_id, r.start, r.tokens[:-1]) for r in rows if len(r.tokens) > 1]
         if backlog:
             self.runner.forward(backlog, logits="none")
@@ -57,8 +61,7 @@ class TargetVerifier:
         return Verdict(
             result.num_accepted.tolist(),
             result.next_token.tolist(),
-            self.runner.last_forward_seconds,
-            self.runner.last_forward_tokens,
+            self.runner.take_forward_log(),
         )
 
     def _accept(self, logits, draft_tokens, draft_probs, num_draft, sampling, accept_uniforms, final_uniforms):

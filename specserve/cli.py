@@ -1,0 +1,106 @@
+"""The `specserve` console script.
+
+    specserve serve CONFIG.yaml [--num-cpus N] [--address ADDR]   local Ray + every app of a Serve config
+    specserve bench http [--url ...] [...]                           HTTP benchmark (specserve.bench.http)
+    specserve bench engine [...]                                      in-process benchmark (specserve.bench.engine)
+
+A subcommand is one entry in COMMANDS (name -> help, add_arguments, run); a benchmark is one entry
+in BENCHES (name -> module with `main(argv)`).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+
+# -- serve -----------------------------------------------------------------------------------------
+def _serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", type=Path, help="a Serve config YAML (e.g. configs/local.yaml)")
+    p.add_argument("--address", default=None, help="join a running Ray cluster instead of starting one")
+    p.add_argument("--num-cpus", type=float, default=None, help="CPUs of the local Ray (default: all)")
+    p.add_argument("--dashboard", action="store_true",
+                   help="start Ray's dashboard (127.0.0.1:8265), which `serve status` needs")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    """Start (or join) Ray, deploy each application of the config, block until Ctrl-C."""
+    import yaml
+
+    spec = yaml.safe_load(args.config.read_text())
+    # Ray's token auth (the default) stays on; later `ray`/`serve` CLI calls need the same mode
+    # exported (RAY_AUTH_MODE=token): see README, "Serving".
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    import ray
+    from ray import serve
+
+    http = spec.get("http_options", {})
+    host, port = http.get("host", "127.0.0.1"), int(http.get("port", 8000))
+    init = {"address": args.address, "include_dashboard": args.dashboard}
+    if args.address is None:
+        init.update(_node_ip_address=host if host in ("127.0.0.1", "localhost") else None)
+        if args.num_cpus is not None:
+            init["num_cpus"] = int(args.num_cpus)
+    ray.init(**{k: v for k, v in init.items() if v is not None})
+    serve.start(http_options={"host": host, "port": port})
+    for app in spec["applications"]:
+        module, _, attr = app["import_path"].partition(":")
+        builder = getattr(importlib.import_module(module), attr)
+        serve.run(builder(app.get("args", {})), name=app["name"], route_prefix=app.get("route_prefix", "/"))
+        print(f"application {app['name']!r} ready at http://{host}:{port}{app.get('route_prefix', '/')}", flush=True)
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops it as cleanly as Ctrl-C
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        serve.shutdown()
+        ray.shutdown()
+    return 0
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+# -- bench -----------------------------------------------------------------------------------------
+BENCHES = {  # name -> module with `main(argv: list[str]) -> int`; its own argparse does the rest
+    "http": "specserve.bench.http",
+    "engine": "specserve.bench.engine",
+}
+
+
+def _bench_args(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="bench", required=True)
+    for name, module in BENCHES.items():
+        sub.add_parser(name, help=f"python -m {module} ... (its own --help)", add_help=False)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    """Import the benchmark only now (it may pull in torch) and hand it the rest of the command line."""
+    return importlib.import_module(BENCHES[args.bench]).main(args.rest) or 0
+
+
+COMMANDS = {  # name -> (help, add_arguments, run)
+    "serve": ("serve a Ray Serve config locally (blocking)", _serve_args, _serve),
+    "bench": ("benchmarks", _bench_args, _bench),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="specserve", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (help_, add_args, _) in COMMANDS.items():
+        add_args(sub.add_parser(name, help=help_))
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.command != "bench":
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.rest = rest
+    return COMMANDS[args.command][2](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""Typed configuration: validated once (from a Serve YAML's `args`), then passed down in pieces.
+
+    AppConfig
+      served_model_name, max_batch_size, max_model_len
+      target / draft:   ModelSource  (tiny | smollm2 | hf)
+      speculation:      SpeculationConfig
+      ingress / coordinator: DeploymentConfig (Serve resources, autoscaling, max_ongoing_requests)
+      target_worker / draft_worker: Resources (the coordinator's placement-group bundles)
+
+Every field is checked here; nothing downstream re-validates a dict.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# -- where models come from ----------------------------------------------------------------------
+class TinySource(_Strict):
+    """A seeded tiny Llama built in code, with the byte-level tokenizer of `specserve.models.tiny`.
+
+    A draft is usually the target's seed with `noise` > 0: the same weights plus Gaussian noise,
+    so that it agrees with the target only some of the time."""
+
+    kind: Literal["tiny"] = "tiny"
+    seed: int = 0
+    layers: int = Field(2, ge=1, le=8)
+    hidden_size: int = Field(64, ge=8, le=512)
+    noise: float = Field(0.0, ge=0.0)  # relative std of the weight noise
+    noise_seed: int = 1
+    max_position_embeddings: int = Field(512, ge=16)
+
+
+class SmolLM2Source(_Strict):
+    """The offline SmolLM2-135M-Instruct target / its shipped draft (specserve.models.smollm2)."""
+
+    kind: Literal["smollm2"] = "smollm2"
+    cache_dir: str | None = None
+    dtype: Dtype = "float32"
+
+
+class HFSource(_Strict):
+    """A local Hugging Face checkpoint directory (no hub access is attempted)."""
+
+    kind: Literal["hf"] = "hf"
+    path: str
+    dtype: Dtype = "bfloat16"
+    device_map: str | dict[str, int | str] | None = None  # e.g. "auto" to shard over the bundle's GPUs
+    max_memory: dict[str, str] | None = None  # e.g. {"0": "70GiB", "1": "70GiB"}
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+
+
+ModelSource = Annotated[Union[TinySource, SmolLM2Source, HFSource], Field(discriminator="kind")]
+
+
+# -- speculation and resources -------------------------------------------------------------------
+class SpeculationConfig(_Strict):
+    num_speculative_tokens: int = Field(4, ge=0, le=16)  # γ, the most drafts per row and step
+    adaptive: bool = True  # choose γ <= num_speculative_tokens from live measurements
+
+
+class Resources(_Strict):
+    num_cpus: float = Field(0.25, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+    memory: int | None = Field(None, ge=0)  # bytes, Ray's logical memory resource
+    torch_threads: int | None = Field(None, ge=1)  # torch intra-op threads in that process
+
+    def bundle(self) -> dict[str, float]:
+        """The placement-group bundle (Ray resource dict) these resources ask for."""
+        bundle = {"CPU": self.num_cpus}
+        if self.num_gpus:
+            bundle["GPU"] = self.num_gpus
+        if self.memory:
+            bundle["memory"] = float(self.memory)
+        return bundle
+
+
+class AutoscalingConfig(_Strict):
+    """The subset of Serve's autoscaling_config we set; passed to Serve unchanged."""
+
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(1, ge=1)
+    initial_replicas: int | None = Field(None, ge=0)
+    target_ongoing_requests: float = Field(16.0, gt=0)
+    upscale_delay_s: float = Field(30.0, ge=0)
+    downscale_delay_s: float = Field(600.0, ge=0)
+    look_back_period_s: float = Field(30.0, gt=0)
+    metrics_interval_s: float = Field(10.0, gt=0)  # how often handles/replicas push load to the controller
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "AutoscalingConfig":
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("autoscaling: min_replicas must be <= max_replicas")
+        return self
+
+
+class DeploymentConfig(_Strict):
+    resources: Resources = Resources()
+    autoscaling: AutoscalingConfig = AutoscalingConfig()
+    max_ongoing_requests: int = Field(64, ge=1)
+
+
+# -- the application -----------------------------------------------------------------------------
+class AppConfig(_Strict):
+    served_model_name: str = Field(min_length=1)
+    target: ModelSource
+    draft: ModelSource | None = None
+    tokenizer: str | None = None  # a local tokenizer directory; default: the target's
+    speculation: SpeculationConfig = SpeculationConfig()
+    max_batch_size: int = Field(32, ge=1)
+    max_model_len: int | None = Field(None, ge=2)  # default: the models' own limit
+    ingress: DeploymentConfig = DeploymentConfig(resources=Resources(num_cpus=0.1))
+    coordinator: DeploymentConfig = DeploymentConfig(resources=Resources(num_cpus=0.1))
+    target_worker: Resources = Resources()
+    draft_worker: Resources = Resources()
+    placement_group_strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] = "PACK"
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "AppConfig":
+        if self.draft is None and self.speculation.num_speculative_tokens > 0:
+            raise ValueError("speculation.num_speculative_tokens > 0 needs a draft model (or set it to 0)")
+        if self.draft is not None and self.draft.kind != self.target.kind and "tiny" in (self.draft.kind, self.target.kind):
+            raise ValueError("a tiny draft only fits a tiny target (they share the byte tokenizer)")
+        return self
+
+    def coordinator_bundles(self) -> list[dict[str, float]]:
+        """[coordinator, target worker, draft worker]: one placement group per coordinator replica."""
+        return [self.coordinator.resources.bundle(), self.target_worker.bundle(), self.draft_worker.bundle()]
+
+
+def load_app_config(args: dict) -> AppConfig:
+    """Validate a Serve application's `args` once; raises pydantic.ValidationError."""
+    return AppConfig.model_validate(args)

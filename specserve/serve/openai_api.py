@@ -1,0 +1,413 @@
+"""The ingress deployment: OpenAI-compatible HTTP (completions, chat, models, health, stats).
+
+It tokenizes, applies the chat template, validates, and forwards token ids to the coordinator
+through a streaming DeploymentHandle; it detokenizes the stream incrementally and cuts stop strings.
+Errors are OpenAI-shaped: {"error": {"message", "type", "param", "code"}} with a 4xx status.
+
+Extensions beyond OpenAI's fields: `top_k` (0 or -1 = off), `ignore_eos`, `return_token_ids`
+(non-streaming), and `num_speculative_tokens` (a per-request cap on γ, 0 = no speculation; at most
+the configured γ).
+Responses carry a `speculation` object (draft tokens, accepted tokens, steps) next to `usage`.
+"""
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from specserve.config import AppConfig
+from specserve.engine.sampling import SamplingParams
+
+from .coordinator import Accepted, Delta, Failed, GenerateRequest, Rejected
+from .text import IncrementalDetokenizer, StopStrings
+
+
+# -- errors --------------------------------------------------------------------------------------
+class OpenAIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type_: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _error_response(err: OpenAIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+# -- request schemas -----------------------------------------------------------------------------
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)  # extension
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # accepted only at their no-op values (anything else is a clear 400)
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    # extensions
+    ignore_eos: bool = False
+    num_speculative_tokens: int | None = Field(None, ge=0)
+    return_token_ids: bool = False  # non-streaming: the generated token ids ride along in the choice
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        """(param, why) for every option set to something this server does not do."""
+        bad = []
+        if self.n != 1:
+            bad.append(("n", "only n=1 is supported"))
+        if self.presence_penalty or self.frequency_penalty:
+            bad.append(("presence_penalty" if self.presence_penalty else "frequency_penalty",
+                        "presence/frequency penalties are not supported"))
+        if self.logit_bias:
+            bad.append(("logit_bias", "logit_bias is not supported"))
+        if self.stream_options is not None and not self.stream:
+            bad.append(("stream_options", "stream_options needs stream=true"))
+        return bad
+
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        bad = super().unsupported()
+        if self.logprobs is not None:
+            bad.append(("logprobs", "logprobs are not supported"))
+        if self.echo:
+            bad.append(("echo", "echo is not supported"))
+        if self.best_of not in (None, 1):
+            bad.append(("best_of", "best_of is not supported"))
+        if self.suffix:
+            bad.append(("suffix", "suffix is not supported"))
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)) \
+                and len(self.prompt) != 1:
+            bad.append(("prompt", "one prompt per request (batched prompts are not supported)"))
+        return bad
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    response_format: dict | None = None
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        bad = super().unsupported()
+        if self.logprobs or self.top_logprobs is not None:
+            bad.append(("logprobs", "logprobs are not supported"))
+        if self.tools or self.tool_choice not in (None, "none"):
+            bad.append(("tools", "tool calling is not supported"))
+        if self.response_format not in (None, {"type": "text"}):
+            bad.append(("response_format", "only response_format {'type': 'text'} is supported"))
+        return bad
+
+
+# -- one generation, as events -------------------------------------------------------------------
+@dataclass
+class Piece:
+    text: str
+    finish_reason: str | None
+    completion_tokens: int
+    speculation: dict
+    token_ids: list[int]  # generated so far
+
+
+class _StreamFailed(RuntimeError):
+    pass
+
+
+class _Generation:
+    """The coordinator stream of one request; close() cancels it unless it ran to its end."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+        self.finished = False
+
+    def close(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.stream.cancel()
+
+
+@dataclass
+class _Format:
+    """OpenAI response bodies for one request (completion or chat; whole or SSE chunks)."""
+
+    rid: str
+    model: str
+    chat: bool
+    prompt_tokens: int
+    gen: _Generation
+
+    def __post_init__(self) -> None:
+        self.created = int(time.time())
+
+    def _usage(self, piece: Piece) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": piece.completion_tokens,
+                "total_tokens": self.prompt_tokens + piece.completion_tokens}
+
+    def _choice(self, text: str, finish: str | None, first: bool = False, delta: bool = False) -> dict:
+        if not self.chat:
+            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        if delta:
+            content = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+            return {"index": 0, "delta": content, "logprobs": None, "finish_reason": finish}
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                "finish_reason": finish}
+
+    def _envelope(self, choices: list[dict], chunk: bool) -> dict:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
+        return {"id": self.rid, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+
+    async def whole(self, pieces: AsyncIterator[Piece], return_token_ids: bool = False) -> dict:
+        texts, last = [], None
+        try:
+            async for piece in pieces:
+                texts.append(piece.text)
+                last = piece
+        finally:
+            await pieces.aclose()  # runs _pieces' cleanup now, not at garbage collection
+            self.gen.close()
+        body = self._envelope([self._choice("".join(texts), last.finish_reason)], chunk=False)
+        if return_token_ids:
+            body["choices"][0]["token_ids"] = list(last.token_ids)
+        body["usage"] = self._usage(last)
+        body["speculation"] = last.speculation
+        return body
+
+    async def sse(self, pieces: AsyncIterator[Piece], include_usage: bool) -> AsyncIterator[str]:
+        first, last = True, None
+        try:
+            async for piece in pieces:
+                last = piece
+                if piece.text or piece.finish_reason or first:
+                    chunk = self._envelope([self._choice(piece.text, piece.finish_reason, first, True)], True)
+                    if piece.finish_reason is not None:
+                        chunk["speculation"] = piece.speculation
+                    yield _sse(chunk)
+                    first = False
+        except _StreamFailed as err:
+            yield _sse(OpenAIError(500, str(err), None, "engine_error", "server_error").body())
+        finally:
+            await pieces.aclose()
+            self.gen.close()
+        if include_usage and last is not None:
+            chunk = self._envelope([], True)
+            chunk["usage"] = self._usage(last)
+            chunk["speculation"] = last.speculation
+            yield _sse(chunk)
+        yield "data: [DONE]\n\n"
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+app = FastAPI(title="specserve", docs_url=None, redoc_url=None)
+
+
+@app.exception_handler(OpenAIError)
+async def _openai_error(_: Request, err: OpenAIError) -> JSONResponse:
+    return _error_response(err)
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(_: Request, err: RequestValidationError) -> JSONResponse:
+    first = err.errors()[0] if err.errors() else {}
+    loc = [str(x) for x in first.get("loc", ())][1:]  # drop "body" / "query"
+    if first.get("type") == "json_invalid":
+        return _error_response(OpenAIError(400, f"malformed JSON body: {first.get('msg', '')}", None, "json_invalid"))
+    param = loc[0] if loc else None
+    message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
+    return _error_response(OpenAIError(400, message, param, first.get("type")))
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
+    code = "not_found" if err.status_code == 404 else None
+    return _error_response(OpenAIError(err.status_code, str(err.detail), None, code))
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0.1})
+@serve.ingress(app)
+class OpenAIIngress:
+    def __init__(self, coordinator: DeploymentHandle, config: AppConfig) -> None:
+        from specserve.models.loading import load_tokenizer
+
+        self.coordinator = coordinator
+        self.config = config
+        self.tokenizer = load_tokenizer(config)
+        self._info: dict | None = None
+
+    async def info(self) -> dict:
+        if self._info is None:
+            self._info = await self.coordinator.info.remote()
+        return self._info
+
+    # -- routes -----------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health(self) -> dict:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models(self) -> dict:
+        info = await self.info()
+        return {"object": "list", "data": [{
+            "id": self.config.served_model_name, "object": "model", "created": 0, "owned_by": "specserve",
+            "max_model_len": info["max_model_len"],
+        }]}
+
+    @app.get("/v1/stats")
+    async def stats(self) -> dict:
+        """Step timings of the coordinator replica the router picks (one replica: the whole picture)."""
+        return await self.coordinator.stats.remote()
+
+    @app.post("/v1/stats/reset")
+    async def reset_stats(self) -> dict:
+        await self.coordinator.reset_stats.remote()
+        return {"status": "ok"}
+
+    @app.post("/v1/completions")
+    async def completions(self, body: CompletionRequest):
+        self._check(body)
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = self.tokenizer(prompt).input_ids
+        else:
+            ids = list(prompt)
+        return await self._respond(body, ids, body.max_tokens, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, body: ChatCompletionRequest):
+        self._check(body)
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as err:  # a template may reject a role order
+            raise OpenAIError(400, f"chat template failed: {err}", "messages") from err
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        if max_tokens is None:
+            max_tokens = max((await self.info())["max_model_len"] - len(ids), 1)
+        return await self._respond(body, ids, max_tokens, chat=True)
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def _check(self, body: _SamplingRequest) -> None:
+        if body.model != self.config.served_model_name:
+            raise OpenAIError(404, f"model {body.model!r} does not exist; this server serves "
+                                   f"{self.config.served_model_name!r}", "model", "model_not_found")
+        bad = body.unsupported()
+        if bad:
+            param, why = bad[0]
+            raise OpenAIError(400, why, param, "unsupported_parameter")
+        cap = body.num_speculative_tokens
+        if cap is not None and cap > self.config.speculation.num_speculative_tokens:
+            raise OpenAIError(400, f"num_speculative_tokens must be <= "
+                                   f"{self.config.speculation.num_speculative_tokens}", "num_speculative_tokens")
+
+    async def _respond(self, body: _SamplingRequest, prompt_ids: list[int], max_tokens: int, chat: bool):
+        params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_k=max(body.top_k, 0),
+                                top_p=body.top_p, seed=body.seed, ignore_eos=body.ignore_eos)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        stream = self.coordinator.options(stream=True).generate.remote(
+            GenerateRequest(rid, prompt_ids, params, body.num_speculative_tokens))
+        gen = _Generation(stream)
+        try:
+            first = await stream.__anext__()  # Accepted | Rejected: validation errors before any SSE
+        except Exception as err:
+            gen.close()
+            raise OpenAIError(503, f"the engine is unavailable: {type(err).__name__}", None, "engine_unavailable",
+                              "server_error") from err
+        except BaseException:
+            gen.close()
+            raise
+        if isinstance(first, Rejected):
+            param = "max_tokens" if first.code == "context_length_exceeded" else "prompt"
+            raise OpenAIError(400, first.message, param, first.code)
+        assert isinstance(first, Accepted)
+        pieces = self._pieces(gen, prompt_ids, body.stop_list())
+        fmt = _Format(rid, self.config.served_model_name, chat, first.num_prompt_tokens, gen)
+        if body.stream:
+            usage = body.stream_options is not None and body.stream_options.include_usage
+            return StreamingResponse(fmt.sse(pieces, usage), media_type="text/event-stream")
+        try:
+            return await fmt.whole(pieces, body.return_token_ids)
+        except _StreamFailed as err:
+            raise OpenAIError(500, str(err), None, "engine_error", "server_error") from err
+
+    async def _pieces(self, gen: "_Generation", prompt_ids: list[int], stops: list[str]) -> AsyncIterator[Piece]:
+        """Coordinator Deltas -> text pieces. Cancels the coordinator stream if it ends early
+        (stop string, client gone), which aborts the request and frees its caches."""
+        detok, stopper = IncrementalDetokenizer(self.tokenizer, prompt_ids), StopStrings(stops)
+        token_ids: list[int] = []
+        try:
+            async for item in gen.stream:
+                if isinstance(item, Failed):
+                    gen.finished = True
+                    raise _StreamFailed(item.message)
+                assert isinstance(item, Delta)
+                token_ids.extend(item.token_ids)
+                final = item.finish_reason is not None
+                text = detok.push(item.token_ids) + (detok.flush() if final else "")
+                out, stopped = stopper.feed(text, final)
+                spec = {"num_draft_tokens": item.num_draft_tokens, "num_accepted_tokens": item.num_accepted_tokens,
+                        "num_steps": item.num_steps}
+                if stopped or final:
+                    gen.finished = final
+                    yield Piece(out, "stop" if stopped else item.finish_reason, len(token_ids), spec, token_ids)
+                    return
+                if out:
+                    yield Piece(out, None, len(token_ids), spec, token_ids)
+        finally:
+            gen.close()

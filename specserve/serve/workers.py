@@ -1,0 +1,107 @@
+"""DraftWorker / TargetWorker: Ray actors holding one model and its KV caches, keyed by request id.
+
+Thin adapters around `DraftModelProposer` / `TargetVerifier`. A call whose rows start past what a
+worker's cache holds (a new worker, a restarted one) is answered with `Reply.misses` (every such
+request and its valid length) instead of a result: the coordinator resends those rows from there,
+which rebuilds the caches from the tokens it holds. (A raised `CacheMiss` is caught and reported
+the same way: its constructor signature does not survive Ray's exception pickling.)
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specserve.config import ModelSource
+from specserve.engine import CacheMiss, DraftModelProposer, Proposal, RowInput, TargetVerifier, Verdict
+from specserve.engine.engine import model_eos_ids
+from specserve.engine.sampling import BatchSampling
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    vocab_size: int
+    max_positions: int | None
+    eos_token_ids: frozenset[int]
+
+
+@dataclass(frozen=True)
+class Reply:
+    result: Proposal | Verdict | None  # None when misses
+    seconds: float  # wall time inside the actor method
+    misses: dict[str, int] = field(default_factory=dict)  # request id -> valid length
+
+
+class _Worker:
+    def __init__(self, torch_threads: int | None) -> None:
+        if torch_threads:
+            torch.set_num_threads(torch_threads)
+
+    def _misses(self, rows: list[RowInput]) -> dict[str, int]:
+        valid = {r.request_id: self.model.valid_length(r.request_id) for r in rows}
+        return {r.request_id: valid[r.request_id] for r in rows if r.start > valid[r.request_id]}
+
+    def _run(self, rows: list[RowInput], call) -> Reply:
+        began = time.perf_counter()
+        misses = self._misses(rows)
+        if misses:
+            return Reply(None, time.perf_counter() - began, misses)
+        try:
+            result = call()
+        except CacheMiss as miss:
+            return Reply(None, time.perf_counter() - began, {miss.request_id: miss.valid_length})
+        return Reply(result, time.perf_counter() - began)
+
+    def free(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.model.free(rid)
+
+    def num_cached(self) -> int:
+        return self.model.runner.num_cached()
+
+    def ready(self) -> bool:
+        return True
+
+
+class TargetWorker(_Worker):
+    def __init__(self, source: ModelSource, max_model_len: int | None, torch_threads: int | None = None) -> None:
+        super().__init__(torch_threads)
+        from specserve.models.loading import load_target
+
+        self.model = TargetVerifier(load_target(source), max_model_len)
+        eos = model_eos_ids(self.model.runner.model)
+        self.info_ = ModelInfo(self.model.vocab_size, self.model.runner.max_positions, frozenset(eos))
+
+    def info(self) -> ModelInfo:
+        return self.info_
+
+    def verify(
+        self,
+        rows: list[RowInput],
+        draft_tokens: torch.Tensor,  # [B, G]
+        draft_probs: torch.Tensor | None,  # [B, G, V]
+        num_draft: torch.Tensor,  # [B]
+        sampling: BatchSampling,
+        accept_uniforms: torch.Tensor | None,  # [B, G]
+        final_uniforms: torch.Tensor | None,  # [B]
+    ) -> Reply:
+        return self._run(rows, lambda: self.model.verify(
+            rows, draft_tokens, draft_probs, num_draft, sampling, accept_uniforms, final_uniforms))
+
+
+class DraftWorker(_Worker):
+    def __init__(self, source: ModelSource, vocab_size: int, max_model_len: int | None,
+                 torch_threads: int | None = None) -> None:
+        super().__init__(torch_threads)
+        from specserve.models.loading import load_draft
+
+        self.model = DraftModelProposer(load_draft(source), vocab_size, max_model_len)
+
+    def max_positions(self) -> int | None:
+        return self.model.runner.max_positions
+
+    def propose(
+        self, rows: list[RowInput], num_tokens: int, sampling: BatchSampling, uniforms: torch.Tensor | None
+    ) -> Reply:
+        return self._run(rows, lambda: self.model.propose(rows, num_tokens, sampling, uniforms))

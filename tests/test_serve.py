@@ -1,0 +1,274 @@
+"""The Ray Serve application end to end: a local Ray (2 CPUs, 127.0.0.1), the tiny app, real HTTP.
+
+One session fixture starts Ray + Serve once (20-40 s); every test talks to it over loopback.
+Run: pytest -m serve tests/test_serve.py
+"""
+from __future__ import annotations
+
+import json
+import random
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from models import hf_greedy
+from serve_helpers import (cache_counts, coordinator_replicas, free_port, start_local_serve, stop_local_serve,
+                           tiny_app_spec, wait_for, worker_actors)
+
+pytestmark = [pytest.mark.serve, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+MODEL = "tiny"
+MAX_NEW = 24
+PROMPTS = ["Hello", "The quick brown fox", "a", "Speculative decoding is lossless.", "0123456789" * 3,
+           "héllo wörld → ok"]
+
+
+@pytest.fixture(scope="session")
+def server():
+    url = start_local_serve(free_port())
+    yield url
+    stop_local_serve()
+
+
+@pytest.fixture(scope="session")
+def http(server):
+    with httpx.Client(base_url=server, timeout=120) as client:
+        yield client
+
+
+@pytest.fixture(scope="session")
+def local_models():
+    """The tiny target and draft, built in this process from the same config as the workers."""
+    from specserve.config import load_app_config
+    from specserve.models.loading import load_draft, load_target
+
+    config = load_app_config(tiny_app_spec()["args"])
+    return config, load_target(config.target), load_draft(config.draft)
+
+
+def complete(http, prompt, **kw) -> dict:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True,
+            "return_token_ids": True, **kw}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def sse_events(response) -> list:
+    return list(sse_events_iter(response))
+
+
+# -- lossless over HTTP --------------------------------------------------------------------------
+def test_greedy_http_equals_engine_and_hf(http, local_models):
+    from specserve import SamplingParams, SpeculativeEngine
+    from specserve.models.tiny import byte_tokenizer
+
+    config, target, draft = local_models
+    tok = byte_tokenizer()
+    engine = SpeculativeEngine(target, draft, config.speculation.num_speculative_tokens, adaptive=False,
+                               max_model_len=config.max_model_len)
+    ids = [tok(p).input_ids for p in PROMPTS]
+    outs = engine.generate(ids, SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True))
+    for prompt, prompt_ids, out in zip(PROMPTS, ids, outs):
+        body = complete(http, prompt)
+        choice = body["choices"][0]
+        assert choice["token_ids"] == out.token_ids == hf_greedy(target, prompt_ids, MAX_NEW), prompt
+        assert choice["text"] == tok.decode(out.token_ids, skip_special_tokens=True)
+        assert body["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": MAX_NEW,
+                                 "total_tokens": len(prompt_ids) + MAX_NEW}
+        spec = body["speculation"]
+        assert spec["num_draft_tokens"] > 0 and 0 <= spec["num_accepted_tokens"] <= spec["num_draft_tokens"]
+    # token ids as the prompt give the same answer
+    assert complete(http, ids[1])["choices"][0]["token_ids"] == outs[1].token_ids
+
+
+def test_concurrent_requests_equal_sequential(http):
+    rng = random.Random(0)
+    prompts = [bytes(rng.randrange(32, 127) for _ in range(rng.choice([1, 5, 20, 60]))).decode() for _ in range(16)]
+    sequential = [complete(http, p)["choices"][0]["token_ids"] for p in prompts]
+    with ThreadPoolExecutor(16) as pool:
+        concurrent = list(pool.map(lambda p: complete(http, p)["choices"][0]["token_ids"], prompts))
+    assert concurrent == sequential
+
+
+def test_seeded_sampling_is_reproducible(http):
+    kw = {"temperature": 0.9, "top_p": 0.95, "top_k": 50, "seed": 7}
+    first, second = complete(http, "Hello", **kw), complete(http, "Hello", **kw)
+    assert first["choices"][0]["token_ids"] == second["choices"][0]["token_ids"]
+
+
+# -- streaming, stop strings -----------------------------------------------------------------------
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_stream_concatenates_to_whole(http, route):
+    if route == "completions":
+        path, body = "/v1/completions", {"prompt": "Streaming test → ü"}
+    else:
+        path, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi there"}]}
+    body = {"model": MODEL, "max_tokens": 40, "temperature": 0.0, "ignore_eos": True, **body}
+    whole = http.post(path, json=body).json()
+    with http.stream("POST", path, json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    chunks, usage = events[:-2], events[-2]
+    if route == "completions":
+        text = "".join(c["choices"][0]["text"] for c in chunks)
+        expected = whole["choices"][0]["text"]
+    else:
+        assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+        text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+        expected = whole["choices"][0]["message"]["content"]
+    assert text == expected
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert usage["choices"] == [] and usage["usage"] == whole["usage"]
+
+
+def test_stop_string_truncates(http):
+    full = complete(http, "Stop here", max_tokens=40)["choices"][0]["text"]
+    stop = next(full[i:i + 2] for i in range(3, len(full) - 2) if full[i:i + 2].isprintable())
+    cut = full[: full.find(stop)]
+    body = complete(http, "Stop here", max_tokens=40, stop=[stop, "never-in-output-zzz"])
+    assert body["choices"][0]["text"] == cut and body["choices"][0]["finish_reason"] == "stop"
+    stream_body = {"model": MODEL, "prompt": "Stop here", "max_tokens": 40, "temperature": 0.0, "ignore_eos": True,
+                   "stop": stop, "stream": True}
+    with http.stream("POST", "/v1/completions", json=stream_body) as r:
+        events = sse_events(r)
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == cut
+    assert events[-2]["choices"][0]["finish_reason"] == "stop"
+
+
+# -- the official client ----------------------------------------------------------------------------
+def test_openai_client(server):
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    comp = client.completions.create(model=MODEL, prompt="Hello", max_tokens=8, temperature=0)
+    assert comp.usage.completion_tokens <= 8 and comp.choices[0].finish_reason in ("length", "stop")
+    assert "num_draft_tokens" in comp.model_extra["speculation"]
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=8, temperature=0)
+    assert chat.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=8, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == chat.choices[0].message.content
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="x", max_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, n=2)
+
+
+# -- errors ----------------------------------------------------------------------------------------
+BAD = [
+    ("malformed json", b'{"model": "tiny", "prompt": ', 400),
+    ("wrong type", {"model": MODEL, "prompt": "x", "max_tokens": "many"}, 400),
+    ("negative max_tokens", {"model": MODEL, "prompt": "x", "max_tokens": -1}, 400),
+    ("temperature range", {"model": MODEL, "prompt": "x", "temperature": 5}, 400),
+    ("top_p zero", {"model": MODEL, "prompt": "x", "top_p": 0}, 400),
+    ("over context", {"model": MODEL, "prompt": "x", "max_tokens": 100000}, 400),
+    ("token out of range", {"model": MODEL, "prompt": [1, 99999], "max_tokens": 2}, 400),
+    ("empty prompt", {"model": MODEL, "prompt": [], "max_tokens": 2}, 400),
+    ("unknown model", {"model": "gpt-9", "prompt": "x"}, 404),
+    ("n > 1", {"model": MODEL, "prompt": "x", "n": 3}, 400),
+    ("logprobs", {"model": MODEL, "prompt": "x", "logprobs": 2}, 400),
+    ("echo", {"model": MODEL, "prompt": "x", "echo": True}, 400),
+    ("best_of", {"model": MODEL, "prompt": "x", "best_of": 2}, 400),
+    ("unknown field", {"model": MODEL, "prompt": "x", "frobnicate": 1}, 400),
+    ("gamma over config", {"model": MODEL, "prompt": "x", "num_speculative_tokens": 99}, 400),
+]
+
+
+@pytest.mark.parametrize("name,body,status", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_is_4xx_and_server_keeps_serving(http, name, body, status):
+    kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) \
+        else {"json": body}
+    r = http.post("/v1/completions", **kwargs)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert complete(http, "still alive", max_tokens=4)["usage"]["completion_tokens"] == 4
+
+
+def test_chat_errors_and_routes(http):
+    assert http.get("/health").json() == {"status": "ok"}
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": []})
+    assert r.status_code == 400
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                                 "logprobs": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+    r = http.get("/v1/nothing-here")
+    assert r.status_code == 404 and "error" in r.json()
+
+
+# -- disconnects free caches -------------------------------------------------------------------------
+def test_client_disconnect_frees_caches(server):
+    assert wait_for(lambda: all(c == 0 for c in cache_counts()), timeout=30)
+    body = {"model": MODEL, "prompt": "a long one", "max_tokens": 480, "temperature": 0.0, "ignore_eos": True,
+            "stream": True}
+    with httpx.Client(base_url=server, timeout=60) as client:
+        with client.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            for _ in range(3):
+                next(lines)
+            assert max(cache_counts()) >= 1  # the request holds caches while it streams
+    # the connection is closed here, mid-stream
+    assert wait_for(lambda: all(c == 0 for c in cache_counts()), timeout=30), cache_counts()
+    with httpx.Client(base_url=server, timeout=60) as client:
+        stats = client.get("/v1/stats").json()
+    assert stats["running"] == 0 and stats["waiting"] == 0
+
+
+# -- a restarted worker rebuilds its caches from the coordinator's tokens ---------------------------
+@pytest.mark.parametrize("kind", ["target", "draft"])
+def test_killed_worker_restarts_and_output_is_unchanged(server, http, kind):
+    import ray
+
+    body = {"model": MODEL, "prompt": f"restart the {kind}", "max_tokens": 300, "temperature": 0.0,
+            "ignore_eos": True}
+    expected = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    texts = []
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        for i, event in enumerate(sse_events_iter(r)):
+            if i == 2:
+                for actor in worker_actors(kind):
+                    ray.kill(actor, no_restart=False)
+            if event != "[DONE]":
+                assert "error" not in event, event
+                texts.append(event["choices"][0]["text"])
+    assert "".join(texts) == expected
+    assert wait_for(lambda: all(c == 0 for c in cache_counts()), timeout=30), cache_counts()
+
+
+def sse_events_iter(response):
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            payload = line[len("data: "):]
+            yield payload if payload == "[DONE]" else json.loads(payload)
+
+
+# -- autoscaling: a second draft+target group comes and goes ------------------------------------------
+def test_autoscaling_adds_and_removes_a_group(server):
+    app = tiny_app_spec()["name"]
+    assert wait_for(lambda: coordinator_replicas(app) == 1, timeout=60)
+    stop = threading.Event()
+    body = {"model": MODEL, "prompt": "load", "max_tokens": 200, "temperature": 0.0, "ignore_eos": True}
+
+    def load() -> None:
+        with httpx.Client(base_url=server, timeout=120) as client:
+            while not stop.is_set():
+                client.post("/v1/completions", json=body)
+
+    threads = [threading.Thread(target=load, daemon=True) for _ in range(64)]
+    for t in threads:
+        t.start()
+    try:
+        scaled_up = wait_for(lambda: coordinator_replicas(app) == 2, timeout=75, interval=1)
+        two_groups = scaled_up and wait_for(lambda: len(worker_actors("target")) == 2, timeout=10)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=120)
+    assert scaled_up and two_groups
+    assert wait_for(lambda: coordinator_replicas(app) == 1 and len(worker_actors("target")) == 1,
+                    timeout=60, interval=1)

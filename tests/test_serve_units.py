@@ -1,0 +1,53 @@
+"""Serving pieces that need no Ray cluster: config validation, detokenisation, stop strings."""
+from pathlib import Path
+
+import pydantic
+import pytest
+import yaml
+
+from specserve.config import load_app_config
+from specserve.serve.text import IncrementalDetokenizer, StopStrings
+from specserve.models.tiny import byte_tokenizer
+
+CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_every_config_validates_and_builds(path):
+    from specserve.serve.app import build_app
+
+    for app in yaml.safe_load(path.read_text())["applications"]:
+        config = load_app_config(app["args"])
+        assert len(config.coordinator_bundles()) == 3
+        build_app(app["args"])
+
+
+@pytest.mark.parametrize("bad", [
+    {"served_model_name": "x", "target": {"kind": "tiny"}},  # γ = 4 by default, no draft
+    {"served_model_name": "x", "target": {"kind": "nope"}},
+    {"served_model_name": "x", "target": {"kind": "tiny"}, "draft": {"kind": "tiny"}, "max_batch_size": 0},
+    {"served_model_name": "x", "target": {"kind": "tiny"}, "draft": {"kind": "tiny"}, "typo": 1},
+    {"served_model_name": "x", "target": {"kind": "tiny"}, "draft": {"kind": "tiny"},
+     "coordinator": {"autoscaling": {"min_replicas": 3, "max_replicas": 2}}},
+])
+def test_bad_config_is_rejected(bad):
+    with pytest.raises(pydantic.ValidationError):
+        load_app_config(bad)
+
+
+def test_incremental_detokenizer_never_splits_a_character():
+    tok = byte_tokenizer()
+    text = "héllo → 你好 🙂 done"
+    ids = tok(text).input_ids
+    detok = IncrementalDetokenizer(tok, tok("prompt: ").input_ids)
+    pieces = [detok.push([t]) for t in ids] + [detok.flush()]
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_stop_strings_hold_back_and_cut():
+    stops = StopStrings(["END", "xyz"])
+    out = [stops.feed(t, False) for t in ["abc E", "N", "D tail"]]
+    assert "".join(o for o, _ in out) == "abc " and out[-1][1] is True
+    plain = StopStrings(["zzz"])
+    assert plain.feed("abcz", False) == ("ab", False) and plain.feed("", True) == ("cz", False)
