@@ -93,7 +93,7 @@ def load_pair(kind: str, limit: int | None) -> Pair:
         target, tokenizer = load_smollm2_target()
         draft = load_smollm2_draft(target)
     elif kind == "tiny":
-        from specserve.serve.tiny import byte_tokenizer, tiny_llama
+        from specserve.models.tiny import byte_tokenizer, tiny_llama
 
         target, draft = tiny_llama(0, layers=4), tiny_llama(0, layers=4, noise=0.5)
         tokenizer = byte_tokenizer()
