@@ -1,0 +1,47 @@
+"""cluster/ manifests parse, validate against Ray's own schemas and stay in sync with configs/."""
+import json
+import os
+from pathlib import Path
+
+import jsonschema
+import ray
+import yaml
+from ray.serve.schema import ServeDeploySchema
+
+from specserve.config import load_app_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load(path: str):
+    return yaml.safe_load((ROOT / path).read_text())
+
+
+def test_rayservice_embeds_the_gpu_serve_config():
+    service = load("cluster/rayservice.yaml")
+    assert service["kind"] == "RayService" and service["apiVersion"] == "ray.io/v1"
+    embedded = yaml.safe_load(service["spec"]["serveConfigV2"])
+    assert embedded == load("configs/gpu-70b.yaml"), "cluster/rayservice.yaml drifted from configs/gpu-70b.yaml"
+    ServeDeploySchema.model_validate(embedded)
+    for app in embedded["applications"]:
+        load_app_config(app["args"])
+
+
+def test_rayservice_gpu_workers_fit_a_coordinator_group():
+    service = load("cluster/rayservice.yaml")
+    app = load_app_config(yaml.safe_load(service["spec"]["serveConfigV2"])["applications"][0]["args"])
+    group_gpus = app.target_worker.num_gpus + app.draft_worker.num_gpus
+    workers = service["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    per_pod = max(int(w["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]) for w in workers)
+    assert group_gpus <= per_pod  # PACK can place a whole group on one pod
+    assert sum(w["maxReplicas"] for w in workers) * per_pod >= group_gpus * app.coordinator.autoscaling.max_replicas
+
+
+def test_cluster_launcher_config_validates_against_ray_schema():
+    config = load("cluster/ray-cluster-aws.yaml")
+    schema_path = Path(os.path.dirname(ray.__file__)) / "autoscaler" / "ray-schema.json"
+    jsonschema.validate(config, json.loads(schema_path.read_text()))
+    gpus = config["available_node_types"]["gpu_worker"]["resources"]["GPU"]
+    app = load_app_config(load("configs/gpu-70b.yaml")["applications"][0]["args"])
+    assert app.target_worker.num_gpus + app.draft_worker.num_gpus <= gpus
+
