@@ -28,6 +28,7 @@ class SlotKVCache:
         self._write_positions: torch.Tensor | None = None  # [B, Q] where each new token goes
         self._view_length = 0  # K: key positions the current forward attends over
         self._contiguous = False  # rows are slots 0..B-1 in order (no gather needed)
+        self._on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # slots, positions per device
 
     # -- HF Cache duck-typing -------------------------------------------------------------
     is_compileable = False
@@ -40,8 +41,7 @@ class SlotKVCache:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """key_states/value_states [B, H, Q, D] -> all keys/values of the batch rows [B, H, K, D]."""
         keys, values = self._layer(layer_idx, key_states)
-        slots = self._slots.to(keys.device)[:, None]  # [B, 1]
-        positions = self._write_positions.to(keys.device)  # [B, Q]
+        slots, positions = self._indices(keys.device)  # [B, 1], [B, Q]
         keys[slots, :, positions] = key_states.transpose(1, 2).to(keys.dtype)  # indexed view [B, Q, H, D]
         values[slots, :, positions] = value_states.transpose(1, 2).to(values.dtype)
         if self._contiguous:
@@ -61,9 +61,16 @@ class SlotKVCache:
             self._capacity = grown if self.max_positions is None else min(grown, self.max_positions)
         self._slots = slots
         self._write_positions = write_positions
+        self._on_device = {}
         self._view_length = needed
         self._contiguous = bool(torch.equal(slots.cpu(), torch.arange(slots.shape[0])))
         return needed
+
+    def _indices(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """This forward's slots [B, 1] and write positions [B, Q] on `device`, copied once per device."""
+        if device not in self._on_device:
+            self._on_device[device] = (self._slots.to(device)[:, None], self._write_positions.to(device))
+        return self._on_device[device]
 
     def move_slot(self, src: int, dst: int) -> None:
         """Copy slot src's cache into slot dst (used to keep live slots dense after a free)."""
