@@ -1,0 +1,508 @@
+"""Engine benchmark on one accelerator, no Ray: measured speedup against the Leviathan bound.
+
+    python -m specserve.bench.gpu [--out bench-results/gpu.json]      # on a GPU machine
+    python -m specserve.bench.gpu --tiny                              # CPU smoke test (< 1 min)
+
+Two sections, each at several batch sizes, every speculative run checked token for token against
+the target-only run of the same prompts:
+
+  smollm2   the offline SmolLM2-135M-Instruct target with its trained draft (specserve.models);
+            γ in --gammas plus adaptive. Skipped, with a message, when the pair cannot be loaded.
+  random    random-weight Llama shapes (default a 7B-class target, a 1.1B-class draft) with a
+            *controlled-acceptance drafter*: it runs the real draft forwards (so its cost is real)
+            but proposes, with probability α per position, the target's true greedy token (known
+            from the target-only run) and otherwise a wrong one. So α is set, not hoped for, and
+            the gap between the bound and the measured speedup is the engine's own overhead.
+
+Per run: α (target and measured), γ, c (draft/target forward time at this batch), v (target forward
+over γ+1 tokens per row / over 1), the bound (1-α^(γ+1))/((1-α)(γc+1)), the same with v in place
+of 1, the measured speedup over γ=0 at the same batch, and efficiency = speedup / bound_v.
+This module imports torch, transformers and the engine only (no ray, fastapi or pydantic).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from tqdm import tqdm
+
+from specserve.engine import Proposal, RowInput, SamplingParams, SpeculativeEngine
+from specserve.engine.model_runner import ModelRunner
+from specserve.engine.proposers import DraftModelProposer
+from specserve.engine.sampling import BatchSampling
+from specserve.engine.scheduler import expected_tokens
+
+# Llama shapes (public architecture hyper-parameters); weights are random.
+SHAPES: dict[str, dict] = {
+    "llama2-7b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                      intermediate_size=11008, vocab_size=32000),
+    "tinyllama-1.1b": dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
+                           intermediate_size=5632, vocab_size=32000),
+    "llama3-8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                      intermediate_size=14336, vocab_size=128256),
+    "llama3.2-1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                        intermediate_size=8192, vocab_size=128256),
+    "tiny-target": dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                        intermediate_size=128, vocab_size=512),
+    "tiny-draft": dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                       intermediate_size=64, vocab_size=512),
+}
+EMBED_STD = 16.0  # see random_llama: makes the target's greedy choice robust to kernel noise
+
+
+# -- models -------------------------------------------------------------------------------------
+def random_llama(shape: str, device: str, dtype: torch.dtype, seed: int, peaked: bool) -> torch.nn.Module:
+    """A Llama of the named shape with random weights, built directly on `device` in `dtype`.
+
+    peaked: the embedding gets a large scale and the output head is the embedding with its rows
+    permuted, so the residual stream is dominated by the current token and the target's greedy
+    next token wins by a wide margin (tens of standard deviations). Greedy outputs then do not
+    flip between kernels (a γ+1-token verify vs a 1-token decode in bf16), which the controlled
+    drafter needs: it plants the target-only run's tokens. Costs are those of the shape alone.
+    """
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=4096, tie_word_embeddings=False,
+                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    if peaked:
+        with torch.no_grad():
+            generator = torch.Generator(device=device).manual_seed(seed)
+            embed = model.get_input_embeddings().weight  # [V, H]
+            embed.normal_(0.0, EMBED_STD, generator=generator)
+            perm = torch.randperm(embed.shape[0], generator=torch.Generator().manual_seed(seed)).to(device)
+            model.get_output_embeddings().weight.copy_(embed[perm] / EMBED_STD)  # [V, H]
+    return model.eval()
+
+
+def num_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+# -- the controlled-acceptance drafter -------------------------------------------------------------
+class ControlledProposer:
+    """A Proposer whose acceptance rate is α by construction, at the real draft model's cost.
+
+    Every draft position runs the draft model's forward (and its argmax); the token it then
+    proposes is the target's true greedy token with probability α (from `references`: per request
+    id, prompt + target-only output), otherwise a token that is certainly wrong. With greedy
+    verification, a row then accepts k drafts with probability α^k (1-α) (the i.i.d. model of
+    Leviathan et al.). Rows that left their reference (should not happen; counted in
+    `off_reference`) get wrong tokens. Greedy only.
+    """
+
+    def __init__(self, draft: torch.nn.Module, alpha: float, references: dict[str, list[int]], vocab_size: int,
+                 seed: int = 0, max_positions: int | None = None) -> None:
+        if not 0.0 <= alpha <= 1.0:
+            raise ValueError("alpha must lie in [0, 1]")
+        self.runner = ModelRunner(draft, max_positions)
+        self.alpha = alpha
+        self.references = references
+        self.vocab_size = vocab_size
+        self.rng = random.Random(seed)
+        self.off_reference = 0  # draft positions proposed for rows that had left their reference
+        self.planted = 0  # draft positions given the true token
+        self.proposed = 0
+        self._diverged: set[str] = set()
+
+    def free(self, request_id: str) -> None:
+        self.runner.free(request_id)
+        self._diverged.discard(request_id)
+
+    def valid_length(self, request_id: str) -> int:
+        return self.runner.valid_length(request_id)
+
+    @property
+    def max_positions(self) -> int | None:
+        return self.runner.max_positions
+
+    def propose(self, rows: list[RowInput], num_tokens: int, sampling: BatchSampling,
+                uniforms: torch.Tensor | None) -> Proposal:
+        if not sampling.all_greedy:
+            raise ValueError("the controlled drafter supports greedy rows only")
+        self.runner.check(rows)
+        ends = [r.start + len(r.tokens) for r in rows]  # sequence length = index of draft 0
+        for r in rows:
+            ref = self.references.get(r.request_id)
+            if ref is None or ref[r.start : r.start + len(r.tokens)] != r.tokens:
+                self._diverged.add(r.request_id)
+        self.runner.take_forward_log()
+        backlog = [RowInput(r.request_id, r.start, r.tokens[:-1]) for r in rows if len(r.tokens) > 2]
+        if backlog:  # same shape of work as DraftModelProposer: prefill, then one token per forward
+            self.runner.forward(backlog, logits="none")
+            rows = [RowInput(r.request_id, r.start + len(r.tokens) - 1, r.tokens[-1:]) if len(r.tokens) > 2 else r
+                    for r in rows]
+        drafts: list[list[int]] = [[] for _ in rows]
+        for j in range(num_tokens):
+            logits = self.runner.forward(rows, logits="last")  # [B, V]
+            logits.argmax(-1).tolist()  # the real draft's own choice: computed (cost), then overridden
+            chosen = [self._control(r.request_id, end + j) for r, end in zip(rows, ends)]
+            for b, token in enumerate(chosen):
+                drafts[b].append(token)
+            if j + 1 < num_tokens:
+                rows = [RowInput(r.request_id, r.start + len(r.tokens), [t]) for r, t in zip(rows, chosen)]
+        tokens = torch.tensor(drafts, dtype=torch.long).view(len(ends), num_tokens)  # [B, G]
+        return Proposal(tokens, None, self.runner.take_forward_log())
+
+    def _control(self, request_id: str, position: int) -> int:
+        self.proposed += 1
+        ref = self.references.get(request_id, [])
+        if request_id in self._diverged or position >= len(ref):
+            self.off_reference += request_id in self._diverged
+            return self.rng.randrange(self.vocab_size)
+        true = ref[position]
+        if self.rng.random() < self.alpha:
+            self.planted += 1
+            return true
+        return (true + 1 + self.rng.randrange(self.vocab_size - 1)) % self.vocab_size
+
+
+# -- measurements ---------------------------------------------------------------------------------
+@dataclass
+class Run:
+    section: str
+    batch: int
+    gamma: int | None  # None: adaptive
+    alpha_target: float | None
+    tokens: int
+    seconds: float
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    rejections: int = 0
+    identical: bool = True
+    outputs: list[list[int]] = field(default_factory=list, repr=False)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def alpha(self) -> float:
+        """Per-token acceptance probability under the geometric model (MLE)."""
+        trials = self.accepted + self.rejections
+        return self.accepted / trials if trials else 0.0
+
+    @property
+    def mean_gamma(self) -> float:
+        return self.drafted / self.steps if self.steps else 0.0
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def generate(engine: SpeculativeEngine, prompts: list[list[int]], ids: list[str], batch: int, max_new: int,
+             device: str) -> tuple[list, float]:
+    """Run prompts through the engine `batch` at a time under our own request ids -> (sequences, s)."""
+    params = SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True)
+    seqs = []
+    sync(device)
+    began = time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        chunk = []
+        for rid, prompt in zip(ids[i : i + batch], prompts[i : i + batch]):
+            engine.add_request(rid, prompt, params)
+            chunk.append(engine.sequence(rid))
+        while any(s.finish_reason is None for s in chunk):
+            engine.step()
+        seqs += chunk
+    sync(device)
+    return seqs, time.perf_counter() - began
+
+
+def run_engine(section: str, target: torch.nn.Module, proposer, gamma: int | None, max_gamma: int,
+               alpha: float | None, prompts, ids, batch: int, max_new: int, device: str,
+               reference: list[list[int]] | None) -> Run:
+    engine = SpeculativeEngine(target, num_speculative_tokens=0 if proposer is None else max_gamma,
+                               adaptive=gamma is None, proposer=proposer, eos_token_ids=[])
+    if gamma is None:
+        engine.calibrate(sizes=(batch, batch * (max_gamma + 1)))
+    seqs, seconds = generate(engine, prompts, ids, batch, max_new, device)
+    run = Run(section, batch, gamma, alpha, sum(len(s.output) for s in seqs), seconds,
+              outputs=[list(s.output) for s in seqs])
+    for s in seqs:
+        m = s.metrics
+        run.steps += m.num_steps
+        run.drafted += m.num_draft_tokens
+        run.accepted += m.num_accepted_tokens
+        run.rejections += m.num_draft_steps - m.num_full_accept_steps
+    if reference is not None:
+        run.identical = run.outputs == reference
+    return run
+
+
+def forward_seconds(runner: ModelRunner, batch: int, context: list[int], width: int, reps: int,
+                    logits: str) -> float:
+    """Median seconds of one forward of `batch` rows × `width` new tokens after `context`."""
+    ids = [f"cost-{b}" for b in range(batch)]
+    runner.forward([RowInput(i, 0, context) for i in ids], logits="none")
+    times = []
+    for _ in range(reps + 1):  # the first is a warm-up for this shape
+        runner.forward([RowInput(i, len(context), [1] * width) for i in ids], logits=logits)
+        times.append(runner.last_forward_seconds)
+    for i in ids:
+        runner.free(i)
+    return statistics.median(times[1:])
+
+
+def measure_costs(target, draft, batch: int, context: list[int], gammas: list[int], reps: int) -> dict:
+    t_runner, d_runner = ModelRunner(target), ModelRunner(draft)
+    one = forward_seconds(t_runner, batch, context, 1, reps, "all")
+    draft_one = forward_seconds(d_runner, batch, context, 1, reps, "last")
+    v = {g: forward_seconds(t_runner, batch, context, g + 1, reps, "all") / one for g in gammas if g > 0}
+    return {"target_forward_s": one, "draft_forward_s": draft_one, "c": draft_one / one, "v": v}
+
+
+def bounds(alpha: float, gamma: int, c: float, v: float) -> tuple[float, float]:
+    gain = expected_tokens(alpha, gamma)
+    return gain / (gamma * c + 1.0), gain / (gamma * c + v)
+
+
+# -- one section ----------------------------------------------------------------------------------
+ProposerFactory = Callable[[float | None, dict[str, list[int]]], object]
+
+
+def run_section(name: str, target, draft, make_proposer: ProposerFactory, prompt_sets: dict[int, list[list[int]]],
+                gammas: list[int], alphas: list[float | None], max_new: int, reps: int, device: str,
+                bar: tqdm) -> tuple[list[dict], dict]:
+    """For each batch size: γ=0 (the reference), then every α × (every γ, adaptive). -> table rows, costs."""
+    rows, costs = [], {}
+    for batch, prompts in prompt_sets.items():
+        ids = [f"{name}-b{batch}-{i}" for i in range(len(prompts))]
+        bar.set_postfix_str(f"{name} b={batch} costs")
+        cost = measure_costs(target, draft, batch, prompts[0], gammas, reps)
+        costs[batch] = cost
+        base = run_engine(name, target, None, 0, 0, None, prompts, ids, batch, max_new, device, None)
+        bar.update(1)
+        references = {rid: p + o for rid, p, o in zip(ids, prompts, base.outputs)}
+        rows.append(_row(base, base, cost))
+        for alpha in alphas:
+            for gamma in [*gammas, None]:
+                bar.set_postfix_str(f"{name} b={batch} α={alpha} γ={'auto' if gamma is None else gamma}")
+                proposer = make_proposer(alpha, references)
+                run = run_engine(name, target, proposer, gamma, gamma or max(gammas), alpha, prompts, ids, batch,
+                                 max_new, device, base.outputs)
+                row = _row(run, base, cost)
+                if isinstance(proposer, ControlledProposer):
+                    row["off_reference"] = proposer.off_reference
+                rows.append(row)
+                bar.update(1)
+    return rows, costs
+
+
+def _row(run: Run, base: Run, cost: dict) -> dict:
+    row = {k: v for k, v in asdict(run).items() if k != "outputs"}
+    row.update(tokens_per_second=run.tokens_per_second, alpha=run.alpha, mean_gamma=run.mean_gamma,
+               c=cost["c"], speedup=run.tokens_per_second / base.tokens_per_second)
+    g = run.gamma
+    if g == 0:
+        row.update(v=1.0, bound=1.0, bound_v=1.0)
+    elif g is None:  # adaptive: the yardstick is the best fixed γ's bound at the measured α
+        candidates = [(bounds(run.alpha, k, cost["c"], cost["v"][k]), k) for k in cost["v"]]
+        (b, bv), k = max(candidates, key=lambda x: x[0][1]) if candidates else ((1.0, 1.0), 0)
+        if bv < 1.0:
+            b, bv, k = 1.0, 1.0, 0  # γ=0 is always available
+        row.update(v=cost["v"].get(k, 1.0), bound=b, bound_v=bv, bound_gamma=k)
+    else:
+        b, bv = bounds(run.alpha, g, cost["c"], cost["v"][g])
+        row.update(v=cost["v"][g], bound=b, bound_v=bv)
+    row["efficiency"] = row["speedup"] / row["bound_v"]
+    return row
+
+
+# -- report ---------------------------------------------------------------------------------------
+def report(rows: list[dict], device: str, shapes: dict[str, str]) -> str:
+    lines = [f"device: {device}"] + [f"{k}: {v}" for k, v in shapes.items()]
+    head = (f"{'section':<9}{'batch':>6}{'α tgt':>7}{'α meas':>8}{'γ':>7}{'c':>7}{'v':>6}{'bound':>7}"
+            f"{'bound_v':>9}{'tok/s':>9}{'speedup':>9}{'eff.':>7}{'same':>6}")
+    lines += [head, "-" * len(head)]
+    for r in rows:
+        gamma = f"{r['gamma']}" if r["gamma"] is not None else f"a{r['mean_gamma']:.1f}"
+        target = f"{r['alpha_target']:.2f}" if r["alpha_target"] is not None else "-"
+        measured = f"{r['alpha']:.3f}" if r["gamma"] != 0 else "-"
+        lines.append(
+            f"{r['section']:<9}{r['batch']:>6}{target:>7}{measured:>8}{gamma:>7}{r['c']:>7.3f}{r['v']:>6.2f}"
+            f"{r['bound']:>7.2f}{r['bound_v']:>9.2f}{r['tokens_per_second']:>9.1f}{r['speedup']:>9.2f}"
+            f"{r['efficiency']:>7.2f}{'yes' if r['identical'] else 'NO':>6}"
+        )
+    lines.append("γ aN.N: adaptive, mean drafts per step; its bound is the best fixed γ's at the measured α. "
+                 "eff. = speedup / bound_v.")
+    return "\n".join(lines)
+
+
+# -- main -----------------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiny", action="store_true", help="tiny shapes and few tokens: a CPU smoke test")
+    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    p.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--sections", default="smollm2,random")
+    p.add_argument("--gammas", default=None, help="fixed γ values (default 2,4,6; tiny 2,4)")
+    p.add_argument("--alphas", default="0.5,0.7,0.9", help="controlled acceptance rates (random section)")
+    p.add_argument("--batches", default=None, help="smollm2 batch sizes (default 1,4,16; tiny 1)")
+    p.add_argument("--random-batches", default=None, help="random-section batch sizes (default 1,16; tiny 1,4)")
+    p.add_argument("--target-shape", default=None, choices=sorted(SHAPES), help="default llama2-7b")
+    p.add_argument("--draft-shape", default=None, choices=sorted(SHAPES), help="default tinyllama-1.1b")
+    p.add_argument("--prompts", type=int, default=None, help="prompts at batch 1 (default 4; tiny 2)")
+    p.add_argument("--prompt-len", type=int, default=None, help="random-section prompt tokens (default 128)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default 128; tiny 16")
+    p.add_argument("--reps", type=int, default=None, help="repetitions per cost measurement (default 10)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench-results/gpu.json")
+    args = p.parse_args(argv)
+    tiny = args.tiny
+    defaults = dict(
+        device="cuda" if torch.cuda.is_available() and not tiny else "cpu",
+        gammas="2,4" if tiny else "2,4,6", batches="1" if tiny else "1,4,16",
+        random_batches="1,4" if tiny else "1,16",
+        target_shape="tiny-target" if tiny else "llama2-7b", draft_shape="tiny-draft" if tiny else "tinyllama-1.1b",
+        prompts=2 if tiny else 4, prompt_len=8 if tiny else 128, max_new_tokens=16 if tiny else 128,
+        reps=3 if tiny else 10,
+    )
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.dtype is None:
+        args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
+    return args
+
+
+def prompt_sets(pool: list[list[int]], batches: list[int], at_batch_one: int) -> dict[int, list[list[int]]]:
+    """Batch 1 runs `at_batch_one` prompts one after the other; batch B runs B prompts together."""
+    return {b: [pool[i % len(pool)] for i in range(at_batch_one if b == 1 else b)] for b in batches}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    threads = torch.get_num_threads()
+    try:
+        return _main(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _main(args: argparse.Namespace) -> int:
+    device, dtype = args.device, getattr(torch, args.dtype)
+    gammas = sorted({int(g) for g in args.gammas.split(",") if int(g) > 0})
+    alphas = [float(a) for a in args.alphas.split(",")]
+    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    batches = [int(b) for b in args.batches.split(",")]
+    random_batches = [int(b) for b in args.random_batches.split(",")]
+    torch.manual_seed(args.seed)
+    if args.tiny and device == "cpu":
+        torch.set_num_threads(1)  # tiny shapes gain nothing from threads, and shared CPUs lose a lot
+    if device.startswith("cuda"):
+        device_name = torch.cuda.get_device_name()
+    else:
+        device_name = f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    total = (len(batches) * (1 + len(gammas) + 1) if "smollm2" in sections else 0)
+    total += len(random_batches) * (1 + len(alphas) * (len(gammas) + 1)) if "random" in sections else 0
+    bar = tqdm(total=total, desc="gpu bench", unit="run")
+    rows, costs, shapes, notes = [], {}, {}, []
+
+    if "smollm2" in sections:
+        pair = _load_smollm2(device, dtype)
+        if isinstance(pair, str):
+            notes.append(f"smollm2 section skipped: {pair}")
+            tqdm.write(notes[-1])
+            bar.total -= len(batches) * (len(gammas) + 2)
+            bar.refresh()
+        else:
+            section_rows, costs["smollm2"], shapes["smollm2"] = _smollm2_section(args, pair, gammas, batches, bar)
+            rows += section_rows
+            del pair
+            _empty_cache(device)
+    if "random" in sections:
+        section_rows, costs["random"], shapes["random"] = _random_section(args, gammas, alphas, random_batches, bar)
+        rows += section_rows
+    bar.close()
+
+    table = report(rows, device_name, shapes)
+    print(table)
+    for note in notes:
+        print(note)
+    out = {"device": device_name, "dtype": args.dtype, "torch": torch.__version__, "args": vars(args),
+           "shapes": shapes, "costs": costs, "rows": rows, "notes": notes, "table": table}
+    path = Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2, default=str))
+    print(f"wrote {path}")
+    return 0
+
+
+def _smollm2_section(args, pair, gammas: list[int], batches: list[int], bar: tqdm):
+    target, draft, pool = pair
+    shape = (f"SmolLM2-135M target ({num_params(target) / 1e6:.0f}M), "
+             f"trained draft ({num_params(draft) / 1e6:.0f}M), {args.dtype}")
+    vocab = target.get_output_embeddings().weight.shape[0]
+
+    def make(alpha, references):
+        return DraftModelProposer(draft, vocab)
+
+    _warm_up(target, args.device)
+    rows, costs = run_section("smollm2", target, draft, make, prompt_sets(pool, batches, args.prompts), gammas,
+                              [None], args.max_new_tokens, args.reps, args.device, bar)
+    return rows, costs, shape
+
+
+def _random_section(args, gammas: list[int], alphas: list[float], batches: list[int], bar: tqdm):
+    dtype = getattr(torch, args.dtype)
+    target = random_llama(args.target_shape, args.device, dtype, args.seed, peaked=True)
+    draft = random_llama(args.draft_shape, args.device, dtype, args.seed + 1, peaked=False)
+    shape = (f"target {args.target_shape} ({num_params(target) / 1e9:.2f}B), "
+             f"draft {args.draft_shape} ({num_params(draft) / 1e9:.2f}B), {args.dtype}, random weights")
+    vocab = target.get_output_embeddings().weight.shape[0]
+    generator = torch.Generator().manual_seed(args.seed)
+    pool = torch.randint(0, vocab, (max(args.prompts, *batches), args.prompt_len), generator=generator).tolist()
+    seeds = iter(range(args.seed, args.seed + (1 << 30)))
+
+    def make(alpha, references):
+        return ControlledProposer(draft, alpha, references, vocab, seed=next(seeds))
+
+    _warm_up(target, args.device)
+    rows, costs = run_section("random", target, draft, make, prompt_sets(pool, batches, args.prompts), gammas,
+                              alphas, args.max_new_tokens, args.reps, args.device, bar)
+    return rows, costs, shape
+
+
+def _load_smollm2(device: str, dtype: torch.dtype):
+    """(target, draft, prompt token ids) on `device`, or a string saying why not."""
+    try:
+        from specserve.bench.engine import load_prompts
+        from specserve.models.smollm2 import load_smollm2_draft, load_smollm2_target
+
+        target, tokenizer = load_smollm2_target(dtype=dtype)
+        target = target.to(device)
+        draft = load_smollm2_draft(target).to(device)  # shares the target's embedding
+        prompts, _ = load_prompts(tokenizer, None)
+    except Exception as exc:  # a missing package, checkpoint or module: report and go on
+        return f"{type(exc).__name__}: {exc}"
+    return target, draft, prompts
+
+
+def _warm_up(model: torch.nn.Module, device: str) -> None:
+    runner = ModelRunner(model)
+    runner.forward([RowInput("warm", 0, [1, 2, 3, 4])], logits="last")
+    runner.free("warm")
+    sync(device)
+
+
+def _empty_cache(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
