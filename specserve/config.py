@@ -47,14 +47,26 @@ class SmolLM2Source(_Strict):
 
 
 class HFSource(_Strict):
-    """A local Hugging Face checkpoint directory (no hub access is attempted)."""
+    """A local Hugging Face checkpoint directory (no hub access is attempted).
+
+    On a worker that Ray gave GPUs, the model is sharded over exactly those GPUs
+    (`specserve.engine.sharding.load_sharded`): decoder layers kept whole, each GPU filled up to
+    `max_memory_per_gpu` minus `kv_cache_headroom`, and a model that cannot fit is refused before
+    any weight is read. Without GPUs it loads on the CPU.
+    """
 
     kind: Literal["hf"] = "hf"
     path: str
     dtype: Dtype = "bfloat16"
-    device_map: str | dict[str, int | str] | None = None  # e.g. "auto" to shard over the bundle's GPUs
-    max_memory: dict[str, str] | None = None  # e.g. {"0": "70GiB", "1": "70GiB"}
+    max_memory_per_gpu: str | None = None  # e.g. "74GiB"; default: each GPU's total memory
+    kv_cache_headroom: float | str = 0.1  # per GPU: a fraction of the budget, or a size like "8GiB"
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+
+    @model_validator(mode="after")
+    def _headroom(self) -> "HFSource":
+        if isinstance(self.kv_cache_headroom, float) and not 0.0 <= self.kv_cache_headroom < 1.0:
+            raise ValueError("kv_cache_headroom as a fraction must lie in [0, 1)")
+        return self
 
 
 ModelSource = Annotated[Union[TinySource, SmolLM2Source, HFSource], Field(discriminator="kind")]

@@ -171,3 +171,17 @@ def test_load_sharded_round_trip(tmp_path, target):
     assert loaded.config._attn_implementation == "sdpa"
     ids = torch.tensor([PROMPTS[0]])
     torch.testing.assert_close(loaded(ids).logits, target(ids).logits)
+
+
+def test_hf_source_loads_on_cpu_without_gpus(tmp_path):
+    """The serving loader's CPU path: a local checkpoint, no GPUs given, no download attempted."""
+    from specserve.config import HFSource
+    from specserve.models.loading import load_target
+
+    model = tiny_llama(3)
+    model.save_pretrained(tmp_path)
+    loaded = load_target(HFSource(path=str(tmp_path), dtype="float32"), gpus=[])
+    ids = torch.tensor([[1, 2, 3]])
+    assert torch.allclose(loaded(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-6)
+    with pytest.raises(Exception):
+        HFSource(path=str(tmp_path), kv_cache_headroom=1.5)

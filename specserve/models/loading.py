@@ -10,7 +10,8 @@ def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
-def load_target(source: ModelSource) -> torch.nn.Module:
+def load_target(source: ModelSource, gpus: list[int] | None = None) -> torch.nn.Module:
+    """gpus: CUDA ordinals this process may use (an HF checkpoint is sharded over them)."""
     if isinstance(source, TinySource):
         from .tiny import tiny_llama
 
@@ -20,30 +21,31 @@ def load_target(source: ModelSource) -> torch.nn.Module:
 
         model, _ = load_smollm2_target(source.cache_dir, dtype=_dtype(source.dtype))
         return model
-    return _load_hf(source)
+    return _load_hf(source, gpus or [])
 
 
-def load_draft(source: ModelSource) -> torch.nn.Module:
+def load_draft(source: ModelSource, gpus: list[int] | None = None) -> torch.nn.Module:
     if isinstance(source, SmolLM2Source):
         from specserve.models.smollm2 import load_smollm2_draft, load_smollm2_target
 
         target, _ = load_smollm2_target(source.cache_dir, dtype=_dtype(source.dtype))
         return load_smollm2_draft(target, source.cache_dir)  # keeps only the shared embedding
-    return load_target(source)
+    return load_target(source, gpus)
 
 
-def _load_hf(source: HFSource) -> torch.nn.Module:
+def _load_hf(source: HFSource, gpus: list[int]) -> torch.nn.Module:
+    if gpus:
+        from specserve.engine.sharding import load_sharded
+
+        budget = source.max_memory_per_gpu or {g: torch.cuda.get_device_properties(g).total_memory for g in gpus}
+        return load_sharded(source.path, gpus, budget, source.dtype, source.kv_cache_headroom,
+                            source.attn_implementation)
     from transformers import AutoModelForCausalLM
 
-    max_memory = None
-    if source.max_memory:
-        max_memory = {int(k) if k.isdigit() else k: v for k, v in source.max_memory.items()}
     model = AutoModelForCausalLM.from_pretrained(
-        source.path, dtype=_dtype(source.dtype), device_map=source.device_map, max_memory=max_memory,
-        attn_implementation=source.attn_implementation, local_files_only=True,
+        source.path, dtype=_dtype(source.dtype), attn_implementation=source.attn_implementation,
+        local_files_only=True,
     )
-    if source.device_map is None and torch.cuda.is_available():
-        model = model.cuda()
     return model.eval()
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import ray
 import torch
 
 from specserve.config import ModelSource
@@ -69,7 +70,7 @@ class TargetWorker(_Worker):
         super().__init__(torch_threads)
         from specserve.models.loading import load_target
 
-        self.model = TargetVerifier(load_target(source), max_model_len)
+        self.model = TargetVerifier(load_target(source, _assigned_gpus()), max_model_len)
         eos = model_eos_ids(self.model.runner.model)
         self.info_ = ModelInfo(self.model.vocab_size, self.model.runner.max_positions, frozenset(eos))
 
@@ -96,7 +97,7 @@ class DraftWorker(_Worker):
         super().__init__(torch_threads)
         from specserve.models.loading import load_draft
 
-        self.model = DraftModelProposer(load_draft(source), vocab_size, max_model_len)
+        self.model = DraftModelProposer(load_draft(source, _assigned_gpus()), vocab_size, max_model_len)
 
     def max_positions(self) -> int | None:
         return self.model.runner.max_positions
@@ -105,3 +106,10 @@ class DraftWorker(_Worker):
         self, rows: list[RowInput], num_tokens: int, sampling: BatchSampling, uniforms: torch.Tensor | None
     ) -> Reply:
         return self._run(rows, lambda: self.model.propose(rows, num_tokens, sampling, uniforms))
+
+
+def _assigned_gpus() -> list[int]:
+    """The CUDA ordinals of the GPUs Ray gave this actor (Ray narrows CUDA_VISIBLE_DEVICES to them)."""
+    from specserve.engine.sharding import cuda_ordinals
+
+    return cuda_ordinals(ray.get_gpu_ids())
