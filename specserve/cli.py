@@ -70,6 +70,7 @@ def _interrupt(signum, frame) -> None:
 BENCHES = {  # name -> module with `main(argv: list[str]) -> int`; its own argparse does the rest
     "http": "specserve.bench.http",
     "engine": "specserve.bench.engine",
+    "gpu": "specserve.bench.gpu",
 }
 
 
