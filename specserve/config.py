@@ -78,11 +78,27 @@ class SpeculationConfig(_Strict):
     adaptive: bool = True  # choose γ <= num_speculative_tokens from live measurements
 
 
+_BUILTIN_RESOURCES = frozenset({"cpu", "gpu", "memory", "object_store_memory"})
+
+
 class Resources(_Strict):
     num_cpus: float = Field(0.25, ge=0)
     num_gpus: float = Field(0.0, ge=0)
     memory: int | None = Field(None, ge=0)  # bytes, Ray's logical memory resource
     torch_threads: int | None = Field(None, ge=1)  # torch intra-op threads in that process
+    # Ray custom resources (a node's `--resources`), e.g. {"gpu_node_a": 1}: they pin this
+    # bundle to the nodes that declare them (see docs/multi-gpu.md, placement across nodes)
+    custom: dict[str, Annotated[float, Field(ge=0, allow_inf_nan=False)]] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _custom(self) -> "Resources":
+        for name in self.custom:
+            if not name or name != name.strip():
+                raise ValueError(f"custom resource name {name!r} must be non-empty, without surrounding spaces")
+            if name.lower() in _BUILTIN_RESOURCES:
+                raise ValueError(f"custom resource {name!r} clashes with a built-in Ray resource: "
+                                 "use num_cpus / num_gpus / memory")
+        return self
 
     def bundle(self) -> dict[str, float]:
         """The placement-group bundle (Ray resource dict) these resources ask for."""
@@ -91,7 +107,12 @@ class Resources(_Strict):
             bundle["GPU"] = self.num_gpus
         if self.memory:
             bundle["memory"] = float(self.memory)
+        bundle.update(self.custom_request())
         return bundle
+
+    def custom_request(self) -> dict[str, float]:
+        """The custom resources as a Ray `resources=` dict (zero amounts left out)."""
+        return {name: float(amount) for name, amount in self.custom.items() if amount}
 
 
 class AutoscalingConfig(_Strict):

@@ -35,6 +35,23 @@ def test_bad_config_is_rejected(bad):
         load_app_config(bad)
 
 
+def test_custom_resources_join_the_bundles_and_the_actor_options():
+    from specserve.serve.app import _options
+
+    base = {"served_model_name": "x", "target": {"kind": "tiny"}, "draft": {"kind": "tiny"}}
+    config = load_app_config({**base, "target_worker": {"num_cpus": 0.2, "custom": {"gpu_node_a": 1}},
+                              "draft_worker": {"num_gpus": 1, "custom": {"accelerator_type:H100": 0.001, "z": 0}},
+                              "ingress": {"resources": {"num_cpus": 0.1, "custom": {"edge": 1}}}})
+    assert config.coordinator_bundles()[1:] == [{"CPU": 0.2, "gpu_node_a": 1.0},
+                                                 {"CPU": 0.25, "GPU": 1.0, "accelerator_type:H100": 0.001}]
+    assert _options(config.ingress)["ray_actor_options"]["resources"] == {"edge": 1.0}
+    assert "resources" not in _options(config.coordinator)["ray_actor_options"]
+    for bad in [{"GPU": 1}, {"cpu": 1}, {"memory": 1}, {"object_store_memory": 1}, {"": 1}, {"a": -1},
+                {"a": float("nan")}, {"a": float("inf")}, {"a": "lots"}]:
+        with pytest.raises(pydantic.ValidationError):
+            load_app_config({**base, "draft_worker": {"custom": bad}})
+
+
 def test_incremental_detokenizer_never_splits_a_character():
     tok = byte_tokenizer()
     text = "héllo → 你好 🙂 done"

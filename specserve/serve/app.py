@@ -22,6 +22,8 @@ def _options(dep: DeploymentConfig) -> dict:
     actor = {"num_cpus": dep.resources.num_cpus, "num_gpus": dep.resources.num_gpus}
     if dep.resources.memory:
         actor["memory"] = dep.resources.memory
+    if dep.resources.custom_request():
+        actor["resources"] = dep.resources.custom_request()
     return {"autoscaling_config": auto, "max_ongoing_requests": dep.max_ongoing_requests, "ray_actor_options": actor}
 
 

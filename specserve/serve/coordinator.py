@@ -332,6 +332,8 @@ def _actor(cls, resources: Resources, bundle_index: int, name: str):
                    namespace=WORKER_NAMESPACE, max_restarts=2, max_task_retries=0)
     if resources.memory:
         options["memory"] = resources.memory
+    if resources.custom_request():
+        options["resources"] = resources.custom_request()
     if pg is not None:
         options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle_index)
     return ray.remote(cls).options(**options)

@@ -64,6 +64,10 @@ class _Worker:
     def ready(self) -> bool:
         return True
 
+    def node_id(self) -> str:
+        """The Ray node this actor runs on (hex id), for placement checks."""
+        return ray.get_runtime_context().get_node_id()
+
 
 class TargetWorker(_Worker):
     def __init__(self, source: ModelSource, max_model_len: int | None, torch_threads: int | None = None) -> None:

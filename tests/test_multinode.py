@@ -1,0 +1,138 @@
+"""Workers on different nodes: a 3-node Ray cluster on this machine (ray.cluster_utils.Cluster), the
+TargetWorker pinned to node A and the DraftWorker to node B by custom resources that stand in for
+GPUs, a greedy request over HTTP, the output token-identical to the in-process engine.
+
+Ray can be initialised once per process and tests/test_serve.py holds a session-wide Ray, so the
+cluster lives in a subprocess (tests/multinode_scenario.py) that prints a JSON result. ~1 min.
+Run: pytest -m serve tests/test_multinode.py
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+
+from models import hf_greedy
+from multinode_scenario import NODE_A, NODE_B, RESULT_MARKER, app_args
+from serve_helpers import free_port
+
+pytestmark = [pytest.mark.serve, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+SCENARIO = Path(__file__).with_name("multinode_scenario.py")
+PROMPTS = ["Hello", "The quick brown fox", "héllo wörld → ok"]
+MAX_NEW = 24
+DEADLINE_S = 150  # the scenario's own limit; the subprocess is killed 45 s after that
+
+
+def expected_outputs() -> list[list[int]]:
+    """The in-process SpeculativeEngine on the same config, checked against plain greedy decoding."""
+    from specserve import SamplingParams, SpeculativeEngine
+    from specserve.config import load_app_config
+    from specserve.models.loading import load_draft, load_target
+    from specserve.models.tiny import byte_tokenizer
+
+    config = load_app_config(app_args())
+    target, draft = load_target(config.target), load_draft(config.draft)
+    tok = byte_tokenizer()
+    engine = SpeculativeEngine(target, draft, config.speculation.num_speculative_tokens, adaptive=False,
+                               max_model_len=config.max_model_len)
+    ids = [tok(p).input_ids for p in PROMPTS]
+    outs = engine.generate(ids, SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True))
+    for prompt_ids, out in zip(ids, outs):
+        assert out.token_ids == hf_greedy(target, prompt_ids, MAX_NEW)
+    return [out.token_ids for out in outs]
+
+
+def kill_stragglers(marker: str, grace_s: float = 5.0) -> list[int]:
+    """SIGKILL, by pid, any process still carrying this run's private RAY_TMPDIR in its environment
+    (only the scenario's Ray processes do); normally there are none. Returns the pids killed."""
+    def find() -> list[int]:
+        pids = []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit() and int(entry.name) != os.getpid():
+                try:
+                    if marker.encode() in (entry / "environ").read_bytes().split(b"\0"):
+                        pids.append(int(entry.name))
+                except OSError:  # gone, or not ours to read
+                    pass
+        return pids
+
+    deadline = time.monotonic() + grace_s
+    while (pids := find()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return pids
+
+
+def run_scenario() -> dict:
+    ray_tmp = tempfile.mkdtemp(prefix="ssmn-", dir="/tmp")  # short: Ray's unix sockets live under it
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": ray_tmp, "RAY_USAGE_STATS_ENABLED": "0",
+           "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # keep ray.init on 127.0.0.1: see the scenario's docstring
+    env.pop("RAY_ADDRESS", None)  # the scenario makes its own cluster
+    spec = {"port": free_port(), "prompts": PROMPTS, "max_tokens": MAX_NEW, "deadline_s": DEADLINE_S}
+    proc = subprocess.Popen([sys.executable, str(SCENARIO), json.dumps(spec)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        expected = expected_outputs()  # meanwhile, in this process
+        try:
+            stdout, stderr = proc.communicate(timeout=DEADLINE_S + 45)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                stdout, stderr = proc.communicate(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                stdout, stderr = proc.communicate()
+            pytest.fail(f"multi-node scenario timed out; stderr tail:\n{stderr[-4000:]}")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        stragglers = kill_stragglers(f"RAY_TMPDIR={ray_tmp}")
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    if stragglers:
+        warnings.warn(f"killed {len(stragglers)} Ray processes the scenario left behind: {stragglers}")
+    lines = [line for line in stdout.splitlines() if line.startswith(RESULT_MARKER)]
+    assert lines, f"no result (rc {proc.returncode}); stderr tail:\n{stderr[-4000:]}"
+    result = json.loads(lines[-1][len(RESULT_MARKER):])
+    assert result["ok"], f"{result['error']}\n{result['traceback']}\nstderr tail:\n{stderr[-4000:]}"
+    result["expected"] = expected
+    return result
+
+
+def test_workers_on_two_nodes_match_engine():
+    result = run_scenario()
+
+    # lossless across nodes: HTTP output == in-process engine == plain greedy, with real speculation
+    got = [o["token_ids"] for o in result["outputs"]]
+    assert got == result["expected"]
+    assert all(o["speculation"]["num_draft_tokens"] > 0 for o in result["outputs"])
+
+    # three live nodes: the head and one per fake GPU
+    nodes = result["nodes"]
+    assert len(nodes) == 3 and sum(n["head"] for n in nodes.values()) == 1
+    node_a = [nid for nid, n in nodes.items() if NODE_A in n["resources"]]
+    node_b = [nid for nid, n in nodes.items() if NODE_B in n["resources"]]
+    assert len(node_a) == 1 and len(node_b) == 1 and node_a != node_b
+
+    # the actors themselves report their nodes: target on A, draft on B
+    assert result["workers"] == {"target": node_a, "draft": node_b}
+
+    # and the coordinator's placement group put the bundles there, with the custom resources
+    (group,) = result["placement_groups"]
+    assert group["strategy"] == "SPREAD"
+    assert group["bundles"]["1"].get(NODE_A) == 1 and group["bundles"]["2"].get(NODE_B) == 1
+    assert group["bundles_to_node_id"]["1"] == node_a[0] and group["bundles_to_node_id"]["2"] == node_b[0]
+    print("timings", result["timings"])
