@@ -6,12 +6,10 @@ It knows token ids only (no tokenizer, no HTTP, no Ray). `generate` runs prompts
 from __future__ import annotations
 
 import itertools
-import time
 from dataclasses import dataclass
 
 import torch
 
-from .model_runner import RowInput
 from .proposers import DraftModelProposer, Proposer
 from .sampling import SamplingParams
 from .scheduler import SpeculationPolicy
@@ -133,18 +131,9 @@ class SpeculativeEngine:
 
     def calibrate(self, sizes: tuple[int, ...] = (1, 8, 32)) -> None:
         """Time each model on dummy rows of a few sizes so the policy starts from measurements."""
-        runners = [("target", self.verifier.runner)]
+        self.policy.observe_costs("target", self.verifier.runner.time_forwards(sizes))
         if isinstance(self.proposer, DraftModelProposer):
-            runners.append(("draft", self.proposer.runner))
-        forwards = []
-        for name, runner in runners:
-            for n in sizes:
-                began = time.perf_counter()
-                runner.forward([RowInput("__calibrate__", 0, [0] * n)], logits="last")
-                forwards.append((name, n, time.perf_counter() - began))
-            runner.free("__calibrate__")
-        for name, n, seconds in forwards:
-            (self.policy.target_cost if name == "target" else self.policy.draft_cost).observe(n, seconds)
+            self.policy.observe_costs("draft", self.proposer.runner.time_forwards(sizes))
 
 
 def model_eos_ids(model: torch.nn.Module) -> list[int]:

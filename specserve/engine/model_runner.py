@@ -137,6 +137,16 @@ class ModelRunner:
         self._record(began, sum(lengths), out)
         return out
 
+    def time_forwards(self, sizes: tuple[int, ...] = (1, 8, 32)) -> list[tuple[int, float]]:
+        """(tokens, seconds) of one forward over a dummy row of each size: seeds a cost model."""
+        timings = []
+        for n in sizes:
+            self.forward([RowInput("__calibrate__", 0, [0] * n)], logits="last")
+            timings.append((n, self.last_forward_seconds))
+        self.free("__calibrate__")
+        self.take_forward_log()
+        return timings
+
     def _record(self, began: float, num_tokens: int, out: torch.Tensor | None = None) -> None:
         if out is not None and out.is_cuda:
             torch.cuda.synchronize(out.device)

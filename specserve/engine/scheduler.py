@@ -95,6 +95,11 @@ class SpeculationPolicy:
         estimate.observe(num_accepted, num_draft, decay=0.9)
         self.global_alpha.observe(num_accepted, num_draft, decay=0.995)
 
+    def observe_costs(self, model: str, timings: list[tuple[int, float]]) -> None:
+        """(tokens, seconds) forwards of "target" or "draft" outside any step (calibration)."""
+        for n, seconds in timings:
+            (self.target_cost if model == "target" else self.draft_cost).observe(n, seconds)
+
     def observe_step(self, wall: float, forwards: list[tuple[str, int, float]]) -> None:
         """forwards: (model "target"|"draft", tokens, seconds) of each forward in the step."""
         for model, n, seconds in forwards:

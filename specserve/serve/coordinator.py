@@ -105,6 +105,9 @@ class Coordinator:
             limits.append(ray.get(self.draft.max_positions.remote()))
         self.max_model_len = min(x for x in limits if x) if any(limits) else 1 << 30
         self.policy = SpeculationPolicy(self.max_gamma, adaptive=config.speculation.adaptive)
+        if self.draft is not None and config.speculation.adaptive:  # start γ from measured costs
+            self.policy.observe_costs("target", ray.get(self.target.time_forwards.remote()))
+            self.policy.observe_costs("draft", ray.get(self.draft.time_forwards.remote()))
         self._waiting: deque[Sequence] = deque()
         self._running: dict[str, Sequence] = {}
         self._queues: dict[str, asyncio.Queue] = {}

@@ -64,6 +64,10 @@ class _Worker:
     def ready(self) -> bool:
         return True
 
+    def time_forwards(self) -> list[tuple[int, float]]:
+        """(tokens, seconds) of a few dummy forwards, so the coordinator's γ policy starts measured."""
+        return self.model.runner.time_forwards()
+
     def node_id(self) -> str:
         """The Ray node this actor runs on (hex id), for placement checks."""
         return ray.get_runtime_context().get_node_id()
