@@ -52,7 +52,10 @@ def _serve(args: argparse.Namespace) -> int:
         builder = getattr(importlib.import_module(module), attr)
         serve.run(builder(app.get("args", {})), name=app["name"], route_prefix=app.get("route_prefix", "/"))
         print(f"application {app['name']!r} ready at http://{host}:{port}{app.get('route_prefix', '/')}", flush=True)
-    signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops it as cleanly as Ctrl-C
+    # `kill` stops it as cleanly as Ctrl-C; SIGINT too when a shell started us in the background
+    # (which leaves SIGINT ignored).
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
     try:
         while True:
             time.sleep(3600)
