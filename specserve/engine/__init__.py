@@ -1,12 +1,16 @@
 """The speculative decoding engine: pure torch + transformers. Never imports ray or fastapi."""
 from .engine import CompletionOutput, SpeculativeEngine
 from .model_runner import CacheMiss, ModelRunner, RowInput
-from .proposers import DraftModelProposer, Proposal, Proposer
+from .proposers import (
+    DrafterSpec, DraftModelProposer, DraftModelSpec, LayerSkipProposer, LayerSkipSpec, PromptLookupProposer,
+    PromptLookupSpec, Proposal, Proposer,
+)
 from .sampling import SamplingParams
 from .step import RequestMetrics, StepOutput
 from .verifier import TargetVerifier, Verdict
 
 __all__ = [
-    "CacheMiss", "CompletionOutput", "DraftModelProposer", "ModelRunner", "Proposal", "Proposer",
+    "CacheMiss", "CompletionOutput", "DrafterSpec", "DraftModelProposer", "DraftModelSpec", "LayerSkipProposer",
+    "LayerSkipSpec", "ModelRunner", "PromptLookupProposer", "PromptLookupSpec", "Proposal", "Proposer",
     "RequestMetrics", "RowInput", "SamplingParams", "SpeculativeEngine", "StepOutput", "TargetVerifier", "Verdict",
 ]

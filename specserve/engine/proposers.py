@@ -5,15 +5,30 @@ draft tokens per row in the *target's* vocabulary, plus, when any row samples, t
 distributions q they were drawn from. Random numbers come from the caller (one uniform per draft
 token per row), so a proposer is a deterministic function and the caller owns each request's
 random stream.
+
+Three drafters, each chosen by a small frozen spec with `build(target, vocab_size, max_positions)`:
+
+- `DraftModelSpec`  -> `DraftModelProposer`: a separate, smaller causal LM.
+- `LayerSkipSpec`   -> `LayerSkipProposer`: the target itself with some decoder layers skipped
+  (self-speculative); a view that shares the target's weights, with its own KV cache.
+- `PromptLookupSpec` -> `PromptLookupProposer`: no model; copies what followed the most recent
+  earlier occurrence of the sequence's own suffix n-gram (prompt lookup / n-gram decoding).
+
+Every proposer keeps, per request, a prefix of the request's tokens (a KV cache or a token list)
+and reports its length through `valid_length`; a row whose `start` is below it rolls it back, one
+above it raises `CacheMiss`. After a call with G drafts a row holds its tokens plus its first
+G-1 drafts (the step's bookkeeping in `apply_verdict` relies on this).
 """
 from __future__ import annotations
 
+import copy
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from .model_runner import ModelRunner, RowInput
+from .model_runner import CacheMiss, ModelRunner, RowInput
 from .sampling import BatchSampling, logits_to_probs, sample_with_uniforms
 
 
@@ -55,6 +70,10 @@ class DraftModelProposer:
 
     def valid_length(self, request_id: str) -> int:
         return self.runner.valid_length(request_id)
+
+    @property
+    def max_positions(self) -> int | None:
+        return self.runner.max_positions
 
     def propose(
         self, rows: list[RowInput], num_tokens: int, sampling: BatchSampling, uniforms: torch.Tensor | None
@@ -105,3 +124,212 @@ class DraftModelProposer:
             return logits[:, :vocab]
         pad = logits.new_full((logits.shape[0], vocab - logits.shape[-1]), float("-inf"))
         return torch.cat([logits, pad], dim=-1)
+
+
+# -- layer skip (self-speculative) ----------------------------------------------------------------
+class LayerSkipProposer(DraftModelProposer):
+    """The target itself, minus `skip_layers`, as a draft (Draft & Verify / LayerSkip style).
+
+    No weight is copied: the draft is a view that shares the target's modules and runs only the
+    kept decoder layers, then the final norm and head. It has its own KV cache (the target's keys
+    come from different hidden states); each kept layer keeps its original index, and the slot
+    cache allocates storage lazily per index, so it holds keys for the kept layers only.
+    """
+
+    def __init__(
+        self, target: torch.nn.Module, skip_layers, vocab_size: int, max_positions: int | None = None
+    ) -> None:
+        view = layer_skip_view(target, skip_layers)
+        self.skip_layers: tuple[int, ...] = view.skip_layers
+        super().__init__(view, vocab_size, max_positions)
+
+
+def decoder_layers(model: torch.nn.Module) -> tuple[str, torch.nn.ModuleList]:
+    """(dotted path, module list) of a HF causal LM's decoder layers (`model.layers`, `transformer.h`, ...)."""
+    count = model.config.num_hidden_layers
+    for name, module in model.named_modules():
+        if name and isinstance(module, torch.nn.ModuleList) and len(module) == count:
+            return name, module
+    raise ValueError(f"cannot find the {count} decoder layers of {type(model).__name__}")
+
+
+def layer_skip_view(model: torch.nn.Module, skip_layers) -> torch.nn.Module:
+    """A module that runs `model` without the decoder layers in `skip_layers`; shares every weight.
+
+    The modules on the path from the root to the layer list are shallow copies (their own child
+    dicts, the same parameters and config); the layer list holds the kept layers themselves. The
+    model's own forward then runs unchanged over the shorter list, so an empty skip set computes
+    exactly what the target computes.
+    """
+    path, layers = decoder_layers(model)
+    skip = sorted({int(i) for i in skip_layers})
+    if any(not 0 <= i < len(layers) for i in skip):
+        raise ValueError(f"skip_layers must lie in [0, {len(layers)}), got {skip}")
+    keep = [i for i in range(len(layers)) if i not in set(skip)]
+    if not keep:
+        raise ValueError("a layer-skip draft must keep at least one layer")
+    # The config stays the target's: layer indices keep their meaning, and a HF cache built from it
+    # (e.g. a DynamicCache when the view runs outside the engine) has room for every index.
+    view = _shallow_module(model)
+    parent, names = view, path.split(".")
+    for name in names[:-1]:
+        child = _shallow_module(parent._modules[name])
+        parent._modules[name] = child
+        parent = child
+    parent._modules[names[-1]] = torch.nn.ModuleList([layers[i] for i in keep])
+    view.skip_layers = tuple(skip)
+    return view
+
+
+def _shallow_module(module: torch.nn.Module) -> torch.nn.Module:
+    clone = copy.copy(module)  # a new __dict__; the containers inside it are still shared
+    clone._modules = dict(module._modules)
+    clone._parameters = dict(module._parameters)
+    clone._buffers = dict(module._buffers)
+    clone.__dict__.pop("forward", None)  # an instance-level forward (an accelerate hook) is bound to the original
+    return clone
+
+
+# -- prompt lookup (n-gram) -----------------------------------------------------------------------
+class PromptLookupProposer:
+    """Proposes what followed the most recent earlier occurrence of the sequence's suffix n-gram.
+
+    The longest suffix of n tokens (min_n <= n <= max_n) that also occurs earlier in the request's
+    own tokens (prompt + output so far) wins; among its occurrences, the most recent. The drafts
+    are the tokens that followed it, continued periodically when they run into the end of the
+    sequence (a repeating pattern keeps repeating). No model runs.
+
+    Without a match the row still gets `num_tokens` drafts (the protocol is rectangular): copies of
+    its last token, which cost nothing to make and which the engine's adaptive γ sees as low
+    acceptance. A deterministic proposal is a valid q: one-hot at the proposed token, so the
+    rejection rule accepts it with probability p(x) and otherwise samples from p with x removed.
+    """
+
+    def __init__(self, vocab_size: int, min_n: int = 1, max_n: int = 3, max_positions: int | None = None) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
+        self.vocab_size = vocab_size  # V
+        self.min_n = min_n
+        self.max_n = max_n
+        self.max_positions = max_positions
+        self._tokens: dict[str, list[int]] = {}  # request id -> the prefix it holds (+ its last drafts)
+        self.num_lookups = 0  # rows proposed for, and how many of them found a match
+        self.num_matches = 0
+
+    def free(self, request_id: str) -> None:
+        self._tokens.pop(request_id, None)
+
+    def valid_length(self, request_id: str) -> int:
+        return len(self._tokens.get(request_id, ()))
+
+    def propose(
+        self, rows: list[RowInput], num_tokens: int, sampling: BatchSampling, uniforms: torch.Tensor | None
+    ) -> Proposal:
+        """rows: B rows; uniforms unused (the proposal is deterministic) -> Proposal with G = num_tokens."""
+        began = time.perf_counter()
+        for row in rows:  # check every row before touching any
+            if row.start > self.valid_length(row.request_id):
+                raise CacheMiss(row.request_id, self.valid_length(row.request_id), row.start)
+        drafts = []
+        for row in rows:
+            seq = self._tokens.setdefault(row.request_id, [])
+            del seq[row.start :]  # roll back to what the caller says is still valid
+            seq.extend(row.tokens)
+            draft = self.continuation(seq, num_tokens)
+            seq.extend(draft[: num_tokens - 1])  # held like a draft model's cache: tokens + G-1 drafts
+            drafts.append(draft)
+        tokens = torch.tensor(drafts, dtype=torch.long).view(len(rows), num_tokens)  # [B, G]
+        probs = None
+        if not sampling.all_greedy:
+            probs = torch.zeros(len(rows), num_tokens, self.vocab_size).scatter_(-1, tokens[..., None], 1.0)
+        # One entry so the policy's draft cost becomes known (and near zero): no model, no tokens.
+        return Proposal(tokens, probs, ((0, time.perf_counter() - began),))
+
+    def continuation(self, seq: list[int], num_tokens: int) -> list[int]:
+        """num_tokens drafts following `seq` (its last token repeated when nothing matches)."""
+        self.num_lookups += 1
+        start = find_continuation(seq, self.min_n, self.max_n) if num_tokens > 0 else None
+        if start is None:
+            return seq[-1:] * num_tokens
+        self.num_matches += 1
+        out: list[int] = []
+        for k in range(num_tokens):  # position start+k of seq + out; start < len(seq), so out[.] exists
+            i = start + k
+            out.append(seq[i] if i < len(seq) else out[i - len(seq)])
+        return out
+
+
+def find_continuation(tokens: list[int], min_n: int, max_n: int) -> int | None:
+    """Index j < L where the continuation of the best earlier match of the suffix starts, or None.
+
+    The match ending just before j is the longest (up to max_n, at least min_n) that equals the
+    sequence's suffix; ties go to the largest j (the most recent occurrence). O(L·max_n), vectorised.
+    """
+    length = len(tokens)
+    n = min(max_n, length - 1)
+    if n < min_n:
+        return None
+    seq = torch.tensor(tokens, dtype=torch.long)  # [L]
+    suffix = seq[length - n :].flip(0)  # [n], suffix[k] = seq[L-1-k]
+    padded = torch.cat([seq.new_full((n,), -1), seq[: length - 1]])  # [n + L - 1]
+    windows = padded.unfold(0, n, 1).flip(1)  # [L, n], windows[j, k] = seq[j-1-k] (-1 before the start)
+    matched = (windows == suffix).long().cumprod(dim=1).sum(dim=1)  # [L] suffix tokens matched ending at j-1
+    best = int(matched.max())
+    if best < min_n:
+        return None
+    return int((matched == best).nonzero()[-1])
+
+
+# -- drafter specs: what a configuration names, and how it becomes a proposer --------------------
+class DrafterSpec(Protocol):
+    """A drafter as configured: frozen, comparable, printable; `build` makes its proposer."""
+
+    def build(self, target_model: torch.nn.Module, vocab_size: int, max_positions: int | None) -> Proposer: ...
+
+
+@dataclass(frozen=True)
+class DraftModelSpec:
+    """A separate draft model (already loaded; sharing the target's tokenizer)."""
+
+    model: torch.nn.Module
+
+    def build(self, target_model: torch.nn.Module, vocab_size: int, max_positions: int | None) -> Proposer:
+        return DraftModelProposer(self.model, vocab_size, max_positions)
+
+
+@dataclass(frozen=True)
+class LayerSkipSpec:
+    """The target with these decoder layers skipped (indices into its layer list)."""
+
+    skip_layers: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "skip_layers", tuple(sorted({int(i) for i in self.skip_layers})))
+
+    @staticmethod
+    def every_other(num_layers: int) -> "LayerSkipSpec":
+        """The untuned baseline: skip layers 1, 3, 5, ... (keeps the first layer, about half the cost)."""
+        return LayerSkipSpec(tuple(range(1, num_layers, 2)))
+
+    def build(self, target_model: torch.nn.Module, vocab_size: int, max_positions: int | None) -> Proposer:
+        return LayerSkipProposer(target_model, self.skip_layers, vocab_size, max_positions)
+
+
+@dataclass(frozen=True)
+class PromptLookupSpec:
+    """Prompt lookup: match suffix n-grams of min_n..max_n tokens in the request's own tokens."""
+
+    min_n: int = 1
+    max_n: int = 3
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_n <= self.max_n:
+            raise ValueError(f"need 1 <= min_n <= max_n, got min_n={self.min_n}, max_n={self.max_n}")
+
+    def build(self, target_model: torch.nn.Module, vocab_size: int, max_positions: int | None) -> Proposer:
+        return PromptLookupProposer(vocab_size, self.min_n, self.max_n, max_positions)
+
+
+def target_vocab_size(model: torch.nn.Module) -> int:
+    """V: the size of the target's output head (what the verifier uses)."""
+    return int(model.get_output_embeddings().weight.shape[0])
