@@ -7,7 +7,7 @@ from specserve import SamplingParams, SpeculativeEngine
 from specserve.engine import CacheMiss, ModelRunner, RowInput
 from specserve.engine.rejection import greedy_accept, rejection_sample
 from specserve.engine.sampling import BatchSampling, logits_to_probs, sample_with_uniforms
-from specserve.engine.scheduler import LinearCost, SpeculationPolicy, expected_tokens
+from specserve.engine.scheduler import SpeculationPolicy, TokenCost, expected_tokens
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0)
 
@@ -198,12 +198,16 @@ def test_requests_up_to_the_context_limit(target, draft):
 
 
 # -- adaptive speculation length ------------------------------------------------------------------
-def test_linear_cost_fit():
-    cost = LinearCost()
-    for n in (1, 4, 16, 64, 1, 16):
-        cost.observe(n, 0.010 + 0.001 * n)
-    a, b = cost.coefficients()
-    assert abs(a - 0.010) < 1e-6 and abs(b - 0.001) < 1e-7
+def test_token_cost_interpolates_and_extrapolates():
+    cost = TokenCost(decay=0.5)
+    for n, seconds in ((1, 0.080), (2, 0.130), (8, 0.160), (64, 0.400)):
+        cost.observe(n, seconds)
+    assert cost.predict(2) == 0.130  # measured sizes are used as they are: 1 -> 2 is a jump
+    assert abs(cost.predict(5) - 0.145) < 1e-9  # between 2 and 8
+    assert cost.predict(128) > cost.predict(64)  # beyond: the last segment's slope
+    cost.observe(2, 0.150)
+    assert abs(cost.predict(2) - 0.140) < 1e-9  # running mean
+    assert TokenCost.bucket(1000) == TokenCost.bucket(1010) and TokenCost.bucket(64) == 64
 
 
 def policy_with(fixed: float, per_token: float, draft_fixed: float) -> SpeculationPolicy:
@@ -212,6 +216,16 @@ def policy_with(fixed: float, per_token: float, draft_fixed: float) -> Speculati
         policy.target_cost.observe(n, fixed + per_token * n)
         policy.draft_cost.observe(n, draft_fixed + per_token * n / 10)
     return policy
+
+
+def test_gamma_follows_measured_verify_widths():
+    """A CPU-like target whose 2-token forward costs 58% more than a 1-token one: speculating one
+    free draft pays only above α ≈ 0.58."""
+    policy = SpeculationPolicy(max_gamma=1)
+    for n, seconds in ((1, 0.082), (2, 0.129)):
+        policy.target_cost.observe(n, seconds)
+    policy.draft_cost.observe(1, 0.0)
+    assert policy.best_gamma([0.3]) == 0 and policy.best_gamma([0.8]) == 1
 
 
 def test_gamma_shrinks_as_batch_grows_and_turns_off_for_bad_drafts():

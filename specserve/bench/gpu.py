@@ -34,6 +34,7 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
+from specserve.engine.model_runner import CALIBRATION_SIZES
 from specserve.engine import Proposal, RowInput, SamplingParams, SpeculativeEngine
 from specserve.engine.model_runner import ModelRunner
 from specserve.engine.proposers import DraftModelProposer
@@ -228,7 +229,7 @@ def run_engine(section: str, target: torch.nn.Module, proposer, gamma: int | Non
     engine = SpeculativeEngine(target, num_speculative_tokens=0 if proposer is None else max_gamma,
                                adaptive=gamma is None, proposer=proposer, eos_token_ids=[])
     if gamma is None:
-        engine.calibrate(sizes=(batch, batch * (max_gamma + 1)))
+        engine.calibrate(sizes=tuple(sorted({*CALIBRATION_SIZES, batch, batch * (max_gamma + 1)})))
     seqs, seconds = generate(engine, prompts, ids, batch, max_new, device)
     run = Run(section, batch, gamma, alpha, sum(len(s.output) for s in seqs), seconds,
               outputs=[list(s.output) for s in seqs])

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .proposers import DraftModelProposer, Proposer
+from .model_runner import CALIBRATION_SIZES, ModelRunner
+from .proposers import DrafterSpec, DraftModelSpec, Proposer
 from .sampling import SamplingParams
 from .scheduler import SpeculationPolicy
 from .step import RequestMetrics, Sequence, StepOutput, new_sequence, speculative_step
@@ -37,17 +38,24 @@ class SpeculativeEngine:
         max_batch_size: int = 64,
         max_model_len: int | None = None,
         eos_token_ids: list[int] | None = None,
+        drafter: DrafterSpec | None = None,
         proposer: Proposer | None = None,
     ) -> None:
+        """What drafts, at most one of: draft_model, a separate draft model (shorthand for
+        drafter=DraftModelSpec(draft_model)); drafter, any drafter spec (layer skip, prompt
+        lookup, ...); proposer, a ready-made Proposer."""
         if num_speculative_tokens < 0:
             raise ValueError("num_speculative_tokens must be >= 0")
+        if sum(x is not None for x in (draft_model, drafter, proposer)) > 1:
+            raise ValueError("give at most one of draft_model, drafter and proposer")
+        if draft_model is not None:
+            drafter = DraftModelSpec(draft_model)
+        if drafter is None and proposer is None and num_speculative_tokens > 0:
+            raise ValueError("num_speculative_tokens > 0 needs a draft model, a drafter or a proposer")
         self.verifier = TargetVerifier(target_model, max_model_len)
-        limits = [self.verifier.runner.max_positions]
-        if proposer is None and draft_model is not None:
-            proposer = DraftModelProposer(draft_model, self.verifier.vocab_size, max_model_len)
-            limits.append(proposer.runner.max_positions)
-        if proposer is None and num_speculative_tokens > 0:
-            raise ValueError("num_speculative_tokens > 0 needs a draft model or a proposer")
+        if drafter is not None:
+            proposer = drafter.build(target_model, self.verifier.vocab_size, max_model_len)
+        limits = [self.verifier.runner.max_positions, getattr(proposer, "max_positions", None)]
         self.proposer = proposer
         self.max_model_len = min(x for x in limits if x) if any(limits) else 1 << 30
         self.max_batch_size = max_batch_size
@@ -56,6 +64,7 @@ class SpeculativeEngine:
         self._running: dict[str, Sequence] = {}
         self._waiting: dict[str, Sequence] = {}  # insertion order is arrival order
         self._ids = itertools.count()
+        self._calibrated = not (adaptive and num_speculative_tokens > 0)
 
     # -- incremental API ----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -78,7 +87,7 @@ class SpeculativeEngine:
     def num_cached(self) -> dict[str, int]:
         """Requests holding a cache slot, per model."""
         counts = {"target": self.verifier.runner.num_cached()}
-        if isinstance(self.proposer, DraftModelProposer):
+        if isinstance(getattr(self.proposer, "runner", None), ModelRunner):
             counts["draft"] = self.proposer.runner.num_cached()
         return counts
 
@@ -89,6 +98,8 @@ class SpeculativeEngine:
             self._running[request_id] = self._waiting.pop(request_id)
         if not self._running:
             return []
+        if not self._calibrated:
+            self.calibrate()
         seqs = list(self._running.values())
         outputs = speculative_step(seqs, self.proposer, self.verifier, self.policy)
         for seq in seqs:
@@ -129,10 +140,12 @@ class SpeculativeEngine:
         if self.proposer is not None:
             self.proposer.free(request_id)
 
-    def calibrate(self, sizes: tuple[int, ...] = (1, 8, 32)) -> None:
-        """Time each model on dummy rows of a few sizes so the policy starts from measurements."""
+    def calibrate(self, sizes: tuple[int, ...] = CALIBRATION_SIZES) -> None:
+        """Time each model on dummy rows of a few sizes so the policy starts from measurements
+        (done before the first step when γ is adaptive; a drafter with no model learns as it goes)."""
+        self._calibrated = True
         self.policy.observe_costs("target", self.verifier.runner.time_forwards(sizes))
-        if isinstance(self.proposer, DraftModelProposer):
+        if isinstance(getattr(self.proposer, "runner", None), ModelRunner):
             self.policy.observe_costs("draft", self.proposer.runner.time_forwards(sizes))
 
 

@@ -10,10 +10,20 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from .kv_cache import SlotKVCache
+
+
+class ForwardTiming(NamedTuple):
+    """One model forward, for the cost model: tokens it processed, seconds, and whether it was a
+    prefill (a backlog of known tokens, timed but kept out of the per-step cost fit)."""
+
+    tokens: int
+    seconds: float
+    prefill: bool = False
 
 
 @dataclass(frozen=True)
@@ -38,6 +48,9 @@ class CacheMiss(RuntimeError):
         return (CacheMiss, (self.request_id, self.valid_length, self.start))
 
 
+CALIBRATION_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 64)
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, max_positions: int | None = None) -> None:
         self.model = model.eval()
@@ -57,7 +70,7 @@ class ModelRunner:
         self._slot_owner: list[str] = []  # slot -> request id, dense
         self.last_forward_seconds = 0.0
         self.last_forward_tokens = 0
-        self._forward_log: list[tuple[int, float]] = []  # (tokens, seconds) per forward since last taken
+        self._forward_log: list[ForwardTiming] = []  # every forward since the log was last taken
 
     # -- bookkeeping ------------------------------------------------------------------------
     def valid_length(self, request_id: str) -> int:
@@ -128,8 +141,8 @@ class ModelRunner:
         ).logits  # [B, keep, V']
         for row, n in zip(rows, lengths):
             self._valid[row.request_id] = row.start + n
-        if logits == "none":
-            self._record(began, sum(lengths))
+        if logits == "none":  # only prefills ask for no logits
+            self._record(began, sum(lengths), prefill=True)
             return None
         if logits == "last":
             last = torch.tensor(lengths, device=out.device) - 1  # [B]
@@ -137,25 +150,31 @@ class ModelRunner:
         self._record(began, sum(lengths), out)
         return out
 
-    def time_forwards(self, sizes: tuple[int, ...] = (1, 8, 32)) -> list[tuple[int, float]]:
-        """(tokens, seconds) of one forward over a dummy row of each size: seeds a cost model."""
+    def time_forwards(self, sizes: tuple[int, ...] = CALIBRATION_SIZES) -> list[ForwardTiming]:
+        """One forward of each size (tokens) after a short context, twice, keeping the faster:
+        seeds a cost model. Sizes 1..8 cover the verify widths where a CPU's cost jumps most."""
+        context = [0] * 16
         timings = []
         for n in sizes:
-            self.forward([RowInput("__calibrate__", 0, [0] * n)], logits="last")
-            timings.append((n, self.last_forward_seconds))
+            best = float("inf")
+            for _ in range(2):
+                self.forward([RowInput("__calibrate__", 0, context)], logits="none")
+                self.forward([RowInput("__calibrate__", len(context), [0] * n)], logits="last")
+                best = min(best, self.last_forward_seconds)
+            timings.append(ForwardTiming(n, best))
         self.free("__calibrate__")
         self.take_forward_log()
         return timings
 
-    def _record(self, began: float, num_tokens: int, out: torch.Tensor | None = None) -> None:
+    def _record(self, began: float, num_tokens: int, out: torch.Tensor | None = None, prefill: bool = False) -> None:
         if out is not None and out.is_cuda:
             torch.cuda.synchronize(out.device)
         self.last_forward_seconds = time.perf_counter() - began
         self.last_forward_tokens = num_tokens
-        self._forward_log.append((num_tokens, self.last_forward_seconds))
+        self._forward_log.append(ForwardTiming(num_tokens, self.last_forward_seconds, prefill))
 
-    def take_forward_log(self) -> tuple[tuple[int, float], ...]:
-        """(tokens, seconds) of every forward since the last call, for the cost model."""
+    def take_forward_log(self) -> tuple[ForwardTiming, ...]:
+        """Every forward since the last call, for the cost model."""
         log, self._forward_log = tuple(self._forward_log), []
         return log
 

@@ -28,7 +28,7 @@ from typing import Protocol
 
 import torch
 
-from .model_runner import CacheMiss, ModelRunner, RowInput
+from .model_runner import CacheMiss, ForwardTiming, ModelRunner, RowInput
 from .sampling import BatchSampling, logits_to_probs, sample_with_uniforms
 
 
@@ -36,11 +36,11 @@ from .sampling import BatchSampling, logits_to_probs, sample_with_uniforms
 class Proposal:
     tokens: torch.Tensor  # [B, G] int64 target-vocabulary ids
     probs: torch.Tensor | None  # [B, G, V] float32 q of each draft token; None when every row is greedy
-    forwards: tuple[tuple[int, float], ...] = ()  # (tokens, seconds) of each model forward it took
+    forwards: tuple[ForwardTiming, ...] = ()  # each model forward it took
 
     @property
     def seconds(self) -> float:
-        return sum(s for _, s in self.forwards)
+        return sum(f.seconds for f in self.forwards)
 
 
 class Proposer(Protocol):
@@ -243,7 +243,7 @@ class PromptLookupProposer:
         if not sampling.all_greedy:
             probs = torch.zeros(len(rows), num_tokens, self.vocab_size).scatter_(-1, tokens[..., None], 1.0)
         # One entry so the policy's draft cost becomes known (and near zero): no model, no tokens.
-        return Proposal(tokens, probs, ((0, time.perf_counter() - began),))
+        return Proposal(tokens, probs, (ForwardTiming(0, time.perf_counter() - began),))
 
     def continuation(self, seq: list[int], num_tokens: int) -> list[int]:
         """num_tokens drafts following `seq` (its last token repeated when nothing matches)."""

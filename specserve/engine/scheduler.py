@@ -2,46 +2,63 @@
 
 A step with γ drafts per row costs γ draft forwards over B tokens plus one target forward over
 B(γ+1) tokens, and yields, per row with acceptance rate α, (1 - α^(γ+1)) / (1 - α) tokens in
-expectation. The policy fits each model's forward time as a + b·(tokens in the forward) from what
-it measures, estimates α per request (shrunk towards the running global rate), and picks the γ in
-[0, max_gamma] with the most expected tokens per second. As the batch grows the target's cost per
-token rises on compute-bound hardware, and γ falls, to 0 where speculation does not pay.
+expectation. The policy learns each model's forward time per number of tokens from what it
+measures (prefills excluded), estimates α per request (shrunk towards the running global rate),
+and picks the γ in [0, max_gamma] with the most expected tokens per second. As the batch grows the
+target's cost per token rises on compute-bound hardware, and γ falls, to 0 where speculation does
+not pay.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 
-class LinearCost:
-    """seconds ≈ a + b·n, fitted by exponentially weighted least squares over (n, seconds)."""
+class TokenCost:
+    """Seconds of one forward as a function of the tokens it processes, learned per size.
 
-    def __init__(self, decay: float = 0.98) -> None:
+    Cost is not linear in tokens: on a CPU going from 1 to 2 tokens costs much more than from 30 to
+    31 (a matrix-vector product becomes a matrix product), while on a GPU small sizes cost about
+    the same. So each size keeps its own running mean (sizes above 64 share buckets of 1/8 octave),
+    and an unmeasured size is interpolated between its measured neighbours.
+    """
+
+    def __init__(self, decay: float = 0.8) -> None:
         self.decay = decay
-        self._s = [0.0] * 5  # Σw, Σw·n, Σw·n², Σw·t, Σw·n·t
+        self._mean: dict[int, float] = {}  # bucket -> seconds
+
+    @staticmethod
+    def bucket(n: int) -> int:
+        if n <= 64:
+            return n
+        step = 1 << (n.bit_length() - 4)  # 8 buckets per octave
+        return round(n / step) * step
 
     def observe(self, n: int, seconds: float) -> None:
-        d = self.decay
-        w, wn, wnn, wt, wnt = (x * d for x in self._s)
-        self._s = [w + 1, wn + n, wnn + n * n, wt + seconds, wnt + n * seconds]
+        key = self.bucket(n)
+        old = self._mean.get(key)
+        self._mean[key] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
 
     @property
     def ready(self) -> bool:
-        return self._s[0] > 0
-
-    def coefficients(self) -> tuple[float, float]:
-        w, wn, wnn, wt, wnt = self._s
-        if w == 0:
-            return 0.0, 0.0
-        spread = w * wnn - wn * wn
-        if spread <= 1e-9 * max(w * wnn, 1e-30):  # one size seen so far: all cost is fixed
-            return wt / w, 0.0
-        b = max((w * wnt - wn * wt) / spread, 0.0)
-        a = max((wt - b * wn) / w, 0.0)
-        return a, b
+        return bool(self._mean)
 
     def predict(self, n: int) -> float:
-        a, b = self.coefficients()
-        return a + b * n
+        key = self.bucket(n)
+        if key in self._mean:
+            return self._mean[key]
+        sizes = sorted(self._mean)
+        lower = [k for k in sizes if k < key]
+        upper = [k for k in sizes if k > key]
+        if lower and upper:
+            lo, hi = lower[-1], upper[0]
+            return self._mean[lo] + (self._mean[hi] - self._mean[lo]) * (key - lo) / (hi - lo)
+        if upper:  # below every measured size: no cheaper than the smallest
+            return self._mean[upper[0]]
+        if len(lower) == 1:  # one size known: assume cost grows no faster than tokens
+            return self._mean[lower[0]] * max(key / max(lower[0], 1), 1.0)
+        lo, hi = lower[-2], lower[-1]  # extrapolate the last segment, never downwards
+        slope = max((self._mean[hi] - self._mean[lo]) / (hi - lo), 0.0)
+        return self._mean[hi] + slope * (key - hi)
 
 
 def expected_tokens(alpha: float, gamma: int) -> float:
@@ -79,8 +96,8 @@ class SpeculationPolicy:
         self.max_gamma = max_gamma
         self.adaptive = adaptive
         self.probe_every = probe_every
-        self.target_cost = LinearCost()
-        self.draft_cost = LinearCost()
+        self.target_cost = TokenCost()
+        self.draft_cost = TokenCost()
         self.overhead = 0.0  # host seconds per forward call, EMA
         self.global_alpha = AcceptanceEstimate()
         self.prior_alpha = prior_alpha
@@ -95,16 +112,19 @@ class SpeculationPolicy:
         estimate.observe(num_accepted, num_draft, decay=0.9)
         self.global_alpha.observe(num_accepted, num_draft, decay=0.995)
 
-    def observe_costs(self, model: str, timings: list[tuple[int, float]]) -> None:
-        """(tokens, seconds) forwards of "target" or "draft" outside any step (calibration)."""
-        for n, seconds in timings:
-            (self.target_cost if model == "target" else self.draft_cost).observe(n, seconds)
+    def observe_costs(self, model: str, timings) -> None:
+        """Forwards (ForwardTiming) of "target" or "draft" outside any step (calibration)."""
+        cost = self.target_cost if model == "target" else self.draft_cost
+        for f in timings:
+            cost.observe(f.tokens, f.seconds)
 
-    def observe_step(self, wall: float, forwards: list[tuple[str, int, float]]) -> None:
-        """forwards: (model "target"|"draft", tokens, seconds) of each forward in the step."""
-        for model, n, seconds in forwards:
-            (self.target_cost if model == "target" else self.draft_cost).observe(n, seconds)
-        host = max(wall - sum(s for _, _, s in forwards), 0.0) / max(len(forwards), 1)
+    def observe_step(self, wall: float, draft_forwards, target_forwards) -> None:
+        """A step's wall time and its forwards (ForwardTiming): prefills count as model time but
+        are kept out of the per-size costs, which describe decoding steps."""
+        for model, forwards in (("draft", draft_forwards), ("target", target_forwards)):
+            self.observe_costs(model, [f for f in forwards if not f.prefill])
+        forwards = [*draft_forwards, *target_forwards]
+        host = max(wall - sum(f.seconds for f in forwards), 0.0) / max(len(forwards), 1)
         self.overhead = host if self.overhead == 0.0 else 0.9 * self.overhead + 0.1 * host
 
     # -- what we decide -----------------------------------------------------------------------

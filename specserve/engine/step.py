@@ -227,6 +227,5 @@ def finish_step(
     outputs = apply_verdict(plan, proposal, verdict)
     for s, g, a in zip(plan.seqs, plan.num_draft.tolist(), verdict.num_accepted):
         policy.observe_acceptance(s.acceptance, a, g)
-    forwards = [("draft", n, sec) for n, sec in proposal.forwards] + [("target", n, sec) for n, sec in verdict.forwards]
-    policy.observe_step(time.perf_counter() - began, forwards)
+    policy.observe_step(time.perf_counter() - began, proposal.forwards, verdict.forwards)
     return outputs

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .model_runner import ModelRunner, RowInput
+from .model_runner import ForwardTiming, ModelRunner, RowInput
 from .rejection import AcceptResult, greedy_accept, rejection_sample
 from .sampling import BatchSampling, logits_to_probs, sample_with_uniforms
 
@@ -14,11 +14,11 @@ from .sampling import BatchSampling, logits_to_probs, sample_with_uniforms
 class Verdict:
     num_accepted: list[int]  # per row, accepted draft tokens
     next_token: list[int]  # per row, the recovered or bonus token
-    forwards: tuple[tuple[int, float], ...] = ()  # (tokens, seconds) of each model forward, prefill included
+    forwards: tuple[ForwardTiming, ...] = ()  # each model forward, prefill included
 
     @property
     def seconds(self) -> float:
-        return sum(s for _, s in self.forwards)
+        return sum(f.seconds for f in self.forwards)
 
 
 class TargetVerifier:

@@ -64,8 +64,8 @@ class _Worker:
     def ready(self) -> bool:
         return True
 
-    def time_forwards(self) -> list[tuple[int, float]]:
-        """(tokens, seconds) of a few dummy forwards, so the coordinator's γ policy starts measured."""
+    def time_forwards(self) -> list:
+        """ForwardTimings of a few dummy forwards, so the coordinator's γ policy starts measured."""
         return self.model.runner.time_forwards()
 
     def node_id(self) -> str:
