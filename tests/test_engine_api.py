@@ -244,3 +244,14 @@ def test_adaptive_engine_turns_off_a_useless_draft(target):
     assert out.token_ids == hf_greedy(target, [1, 2, 3], 60)
     # Speculation is off after the first steps, bar the periodic one-token probes.
     assert out.metrics.num_draft_tokens <= 4 * 3 + 60 // 16
+
+
+def test_probes_back_off_while_drafting_does_not_pay():
+    policy = SpeculationPolicy(max_gamma=4, probe_every=4)
+    policy.target_cost.observe(1, 0.08)
+    policy.target_cost.observe(2, 0.13)
+    policy.draft_cost.observe(1, 0.02)
+    chosen = [policy.choose([0.01]) for _ in range(60)]
+    probes = [i for i, g in enumerate(chosen) if g]
+    assert chosen[:3] == [0, 0, 0] and probes[:3] == [3, 11, 27]  # every 4, then 8, then 16 steps
+    assert policy.choose([0.95]) > 0  # good acceptance turns drafting straight back on

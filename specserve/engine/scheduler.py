@@ -102,6 +102,7 @@ class SpeculationPolicy:
         self.global_alpha = AcceptanceEstimate()
         self.prior_alpha = prior_alpha
         self._steps_without_drafts = 0
+        self._probe_interval = probe_every  # doubles after each probe that did not turn drafting back on
 
     # -- what we learn ----------------------------------------------------------------------
     def alpha(self, estimate: AcceptanceEstimate) -> float:
@@ -146,13 +147,16 @@ class SpeculationPolicy:
         return max(range(len(rates)), key=rates.__getitem__)
 
     def choose(self, alphas: list[float]) -> int:
-        """γ for the next step; after probe_every steps without drafts, one short probe step."""
+        """γ for the next step. While drafting does not pay, one short probe step (γ = 1) every
+        probe_every steps, backing off to 16x that while the probes keep finding it does not pay."""
         gamma = self.best_gamma(alphas)
-        if gamma == 0 and self.adaptive and self.max_gamma > 0:
-            self._steps_without_drafts += 1
-            if self._steps_without_drafts >= self.probe_every:
-                self._steps_without_drafts = 0
-                return 1
-        else:
+        if gamma > 0 or not self.adaptive or self.max_gamma == 0:
             self._steps_without_drafts = 0
-        return gamma
+            self._probe_interval = self.probe_every
+            return gamma
+        self._steps_without_drafts += 1
+        if self._steps_without_drafts < self._probe_interval:
+            return 0
+        self._steps_without_drafts = 0
+        self._probe_interval = min(2 * self._probe_interval, 16 * self.probe_every)
+        return 1
