@@ -141,7 +141,7 @@ def run_engine(target, proposer, gamma: int, prompts: list[list[int]], params: S
         result.steps += m.num_steps
         result.drafted += m.num_draft_tokens
         result.accepted += m.num_accepted_tokens
-        result.rejections += m.num_draft_steps - m.num_full_accept_steps
+        result.rejections += m.num_rejections
     result.extra["outputs"] = [o.token_ids for o in outs]
     return result
 

@@ -20,11 +20,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from specserve.bench import prompt_sets
+from specserve.bench.prompt_sets import SpeedAndAcceptance
 from specserve.engine import RowInput, SamplingParams, SpeculativeEngine
 from specserve.engine.model_runner import ModelRunner
 from specserve.engine.scheduler import expected_tokens
 
-PROMPTS_FILE = Path(__file__).with_name("prompts.jsonl")
 
 
 @dataclass
@@ -37,7 +38,7 @@ class Pair:
 
 
 @dataclass
-class Row:
+class Row(SpeedAndAcceptance):
     label: str
     gamma: int | None  # None = adaptive
     batch: int
@@ -51,38 +52,15 @@ class Row:
     extra: dict = field(default_factory=dict)
 
     @property
-    def tokens_per_second(self) -> float:
-        return self.tokens / self.seconds
-
-    @property
-    def alpha(self) -> float:
-        """Per-token acceptance probability under the geometric model (MLE)."""
-        trials = self.accepted + self.rejections
-        return self.accepted / trials if trials else 0.0
-
-    @property
     def mean_accepted_length(self) -> float:
         return self.tokens / self.steps if self.steps else 1.0
 
 
 # -- loading ------------------------------------------------------------------------------------
 def load_prompts(tokenizer, limit: int | None) -> tuple[list[list[int]], list[str]]:
-    records = [json.loads(line) for line in PROMPTS_FILE.read_text().splitlines() if line.strip()]
-    by_category: dict[str, list[dict]] = {}
-    for r in records:
-        by_category.setdefault(r["category"], []).append(r)
-    interleaved = [r for group in zip(*by_category.values()) for r in group]  # chat, code, summarise, ...
-    chosen = interleaved[:limit] if limit else records
-    ids = [_encode(tokenizer, r) for r in chosen]
-    return ids, [r["category"] for r in chosen]
-
-
-def _encode(tokenizer, record: dict) -> list[int]:
-    if record["chat"]:
-        messages = [{"role": "user", "content": record["prompt"]}]
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-    return tokenizer(record["prompt"], add_special_tokens=False)["input_ids"]
+    """The shipped prompt set, categories interleaved (chat, code, summarise, chat, ...)."""
+    chosen = prompt_sets.interleaved(prompt_sets.load_records(prompt_sets.GENERAL), limit)
+    return [prompt_sets.encode(tokenizer, r) for r in chosen], [r["category"] for r in chosen]
 
 
 def load_pair(kind: str, limit: int | None) -> Pair:
@@ -148,16 +126,11 @@ def run_engine(pair: Pair, gamma: int | None, max_gamma: int, prompts: list[list
         row.steps += m.num_steps
         row.drafted += m.num_draft_tokens
         row.accepted += m.num_accepted_tokens
-        row.rejections += _rejections(m)
+        row.rejections += m.num_rejections
     if reference is not None:
         row.identical = [o.token_ids for o in outs] == reference
     row.extra["outputs"] = [o.token_ids for o in outs]
     return row
-
-
-def _rejections(metrics) -> int:
-    """Steps in which some draft was rejected = steps that drafted minus steps that accepted them all."""
-    return metrics.num_draft_steps - metrics.num_full_accept_steps
 
 
 def run_hf(pair: Pair, prompts: list[list[int]], max_new: int, reference, assistant: torch.nn.Module | None) -> Row:

@@ -34,6 +34,7 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
+from specserve.bench.prompt_sets import SpeedAndAcceptance
 from specserve.engine.model_runner import CALIBRATION_SIZES
 from specserve.engine import Proposal, RowInput, SamplingParams, SpeculativeEngine
 from specserve.engine.model_runner import ModelRunner
@@ -170,7 +171,7 @@ class ControlledProposer:
 
 # -- measurements ---------------------------------------------------------------------------------
 @dataclass
-class Run:
+class Run(SpeedAndAcceptance):
     section: str
     batch: int
     gamma: int | None  # None: adaptive
@@ -183,16 +184,6 @@ class Run:
     rejections: int = 0
     identical: bool = True
     outputs: list[list[int]] = field(default_factory=list, repr=False)
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.tokens / self.seconds if self.seconds else 0.0
-
-    @property
-    def alpha(self) -> float:
-        """Per-token acceptance probability under the geometric model (MLE)."""
-        trials = self.accepted + self.rejections
-        return self.accepted / trials if trials else 0.0
 
     @property
     def mean_gamma(self) -> float:
@@ -238,7 +229,7 @@ def run_engine(section: str, target: torch.nn.Module, proposer, gamma: int | Non
         run.steps += m.num_steps
         run.drafted += m.num_draft_tokens
         run.accepted += m.num_accepted_tokens
-        run.rejections += m.num_draft_steps - m.num_full_accept_steps
+        run.rejections += m.num_rejections
     if reference is not None:
         run.identical = run.outputs == reference
     return run

@@ -1,4 +1,5 @@
-"""Prompt sets for benchmarks and tuning: JSON lines of {"category", "chat", "prompt"}."""
+"""Prompt sets for benchmarks and tuning (JSON lines of {"category", "chat", "prompt"}), and what
+every benchmark row reports of a run."""
 from __future__ import annotations
 
 import json
@@ -37,3 +38,22 @@ def encode(tokenizer, record: dict) -> list[int]:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return tokenizer(text, add_special_tokens=False)["input_ids"]
     return tokenizer(record["prompt"], add_special_tokens=False)["input_ids"]
+
+
+class SpeedAndAcceptance:
+    """For benchmark rows that count tokens, seconds, accepted drafts and rejections."""
+
+    tokens: int
+    seconds: float
+    accepted: int
+    rejections: int
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def alpha(self) -> float:
+        """Per-token acceptance probability under the geometric model (MLE)."""
+        trials = self.accepted + self.rejections
+        return self.accepted / trials if trials else 0.0

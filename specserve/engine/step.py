@@ -41,6 +41,11 @@ class RequestMetrics:
             self.accepted_per_position[j] += 1
 
     @property
+    def num_rejections(self) -> int:
+        """Steps in which a draft was rejected: the failures of the geometric acceptance model."""
+        return self.num_draft_steps - self.num_full_accept_steps
+
+    @property
     def acceptance_rate(self) -> float:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 

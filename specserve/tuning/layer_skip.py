@@ -93,7 +93,7 @@ class Evaluator:
         tokens = sum(len(o.token_ids) for o in outs)
         steps = sum(o.metrics.num_steps for o in outs)
         accepted = sum(o.metrics.num_accepted_tokens for o in outs)
-        rejections = sum(o.metrics.num_draft_steps - o.metrics.num_full_accept_steps for o in outs)
+        rejections = sum(o.metrics.num_rejections for o in outs)
         return tokens / seconds, steps, tokens, accepted, rejections
 
     def evaluate(self, skip: tuple[int, ...]) -> Evaluation:
