@@ -2,6 +2,8 @@
 
     AppConfig
       served_model_name, max_batch_size, max_model_len
+      max_queued_requests, max_cached_tokens   overload: bounded waiting queue, KV-cache token budget
+      api_key                                  optional Bearer key (or env SPECSERVE_API_KEY)
       target / draft:   ModelSource  (tiny | smollm2 | hf)
       speculation:      SpeculationConfig
       ingress / coordinator: DeploymentConfig (Serve resources, autoscaling, max_ongoing_requests)
@@ -149,6 +151,15 @@ class AppConfig(_Strict):
     speculation: SpeculationConfig = SpeculationConfig()
     max_batch_size: int = Field(32, ge=1)
     max_model_len: int | None = Field(None, ge=2)  # default: the models' own limit
+    # Overload, per coordinator replica: requests waiting for the running batch beyond this are
+    # refused (HTTP 429 + Retry-After); 0 = no waiting at all (admit or refuse).
+    max_queued_requests: int = Field(256, ge=0)
+    # KV-cache budget per worker, in tokens: a request reserves prompt + max_tokens while it runs,
+    # and admission waits while the running reservations would exceed this (None: no budget).
+    max_cached_tokens: int | None = Field(None, ge=2)
+    # Bearer key every route but /health requires (None: the environment's SPECSERVE_API_KEY, if
+    # set, else no authentication). Prefer the environment: a config's args are stored by Serve.
+    api_key: str | None = Field(None, min_length=1)
     ingress: DeploymentConfig = DeploymentConfig(resources=Resources(num_cpus=0.1))
     coordinator: DeploymentConfig = DeploymentConfig(resources=Resources(num_cpus=0.1))
     target_worker: Resources = Resources()

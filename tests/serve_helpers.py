@@ -23,20 +23,58 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_local_serve(port: int) -> str:
-    """Ray on 2 CPUs bound to 127.0.0.1, Serve's proxy on 127.0.0.1:port, the tiny app deployed."""
+def start_local_serve(port: int, metrics_port: int | None = None) -> str:
+    """Ray on 2 CPUs bound to 127.0.0.1, Serve's proxy on 127.0.0.1:port, the tiny app deployed.
+    With metrics_port, Ray's Prometheus endpoint is http://127.0.0.1:metrics_port/metrics, flushed
+    every second."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a throwaway local cluster on loopback only
     import ray
     from ray import serve
 
     from specserve.serve.app import build_app
 
+    extra = {}
+    if metrics_port is not None:
+        extra = {"_metrics_export_port": metrics_port, "_system_config": {"metrics_report_interval_ms": 1000}}
     ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
-             namespace="specserve-tests")
+             namespace="specserve-tests", **extra)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     spec = tiny_app_spec()
     serve.run(build_app(spec["args"]), name=spec["name"], route_prefix=spec["route_prefix"])
     return f"http://127.0.0.1:{port}"
+
+
+def deploy_app(name: str, route_prefix: str, **overrides) -> None:
+    """Another application of the tiny models beside the session's one (args of tiny.yaml + overrides)."""
+    from ray import serve
+
+    from specserve.serve.app import build_app
+
+    serve.run(build_app({**tiny_app_spec()["args"], **overrides}), name=name, route_prefix=route_prefix)
+
+
+def scrape(metrics_port: int) -> dict[tuple[str, frozenset], float]:
+    """Ray's Prometheus text -> {(name, labels without Ray's per-process ones): value summed over processes}."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
+    drop = {"WorkerId", "SessionName", "NodeAddress", "Version", "Component", "otel_scope_name",
+            "otel_scope_schema_url", "otel_scope_version"}
+    out: dict[tuple[str, frozenset], float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if "specserve" not in sample.name:
+                continue
+            key = (sample.name, frozenset((k, v) for k, v in sample.labels.items() if k not in drop))
+            out[key] = out.get(key, 0.0) + sample.value
+    return out
+
+
+def metric(samples: dict, name: str, **labels: str) -> float:
+    """The sum of every series of `name` whose labels include `labels`."""
+    want = set(labels.items())
+    return sum(v for (n, lab), v in samples.items() if n == name and want <= set(lab))
 
 
 def stop_local_serve() -> None:

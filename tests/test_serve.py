@@ -8,14 +8,16 @@ from __future__ import annotations
 import json
 import random
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
 
 from models import hf_greedy
-from serve_helpers import (cache_counts, coordinator_replicas, free_port, start_local_serve, stop_local_serve,
-                           tiny_app_spec, wait_for, worker_actors)
+from serve_helpers import (cache_counts, coordinator_replicas, deploy_app, free_port, metric, scrape,
+                           start_local_serve, stop_local_serve, tiny_app_spec, wait_for, worker_actors)
 
 pytestmark = [pytest.mark.serve, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 MODEL = "tiny"
@@ -24,9 +26,12 @@ PROMPTS = ["Hello", "The quick brown fox", "a", "Speculative decoding is lossles
            "héllo wörld → ok"]
 
 
+METRICS_PORT = free_port()
+
+
 @pytest.fixture(scope="session")
 def server():
-    url = start_local_serve(free_port())
+    url = start_local_serve(free_port(), metrics_port=METRICS_PORT)
     yield url
     stop_local_serve()
 
@@ -227,16 +232,45 @@ def test_killed_worker_restarts_and_output_is_unchanged(server, http, kind):
     body = {"model": MODEL, "prompt": f"restart the {kind}", "max_tokens": 300, "temperature": 0.0,
             "ignore_eos": True}
     expected = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
-    texts = []
+    texts, arrivals, killed, back = [], [], [], []
+
+    def wait_until_back(actors, pids) -> None:  # a new process answers in the killed one's place
+        deadline = time.monotonic() + 120
+        for actor, old in zip(actors, pids):
+            while time.monotonic() < deadline:
+                try:
+                    if ray.get(actor.pid.remote(), timeout=30) != old:
+                        break
+                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                    pass
+                time.sleep(0.05)
+        back.append(time.monotonic())
+
+    watcher = None
     with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
         for i, event in enumerate(sse_events_iter(r)):
+            arrivals.append(time.monotonic())
             if i == 2:
-                for actor in worker_actors(kind):
+                actors = worker_actors(kind)
+                pids = [ray.get(actor.pid.remote()) for actor in actors]
+                for actor in actors:
                     ray.kill(actor, no_restart=False)
+                killed.append(time.monotonic())
+                watcher = threading.Thread(target=wait_until_back, args=(actors, pids), daemon=True)
+                watcher.start()
             if event != "[DONE]":
                 assert "error" not in event, event
                 texts.append(event["choices"][0]["text"])
     assert "".join(texts) == expected
+    watcher.join(timeout=130)
+    assert back, "the worker did not come back"
+    if kind == "draft":
+        # requests went on target-only while the draft restarted, then speculation resumed
+        during = [t for t in arrivals if killed[0] < t < back[0]]
+        assert len(during) >= 3, (len(during), back[0] - killed[0])
+        assert http.get("/v1/stats").json()["target_only_steps"] > 0
+        assert wait_for(lambda: http.get("/v1/stats").json()["draft_available"], timeout=30)
+        assert complete(http, "speculating again")["speculation"]["num_draft_tokens"] > 0
     assert wait_for(lambda: all(c == 0 for c in cache_counts()), timeout=30), cache_counts()
 
 
@@ -245,6 +279,144 @@ def sse_events_iter(response):
         if line.startswith("data: "):
             payload = line[len("data: "):]
             yield payload if payload == "[DONE]" else json.loads(payload)
+
+
+# -- metrics through Ray's Prometheus endpoint add up against the responses -------------------------------
+SPEC = "ray_specserve_spec_decode_"
+
+
+def _counters() -> dict[str, float]:
+    samples = scrape(METRICS_PORT)
+    return {
+        "draft": metric(samples, SPEC + "num_draft_tokens_total", model_name=MODEL),
+        "accepted": metric(samples, SPEC + "num_accepted_tokens_total", model_name=MODEL),
+        "per_pos": metric(samples, SPEC + "num_accepted_tokens_per_pos_total", model_name=MODEL),
+        "generated": metric(samples, "ray_specserve_generation_tokens_total", model_name=MODEL),
+        "ttft": metric(samples, "ray_specserve_time_to_first_token_seconds_count", model_name=MODEL),
+        "success": metric(samples, "ray_specserve_request_success_total", model_name=MODEL),
+    }
+
+
+def test_prometheus_metrics_add_up(server, http):
+    settled: list[dict] = []
+
+    def quiet() -> bool:  # two scrapes (flushed every second) agree: nothing left in flight
+        settled.append(_counters())
+        return len(settled) > 1 and settled[-1] == settled[-2]
+
+    assert wait_for(quiet, timeout=60, interval=2.5)
+    before = settled[-1]
+    bodies = [complete(http, p, max_tokens=16) for p in PROMPTS[:4]]
+    stream_body = {"model": MODEL, "prompt": "metrics stream", "max_tokens": 20, "temperature": 0.0,
+                   "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    with http.stream("POST", "/v1/completions", json=stream_body) as r:
+        bodies.append(sse_events(r)[-2])  # the usage chunk carries usage + speculation
+    draft = sum(b["speculation"]["num_draft_tokens"] for b in bodies)
+    accepted = sum(b["speculation"]["num_accepted_tokens"] for b in bodies)
+    generated = sum(b["usage"]["completion_tokens"] for b in bodies)
+    assert draft > 0
+    want = {"draft": draft, "accepted": accepted, "per_pos": accepted, "generated": generated,
+            "ttft": len(bodies), "success": len(bodies)}
+    deltas: list[dict] = []
+
+    def arrived() -> bool:
+        now = _counters()
+        deltas.append({k: now[k] - before[k] for k in want})
+        return deltas[-1] == want
+
+    assert wait_for(arrived, timeout=45, interval=1), (deltas[-1], want)
+    samples = scrape(METRICS_PORT)
+    for gauge in ("num_requests_running", "num_requests_waiting", "spec_decode_acceptance_rate",
+                  "kv_cache_usage_tokens", "kv_cache_reserved_tokens", "draft_available"):
+        assert any(n == f"ray_specserve_{gauge}" for n, _ in samples), gauge
+    assert 0 < metric(samples, SPEC + "acceptance_rate", model_name=MODEL) <= 1
+    assert metric(samples, "ray_specserve_inter_token_latency_seconds_count", model_name=MODEL) > 0
+    positions = {dict(lab).get("position") for n, lab in samples if n == SPEC + "num_accepted_tokens_per_pos_total"}
+    assert "0" in positions
+
+
+# -- prompts and outputs stay out of the logs ------------------------------------------------------------
+def test_prompt_and_output_not_in_serve_logs(http):
+    import ray
+
+    marker = "okapi-marmalade-7f3a-prompt"
+    body = complete(http, marker, max_tokens=24)
+    output = body["choices"][0]["text"]
+    chat = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": marker}],
+                                                   "max_tokens": 8})
+    assert chat.status_code == 200
+    assert http.post("/v1/completions", json={"model": MODEL, "prompt": marker, "top_p": 7}).status_code == 400
+    time.sleep(2)  # let the log files flush
+    logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs"
+    files = [f for f in logs.rglob("*") if f.is_file() and f.stat().st_size < 64 << 20]
+    assert any("serve" in str(f) for f in files)
+    hits = [f for f in files if marker.encode() in f.read_bytes()
+            or (len(output) >= 16 and output.encode() in f.read_bytes())]
+    assert not hits, hits
+
+
+# -- overload: a bounded waiting queue (429) and a KV-cache token budget ---------------------------------
+LIMITS = {"served_model_name": "tiny-limits", "max_batch_size": 8, "max_queued_requests": 2,
+          "max_cached_tokens": 250,
+          "coordinator": {"resources": {"num_cpus": 0.1}, "autoscaling": {"min_replicas": 1, "max_replicas": 1},
+                          "max_ongoing_requests": 64}}
+
+
+class TestLimits:
+    """A second application of the same tiny models: batch 8, 2 waiting at most, 250 cached tokens."""
+
+    @pytest.fixture(scope="class")
+    def limited(self, server):
+        from ray import serve
+
+        deploy_app("specserve-limits", "/limits", **LIMITS)
+        with httpx.Client(base_url=f"{server}/limits", timeout=120) as client:
+            yield client
+        serve.delete("specserve-limits")
+
+    @staticmethod
+    def _body(prompt: str, max_tokens: int = 100) -> dict:
+        return {"model": "tiny-limits", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                "ignore_eos": True, "return_token_ids": True}
+
+    def test_token_budget_admits_in_turn(self, http, limited):
+        prompts = [f"budget {i}" for i in range(4)]  # 8 + 100 tokens reserved each: 2 fit in 250
+        expected = [complete(http, p, max_tokens=100)["choices"][0]["token_ids"] for p in prompts]
+        assert limited.post("/v1/stats/reset").status_code == 200
+        with ThreadPoolExecutor(4) as pool:
+            responses = list(pool.map(lambda p: limited.post("/v1/completions", json=self._body(p)), prompts))
+        assert [r.status_code for r in responses] == [200] * 4, [r.text for r in responses]
+        assert [r.json()["choices"][0]["token_ids"] for r in responses] == expected
+        stats = limited.get("/v1/stats").json()
+        assert stats["running_peak"] == 2 and stats["reserved_tokens_peak"] <= 250, stats
+        assert stats["running"] == 0 and stats["reserved_tokens"] == 0
+        # a request that can never fit the budget is refused, not queued forever
+        r = limited.post("/v1/completions", json=self._body("too big", max_tokens=300))
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+
+    def test_burst_beyond_queue_gets_429_with_retry_after(self, http, limited):
+        prompts = [f"burst {i:02d}" for i in range(12)]
+        expected = {p: complete(http, p, max_tokens=100)["choices"][0]["token_ids"] for p in prompts}
+        barrier = threading.Barrier(len(prompts))
+
+        def send(prompt):
+            barrier.wait()
+            return prompt, limited.post("/v1/completions", json=self._body(prompt))
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            results = list(pool.map(send, prompts))
+        refused = [r for _, r in results if r.status_code == 429]
+        served = [(p, r) for p, r in results if r.status_code == 200]
+        assert len(refused) + len(served) == len(prompts), [r.status_code for _, r in results]
+        assert refused and len(served) >= 4
+        for r in refused:
+            err = r.json()["error"]
+            assert err["code"] == "queue_full" and err["type"] == "rate_limit_error" and err["message"]
+            assert int(r.headers["retry-after"]) >= 1
+        for prompt, r in served:
+            assert r.json()["choices"][0]["token_ids"] == expected[prompt]
+        stats = limited.get("/v1/stats").json()
+        assert stats["rejected_queue_full"] >= len(refused) and stats["reserved_tokens_peak"] <= 250
 
 
 # -- autoscaling: a second draft+target group comes and goes ------------------------------------------

@@ -67,7 +67,11 @@ async def one_request(client: httpx.AsyncClient, model: str, max_tokens: int, rn
                     if payload == "[DONE]":
                         done = True
                         break
-                    event = json.loads(payload)
+                    try:
+                        event = json.loads(payload)
+                    except ValueError:
+                        tally.outcomes["bad_sse_event"] += 1
+                        return 0.5
                     if "error" in event:
                         tally.outcomes[f"sse_error_{event['error'].get('code')}"] += 1
                         return 0.5
@@ -97,7 +101,11 @@ async def client_loop(i: int, client, model, args, tally: Tally, deadline: float
     rng = random.Random(args.seed * 100003 + i)
     await asyncio.sleep(rng.random() * min(5.0, args.minutes * 6))  # ramp up over a few seconds
     while time.monotonic() < deadline:
-        wait = await one_request(client, model, args.max_tokens, rng, tally, args.request_timeout)
+        try:
+            wait = await one_request(client, model, args.max_tokens, rng, tally, args.request_timeout)
+        except Exception as err:  # count it, keep the client going
+            tally.outcomes[f"client_{type(err).__name__}"] += 1
+            wait = 0.5
         if wait:
             await asyncio.sleep(min(wait, max(deadline - time.monotonic(), 0)))
 

@@ -9,6 +9,16 @@ workers hold KV caches. An asyncio loop runs the engine's step protocol remotely
 
 Requests join (admission up to max_batch_size) and leave (finish, abort) between steps. The maths
 is the engine's (`specserve.engine.step`); this file only moves data and futures around.
+
+Overload and memory: at most `max_queued_requests` wait for the running batch (beyond: `Rejected`
+with code "queue_full", which the ingress answers with 429 + Retry-After); with `max_cached_tokens`
+set, a request reserves prompt + max_tokens of the workers' KV caches while it runs, and admission
+(FIFO) waits while the running reservations would exceed the budget.
+
+Worker failures: a TargetWorker that dies is restarted by Ray and the step waits for it (no target,
+no tokens). A DraftWorker that dies does not stall anyone: steps run target-only (γ = 0, still the
+target's own tokens) until a background probe sees the restarted draft answer, then speculation
+resumes and the draft rebuilds its caches from the coordinator's tokens (cache misses).
 """
 from __future__ import annotations
 
@@ -35,11 +45,13 @@ from specserve.engine.step import (
 )
 from specserve.engine.verifier import Verdict
 
+from .metrics import CoordinatorMetrics
 from .workers import DraftWorker, Reply, TargetWorker
 
 logger = logging.getLogger("specserve.coordinator")
 WORKER_NAMESPACE = "specserve"
 _CALL_ATTEMPTS = 4
+_DRAFT_TIMEOUT_MIN_S = 0.5  # a propose call slower than max(this, 20 x its usual time): draft gone
 
 
 # -- messages between ingress and coordinator ------------------------------------------------------
@@ -59,7 +71,7 @@ class Accepted:
 @dataclass(frozen=True)
 class Rejected:
     message: str
-    code: str  # "context_length_exceeded" | "invalid_prompt" | "duplicate_request_id"
+    code: str  # "context_length_exceeded" | "invalid_prompt" | "duplicate_request_id" | "queue_full"
 
 
 @dataclass(frozen=True)
@@ -115,7 +127,22 @@ class Coordinator:
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self._records: deque[StepRecord] = deque(maxlen=4096)
-        self._totals = {"spec_decode_num_draft_tokens": 0, "spec_decode_num_accepted_tokens": 0, "steps": 0}
+        self._totals = {"spec_decode_num_draft_tokens": 0, "spec_decode_num_accepted_tokens": 0, "steps": 0,
+                        "target_only_steps": 0, "rejected_queue_full": 0, "running_peak": 0,
+                        "reserved_tokens_peak": 0}
+        # overload / memory: reservations (prompt + max_tokens) of the running requests
+        self.max_cached_tokens = config.max_cached_tokens
+        self._reservations: dict[str, int] = {}
+        self._reserved = 0
+        # draft failure: target-only steps while the draft restarts
+        self._draft_ok = self.draft is not None
+        self._draft_watch: asyncio.Task | None = None
+        self._target_only = SpeculationPolicy(0, adaptive=False)
+        self._draft_call_s = 0.05  # EMA of a propose call's wall time
+        # metrics: arrival and last-emission times per request (TTFT, inter-token latency)
+        self.metrics = CoordinatorMetrics(config.served_model_name)
+        self.metrics.set(self.metrics.draft_available, float(self._draft_ok))
+        self._timing: dict[str, list[float | None]] = {}
 
     # -- API (called through DeploymentHandles) ---------------------------------------------------
     def info(self) -> dict:
@@ -139,9 +166,23 @@ class Coordinator:
             code = "context_length_exceeded" if isinstance(err, ContextLengthExceeded) else "invalid_prompt"
             yield Rejected(str(err), code)
             return
+        need = _reservation(seq)
+        if self.max_cached_tokens is not None and need > self.max_cached_tokens:
+            yield Rejected(f"prompt ({len(seq.prompt)} tokens) + max_tokens ({seq.params.max_tokens}) exceeds the "
+                           f"KV-cache budget of {self.max_cached_tokens} tokens", "context_length_exceeded")
+            return
+        self._admit()  # (so that `waiting` counts only requests that really must wait)
+        if len(self._waiting) >= self.config.max_queued_requests and not self._fits_now(need):
+            self._totals["rejected_queue_full"] += 1
+            self.metrics.inc(self.metrics.request_rejected, 1, reason="queue_full")
+            yield Rejected(f"the server is overloaded ({len(self._waiting)} requests waiting); retry later",
+                           "queue_full")
+            return
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = queue
+        self._timing[rid] = [time.monotonic(), None]
         self._waiting.append(seq)
+        self.metrics.inc(self.metrics.prompt_tokens, len(seq.prompt))
         self._wake.set()
         finished = False
         try:
@@ -152,6 +193,7 @@ class Coordinator:
                 yield item
         finally:
             self._queues.pop(rid, None)
+            self._timing.pop(rid, None)
             if not finished:
                 self._aborted.add(rid)
                 self._wake.set()
@@ -174,11 +216,30 @@ class Coordinator:
             except (asyncio.TimeoutError, ActorUnavailableError):
                 pass
 
-    def stats(self) -> dict:
-        """This replica's step timings (p50 over the last <= 4096 steps) and speculation totals."""
+    async def memory(self) -> dict:
+        """Resident memory (bytes) of this replica's process and workers, and the workers' KV-cache
+        storage; a worker that does not answer within 5 s (restarting) is left out."""
+        from .workers import _rss_bytes
+
+        out: dict = {"coordinator": {"rss_bytes": _rss_bytes()}}
+        for name, worker in (("target", self.target), ("draft", self.draft)):
+            if worker is None:
+                continue
+            try:
+                out[name] = await asyncio.wait_for(asyncio.ensure_future(worker.memory.remote()), timeout=5)
+            except (asyncio.TimeoutError, RayActorError):
+                pass
+        return out
+
+    async def stats(self) -> dict:
+        """This replica's step timings (p50 over the last <= 4096 steps), speculation totals, admission
+        state and memory."""
         recs = list(self._records)
         out = {"replica": _replica_tag(), "running": len(self._running), "waiting": len(self._waiting),
-               **self._totals}
+               **self._totals, "draft_available": self._draft_ok, "reserved_tokens": self._reserved,
+               "max_cached_tokens": self.max_cached_tokens,
+               "max_queued_requests": self.config.max_queued_requests,
+               "kv_cache_usage_tokens": self._kv_usage(), "memory": await self.memory()}
         if recs:
             out.update({
                 "step_wall_p50_ms": 1e3 * statistics.median(r.wall for r in recs),
@@ -210,25 +271,75 @@ class Coordinator:
             seqs = list(self._running.values())
             try:
                 outputs = await self._step(seqs, self.policy)
+                self._publish(outputs)
+                self._update_gauges()
             except Exception as err:  # a worker died for good, or a bug: fail these, keep serving
-                logger.exception("step failed")
-                self._fail(seqs, f"{type(err).__name__}: {err}")
-                continue
-            self._publish(outputs)
+                logger.exception("step failed")  # (the exception text holds no prompt or output)
+                self._fail([s for s in seqs if s.request_id in self._running], f"{type(err).__name__}: {err}")
+
+    def _fits_now(self, need: int) -> bool:
+        """Whether a request reserving `need` tokens would join the running batch at once."""
+        if self._waiting or len(self._running) >= self.config.max_batch_size:
+            return False
+        return self.max_cached_tokens is None or self._reserved + need <= self.max_cached_tokens
 
     def _admit(self) -> None:
+        """FIFO into the running batch while it has room and the KV-cache budget allows (no
+        overtaking: a large request at the head waits rather than starve)."""
         while self._waiting and len(self._running) < self.config.max_batch_size:
-            seq = self._waiting.popleft()
+            seq = self._waiting[0]
+            need = _reservation(seq)
+            if self.max_cached_tokens is not None and self._reserved + need > self.max_cached_tokens:
+                break
+            self._waiting.popleft()
             self._running[seq.request_id] = seq
+            self._reservations[seq.request_id] = need
+            self._reserved += need
+        totals = self._totals
+        totals["running_peak"] = max(totals["running_peak"], len(self._running))
+        totals["reserved_tokens_peak"] = max(totals["reserved_tokens_peak"], self._reserved)
+        self._update_gauges()
+
+    def _kv_usage(self) -> dict[str, int]:
+        usage = {"target": sum(s.target_len for s in self._running.values())}
+        if self.draft is not None:
+            usage["draft"] = sum(s.draft_len for s in self._running.values())
+        return usage
+
+    def _update_gauges(self) -> None:
+        m = self.metrics
+        m.set(m.running, len(self._running))
+        m.set(m.waiting, len(self._waiting))
+        for worker, tokens in self._kv_usage().items():
+            m.set(m.kv_usage, tokens, worker=worker)
+        m.set(m.kv_reserved, self._reserved)
+        m.set(m.kv_usage_perc, self._reserved / self.max_cached_tokens if self.max_cached_tokens else 0.0)
 
     async def _step(self, seqs: list[Sequence], policy: SpeculationPolicy) -> list[StepOutput]:
         began = time.perf_counter()
+        if not self._draft_ok:
+            policy = self._target_only
         plan = plan_step(seqs, policy)
         proposal, in_workers = empty_proposal(len(seqs)), 0.0
         if plan.num_positions > 0:
-            reply = await self._call(self.draft.propose, seqs, "draft_len", lambda: (
-                plan.draft_rows(), plan.num_positions, plan.sampling, plan.draft_uniforms))
-            proposal, in_workers = reply.result, reply.seconds
+            try:
+                # A call to a dead actor fails; one to a restarting actor waits until it is back, so
+                # a draft answering far slower than usual counts as gone too.
+                called = time.perf_counter()
+                reply = await asyncio.wait_for(self._call(self.draft.propose, seqs, "draft_len", lambda: (
+                    plan.draft_rows(), plan.num_positions, plan.sampling, plan.draft_uniforms), retry=False),
+                    timeout=max(_DRAFT_TIMEOUT_MIN_S, 20 * self._draft_call_s))
+                proposal, in_workers = reply.result, reply.seconds
+                self._draft_call_s = 0.9 * self._draft_call_s + 0.1 * (time.perf_counter() - called)
+            except (RayActorError, asyncio.TimeoutError) as err:
+                # The draft is gone (restarting): re-plan this very step without it. Greedy rows are
+                # unaffected; seeded sampled rows draw fresh numbers (same distribution, another sample).
+                self._draft_lost(err)
+                policy = self._target_only
+                plan = plan_step(seqs, policy)
+        if policy is self._target_only and self.draft is not None:
+            self._totals["target_only_steps"] += 1
+            self.metrics.inc(self.metrics.target_only_steps, 1)
         reply = await self._call(self.target.verify, seqs, "target_len", lambda: (
             plan.target_rows(), proposal.tokens, proposal.probs, plan.num_draft, plan.sampling,
             plan.accept_uniforms, plan.final_uniforms))
@@ -238,14 +349,15 @@ class Coordinator:
                                 len(seqs), plan.num_positions), plan, reply.result)
         return outputs
 
-    async def _call(self, method, seqs: list[Sequence], mark: str, make_args) -> Reply:
-        """Call a worker; on cache misses move the rows' marks back and resend; retry a restarting actor."""
+    async def _call(self, method, seqs: list[Sequence], mark: str, make_args, retry: bool = True) -> Reply:
+        """Call a worker; on cache misses move the rows' marks back and resend; retry a restarting
+        actor (retry=False: raise RayActorError at once)."""
         by_id = {s.request_id: s for s in seqs}
         for attempt in range(_CALL_ATTEMPTS):
             try:
                 reply: Reply = await method.remote(*make_args())
             except RayActorError as err:
-                if attempt + 1 == _CALL_ATTEMPTS:
+                if attempt + 1 == _CALL_ATTEMPTS or not retry:
                     raise
                 logger.warning("worker call failed (%s); retrying once it restarts", type(err).__name__)
                 await asyncio.sleep(min(2.0**attempt, 5.0))  # Ray queues calls while it restarts
@@ -256,16 +368,65 @@ class Coordinator:
                 setattr(by_id[rid], mark, valid)
         raise RuntimeError(f"worker still misses caches after {_CALL_ATTEMPTS} attempts")
 
+    def _draft_lost(self, err: Exception) -> None:
+        """Go target-only until the draft answers again (a background probe), then speculate again."""
+        if self._draft_ok:
+            logger.warning("draft worker unavailable (%s): target-only steps until it is back", type(err).__name__)
+        self._draft_ok = False
+        self.metrics.set(self.metrics.draft_available, 0.0)
+        if self._draft_watch is None or self._draft_watch.done():
+            self._draft_watch = asyncio.get_running_loop().create_task(self._watch_draft())
+
+    async def _watch_draft(self) -> None:
+        delay = 0.2
+        while True:
+            try:  # calls to a restarting actor are queued by Ray until it is alive again
+                await asyncio.wait_for(asyncio.ensure_future(self.draft.ready.remote()), timeout=60)
+                break
+            except (asyncio.TimeoutError, RayActorError):
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 5.0)
+        logger.warning("draft worker back: speculation resumes")
+        self._draft_ok = True
+        self.metrics.set(self.metrics.draft_available, 1.0)
+
     def _record(self, record: StepRecord, plan: StepPlan, verdict: Verdict) -> None:
         self._records.append(record)
         self._totals["steps"] += 1
-        self._totals["spec_decode_num_draft_tokens"] += int(plan.num_draft.sum())
-        self._totals["spec_decode_num_accepted_tokens"] += sum(verdict.num_accepted)
+        num_draft = plan.num_draft.tolist()
+        drafted, accepted = sum(num_draft), sum(verdict.num_accepted)
+        self._totals["spec_decode_num_draft_tokens"] += drafted
+        self._totals["spec_decode_num_accepted_tokens"] += accepted
+        m = self.metrics
+        m.inc(m.num_drafts, sum(1 for g in num_draft if g > 0))
+        m.inc(m.num_draft_tokens, drafted)
+        m.inc(m.num_accepted_tokens, accepted)
+        per_pos = [0] * max(num_draft, default=0)
+        for a in verdict.num_accepted:
+            for j in range(a):
+                per_pos[j] += 1
+        for j, count in enumerate(per_pos):
+            m.inc(m.accepted_per_pos, count, position=str(j))
+        if drafted:
+            total = self._totals["spec_decode_num_draft_tokens"]
+            m.set(m.acceptance_rate, self._totals["spec_decode_num_accepted_tokens"] / total)
 
     # -- requests leaving ---------------------------------------------------------------------
     def _publish(self, outputs: list[StepOutput]) -> None:
-        done = []
+        done, now, mx = [], time.monotonic(), self.metrics
         for out in outputs:
+            timing = self._timing.get(out.request_id)
+            if timing is not None and out.new_token_ids:
+                arrival, last = timing
+                if last is None:
+                    mx.observe(mx.ttft, now - arrival)
+                else:
+                    for _ in out.new_token_ids:
+                        mx.observe(mx.itl, (now - last) / len(out.new_token_ids))
+                timing[1] = now
+            mx.inc(mx.generation_tokens, len(out.new_token_ids))
+            if out.finish_reason is not None:
+                mx.inc(mx.request_success, 1, finished_reason=out.finish_reason)
             seq = self._running[out.request_id]
             queue = self._queues.get(out.request_id)
             if queue is not None:
@@ -297,6 +458,7 @@ class Coordinator:
             return
         for rid in request_ids:
             self._running.pop(rid, None)
+            self._reserved -= self._reservations.pop(rid, 0)
         self.target.free.remote(request_ids)
         if self.draft is not None:
             self.draft.free.remote(request_ids)
@@ -311,6 +473,12 @@ def _merge(items: list) -> Delta | Failed:
     last = items[-1]
     tokens = [t for d in items for t in d.token_ids]
     return Delta(tokens, last.finish_reason, last.num_draft_tokens, last.num_accepted_tokens, last.num_steps)
+
+
+def _reservation(seq: Sequence) -> int:
+    """KV-cache tokens a request may come to hold on each worker: prompt + max_tokens (capped at
+    the context; drafts beyond a row's limit go to clamped positions, see engine.step.plan_step)."""
+    return min(len(seq.prompt) + seq.params.max_tokens, seq.max_positions)
 
 
 def _drain(queue: asyncio.Queue) -> list:

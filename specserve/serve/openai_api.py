@@ -8,8 +8,18 @@ Extensions beyond OpenAI's fields: `top_k` (0 or -1 = off), `ignore_eos`, `retur
 (non-streaming), and `num_speculative_tokens` (a per-request cap on γ, 0 = no speculation; at most
 the configured γ).
 Responses carry a `speculation` object (draft tokens, accepted tokens, steps) next to `usage`.
+
+Operations: an optional Bearer key (config `api_key`, else env SPECSERVE_API_KEY) guards every route
+but /health (401 without it); a full coordinator queue is a 429 with Retry-After; a coordinator
+replica lost mid-request is a 503 (or, once a stream has started, an SSE error event then [DONE]).
+Prompts and outputs are never logged.
+
+`OpenAIServer` is the plain class (routes on the module-level FastAPI `app`); `OpenAIIngress` is
+that class as a Serve deployment. Tests may run the routes in process with another coordinator.
 """
+import hmac
 import json
+import os
 import time
 import uuid
 from dataclasses import dataclass
@@ -20,6 +30,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
+from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -33,16 +44,28 @@ from .text import IncrementalDetokenizer, StopStrings
 # -- errors --------------------------------------------------------------------------------------
 class OpenAIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type_: str = "invalid_request_error") -> None:
+                 type_: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 def _error_response(err: OpenAIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status)
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+RETRY_AFTER_S = 1  # what a 429 (full queue) or 503 (engine lost / unavailable) tells clients to wait
+
+
+def overloaded(message: str) -> OpenAIError:
+    return OpenAIError(429, message, None, "queue_full", "rate_limit_error", {"Retry-After": str(RETRY_AFTER_S)})
+
+
+def unavailable(message: str) -> OpenAIError:
+    return OpenAIError(503, message, None, "engine_unavailable", "server_error", {"Retry-After": str(RETRY_AFTER_S)})
 
 
 # -- request schemas -----------------------------------------------------------------------------
@@ -55,9 +78,9 @@ class _SamplingRequest(BaseModel):
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1)  # extension
+    temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int = Field(0, ge=-1, le=2**31 - 1)  # extension
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stop: str | list[str] | None = None
     stream: bool = False
@@ -65,8 +88,8 @@ class _SamplingRequest(BaseModel):
     user: str | None = None
     # accepted only at their no-op values (anything else is a clear 400)
     n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(0.0, allow_inf_nan=False)
+    frequency_penalty: float = Field(0.0, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None
     # extensions
     ignore_eos: bool = False
@@ -162,7 +185,11 @@ class Piece:
 
 
 class _StreamFailed(RuntimeError):
-    pass
+    """A request that ended in failure after it was accepted: `error` is what the client is told."""
+
+    def __init__(self, error: OpenAIError) -> None:
+        super().__init__(error.message)
+        self.error = error
 
 
 class _Generation:
@@ -236,7 +263,7 @@ class _Format:
                     yield _sse(chunk)
                     first = False
         except _StreamFailed as err:
-            yield _sse(OpenAIError(500, str(err), None, "engine_error", "server_error").body())
+            yield _sse(err.error.body())
         finally:
             await pieces.aclose()
             self.gen.close()
@@ -248,8 +275,14 @@ class _Format:
         yield "data: [DONE]\n\n"
 
 
+# Characters that JSON leaves raw but some line splitters (Python's str.splitlines, used by
+# several SSE clients) treat as line breaks: escaped, so that one event is always one line.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029",
+                              "\x1c": "\\u001c", "\x1d": "\\u001d", "\x1e": "\\u001e"})
+
+
 def _sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    return f"data: {json.dumps(payload, ensure_ascii=False).translate(_LINE_BREAKS)}\n\n"
 
 
 app = FastAPI(title="specserve", docs_url=None, redoc_url=None)
@@ -277,9 +310,7 @@ async def _http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
     return _error_response(OpenAIError(err.status_code, str(err.detail), None, code))
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0.1})
-@serve.ingress(app)
-class OpenAIIngress:
+class OpenAIServer:
     def __init__(self, coordinator: DeploymentHandle, config: AppConfig) -> None:
         from specserve.models.loading import load_tokenizer
 
@@ -287,6 +318,8 @@ class OpenAIIngress:
         self.config = config
         self.tokenizer = load_tokenizer(config)
         self._info: dict | None = None
+        key = config.api_key or os.environ.get("SPECSERVE_API_KEY") or None
+        self._api_key = key.encode() if key else None
 
     async def info(self) -> dict:
         if self._info is None:
@@ -299,7 +332,8 @@ class OpenAIIngress:
         return {"status": "ok"}
 
     @app.get("/v1/models")
-    async def models(self) -> dict:
+    async def models(self, request: Request) -> dict:
+        self._authorize(request)
         info = await self.info()
         return {"object": "list", "data": [{
             "id": self.config.served_model_name, "object": "model", "created": 0, "owned_by": "specserve",
@@ -307,17 +341,20 @@ class OpenAIIngress:
         }]}
 
     @app.get("/v1/stats")
-    async def stats(self) -> dict:
+    async def stats(self, request: Request) -> dict:
         """Step timings of the coordinator replica the router picks (one replica: the whole picture)."""
+        self._authorize(request)
         return await self.coordinator.stats.remote()
 
     @app.post("/v1/stats/reset")
-    async def reset_stats(self) -> dict:
+    async def reset_stats(self, request: Request) -> dict:
+        self._authorize(request)
         await self.coordinator.reset_stats.remote()
         return {"status": "ok"}
 
     @app.post("/v1/completions")
-    async def completions(self, body: CompletionRequest):
+    async def completions(self, body: CompletionRequest, request: Request):
+        self._authorize(request)
         self._check(body)
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
@@ -329,7 +366,8 @@ class OpenAIIngress:
         return await self._respond(body, ids, body.max_tokens, chat=False)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(self, body: ChatCompletionRequest):
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request):
+        self._authorize(request)
         self._check(body)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
@@ -343,6 +381,18 @@ class OpenAIIngress:
         return await self._respond(body, ids, max_tokens, chat=True)
 
     # -- helpers ----------------------------------------------------------------------------------
+    def _authorize(self, request: Request) -> None:
+        """With an API key configured, require `Authorization: Bearer <key>` (constant-time compare)."""
+        if self._api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise OpenAIError(401, "missing API key: send 'Authorization: Bearer <key>'", None, "missing_api_key",
+                              headers={"WWW-Authenticate": "Bearer"})
+        if not hmac.compare_digest(token.strip().encode(), self._api_key):
+            raise OpenAIError(401, "incorrect API key provided", None, "invalid_api_key",
+                              headers={"WWW-Authenticate": "Bearer"})
+
     def _check(self, body: _SamplingRequest) -> None:
         if body.model != self.config.served_model_name:
             raise OpenAIError(404, f"model {body.model!r} does not exist; this server serves "
@@ -365,14 +415,18 @@ class OpenAIIngress:
         gen = _Generation(stream)
         try:
             first = await stream.__anext__()  # Accepted | Rejected: validation errors before any SSE
+        except BackPressureError as err:  # Serve's own queue in front of the coordinators is full
+            gen.close()
+            raise overloaded("the server is overloaded; retry later") from err
         except Exception as err:
             gen.close()
-            raise OpenAIError(503, f"the engine is unavailable: {type(err).__name__}", None, "engine_unavailable",
-                              "server_error") from err
+            raise unavailable(f"the engine is unavailable: {type(err).__name__}") from err
         except BaseException:
             gen.close()
             raise
         if isinstance(first, Rejected):
+            if first.code == "queue_full":
+                raise overloaded(first.message)
             param = "max_tokens" if first.code == "context_length_exceeded" else "prompt"
             raise OpenAIError(400, first.message, param, first.code)
         assert isinstance(first, Accepted)
@@ -384,18 +438,19 @@ class OpenAIIngress:
         try:
             return await fmt.whole(pieces, body.return_token_ids)
         except _StreamFailed as err:
-            raise OpenAIError(500, str(err), None, "engine_error", "server_error") from err
+            raise err.error from err
 
     async def _pieces(self, gen: "_Generation", prompt_ids: list[int], stops: list[str]) -> AsyncIterator[Piece]:
         """Coordinator Deltas -> text pieces. Cancels the coordinator stream if it ends early
         (stop string, client gone), which aborts the request and frees its caches."""
         detok, stopper = IncrementalDetokenizer(self.tokenizer, prompt_ids), StopStrings(stops)
         token_ids: list[int] = []
+        stream = _guarded(gen.stream)
         try:
-            async for item in gen.stream:
+            async for item in stream:
                 if isinstance(item, Failed):
                     gen.finished = True
-                    raise _StreamFailed(item.message)
+                    raise _StreamFailed(OpenAIError(500, item.message, None, "engine_error", "server_error"))
                 assert isinstance(item, Delta)
                 token_ids.extend(item.token_ids)
                 final = item.finish_reason is not None
@@ -410,4 +465,20 @@ class OpenAIIngress:
                 if out:
                     yield Piece(out, None, len(token_ids), spec, token_ids)
         finally:
+            await stream.aclose()
             gen.close()
+
+
+async def _guarded(stream) -> AsyncIterator:
+    """The coordinator stream, with a lost replica (its process died: Serve restarts it, but the
+    request's state died with it) turned into a clear, retryable 503 error."""
+    try:
+        async for item in stream:
+            yield item
+    except Exception as err:
+        raise _StreamFailed(unavailable(
+            f"the engine replica serving this request was lost ({type(err).__name__}); the request did not "
+            "complete, retry it")) from err
+
+
+OpenAIIngress = serve.deployment(ray_actor_options={"num_cpus": 0.1})(serve.ingress(app)(OpenAIServer))

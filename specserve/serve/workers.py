@@ -8,6 +8,7 @@ the same way: its constructor signature does not survive Ray's exception picklin
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -64,6 +65,13 @@ class _Worker:
     def ready(self) -> bool:
         return True
 
+    def pid(self) -> int:
+        return os.getpid()
+
+    def memory(self) -> dict[str, int]:
+        """This process's resident memory and the bytes its KV-cache storage holds (for stats / soak)."""
+        return {"rss_bytes": _rss_bytes(), "kv_cache_bytes": self.model.runner.cache.memory_bytes()}
+
     def time_forwards(self) -> list:
         """ForwardTimings of a few dummy forwards, so the coordinator's γ policy starts measured."""
         return self.model.runner.time_forwards()
@@ -114,6 +122,12 @@ class DraftWorker(_Worker):
         self, rows: list[RowInput], num_tokens: int, sampling: BatchSampling, uniforms: torch.Tensor | None
     ) -> Reply:
         return self._run(rows, lambda: self.model.propose(rows, num_tokens, sampling, uniforms))
+
+
+def _rss_bytes() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
 
 
 def _assigned_gpus() -> list[int]:
