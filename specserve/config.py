@@ -74,6 +74,42 @@ class HFSource(_Strict):
 ModelSource = Annotated[Union[TinySource, SmolLM2Source, HFSource], Field(discriminator="kind")]
 
 
+# -- drafters that run inside the target worker (a separate draft model is `draft:`) -------------
+class LayerSkipDrafter(_Strict):
+    """Self-speculation: the target's own weights with these decoder layers skipped (see
+    `specserve.tuning.layer_skip` for a search over skip sets). Shares the target's GPU memory."""
+
+    kind: Literal["layer_skip"] = "layer_skip"
+    skip_layers: tuple[int, ...] = Field(min_length=1)
+
+    def engine_spec(self):
+        from specserve.engine.proposers import LayerSkipSpec
+
+        return LayerSkipSpec(self.skip_layers)
+
+
+class PromptLookupDrafter(_Strict):
+    """Prompt lookup: copies what followed the latest earlier match of the request's suffix n-gram."""
+
+    kind: Literal["prompt_lookup"] = "prompt_lookup"
+    min_n: int = Field(1, ge=1)
+    max_n: int = Field(3, ge=1)
+
+    @model_validator(mode="after")
+    def _order(self) -> "PromptLookupDrafter":
+        if self.min_n > self.max_n:
+            raise ValueError("prompt_lookup: min_n must be <= max_n")
+        return self
+
+    def engine_spec(self):
+        from specserve.engine.proposers import PromptLookupSpec
+
+        return PromptLookupSpec(self.min_n, self.max_n)
+
+
+ColocatedDrafter = Annotated[Union[LayerSkipDrafter, PromptLookupDrafter], Field(discriminator="kind")]
+
+
 # -- speculation and resources -------------------------------------------------------------------
 class SpeculationConfig(_Strict):
     num_speculative_tokens: int = Field(4, ge=0, le=16)  # γ, the most drafts per row and step
@@ -146,7 +182,8 @@ class DeploymentConfig(_Strict):
 class AppConfig(_Strict):
     served_model_name: str = Field(min_length=1)
     target: ModelSource
-    draft: ModelSource | None = None
+    draft: ModelSource | None = None  # a separate draft model, in its own worker and bundle
+    drafter: ColocatedDrafter | None = None  # or a drafter inside the target worker (no draft model)
     tokenizer: str | None = None  # a local tokenizer directory; default: the target's
     speculation: SpeculationConfig = SpeculationConfig()
     max_batch_size: int = Field(32, ge=1)
@@ -168,15 +205,19 @@ class AppConfig(_Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> "AppConfig":
-        if self.draft is None and self.speculation.num_speculative_tokens > 0:
-            raise ValueError("speculation.num_speculative_tokens > 0 needs a draft model (or set it to 0)")
+        if self.draft is not None and self.drafter is not None:
+            raise ValueError("give either a draft model (draft) or a drafter (drafter), not both")
+        if self.draft is None and self.drafter is None and self.speculation.num_speculative_tokens > 0:
+            raise ValueError("speculation.num_speculative_tokens > 0 needs a draft model or a drafter (or set it to 0)")
         if self.draft is not None and self.draft.kind != self.target.kind and "tiny" in (self.draft.kind, self.target.kind):
             raise ValueError("a tiny draft only fits a tiny target (they share the byte tokenizer)")
         return self
 
     def coordinator_bundles(self) -> list[dict[str, float]]:
-        """[coordinator, target worker, draft worker]: one placement group per coordinator replica."""
-        return [self.coordinator.resources.bundle(), self.target_worker.bundle(), self.draft_worker.bundle()]
+        """[coordinator, target worker, draft worker (only with a draft model)]: one placement group
+        per coordinator replica."""
+        bundles = [self.coordinator.resources.bundle(), self.target_worker.bundle()]
+        return bundles + ([self.draft_worker.bundle()] if self.draft is not None else [])
 
 
 def load_app_config(args: dict) -> AppConfig:

@@ -444,3 +444,26 @@ def test_autoscaling_adds_and_removes_a_group(server):
     assert scaled_up and two_groups
     assert wait_for(lambda: coordinator_replicas(app) == 1 and len(worker_actors("target")) == 1,
                     timeout=60, interval=1)
+
+
+@pytest.mark.parametrize("drafter", [{"kind": "prompt_lookup", "min_n": 1, "max_n": 3},
+                                     {"kind": "layer_skip", "skip_layers": [1]}])
+def test_colocated_drafter_is_lossless_over_http(http, server, drafter):
+    """A drafter that lives inside the target worker (no draft worker, no draft bundle)."""
+    from ray import serve
+
+    name = f"specserve-{drafter['kind']}"
+    deploy_app(name, f"/{drafter['kind']}", draft=None, drafter=drafter,
+               speculation={"num_speculative_tokens": 3, "adaptive": False})
+    prompts = ["abcabcabcabc", "the cat sat on the mat, the cat sat on"]
+    expected = [complete(http, p, max_tokens=24)["choices"][0]["token_ids"] for p in prompts]
+    try:
+        with httpx.Client(base_url=f"{server}/{drafter['kind']}", timeout=120) as client:
+            for prompt, want in zip(prompts, expected):
+                body = {"model": "tiny", "prompt": prompt, "max_tokens": 24, "temperature": 0.0,
+                        "ignore_eos": True, "return_token_ids": True}
+                got = client.post("/v1/completions", json=body).json()
+                assert got["choices"][0]["token_ids"] == want
+                assert got["speculation"]["num_draft_tokens"] > 0
+    finally:
+        serve.delete(name)

@@ -18,7 +18,7 @@ def test_every_config_validates_and_builds(path):
 
     for app in yaml.safe_load(path.read_text())["applications"]:
         config = load_app_config(app["args"])
-        assert len(config.coordinator_bundles()) == 3
+        assert len(config.coordinator_bundles()) == (3 if config.draft is not None else 2)
         build_app(app["args"])
 
 
@@ -68,3 +68,22 @@ def test_stop_strings_hold_back_and_cut():
     assert "".join(o for o, _ in out) == "abc " and out[-1][1] is True
     plain = StopStrings(["zzz"])
     assert plain.feed("abcz", False) == ("ab", False) and plain.feed("", True) == ("cz", False)
+
+
+def test_drafter_config_is_either_a_draft_model_or_a_colocated_drafter():
+    from specserve.config import AppConfig
+    from specserve.engine.proposers import LayerSkipSpec, PromptLookupSpec
+
+    base = {"served_model_name": "m", "target": {"kind": "tiny"}}
+    lookup = AppConfig.model_validate({**base, "drafter": {"kind": "prompt_lookup", "min_n": 2, "max_n": 4}})
+    assert lookup.drafter.engine_spec() == PromptLookupSpec(2, 4) and len(lookup.coordinator_bundles()) == 2
+    skip = AppConfig.model_validate({**base, "drafter": {"kind": "layer_skip", "skip_layers": [3, 1]}})
+    assert skip.drafter.engine_spec() == LayerSkipSpec((1, 3))
+    with_draft = AppConfig.model_validate({**base, "draft": {"kind": "tiny", "noise": 0.1}})
+    assert len(with_draft.coordinator_bundles()) == 3
+    for bad in ({"draft": {"kind": "tiny"}, "drafter": {"kind": "prompt_lookup"}},
+                {"drafter": {"kind": "prompt_lookup", "min_n": 3, "max_n": 2}},
+                {"drafter": {"kind": "layer_skip", "skip_layers": []}},
+                {"drafter": {"kind": "medusa"}}):
+        with pytest.raises(ValueError):
+            AppConfig.model_validate({**base, **bad})

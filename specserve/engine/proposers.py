@@ -52,6 +52,8 @@ class Proposer(Protocol):
 
     def valid_length(self, request_id: str) -> int: ...
 
+    def num_cached(self) -> int: ...
+
 
 class DraftModelProposer:
     """A smaller causal LM that shares the target's tokenizer, with its own KV cache slots.
@@ -70,6 +72,9 @@ class DraftModelProposer:
 
     def valid_length(self, request_id: str) -> int:
         return self.runner.valid_length(request_id)
+
+    def num_cached(self) -> int:
+        return self.runner.num_cached()
 
     @property
     def max_positions(self) -> int | None:
@@ -221,6 +226,9 @@ class PromptLookupProposer:
 
     def valid_length(self, request_id: str) -> int:
         return len(self._tokens.get(request_id, ()))
+
+    def num_cached(self) -> int:
+        return len(self._tokens)
 
     def propose(
         self, rows: list[RowInput], num_tokens: int, sampling: BatchSampling, uniforms: torch.Tensor | None

@@ -106,14 +106,17 @@ class Coordinator:
         tag = _replica_tag()
         threads = config.target_worker.torch_threads
         self.target = _actor(TargetWorker, config.target_worker, 1, f"{tag}:target").remote(
-            config.target, config.max_model_len, threads)
+            config.target, config.max_model_len, threads, config.drafter)
         info = ray.get(self.target.info.remote())
         self.vocab_size, self.eos_token_ids = info.vocab_size, info.eos_token_ids
         limits = [config.max_model_len, info.max_positions]
-        self.draft = None
+        self.draft = None  # the remote methods of the draft side (ProposerSide), if anything drafts
         if config.draft is not None:
-            self.draft = _actor(DraftWorker, config.draft_worker, 2, f"{tag}:draft").remote(
-                config.draft, info.vocab_size, config.max_model_len, config.draft_worker.torch_threads)
+            self.draft = ProposerSide.of_draft_worker(_actor(DraftWorker, config.draft_worker, 2, f"{tag}:draft").remote(
+                config.draft, info.vocab_size, config.max_model_len, config.draft_worker.torch_threads))
+        elif config.drafter is not None:
+            self.draft = ProposerSide.colocated(self.target)
+        if self.draft is not None:
             limits.append(ray.get(self.draft.max_positions.remote()))
         self.max_model_len = min(x for x in limits if x) if any(limits) else 1 << 30
         self.policy = SpeculationPolicy(self.max_gamma, adaptive=config.speculation.adaptive)
@@ -465,6 +468,32 @@ class Coordinator:
 
 
 # -- helpers ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ProposerSide:
+    """The remote methods that serve the draft side of a step: a DraftWorker's own, or the
+    proposer_* methods of a TargetWorker that hosts a colocated drafter (layer skip, prompt lookup).
+    Each field is an actor method: `side.propose.remote(...)`."""
+
+    propose: object
+    free: object
+    num_cached: object
+    max_positions: object
+    time_forwards: object
+    ready: object
+    memory: object
+
+    @staticmethod
+    def of_draft_worker(actor) -> "ProposerSide":
+        return ProposerSide(actor.propose, actor.free, actor.num_cached, actor.max_positions, actor.time_forwards,
+                            actor.ready, actor.memory)
+
+    @staticmethod
+    def colocated(target) -> "ProposerSide":
+        return ProposerSide(target.propose, target.proposer_free, target.proposer_num_cached,
+                            target.proposer_max_positions, target.proposer_time_forwards, target.ready,
+                            target.memory)
+
+
 def _merge(items: list) -> Delta | Failed:
     """Several queued Deltas -> one (tokens concatenated, latest totals); a Failed wins."""
     failed = [i for i in items if isinstance(i, Failed)]

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import ray
 import torch
 
-from specserve.config import ModelSource
+from specserve.config import ColocatedDrafter, ModelSource
 from specserve.engine import CacheMiss, DraftModelProposer, Proposal, RowInput, TargetVerifier, Verdict
 from specserve.engine.engine import model_eos_ids
 from specserve.engine.sampling import BatchSampling
@@ -40,13 +40,15 @@ class _Worker:
         if torch_threads:
             torch.set_num_threads(torch_threads)
 
-    def _misses(self, rows: list[RowInput]) -> dict[str, int]:
-        valid = {r.request_id: self.model.valid_length(r.request_id) for r in rows}
+    @staticmethod
+    def _misses(rows: list[RowInput], holder) -> dict[str, int]:
+        valid = {r.request_id: holder.valid_length(r.request_id) for r in rows}
         return {r.request_id: valid[r.request_id] for r in rows if r.start > valid[r.request_id]}
 
-    def _run(self, rows: list[RowInput], call) -> Reply:
+    def _run(self, rows: list[RowInput], call, holder=None) -> Reply:
+        """Run call() unless a row starts past what `holder` (default: this worker's model) caches."""
         began = time.perf_counter()
-        misses = self._misses(rows)
+        misses = self._misses(rows, self.model if holder is None else holder)
         if misses:
             return Reply(None, time.perf_counter() - began, misses)
         try:
@@ -82,13 +84,38 @@ class _Worker:
 
 
 class TargetWorker(_Worker):
-    def __init__(self, source: ModelSource, max_model_len: int | None, torch_threads: int | None = None) -> None:
+    """The target's verifier, and optionally a drafter that lives beside it (layer skip shares the
+    target's weights; prompt lookup needs no model): the `proposer_*` methods serve that drafter."""
+
+    def __init__(self, source: ModelSource, max_model_len: int | None, torch_threads: int | None = None,
+                 drafter: ColocatedDrafter | None = None) -> None:
         super().__init__(torch_threads)
         from specserve.models.loading import load_target
 
         self.model = TargetVerifier(load_target(source, _assigned_gpus()), max_model_len)
         eos = model_eos_ids(self.model.runner.model)
         self.info_ = ModelInfo(self.model.vocab_size, self.model.runner.max_positions, frozenset(eos))
+        self.proposer = None if drafter is None else drafter.engine_spec().build(
+            self.model.runner.model, self.model.vocab_size, max_model_len)
+
+    def propose(
+        self, rows: list[RowInput], num_tokens: int, sampling: BatchSampling, uniforms: torch.Tensor | None
+    ) -> Reply:
+        return self._run(rows, lambda: self.proposer.propose(rows, num_tokens, sampling, uniforms), self.proposer)
+
+    def proposer_free(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.proposer.free(rid)
+
+    def proposer_num_cached(self) -> int:
+        return self.proposer.num_cached()
+
+    def proposer_max_positions(self) -> int | None:
+        return self.proposer.max_positions
+
+    def proposer_time_forwards(self) -> list:
+        runner = getattr(self.proposer, "runner", None)
+        return runner.time_forwards() if runner is not None else []
 
     def info(self) -> ModelInfo:
         return self.info_
