@@ -255,3 +255,16 @@ def test_probes_back_off_while_drafting_does_not_pay():
     probes = [i for i, g in enumerate(chosen) if g]
     assert chosen[:3] == [0, 0, 0] and probes[:3] == [3, 11, 27]  # every 4, then 8, then 16 steps
     assert policy.choose([0.95]) > 0  # good acceptance turns drafting straight back on
+
+
+def test_cache_memory_follows_live_requests_down(target):
+    runner = ModelRunner(target)
+    runner.forward([RowInput(f"r{i}", 0, [1] * (40 if i else 250)) for i in range(8)], logits="none")
+    peak = runner.cache.memory_bytes()
+    for i in range(8):
+        if i != 3:
+            runner.free(f"r{i}")  # the long one (r0) and most short ones leave
+    assert runner.cache.memory_bytes() * 8 <= peak
+    kept = runner.forward([RowInput("r3", 40, [9])])
+    fresh = ModelRunner(target).forward([RowInput("x", 0, [1] * 40 + [9])])
+    assert torch.allclose(kept, fresh, atol=1e-5)  # what the live request holds survived the move

@@ -79,6 +79,22 @@ class SlotKVCache:
                 keys[dst].copy_(keys[src])
                 values[dst].copy_(values[src])
 
+    def allocated(self) -> tuple[int, int]:
+        """(slots, positions) the storage is sized for."""
+        return self._num_slots, self._capacity
+
+    def shrink(self, num_slots: int, num_positions: int) -> None:
+        """Reallocate every layer to hold only the first `num_slots` slots and `num_positions`
+        positions (rounded up to the growth step), copying what they hold: memory follows the live
+        requests down again after a burst of many or long ones."""
+        capacity = -(-max(num_positions, 1) // _CAPACITY_STEP) * _CAPACITY_STEP
+        num_slots, capacity = min(num_slots, self._num_slots), min(capacity, self._capacity)
+        for i, (keys, values) in enumerate(zip(self._keys, self._values)):
+            if keys is not None:
+                self._keys[i] = keys[:num_slots, :, :capacity].clone()
+                self._values[i] = values[:num_slots, :, :capacity].clone()
+        self._num_slots, self._capacity = num_slots, capacity
+
     def memory_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._keys + self._values if t is not None)
 

@@ -92,6 +92,15 @@ class ModelRunner:
             self._slot_of[moved] = slot
             self._slot_owner[slot] = moved
         self._slot_owner.pop()
+        self._maybe_shrink()
+
+    def _maybe_shrink(self) -> None:
+        """Give memory back once the live requests use under a quarter of the cache's allocation."""
+        slots, positions = self.cache.allocated()
+        live_slots = len(self._slot_owner)
+        live_positions = max(self._valid.values(), default=0) + 1
+        if slots * positions and live_slots * live_positions * 4 < slots * positions:
+            self.cache.shrink(max(live_slots, 1), live_positions)
 
     def _slot(self, request_id: str) -> int:
         if request_id not in self._slot_of:
