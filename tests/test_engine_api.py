@@ -250,7 +250,7 @@ def test_probes_back_off_while_drafting_does_not_pay():
     policy = SpeculationPolicy(max_gamma=4, probe_every=4)
     policy.target_cost.observe(1, 0.08)
     policy.target_cost.observe(2, 0.13)
-    policy.draft_cost.observe(1, 0.02)
+    policy.draft_cost.observe(1, 0.005)
     chosen = [policy.choose([0.01]) for _ in range(60)]
     probes = [i for i, g in enumerate(chosen) if g]
     assert chosen[:3] == [0, 0, 0] and probes[:3] == [3, 11, 27]  # every 4, then 8, then 16 steps
@@ -268,3 +268,13 @@ def test_cache_memory_follows_live_requests_down(target):
     kept = runner.forward([RowInput("r3", 40, [9])])
     fresh = ModelRunner(target).forward([RowInput("x", 0, [1] * 40 + [9])])
     assert torch.allclose(kept, fresh, atol=1e-5)  # what the live request holds survived the move
+
+
+def test_catching_up_a_lagging_drafter_counts_against_drafting():
+    policy = SpeculationPolicy(max_gamma=2)
+    for n, seconds in ((1, 0.08), (2, 0.09), (3, 0.10), (64, 0.30)):
+        policy.target_cost.observe(n, seconds)
+        policy.draft_cost.observe(n, seconds / 4)
+    assert policy.best_gamma([0.6]) > 0
+    assert policy.best_gamma([0.6], backlog=64) == 0  # 64 tokens to prefill first: not worth it
+

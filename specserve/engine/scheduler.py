@@ -13,6 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+SWITCH_MARGIN = 1.05  # drafting must promise 5% more tokens per second than not drafting
+
+
 class TokenCost:
     """Seconds of one forward as a function of the tokens it processes, learned per size.
 
@@ -129,27 +132,36 @@ class SpeculationPolicy:
         self.overhead = host if self.overhead == 0.0 else 0.9 * self.overhead + 0.1 * host
 
     # -- what we decide -----------------------------------------------------------------------
-    def step_time(self, batch: int, gamma: int) -> float:
+    def step_time(self, batch: int, gamma: int, backlog: int = 0) -> float:
+        """Predicted seconds of a step; backlog: tokens the drafter must catch up on first (it
+        skipped the steps without drafts), one extra draft forward when γ > 0."""
         verify = self.target_cost.predict(batch * (gamma + 1)) + self.overhead
-        return verify + gamma * (self.draft_cost.predict(batch) + self.overhead)
+        if gamma == 0:
+            return verify
+        catch_up = self.draft_cost.predict(backlog) + self.overhead if backlog > 0 else 0.0
+        return verify + catch_up + gamma * (self.draft_cost.predict(batch) + self.overhead)
 
-    def best_gamma(self, alphas: list[float]) -> int:
-        """The γ with the most expected tokens per second for a batch with these acceptance rates."""
+    def best_gamma(self, alphas: list[float], backlog: int = 0) -> int:
+        """The γ with the most expected tokens per second for a batch with these acceptance rates.
+
+        Drafting must beat not drafting by SWITCH_MARGIN, so that predictions within noise of
+        each other do not make the policy flap into steps that cost more than they give."""
         if not self.adaptive or self.max_gamma == 0:
             return self.max_gamma
         if not (self.target_cost.ready and self.draft_cost.ready):
             return self.max_gamma  # nothing measured yet: speculate and learn
         batch = len(alphas)
         rates = [
-            sum(expected_tokens(a, g) for a in alphas) / max(self.step_time(batch, g), 1e-9)
+            sum(expected_tokens(a, g) for a in alphas) / max(self.step_time(batch, g, backlog), 1e-9)
             for g in range(self.max_gamma + 1)
         ]
-        return max(range(len(rates)), key=rates.__getitem__)
+        best = max(range(1, len(rates)), key=rates.__getitem__)
+        return best if rates[best] > SWITCH_MARGIN * rates[0] else 0
 
-    def choose(self, alphas: list[float]) -> int:
+    def choose(self, alphas: list[float], backlog: int = 0) -> int:
         """γ for the next step. While drafting does not pay, one short probe step (γ = 1) every
         probe_every steps, backing off to 16x that while the probes keep finding it does not pay."""
-        gamma = self.best_gamma(alphas)
+        gamma = self.best_gamma(alphas, backlog)
         if gamma > 0 or not self.adaptive or self.max_gamma == 0:
             self._steps_without_drafts = 0
             self._probe_interval = self.probe_every

@@ -150,7 +150,8 @@ class StepOutput:
 def plan_step(seqs: list[Sequence], policy: SpeculationPolicy) -> StepPlan:
     """Pick γ for the batch (and per row), and draw every random number the step needs."""
     alphas = [policy.alpha(s.acceptance) for s in seqs]
-    batch_gamma = policy.choose(alphas)
+    backlog = sum(max(s.num_tokens - s.draft_len - 2, 0) for s in seqs)  # what the drafter prefills first
+    batch_gamma = policy.choose(alphas, backlog)
     # A seeded sampled request always asks for max_gamma, so that its random stream, and with it
     # its tokens, depend on nothing but its seed and its own tokens.
     own = [policy.max_gamma if s.reproducible else batch_gamma for s in seqs]
