@@ -82,7 +82,7 @@ class ModelRunner:
     def free(self, request_id: str) -> None:
         """Forget a request; the last live slot moves into its place so that live slots stay dense."""
         slot = self._slot_of.pop(request_id, None)
-        self._valid.pop(request_id, None)
+        freed_length = self._valid.pop(request_id, 0)
         if slot is None:
             return
         last = len(self._slot_owner) - 1
@@ -92,12 +92,15 @@ class ModelRunner:
             self._slot_of[moved] = slot
             self._slot_owner[slot] = moved
         self._slot_owner.pop()
-        self._maybe_shrink()
+        self._maybe_shrink(freed_length)
 
-    def _maybe_shrink(self) -> None:
-        """Give memory back once the live requests use under a quarter of the cache's allocation."""
+    def _maybe_shrink(self, freed_length: int) -> None:
+        """Give memory back once the live requests use under a quarter of the cache's allocation.
+        O(1) unless a quarter of the slots emptied or the freed request was among the longest."""
         slots, positions = self.cache.allocated()
         live_slots = len(self._slot_owner)
+        if live_slots * 4 >= slots and freed_length * 2 < positions:
+            return
         live_positions = max(self._valid.values(), default=0) + 1
         if slots * positions and live_slots * live_positions * 4 < slots * positions:
             self.cache.shrink(max(live_slots, 1), live_positions)
