@@ -363,7 +363,8 @@ class OpenAIServer:
             ids = self.tokenizer(prompt).input_ids
         else:
             ids = list(prompt)
-        return await self._respond(body, ids, body.max_tokens, chat=False)
+        # an explicit null means the default, as OpenAI's API treats it
+        return await self._respond(body, ids, 16 if body.max_tokens is None else body.max_tokens, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
@@ -407,8 +408,11 @@ class OpenAIServer:
                                    f"{self.config.speculation.num_speculative_tokens}", "num_speculative_tokens")
 
     async def _respond(self, body: _SamplingRequest, prompt_ids: list[int], max_tokens: int, chat: bool):
-        params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_k=max(body.top_k, 0),
-                                top_p=body.top_p, seed=body.seed, ignore_eos=body.ignore_eos)
+        try:
+            params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_k=max(body.top_k, 0),
+                                    top_p=body.top_p, seed=body.seed, ignore_eos=body.ignore_eos)
+        except ValueError as err:  # the engine's own checks: a client error, never a 500
+            raise OpenAIError(400, str(err)) from err
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         stream = self.coordinator.options(stream=True).generate.remote(
             GenerateRequest(rid, prompt_ids, params, body.num_speculative_tokens))
