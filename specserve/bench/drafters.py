@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specserve.bench.prompt_sets import EXTRACTION, GENERAL, by_category, encode, load_records
+from specserve.bench.prompt_sets import EXTRACTION, GENERAL, SpeedAndAcceptance, by_category, encode, load_records
 from specserve.engine import RowInput, SamplingParams, SpeculativeEngine
 from specserve.engine.model_runner import ModelRunner
 from specserve.engine.proposers import (
@@ -35,7 +35,7 @@ CATEGORIES = ["chat", "code", "summarise", "extraction"]
 
 
 @dataclass
-class Result:
+class Result(SpeedAndAcceptance):
     category: str
     method: str
     tokens: int
@@ -49,11 +49,7 @@ class Result:
     extra: dict = field(default_factory=dict)
 
     @property
-    def tokens_per_second(self) -> float:
-        return self.tokens / self.seconds if self.seconds else 0.0
-
-    @property
-    def alpha(self) -> float | None:
+    def alpha(self) -> float | None:  # None (shown as "-") for a run that drafted nothing
         trials = self.accepted + self.rejections
         return self.accepted / trials if trials else None
 
@@ -137,11 +133,7 @@ def run_engine(target, proposer, gamma: int, prompts: list[list[int]], params: S
     seconds = time.perf_counter() - began
     result = Result(category, method, sum(len(o.token_ids) for o in outs), seconds)
     for o in outs:
-        m = o.metrics
-        result.steps += m.num_steps
-        result.drafted += m.num_draft_tokens
-        result.accepted += m.num_accepted_tokens
-        result.rejections += m.num_rejections
+        result.add_metrics(o.metrics)
     result.extra["outputs"] = [o.token_ids for o in outs]
     return result
 

@@ -123,11 +123,7 @@ def run_engine(pair: Pair, gamma: int | None, max_gamma: int, prompts: list[list
     seconds = time.perf_counter() - began
     row = Row("auto" if gamma is None else f"γ={gamma}", gamma, batch, sum(len(o.token_ids) for o in outs), seconds)
     for o in outs:
-        m = o.metrics
-        row.steps += m.num_steps
-        row.drafted += m.num_draft_tokens
-        row.accepted += m.num_accepted_tokens
-        row.rejections += m.num_rejections
+        row.add_metrics(o.metrics)
     if reference is not None:
         row.identical = [o.token_ids for o in outs] == reference
     row.extra["outputs"] = [o.token_ids for o in outs]

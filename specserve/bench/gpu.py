@@ -225,11 +225,7 @@ def run_engine(section: str, target: torch.nn.Module, proposer, gamma: int | Non
     run = Run(section, batch, gamma, alpha, sum(len(s.output) for s in seqs), seconds,
               outputs=[list(s.output) for s in seqs])
     for s in seqs:
-        m = s.metrics
-        run.steps += m.num_steps
-        run.drafted += m.num_draft_tokens
-        run.accepted += m.num_accepted_tokens
-        run.rejections += m.num_rejections
+        run.add_metrics(s.metrics)
     if reference is not None:
         run.identical = run.outputs == reference
     return run

@@ -45,8 +45,17 @@ class SpeedAndAcceptance:
 
     tokens: int
     seconds: float
+    steps: int
+    drafted: int
     accepted: int
     rejections: int
+
+    def add_metrics(self, metrics) -> None:
+        """Add one request's engine metrics (RequestMetrics) to this row's counts."""
+        self.steps += metrics.num_steps
+        self.drafted += metrics.num_draft_tokens
+        self.accepted += metrics.num_accepted_tokens
+        self.rejections += metrics.num_rejections
 
     @property
     def tokens_per_second(self) -> float:
