@@ -17,6 +17,13 @@ import torch
 _CAPACITY_STEP = 256  # grow the position dimension in chunks of this many tokens
 
 
+def capacity_for(positions: int, max_positions: int | None = None) -> int:
+    """Positions a slot's storage is allocated for when it must hold `positions` of them: the one
+    rounding rule that the cache and admission (which budgets what the cache really allocates) share."""
+    grown = -(-max(positions, 1) // _CAPACITY_STEP) * _CAPACITY_STEP
+    return grown if max_positions is None else min(grown, max_positions)
+
+
 class SlotKVCache:
     def __init__(self, max_positions: int | None = None) -> None:
         self.max_positions = max_positions
@@ -57,8 +64,7 @@ class SlotKVCache:
             raise ValueError(f"position {needed - 1} is beyond the cache limit of {self.max_positions} tokens")
         self._num_slots = max(self._num_slots, int(slots.max()) + 1)
         if needed > self._capacity:
-            grown = -(-needed // _CAPACITY_STEP) * _CAPACITY_STEP
-            self._capacity = grown if self.max_positions is None else min(grown, self.max_positions)
+            self._capacity = capacity_for(needed, self.max_positions)
         self._slots = slots
         self._write_positions = write_positions
         self._on_device = {}
@@ -87,7 +93,7 @@ class SlotKVCache:
         """Reallocate every layer to hold only the first `num_slots` slots and `num_positions`
         positions (rounded up to the growth step), copying what they hold: memory follows the live
         requests down again after a burst of many or long ones."""
-        capacity = -(-max(num_positions, 1) // _CAPACITY_STEP) * _CAPACITY_STEP
+        capacity = capacity_for(num_positions)
         num_slots, capacity = min(num_slots, self._num_slots), min(capacity, self._capacity)
         for i, (keys, values) in enumerate(zip(self._keys, self._values)):
             if keys is not None:
