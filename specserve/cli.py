@@ -46,7 +46,10 @@ def _serve(args: argparse.Namespace) -> int:
         if args.num_cpus is not None:
             init["num_cpus"] = int(args.num_cpus)
     ray.init(**{k: v for k, v in init.items() if v is not None})
-    serve.start(http_options={"host": host, "port": port})
+    options = {"host": host, "port": port}
+    if http.get("request_timeout_s") is not None:  # Serve's end-to-end HTTP timeout (408 beyond it)
+        options["request_timeout_s"] = float(http["request_timeout_s"])
+    serve.start(http_options=options)
     for app in spec["applications"]:
         module, _, attr = app["import_path"].partition(":")
         builder = getattr(importlib.import_module(module), attr)

@@ -2,7 +2,8 @@
 
     AppConfig
       served_model_name, max_batch_size, max_model_len
-      max_queued_requests, max_cached_tokens   overload: bounded waiting queue, KV-cache token budget
+      max_queued_requests, max_cached_tokens   overload: bounded waiting queue, KV-cache allocation budget
+      request_timeout_s, deadlines             how long a request and each worker call may take
       api_key                                  optional Bearer key (or env SPECSERVE_API_KEY)
       target / draft:   ModelSource  (tiny | smollm2 | hf)
       speculation:      SpeculationConfig
@@ -175,10 +176,36 @@ class AutoscalingConfig(_Strict):
 class DeploymentConfig(_Strict):
     resources: Resources = Resources()
     autoscaling: AutoscalingConfig = AutoscalingConfig()
-    max_ongoing_requests: int = Field(64, ge=1)
+    # requests Serve sends one replica at a time (None: the smallest value consistent with the
+    # other limits, see AppConfig.max_ongoing)
+    max_ongoing_requests: int | None = Field(None, ge=1)
+    # Serve's own queue at each caller (the proxy, or an ingress's handle) once every replica holds
+    # max_ongoing_requests: beyond it a request is refused at once (HTTP 429 + Retry-After).
+    max_queued_requests: int = Field(64, ge=0)
+    health_check_period_s: float = Field(10.0, gt=0)  # Serve calls the replica's check_health this often
+    health_check_timeout_s: float = Field(30.0, gt=0)  # and marks it unhealthy if it takes longer
+
+
+class Deadlines(_Strict):
+    """How long worker calls may take before the worker counts as failed (see docs/serving.md).
+
+    A call's deadline is floor + multiple x the time the policy's measured per-token costs predict
+    for the tokens it carries (prefill included): a draft that misses it is treated as gone
+    (target-only steps); a target that misses it is killed and restarted by Ray, and its requests
+    re-prefilled from the coordinator's tokens."""
+
+    multiple: float = Field(20.0, ge=1.0)
+    target_floor_s: float = Field(10.0, gt=0)
+    draft_floor_s: float = Field(1.0, gt=0)
+    restart_timeout_s: float = Field(600.0, gt=0)  # a restarted worker (model load) must answer within
+    health_probe_s: float = Field(10.0, gt=0)  # each health check waits this long for each worker
+    health_misses: int = Field(3, ge=1)  # consecutive unanswered health checks that fail the replica
 
 
 # -- the application -----------------------------------------------------------------------------
+CONTROL_HEADROOM = 8  # slots beyond generation traffic kept for /v1/stats, /v1/models, health calls
+
+
 class AppConfig(_Strict):
     served_model_name: str = Field(min_length=1)
     target: ModelSource
@@ -190,10 +217,15 @@ class AppConfig(_Strict):
     max_model_len: int | None = Field(None, ge=2)  # default: the models' own limit
     # Overload, per coordinator replica: requests waiting for the running batch beyond this are
     # refused (HTTP 429 + Retry-After); 0 = no waiting at all (admit or refuse).
-    max_queued_requests: int = Field(256, ge=0)
-    # KV-cache budget per worker, in tokens: a request reserves prompt + max_tokens while it runs,
-    # and admission waits while the running reservations would exceed this (None: no budget).
+    max_queued_requests: int = Field(32, ge=0)
+    # KV-cache budget per worker, in ALLOCATED token positions: the dense cache holds one slot per
+    # running request, each sized for the longest one, so a request joins only while
+    # (running + 1) x capacity_for(longest prompt + max_tokens + γ) fits (None: no budget).
     max_cached_tokens: int | None = Field(None, ge=2)
+    # Per request, arrival to last token: a request still unfinished after this fails with a 504
+    # (the Serve proxy's http_options.request_timeout_s should be a little longer).
+    request_timeout_s: float = Field(600.0, gt=0)
+    deadlines: Deadlines = Deadlines()
     # Bearer key every route but /health requires (None: the environment's SPECSERVE_API_KEY, if
     # set, else no authentication). Prefer the environment: a config's args are stored by Serve.
     api_key: str | None = Field(None, min_length=1)
@@ -211,7 +243,46 @@ class AppConfig(_Strict):
             raise ValueError("speculation.num_speculative_tokens > 0 needs a draft model or a drafter (or set it to 0)")
         if self.draft is not None and self.draft.kind != self.target.kind and "tiny" in (self.draft.kind, self.target.kind):
             raise ValueError("a tiny draft only fits a tiny target (they share the byte tokenizer)")
+        self._check_limits()
+        if self.deadlines.health_probe_s >= self.coordinator.health_check_timeout_s:
+            raise ValueError("deadlines.health_probe_s must be below coordinator.health_check_timeout_s")
         return self
+
+    def max_ongoing(self, deployment: Literal["ingress", "coordinator"]) -> int:
+        """A deployment's max_ongoing_requests, or the least that keeps the limits consistent: a
+        coordinator holds its batch and queue plus room for control calls; one ingress replica may
+        hold every request the coordinators run or wait on, plus its own handle's queue."""
+        coordinator = self.coordinator.max_ongoing_requests or (
+            self.max_batch_size + self.max_queued_requests + CONTROL_HEADROOM)
+        if deployment == "coordinator":
+            return coordinator
+        return self.ingress.max_ongoing_requests or (
+            self.coordinator.autoscaling.max_replicas * coordinator + self.coordinator.max_queued_requests
+            + CONTROL_HEADROOM)
+
+    def _check_limits(self) -> None:
+        """Limits that contradict each other make overload unbounded or the budget unusable."""
+        holds = self.max_batch_size + self.max_queued_requests + CONTROL_HEADROOM
+        if self.max_ongoing("coordinator") < holds:
+            raise ValueError(
+                f"coordinator.max_ongoing_requests ({self.max_ongoing('coordinator')}) must be >= "
+                f"max_batch_size + max_queued_requests + {CONTROL_HEADROOM} ({holds}): otherwise Serve queues "
+                "requests in front of the coordinator, whose own 429 never triggers, and /v1/stats and health "
+                "calls find no free slot")
+        most = (self.coordinator.autoscaling.max_replicas * self.max_ongoing("coordinator")
+                + self.coordinator.max_queued_requests + CONTROL_HEADROOM)
+        if self.max_ongoing("ingress") < most:
+            raise ValueError(
+                f"ingress.max_ongoing_requests ({self.max_ongoing('ingress')}) must be >= coordinator "
+                f"max_replicas x max_ongoing_requests + its max_queued_requests + {CONTROL_HEADROOM} ({most}), "
+                "so that /health and /v1/stats never wait behind generation traffic")
+        if self.max_cached_tokens is not None and self.max_model_len is not None:
+            from specserve.engine.kv_cache import capacity_for
+
+            one = capacity_for(self.max_model_len + self.speculation.num_speculative_tokens)
+            if one > self.max_cached_tokens:
+                raise ValueError(f"max_cached_tokens ({self.max_cached_tokens}) cannot hold one request of "
+                                 f"max_model_len ({self.max_model_len}): a slot for it allocates {one} positions")
 
     def coordinator_bundles(self) -> list[dict[str, float]]:
         """[coordinator, target worker, draft worker (only with a draft model)]: one placement group

@@ -44,8 +44,8 @@ def test_custom_resources_join_the_bundles_and_the_actor_options():
                               "ingress": {"resources": {"num_cpus": 0.1, "custom": {"edge": 1}}}})
     assert config.coordinator_bundles()[1:] == [{"CPU": 0.2, "gpu_node_a": 1.0},
                                                  {"CPU": 0.25, "GPU": 1.0, "accelerator_type:H100": 0.001}]
-    assert _options(config.ingress)["ray_actor_options"]["resources"] == {"edge": 1.0}
-    assert "resources" not in _options(config.coordinator)["ray_actor_options"]
+    assert _options("ingress", config)["ray_actor_options"]["resources"] == {"edge": 1.0}
+    assert "resources" not in _options("coordinator", config)["ray_actor_options"]
     for bad in [{"GPU": 1}, {"cpu": 1}, {"memory": 1}, {"object_store_memory": 1}, {"": 1}, {"a": -1},
                 {"a": float("nan")}, {"a": float("inf")}, {"a": "lots"}]:
         with pytest.raises(pydantic.ValidationError):

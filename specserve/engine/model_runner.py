@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from .kv_cache import SlotKVCache
+from .kv_cache import SlotKVCache, capacity_for
 
 
 class ForwardTiming(NamedTuple):
@@ -105,6 +105,18 @@ class ModelRunner:
         if slots * positions and live_slots * live_positions * 4 < slots * positions:
             self.cache.shrink(max(live_slots, 1), live_positions)
 
+    def _fit(self, needed: int) -> None:
+        """Before the cache grows, drop what no live request uses (slots past the live ones, positions
+        past the longest live row): its allocation stays within live slots x the capacity that the
+        longest of them needs, which is what admission budgets."""
+        slots, capacity = self.cache.allocated()
+        live = len(self._slot_owner)
+        if live <= slots and capacity_for(needed, self.max_positions) <= capacity:
+            return  # no growth
+        keep = max(needed, max(self._valid.values(), default=0))
+        if slots > live or capacity > capacity_for(keep, self.max_positions):
+            self.cache.shrink(live, keep)
+
     def _slot(self, request_id: str) -> int:
         if request_id not in self._slot_of:
             self._slot_of[request_id] = len(self._slot_owner)
@@ -134,11 +146,16 @@ class ModelRunner:
         input_ids = torch.tensor([r.tokens + [0] * (width - n) for r, n in zip(rows, lengths)])  # [B, Q]
         starts = torch.tensor([r.start for r in rows], dtype=torch.long)  # [B]
         positions = starts[:, None] + torch.arange(width)[None, :]  # [B, Q]
+        # a shorter row's padding all goes to the position just past its own tokens (junk the mask
+        # hides), never past the longest row's end: the cache grows only as far as real rows need
+        ends = starts + torch.tensor(lengths, dtype=torch.long)  # [B]
+        positions = torch.minimum(positions, ends[:, None])
         if self.max_positions is not None:
             # Real tokens stay below max_positions - 1 (the caller's invariant); padding and
             # unused drafts past that all land on the last position, which nothing real attends.
             positions = positions.clamp(max=self.max_positions - 1)
         slots = torch.tensor([self._slot(r.request_id) for r in rows], dtype=torch.long)  # [B]
+        self._fit(int(positions.max()) + 1)
         view_length = self.cache.prepare(slots, positions)
         mask = self._mask(positions, view_length)  # [B, 1, Q, K]
         keep = {"last": width, "all": width, "none": 1}[logits]

@@ -5,7 +5,9 @@
                                                                '- DraftWorker  (bundle 2)
 
 `args` is validated once into an `AppConfig`; every deployment's resources and autoscaling come
-from it (so the coordinator's placement-group bundles always match its workers' requests).
+from it (so the coordinator's placement-group bundles always match its workers' requests), and so
+do their queue bounds (Serve's `max_queued_requests`, refused with 429), health checks and
+graceful shutdown (long enough for a request that runs until `request_timeout_s`).
 """
 from __future__ import annotations
 
@@ -14,26 +16,35 @@ from ray import serve
 from specserve.config import AppConfig, DeploymentConfig, load_app_config
 
 from .coordinator import Coordinator
-from .openai_api import OpenAIIngress
+from .openai_api import RETRY_AFTER_S, OpenAIIngress
+
+SHUTDOWN_MARGIN_S = 30.0  # beyond request_timeout_s, for the last chunks and the replica's own shutdown
 
 
-def _options(dep: DeploymentConfig) -> dict:
+def _options(name: str, config: AppConfig) -> dict:
+    dep: DeploymentConfig = getattr(config, name)
     auto = dep.autoscaling.model_dump(exclude_none=True)
     actor = {"num_cpus": dep.resources.num_cpus, "num_gpus": dep.resources.num_gpus}
     if dep.resources.memory:
         actor["memory"] = dep.resources.memory
     if dep.resources.custom_request():
         actor["resources"] = dep.resources.custom_request()
-    return {"autoscaling_config": auto, "max_ongoing_requests": dep.max_ongoing_requests, "ray_actor_options": actor}
+    return {"autoscaling_config": auto, "max_ongoing_requests": config.max_ongoing(name), "ray_actor_options": actor,
+            # Serve's queue at each caller: refused beyond it with 429 + Retry-After, never unbounded
+            "max_queued_requests": dep.max_queued_requests,
+            "backpressure_config": {"status_code": 429, "retry_after_s": RETRY_AFTER_S},
+            "health_check_period_s": dep.health_check_period_s, "health_check_timeout_s": dep.health_check_timeout_s,
+            # scale-down and updates let the longest allowed generation finish
+            "graceful_shutdown_timeout_s": config.request_timeout_s + SHUTDOWN_MARGIN_S}
 
 
 def build_from_config(config: AppConfig) -> serve.Application:
     coordinator = Coordinator.options(
         placement_group_bundles=config.coordinator_bundles(),
         placement_group_strategy=config.placement_group_strategy,
-        **_options(config.coordinator),
+        **_options("coordinator", config),
     ).bind(config)
-    return OpenAIIngress.options(**_options(config.ingress)).bind(coordinator, config)
+    return OpenAIIngress.options(**_options("ingress", config)).bind(coordinator, config)
 
 
 def build_app(args: dict) -> serve.Application:

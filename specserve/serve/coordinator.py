@@ -10,15 +10,23 @@ workers hold KV caches. An asyncio loop runs the engine's step protocol remotely
 Requests join (admission up to max_batch_size) and leave (finish, abort) between steps. The maths
 is the engine's (`specserve.engine.step`); this file only moves data and futures around.
 
-Overload and memory: at most `max_queued_requests` wait for the running batch (beyond: `Rejected`
-with code "queue_full", which the ingress answers with 429 + Retry-After); with `max_cached_tokens`
-set, a request reserves prompt + max_tokens of the workers' KV caches while it runs, and admission
-(FIFO) waits while the running reservations would exceed the budget.
+Overload and memory (`admission.Admission`): at most `max_queued_requests` wait for the running
+batch (beyond: `Rejected` with code "queue_full", which the ingress answers with 429 + Retry-After);
+with `max_cached_tokens` set, a request joins only while what the workers' dense caches would
+allocate for the batch with it (running x one capacity for the longest) fits the budget.
 
-Worker failures: a TargetWorker that dies is restarted by Ray and the step waits for it (no target,
-no tokens). A DraftWorker that dies does not stall anyone: steps run target-only (γ = 0, still the
-target's own tokens) until a background probe sees the restarted draft answer, then speculation
-resumes and the draft rebuilds its caches from the coordinator's tokens (cache misses).
+Deadlines: every worker call has one, sized to the tokens it carries from the measured per-token
+costs (`Deadlines`); every request has one (`request_timeout_s`, a `Failed` with code
+"request_timeout" when it passes). Worker failures: a TargetWorker that dies is restarted by Ray
+and the step waits for it; one that misses its deadline is killed and restarted
+(`ray.kill(..., no_restart=False)`); either way the target re-prefills every running request from
+the coordinator's tokens (cache misses). A draft that fails in any way (dies, hangs, raises) does
+not stall anyone: steps run target-only (γ = 0, still the target's own tokens) until a background
+probe sees it answer, then speculation resumes and the draft rebuilds its caches. A step that fails
+otherwise is retried row by row, so that only the requests it really fails on get a `Failed`
+(a generic message with an error id; the exception goes to the log under that id).
+`check_health` fails after `deadlines.health_misses` unanswered probes in a row, and Serve
+replaces the whole group.
 """
 from __future__ import annotations
 
@@ -26,32 +34,34 @@ import asyncio
 import logging
 import statistics
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass
 from typing import AsyncIterator
 
 import ray
 from ray import serve
-from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from specserve.config import AppConfig, Resources
+from specserve.engine import RowInput
 from specserve.engine.proposers import Proposal
 from specserve.engine.sampling import SamplingParams
-from specserve.engine.scheduler import SpeculationPolicy
+from specserve.engine.scheduler import SpeculationPolicy, TokenCost
 from specserve.engine.step import (
     ContextLengthExceeded, InvalidPrompt, Sequence, StepOutput, StepPlan, empty_proposal, finish_step, new_sequence,
     plan_step,
 )
 from specserve.engine.verifier import Verdict
 
+from .admission import Admission
 from .metrics import CoordinatorMetrics
 from .workers import DraftWorker, Reply, TargetWorker
 
 logger = logging.getLogger("specserve.coordinator")
 WORKER_NAMESPACE = "specserve"
 _CALL_ATTEMPTS = 4
-_DRAFT_TIMEOUT_MIN_S = 0.5  # a propose call slower than max(this, 20 x its usual time): draft gone
 
 
 # -- messages between ingress and coordinator ------------------------------------------------------
@@ -85,7 +95,8 @@ class Delta:
 
 @dataclass(frozen=True)
 class Failed:
-    message: str
+    message: str  # for the client: no internal text (the log has the details under the error id)
+    code: str = "engine_error"  # | "request_timeout"
 
 
 @dataclass(frozen=True)
@@ -97,11 +108,16 @@ class StepRecord:
     positions: int  # G
 
 
+class WorkerTimeout(RuntimeError):
+    """A worker call missed its deadline."""
+
+
 # -- the deployment ------------------------------------------------------------------------------
 @serve.deployment(ray_actor_options={"num_cpus": 0.1})
 class Coordinator:
     def __init__(self, config: AppConfig) -> None:
         self.config = config
+        self.deadlines = config.deadlines
         self.max_gamma = config.speculation.num_speculative_tokens
         tag = _replica_tag()
         threads = config.target_worker.torch_threads
@@ -111,20 +127,22 @@ class Coordinator:
         self.vocab_size, self.eos_token_ids = info.vocab_size, info.eos_token_ids
         limits = [config.max_model_len, info.max_positions]
         self.draft = None  # the remote methods of the draft side (ProposerSide), if anything drafts
+        self.draft_worker = None  # the DraftWorker actor, if the draft side is one (else: the target)
         if config.draft is not None:
-            self.draft = ProposerSide.of_draft_worker(_actor(DraftWorker, config.draft_worker, 2, f"{tag}:draft").remote(
-                config.draft, info.vocab_size, config.max_model_len, config.draft_worker.torch_threads))
+            self.draft_worker = _actor(DraftWorker, config.draft_worker, 2, f"{tag}:draft").remote(
+                config.draft, info.vocab_size, config.max_model_len, config.draft_worker.torch_threads)
+            self.draft = ProposerSide.of_draft_worker(self.draft_worker)
         elif config.drafter is not None:
             self.draft = ProposerSide.colocated(self.target)
         if self.draft is not None:
             limits.append(ray.get(self.draft.max_positions.remote()))
         self.max_model_len = min(x for x in limits if x) if any(limits) else 1 << 30
         self.policy = SpeculationPolicy(self.max_gamma, adaptive=config.speculation.adaptive)
-        if self.draft is not None and config.speculation.adaptive:  # start γ from measured costs
-            self.policy.observe_costs("target", ray.get(self.target.time_forwards.remote()))
+        # measured costs start γ (adaptive) and size every worker call's deadline
+        self.policy.observe_costs("target", ray.get(self.target.time_forwards.remote()))
+        if self.draft is not None:
             self.policy.observe_costs("draft", ray.get(self.draft.time_forwards.remote()))
-        self._waiting: deque[Sequence] = deque()
-        self._running: dict[str, Sequence] = {}
+        self.admission = Admission(config.max_batch_size, config.max_cached_tokens, self.max_gamma)
         self._queues: dict[str, asyncio.Queue] = {}
         self._aborted: set[str] = set()
         self._wake = asyncio.Event()
@@ -132,16 +150,13 @@ class Coordinator:
         self._records: deque[StepRecord] = deque(maxlen=4096)
         self._totals = {"spec_decode_num_draft_tokens": 0, "spec_decode_num_accepted_tokens": 0, "steps": 0,
                         "target_only_steps": 0, "rejected_queue_full": 0, "running_peak": 0,
-                        "reserved_tokens_peak": 0}
-        # overload / memory: reservations (prompt + max_tokens) of the running requests
-        self.max_cached_tokens = config.max_cached_tokens
-        self._reservations: dict[str, int] = {}
-        self._reserved = 0
+                        "reserved_tokens_peak": 0, "worker_restarts": 0, "requests_failed": 0,
+                        "requests_timed_out": 0}
         # draft failure: target-only steps while the draft restarts
         self._draft_ok = self.draft is not None
         self._draft_watch: asyncio.Task | None = None
         self._target_only = SpeculationPolicy(0, adaptive=False)
-        self._draft_call_s = 0.05  # EMA of a propose call's wall time
+        self._health_misses = {"target": 0, "draft": 0}
         # metrics: arrival and last-emission times per request (TTFT, inter-token latency)
         self.metrics = CoordinatorMetrics(config.served_model_name)
         self.metrics.set(self.metrics.draft_available, float(self._draft_ok))
@@ -153,45 +168,36 @@ class Coordinator:
                 "num_speculative_tokens": self.max_gamma}
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Accepted | Rejected | Delta | Failed]:
-        """Stream: Accepted (or Rejected, then end), then Deltas until one has a finish_reason.
+        """Stream: Accepted (or Rejected, then end), then Deltas until one has a finish_reason, or a
+        Failed (an engine error, or the request's deadline passed).
 
         Cancelling the stream (client gone, stop string hit) aborts the request and frees its caches."""
         self._ensure_loop()
-        rid = request.request_id
-        if rid in self._queues:
-            yield Rejected(f"request id {rid!r} is already in use", "duplicate_request_id")
+        arrival = time.monotonic()
+        seq_or_rejection = self._check_new(request)
+        if isinstance(seq_or_rejection, Rejected):
+            yield seq_or_rejection
             return
-        try:
-            seq = new_sequence(rid, request.prompt_token_ids, request.params, vocab_size=self.vocab_size,
-                               max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids,
-                               max_gamma=request.num_speculative_tokens)
-        except (InvalidPrompt, ContextLengthExceeded) as err:
-            code = "context_length_exceeded" if isinstance(err, ContextLengthExceeded) else "invalid_prompt"
-            yield Rejected(str(err), code)
-            return
-        need = _reservation(seq)
-        if self.max_cached_tokens is not None and need > self.max_cached_tokens:
-            yield Rejected(f"prompt ({len(seq.prompt)} tokens) + max_tokens ({seq.params.max_tokens}) exceeds the "
-                           f"KV-cache budget of {self.max_cached_tokens} tokens", "context_length_exceeded")
-            return
-        self._admit()  # (so that `waiting` counts only requests that really must wait)
-        if len(self._waiting) >= self.config.max_queued_requests and not self._fits_now(need):
-            self._totals["rejected_queue_full"] += 1
-            self.metrics.inc(self.metrics.request_rejected, 1, reason="queue_full")
-            yield Rejected(f"the server is overloaded ({len(self._waiting)} requests waiting); retry later",
-                           "queue_full")
-            return
+        seq, rid = seq_or_rejection, request.request_id
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = queue
-        self._timing[rid] = [time.monotonic(), None]
-        self._waiting.append(seq)
+        self._timing[rid] = [arrival, None]
+        self.admission.waiting.append(seq)
         self.metrics.inc(self.metrics.prompt_tokens, len(seq.prompt))
         self._wake.set()
         finished = False
+        deadline = arrival + self.config.request_timeout_s
         try:
             yield Accepted(len(seq.prompt))
             while not finished:
-                item = _merge([await queue.get()] + _drain(queue))
+                try:
+                    first = await asyncio.wait_for(queue.get(), timeout=max(deadline - time.monotonic(), 0.0))
+                except asyncio.TimeoutError:
+                    self._totals["requests_timed_out"] += 1
+                    yield Failed(f"the request did not finish within {self.config.request_timeout_s:g} s; "
+                                 "retry it with fewer max_tokens or later", "request_timeout")
+                    return
+                item = _merge([first] + _drain(queue))
                 finished = isinstance(item, Failed) or item.finish_reason is not None
                 yield item
         finally:
@@ -201,6 +207,30 @@ class Coordinator:
                 self._aborted.add(rid)
                 self._wake.set()
 
+    def _check_new(self, request: GenerateRequest) -> Sequence | Rejected:
+        """A new request as a Sequence, or why it is refused (before anything is allocated)."""
+        rid = request.request_id
+        if rid in self._queues:
+            return Rejected(f"request id {rid!r} is already in use", "duplicate_request_id")
+        try:
+            seq = new_sequence(rid, request.prompt_token_ids, request.params, vocab_size=self.vocab_size,
+                               max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids,
+                               max_gamma=request.num_speculative_tokens)
+        except (InvalidPrompt, ContextLengthExceeded) as err:
+            code = "context_length_exceeded" if isinstance(err, ContextLengthExceeded) else "invalid_prompt"
+            return Rejected(str(err), code)
+        if self.admission.too_big(seq):
+            return Rejected(f"prompt ({len(seq.prompt)} tokens) + max_tokens ({seq.params.max_tokens}) needs more "
+                            f"KV cache than the budget of {self.admission.budget} token positions",
+                            "context_length_exceeded")
+        self._admit()  # (so that `waiting` counts only requests that really must wait)
+        waiting = len(self.admission.waiting)
+        if waiting >= self.config.max_queued_requests and not self.admission.fits_now(seq):
+            self._totals["rejected_queue_full"] += 1
+            self.metrics.inc(self.metrics.request_rejected, 1, reason="queue_full")
+            return Rejected(f"the server is overloaded ({waiting} requests waiting); retry later", "queue_full")
+        return seq
+
     async def num_cached(self) -> dict[str, int]:
         """Requests holding a cache slot on each worker (0 after every request finished or aborted)."""
         counts = {"target": await self.target.num_cached.remote()}
@@ -209,38 +239,58 @@ class Coordinator:
         return counts
 
     async def check_health(self) -> None:
-        """Called by Serve: a worker dead for good (restarts used up) fails the replica, and Serve
-        replaces the whole group. A busy or restarting worker is not a failure."""
-        for worker in (self.target, self.draft):
-            if worker is None:
-                continue
-            try:
-                await asyncio.wait_for(asyncio.ensure_future(worker.ready.remote()), timeout=20)
-            except (asyncio.TimeoutError, ActorUnavailableError):
-                pass
+        """Called by Serve: each worker actor (once, even when the draft side is the target) must
+        answer a probe within `deadlines.health_probe_s`; after `deadlines.health_misses` misses in a
+        row this raises, and Serve replaces the whole group. A slow or restarting worker that answers
+        again in time resets its count."""
+        workers = {"target": self.target}
+        if self.draft_worker is not None:
+            workers["draft"] = self.draft_worker
+        answered = await asyncio.gather(*(self._answers(w, self.deadlines.health_probe_s) for w in workers.values()))
+        for name, ok in zip(workers, answered):
+            self._health_misses[name] = 0 if ok else self._health_misses[name] + 1
+        stuck = [name for name in workers if self._health_misses[name] >= self.deadlines.health_misses]
+        if stuck:
+            raise RuntimeError(f"{' and '.join(stuck)} worker unanswered for {self.deadlines.health_misses} "
+                               "health checks in a row")
+
+    @staticmethod
+    async def _answers(actor, timeout: float) -> bool:
+        try:
+            await asyncio.wait_for(asyncio.ensure_future(actor.ready.remote()), timeout=timeout)
+            return True
+        except (asyncio.TimeoutError, RayActorError):
+            return False
 
     async def memory(self) -> dict:
         """Resident memory (bytes) of this replica's process and workers, and the workers' KV-cache
-        storage; a worker that does not answer within 5 s (restarting) is left out."""
+        storage; a worker that does not answer within 1 s (busy with a long step, restarting) is
+        left out, so that stats never wait behind generation."""
         from .workers import _rss_bytes
 
-        out: dict = {"coordinator": {"rss_bytes": _rss_bytes()}}
-        for name, worker in (("target", self.target), ("draft", self.draft)):
-            if worker is None:
-                continue
+        workers = {"target": self.target}
+        if self.draft_worker is not None:
+            workers["draft"] = self.draft_worker
+
+        async def ask(actor):
             try:
-                out[name] = await asyncio.wait_for(asyncio.ensure_future(worker.memory.remote()), timeout=5)
+                return await asyncio.wait_for(asyncio.ensure_future(actor.memory.remote()), timeout=1.0)
             except (asyncio.TimeoutError, RayActorError):
-                pass
+                return None
+
+        out: dict = {"coordinator": {"rss_bytes": _rss_bytes()}}
+        for name, answer in zip(workers, await asyncio.gather(*(ask(w) for w in workers.values()))):
+            if answer is not None:
+                out[name] = answer
         return out
 
     async def stats(self) -> dict:
         """This replica's step timings (p50 over the last <= 4096 steps), speculation totals, admission
         state and memory."""
         recs = list(self._records)
-        out = {"replica": _replica_tag(), "running": len(self._running), "waiting": len(self._waiting),
-               **self._totals, "draft_available": self._draft_ok, "reserved_tokens": self._reserved,
-               "max_cached_tokens": self.max_cached_tokens,
+        out = {"replica": _replica_tag(), "running": len(self.admission.running),
+               "waiting": len(self.admission.waiting), **self._totals, "draft_available": self._draft_ok,
+               "reserved_tokens": self.admission.allocated(), "max_cached_tokens": self.admission.budget,
                "max_queued_requests": self.config.max_queued_requests,
                "kv_cache_usage_tokens": self._kv_usage(), "memory": await self.memory()}
         if recs:
@@ -267,56 +317,58 @@ class Coordinator:
         while True:
             self._drop_aborted()
             self._admit()
-            if not self._running:
+            if not self.admission.running:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            seqs = list(self._running.values())
+            seqs = list(self.admission.running.values())
             try:
                 outputs = await self._step(seqs, self.policy)
-                self._publish(outputs)
-                self._update_gauges()
-            except Exception as err:  # a worker died for good, or a bug: fail these, keep serving
-                logger.exception("step failed")  # (the exception text holds no prompt or output)
-                self._fail([s for s in seqs if s.request_id in self._running], f"{type(err).__name__}: {err}")
+            except Exception as err:  # a worker dead for good, a bad row, a bug: fail only whom it fails
+                outputs = await self._isolate(seqs, err)
+            self._publish(outputs)
+            self._update_gauges()
 
-    def _fits_now(self, need: int) -> bool:
-        """Whether a request reserving `need` tokens would join the running batch at once."""
-        if self._waiting or len(self._running) >= self.config.max_batch_size:
-            return False
-        return self.max_cached_tokens is None or self._reserved + need <= self.max_cached_tokens
+    async def _isolate(self, seqs: list[Sequence], err: Exception) -> list[StepOutput]:
+        """After a failed step: retry each request alone (target-only), failing only those that fail
+        again. A dead target fails them all at once (each retry would too)."""
+        if len(seqs) == 1 or isinstance(err, RayActorError):
+            self._fail(seqs, err)
+            return []
+        logger.warning("step over %d requests failed (%s): retrying them one by one", len(seqs), type(err).__name__)
+        outputs = []
+        for seq in seqs:
+            if seq.request_id not in self.admission.running or seq.request_id in self._aborted:
+                continue
+            try:
+                outputs += await self._step([seq], self._target_only)
+            except Exception as row_err:
+                self._fail([seq], row_err)
+        return outputs
 
     def _admit(self) -> None:
-        """FIFO into the running batch while it has room and the KV-cache budget allows (no
-        overtaking: a large request at the head waits rather than starve)."""
-        while self._waiting and len(self._running) < self.config.max_batch_size:
-            seq = self._waiting[0]
-            need = _reservation(seq)
-            if self.max_cached_tokens is not None and self._reserved + need > self.max_cached_tokens:
-                break
-            self._waiting.popleft()
-            self._running[seq.request_id] = seq
-            self._reservations[seq.request_id] = need
-            self._reserved += need
+        """FIFO into the running batch while it has room and the KV-cache budget allows."""
+        self.admission.admit()
         totals = self._totals
-        totals["running_peak"] = max(totals["running_peak"], len(self._running))
-        totals["reserved_tokens_peak"] = max(totals["reserved_tokens_peak"], self._reserved)
+        totals["running_peak"] = max(totals["running_peak"], len(self.admission.running))
+        totals["reserved_tokens_peak"] = max(totals["reserved_tokens_peak"], self.admission.allocated())
         self._update_gauges()
 
     def _kv_usage(self) -> dict[str, int]:
-        usage = {"target": sum(s.target_len for s in self._running.values())}
+        running = self.admission.running.values()
+        usage = {"target": sum(s.target_len for s in running)}
         if self.draft is not None:
-            usage["draft"] = sum(s.draft_len for s in self._running.values())
+            usage["draft"] = sum(s.draft_len for s in running)
         return usage
 
     def _update_gauges(self) -> None:
-        m = self.metrics
-        m.set(m.running, len(self._running))
-        m.set(m.waiting, len(self._waiting))
+        m, budget, allocated = self.metrics, self.admission.budget, self.admission.allocated()
+        m.set(m.running, len(self.admission.running))
+        m.set(m.waiting, len(self.admission.waiting))
         for worker, tokens in self._kv_usage().items():
             m.set(m.kv_usage, tokens, worker=worker)
-        m.set(m.kv_reserved, self._reserved)
-        m.set(m.kv_usage_perc, self._reserved / self.max_cached_tokens if self.max_cached_tokens else 0.0)
+        m.set(m.kv_reserved, allocated)
+        m.set(m.kv_usage_perc, allocated / budget if budget else 0.0)
 
     async def _step(self, seqs: list[Sequence], policy: SpeculationPolicy) -> list[StepOutput]:
         began = time.perf_counter()
@@ -326,24 +378,20 @@ class Coordinator:
         proposal, in_workers = empty_proposal(len(seqs)), 0.0
         if plan.num_positions > 0:
             try:
-                # A call to a dead actor fails; one to a restarting actor waits until it is back, so
-                # a draft answering far slower than usual counts as gone too.
-                called = time.perf_counter()
-                reply = await asyncio.wait_for(self._call(self.draft.propose, seqs, "draft_len", lambda: (
-                    plan.draft_rows(), plan.num_positions, plan.sampling, plan.draft_uniforms), retry=False),
-                    timeout=max(_DRAFT_TIMEOUT_MIN_S, 20 * self._draft_call_s))
+                reply = await self._call("draft", self.draft.propose, seqs, "draft_len", lambda: (
+                    plan.draft_rows(), plan.num_positions, plan.sampling, plan.draft_uniforms), retry=False)
                 proposal, in_workers = reply.result, reply.seconds
-                self._draft_call_s = 0.9 * self._draft_call_s + 0.1 * (time.perf_counter() - called)
-            except (RayActorError, asyncio.TimeoutError) as err:
-                # The draft is gone (restarting): re-plan this very step without it. Greedy rows are
-                # unaffected; seeded sampled rows draw fresh numbers (same distribution, another sample).
+            except Exception as err:
+                # Any draft failure (dead, restarting, hung, out of memory, a bug): re-plan this very
+                # step without it. Greedy rows are unaffected; seeded sampled rows draw fresh numbers
+                # (same distribution, another sample).
                 self._draft_lost(err)
                 policy = self._target_only
                 plan = plan_step(seqs, policy)
         if policy is self._target_only and self.draft is not None:
             self._totals["target_only_steps"] += 1
             self.metrics.inc(self.metrics.target_only_steps, 1)
-        reply = await self._call(self.target.verify, seqs, "target_len", lambda: (
+        reply = await self._call("target", self.target.verify, seqs, "target_len", lambda: (
             plan.target_rows(), proposal.tokens, proposal.probs, plan.num_draft, plan.sampling,
             plan.accept_uniforms, plan.final_uniforms))
         outputs = finish_step(plan, proposal, reply.result, policy, began)
@@ -352,43 +400,98 @@ class Coordinator:
                                 len(seqs), plan.num_positions), plan, reply.result)
         return outputs
 
-    async def _call(self, method, seqs: list[Sequence], mark: str, make_args, retry: bool = True) -> Reply:
-        """Call a worker; on cache misses move the rows' marks back and resend; retry a restarting
-        actor (retry=False: raise RayActorError at once)."""
+    async def _call(self, side: str, method, seqs: list[Sequence], mark: str, make_args, retry: bool = True) -> Reply:
+        """Call a worker ("target" or "draft") within a deadline sized to the call's tokens; on cache
+        misses move the rows' marks back and resend. The target is waited for while Ray restarts it,
+        and killed for a restart when it misses the deadline (retry=False: raise at once instead)."""
         by_id = {s.request_id: s for s in seqs}
         for attempt in range(_CALL_ATTEMPTS):
+            args = make_args()
+            timeout = self._deadline(side, args[0], args[1])
             try:
-                reply: Reply = await method.remote(*make_args())
+                reply: Reply = await asyncio.wait_for(asyncio.ensure_future(method.remote(*args)), timeout=timeout)
+            except asyncio.TimeoutError:
+                if not retry:
+                    raise WorkerTimeout(f"{side} worker missed its {timeout:.1f} s deadline") from None
+                if attempt + 1 == _CALL_ATTEMPTS:
+                    raise WorkerTimeout(f"{side} worker missed its deadline {_CALL_ATTEMPTS} times") from None
+                await self._restart_target(f"missed its {timeout:.1f} s deadline")
+                continue
             except RayActorError as err:
                 if attempt + 1 == _CALL_ATTEMPTS or not retry:
                     raise
-                logger.warning("worker call failed (%s); retrying once it restarts", type(err).__name__)
-                await asyncio.sleep(min(2.0**attempt, 5.0))  # Ray queues calls while it restarts
+                logger.warning("%s worker call failed (%s); retrying once it restarts", side, type(err).__name__)
+                await self._until_ready(self.target)
                 continue
             if not reply.misses:
                 return reply
             for rid, valid in reply.misses.items():
                 setattr(by_id[rid], mark, valid)
-        raise RuntimeError(f"worker still misses caches after {_CALL_ATTEMPTS} attempts")
+        raise RuntimeError(f"{side} worker still misses caches after {_CALL_ATTEMPTS} attempts")
+
+    def _deadline(self, side: str, rows: list[RowInput], extra) -> float:
+        """Seconds a call may take: floor + multiple x the time the measured per-token costs predict
+        for its tokens (prefill backlog included). extra: G drafts per row (verify: the draft tokens
+        [B, G]; propose: G)."""
+        d = self.deadlines
+        backlog = sum(max(len(r.tokens) - 1, 0) for r in rows)
+        if side == "target":
+            width = 1 + (extra.shape[1] if hasattr(extra, "shape") else 0)
+            predicted = _predict(self.policy.target_cost, backlog) + _predict(self.policy.target_cost, len(rows) * width)
+            return d.target_floor_s + d.multiple * predicted
+        steps = int(extra)
+        predicted = _predict(self.policy.draft_cost, backlog) + steps * _predict(self.policy.draft_cost, len(rows))
+        return d.draft_floor_s + d.multiple * predicted
+
+    async def _restart_target(self, why: str) -> None:
+        """Kill a stuck target for Ray to restart it; its caches rebuild from our tokens."""
+        logger.error("target worker %s: killing it for a restart", why)
+        self._totals["worker_restarts"] += 1
+        ray.kill(self.target, no_restart=False)
+        await self._until_ready(self.target)
+
+    async def _until_ready(self, actor) -> None:
+        """Wait until a (restarting) actor answers, up to deadlines.restart_timeout_s; then raise."""
+        give_up = time.monotonic() + self.deadlines.restart_timeout_s
+        delay = 0.1
+        while True:
+            left = give_up - time.monotonic()
+            if left <= 0:
+                raise WorkerTimeout(f"worker not back within {self.deadlines.restart_timeout_s:g} s")
+            try:
+                await asyncio.wait_for(asyncio.ensure_future(actor.ready.remote()), timeout=left)
+                return
+            except asyncio.TimeoutError:
+                continue
+            except RayActorError:  # dying or restarting: Ray queues calls once it is restarting
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 2.0)
 
     def _draft_lost(self, err: Exception) -> None:
         """Go target-only until the draft answers again (a background probe), then speculate again."""
         if self._draft_ok:
-            logger.warning("draft worker unavailable (%s): target-only steps until it is back", type(err).__name__)
+            logger.warning("draft worker failed (%s: %s): target-only steps until it answers again",
+                           type(err).__name__, err)
         self._draft_ok = False
         self.metrics.set(self.metrics.draft_available, 0.0)
         if self._draft_watch is None or self._draft_watch.done():
             self._draft_watch = asyncio.get_running_loop().create_task(self._watch_draft())
 
     async def _watch_draft(self) -> None:
-        delay = 0.2
+        """Probe the draft until it answers; a separate draft worker that stays silent for
+        health_misses probes is hung and is killed for Ray to restart it (once per outage)."""
+        delay, misses, killed = 0.2, 0, False
         while True:
-            try:  # calls to a restarting actor are queued by Ray until it is alive again
-                await asyncio.wait_for(asyncio.ensure_future(self.draft.ready.remote()), timeout=60)
+            if await self._answers(self.draft, self.deadlines.health_probe_s):
                 break
-            except (asyncio.TimeoutError, RayActorError):
-                await asyncio.sleep(delay)
-                delay = min(2 * delay, 5.0)
+            misses += 1
+            if misses >= self.deadlines.health_misses and not killed and self.draft_worker is not None:
+                logger.error("draft worker unanswered for %d probes: killing it for a restart", misses)
+                self._totals["worker_restarts"] += 1
+                ray.kill(self.draft_worker, no_restart=False)
+                killed = True
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 5.0)
         logger.warning("draft worker back: speculation resumes")
         self._draft_ok = True
         self.metrics.set(self.metrics.draft_available, 1.0)
@@ -430,7 +533,7 @@ class Coordinator:
             mx.inc(mx.generation_tokens, len(out.new_token_ids))
             if out.finish_reason is not None:
                 mx.inc(mx.request_success, 1, finished_reason=out.finish_reason)
-            seq = self._running[out.request_id]
+            seq = self.admission.running[out.request_id]
             queue = self._queues.get(out.request_id)
             if queue is not None:
                 m = seq.metrics
@@ -444,10 +547,17 @@ class Coordinator:
         if not self._aborted:
             return
         aborted, self._aborted = self._aborted, set()
-        self._waiting = deque(s for s in self._waiting if s.request_id not in aborted)
-        self._release([rid for rid in aborted if rid in self._running])
+        self.admission.drop_waiting(aborted)
+        self._release([rid for rid in aborted if rid in self.admission.running])
 
-    def _fail(self, seqs: list[Sequence], message: str) -> None:
+    def _fail(self, seqs: list[Sequence], err: Exception) -> None:
+        """Fail these requests: the client gets a generic message with an error id, the log the
+        exception under that id (exception texts hold no prompt or output)."""
+        error_id = uuid.uuid4().hex[:12]
+        logger.error("error %s: %d request(s) failed (%s)", error_id, len(seqs),
+                     ", ".join(s.request_id for s in seqs), exc_info=err)
+        self._totals["requests_failed"] += len(seqs)
+        message = f"the engine failed while generating this request (error id {error_id}); retry it"
         for seq in seqs:
             queue = self._queues.get(seq.request_id)
             if queue is not None:
@@ -460,8 +570,7 @@ class Coordinator:
         if not request_ids:
             return
         for rid in request_ids:
-            self._running.pop(rid, None)
-            self._reserved -= self._reservations.pop(rid, 0)
+            self.admission.release(rid)
         self.target.free.remote(request_ids)
         if self.draft is not None:
             self.draft.free.remote(request_ids)
@@ -504,10 +613,9 @@ def _merge(items: list) -> Delta | Failed:
     return Delta(tokens, last.finish_reason, last.num_draft_tokens, last.num_accepted_tokens, last.num_steps)
 
 
-def _reservation(seq: Sequence) -> int:
-    """KV-cache tokens a request may come to hold on each worker: prompt + max_tokens (capped at
-    the context; drafts beyond a row's limit go to clamped positions, see engine.step.plan_step)."""
-    return min(len(seq.prompt) + seq.params.max_tokens, seq.max_positions)
+def _predict(cost: TokenCost, tokens: int) -> float:
+    """Seconds a forward over `tokens` tokens should take (0 when none, or nothing measured yet)."""
+    return cost.predict(tokens) if tokens > 0 and cost.ready else 0.0
 
 
 def _drain(queue: asyncio.Queue) -> list:

@@ -454,7 +454,8 @@ class OpenAIServer:
             async for item in stream:
                 if isinstance(item, Failed):
                     gen.finished = True
-                    raise _StreamFailed(OpenAIError(500, item.message, None, "engine_error", "server_error"))
+                    status = 504 if item.code == "request_timeout" else 500
+                    raise _StreamFailed(OpenAIError(status, item.message, None, item.code, "server_error"))
                 assert isinstance(item, Delta)
                 token_ids.extend(item.token_ids)
                 final = item.finish_reason is not None

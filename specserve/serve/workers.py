@@ -5,12 +5,18 @@ worker's cache holds (a new worker, a restarted one) is answered with `Reply.mis
 request and its valid length) instead of a result: the coordinator resends those rows from there,
 which rebuilds the caches from the tokens it holds. (A raised `CacheMiss` is caught and reported
 the same way: its constructor signature does not survive Ray's exception pickling.)
+
+Test-only fault injection: with the environment variable SPECSERVE_FAULTS_DIR set (the tests set it
+before Ray starts; nothing else does), a file `<dir>/<app>.<method>` holding "hang N" or "raise N"
+makes the next N `verify` / `propose` calls of that Serve application's workers hang (until the
+coordinator kills the worker) or raise. The count lives in the file, so it survives a restart.
 """
 from __future__ import annotations
 
 import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import ray
 import torch
@@ -35,10 +41,31 @@ class Reply:
     misses: dict[str, int] = field(default_factory=dict)  # request id -> valid length
 
 
+_FAULTS_DIR = os.environ.get("SPECSERVE_FAULTS_DIR")
+
+
 class _Worker:
     def __init__(self, torch_threads: int | None) -> None:
         if torch_threads:
             torch.set_num_threads(torch_threads)
+
+    @staticmethod
+    def _injected_fault(method: str) -> None:
+        """Test-only (see the module docstring): hang or raise if a fault file says so."""
+        if not _FAULTS_DIR:
+            return
+        name = ray.get_runtime_context().get_actor_name() or ""
+        path = Path(_FAULTS_DIR) / f"{name.split(':')[0]}.{method}"
+        try:
+            kind, count = path.read_text().split()
+        except (FileNotFoundError, ValueError):
+            return
+        if int(count) <= 0:
+            return
+        path.write_text(f"{kind} {int(count) - 1}")
+        if kind == "hang":
+            time.sleep(3600)
+        raise RuntimeError(f"injected fault in {method}")
 
     @staticmethod
     def _misses(rows: list[RowInput], holder) -> dict[str, int]:
@@ -101,6 +128,7 @@ class TargetWorker(_Worker):
     def propose(
         self, rows: list[RowInput], num_tokens: int, sampling: BatchSampling, uniforms: torch.Tensor | None
     ) -> Reply:
+        self._injected_fault("propose")
         return self._run(rows, lambda: self.proposer.propose(rows, num_tokens, sampling, uniforms), self.proposer)
 
     def proposer_free(self, request_ids: list[str]) -> None:
@@ -130,6 +158,7 @@ class TargetWorker(_Worker):
         accept_uniforms: torch.Tensor | None,  # [B, G]
         final_uniforms: torch.Tensor | None,  # [B]
     ) -> Reply:
+        self._injected_fault("verify")
         return self._run(rows, lambda: self.model.verify(
             rows, draft_tokens, draft_probs, num_draft, sampling, accept_uniforms, final_uniforms))
 
@@ -148,6 +177,7 @@ class DraftWorker(_Worker):
     def propose(
         self, rows: list[RowInput], num_tokens: int, sampling: BatchSampling, uniforms: torch.Tensor | None
     ) -> Reply:
+        self._injected_fault("propose")
         return self._run(rows, lambda: self.model.propose(rows, num_tokens, sampling, uniforms))
 
 

@@ -1,0 +1,80 @@
+"""Admission of requests into a coordinator's running batch: FIFO, bounded in count and in memory.
+
+The workers' KV caches are dense (`engine/kv_cache.py`): one slot per running request, every slot
+allocated for the same number of positions, `capacity_for(longest row)`. So what a batch really
+allocates on each worker is
+
+    running x capacity_for(max over running of (prompt + max_tokens + γ))    token positions
+
+(γ: a step writes up to γ draft positions past a row's last real token; the worker trims dead
+slots and capacity before it grows, see `ModelRunner._fit`). With a budget (`max_cached_tokens`)
+a request joins only while that product, counting it, fits; a request that could not fit even
+alone is refused before anything is allocated. No Ray here: the unit tests drive it directly.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from specserve.engine.kv_cache import capacity_for
+from specserve.engine.step import Sequence
+
+
+def positions_needed(seq: Sequence, max_gamma: int) -> int:
+    """Cache positions a request's slot may come to hold: prompt + max_tokens (capped at the
+    context) + γ draft positions written past its last real token."""
+    return min(len(seq.prompt) + seq.params.max_tokens, seq.max_positions) + max_gamma
+
+
+def allocation(needs: list[int]) -> int:
+    """Token positions a dense cache allocates for slots needing these positions."""
+    return len(needs) * capacity_for(max(needs)) if needs else 0
+
+
+class Admission:
+    """The waiting queue and the running batch of one coordinator (request id -> Sequence)."""
+
+    def __init__(self, max_batch_size: int, budget: int | None, max_gamma: int) -> None:
+        self.max_batch_size = max_batch_size
+        self.budget = budget
+        self.max_gamma = max_gamma
+        self.waiting: deque[Sequence] = deque()
+        self.running: dict[str, Sequence] = {}
+        self._needs: dict[str, int] = {}  # running request id -> positions_needed
+
+    def need(self, seq: Sequence) -> int:
+        return positions_needed(seq, self.max_gamma)
+
+    def too_big(self, seq: Sequence) -> bool:
+        """Whether the request could not fit the budget even alone."""
+        return self.budget is not None and allocation([self.need(seq)]) > self.budget
+
+    def allocated(self) -> int:
+        """Token positions the running batch may allocate on each worker (what the budget bounds)."""
+        return allocation(list(self._needs.values()))
+
+    def _fits(self, seq: Sequence) -> bool:
+        if len(self.running) >= self.max_batch_size:
+            return False
+        return self.budget is None or allocation([*self._needs.values(), self.need(seq)]) <= self.budget
+
+    def fits_now(self, seq: Sequence) -> bool:
+        """Whether the request would join the running batch at once (nobody waits ahead of it)."""
+        return not self.waiting and self._fits(seq)
+
+    def admit(self) -> list[Sequence]:
+        """Move waiting requests into the running batch, FIFO (no overtaking: a large request at the
+        head waits rather than starve); returns those admitted."""
+        admitted = []
+        while self.waiting and self._fits(self.waiting[0]):
+            seq = self.waiting.popleft()
+            self.running[seq.request_id] = seq
+            self._needs[seq.request_id] = self.need(seq)
+            admitted.append(seq)
+        return admitted
+
+    def release(self, request_id: str) -> None:
+        self.running.pop(request_id, None)
+        self._needs.pop(request_id, None)
+
+    def drop_waiting(self, request_ids: set[str]) -> None:
+        self.waiting = deque(s for s in self.waiting if s.request_id not in request_ids)
