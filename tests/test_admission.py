@@ -1,0 +1,101 @@
+"""Admission against what the dense KV cache really allocates (no Ray): the coordinator's admission
+logic drives real TargetVerifier / DraftModelProposer caches on tiny models, in process."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from models import hf_greedy
+from specserve.engine import DraftModelProposer, SamplingParams, TargetVerifier
+from specserve.engine.kv_cache import capacity_for
+from specserve.engine.scheduler import SpeculationPolicy
+from specserve.engine.sharding import kv_cache_bytes_per_token
+from specserve.engine.step import new_sequence, speculative_step
+from specserve.models.tiny import tiny_llama
+from specserve.serve.admission import Admission, allocation, positions_needed
+
+GAMMA = 3
+MAX_LEN = 1024
+
+
+def _seq(rid: str, prompt_len: int, max_tokens: int, seed: int = 0):
+    rng = random.Random(seed)
+    prompt = [rng.randrange(1, 250) for _ in range(prompt_len)]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return new_sequence(rid, prompt, params, vocab_size=256, max_model_len=MAX_LEN, eos_token_ids=frozenset())
+
+
+def test_allocation_is_slots_times_the_longest_capacity():
+    short, long = _seq("s", 5, 20), _seq("l", 40, 600)
+    assert positions_needed(short, GAMMA) == 5 + 20 + GAMMA
+    assert allocation([28, 643]) == 2 * capacity_for(643) == 2 * 768
+    admission = Admission(max_batch_size=8, budget=2048, max_gamma=GAMMA)
+    admission.waiting.extend([_seq(f"s{i}", 5, 20) for i in range(3)] + [long] + [_seq("s9", 5, 20)])
+    admitted = admission.admit()  # 3 shorts (256 each), then the long one would need 4 x 768
+    assert [s.request_id for s in admitted] == ["s0", "s1", "s2"] and admission.allocated() == 3 * 256
+    admission.release("s0")
+    admission.release("s1")
+    assert [s.request_id for s in admission.admit()] == ["l"]  # 2 x 768 fits; FIFO: s9 waits behind
+    assert admission.allocated() == 2 * 768 and [s.request_id for s in admission.waiting] == ["s9"]
+    assert not Admission(8, 512, GAMMA).too_big(short) and Admission(8, 512, GAMMA).too_big(long)
+    assert not Admission(8, None, GAMMA).too_big(long)
+
+
+def test_cache_bytes_stay_within_the_admitted_budget():
+    """One long request among many short ones of varied lengths: after every step the bytes that
+    both workers' caches hold stay within budget x bytes per position, and greedy output is the
+    target's own."""
+    target = tiny_llama(seed=0, max_position_embeddings=MAX_LEN)
+    draft = tiny_llama(seed=0, max_position_embeddings=MAX_LEN, noise=0.2)
+    verifier = TargetVerifier(target, MAX_LEN)
+    proposer = DraftModelProposer(draft, verifier.vocab_size, MAX_LEN)
+    policy = SpeculationPolicy(GAMMA, adaptive=False)
+    budget = 4096  # 16 short slots of 256, or a long one (768) and 4 more
+    admission = Admission(max_batch_size=16, budget=budget, max_gamma=GAMMA)
+    rng = random.Random(1)
+    shorts = [_seq(f"s{i}", rng.randint(3, 12), rng.randint(4, 40), seed=i) for i in range(24)]
+    long = _seq("long", 300, 300, seed=99)  # its prefill alone takes a 512-position capacity
+    admission.waiting.extend(shorts[:16] + [long] + shorts[16:])
+    per_position = {name: kv_cache_bytes_per_token(m.config, torch.float32) for name, m in
+                    (("target", target), ("draft", draft))}
+    caches = {"target": verifier.runner.cache, "draft": proposer.runner.cache}
+    outputs: dict[str, list[int]] = {}
+    peak = {name: 0 for name in caches}
+    saw_long_with_others = False
+    while admission.waiting or admission.running:
+        admission.admit()
+        seqs = list(admission.running.values())
+        saw_long_with_others |= "long" in admission.running and len(seqs) > 1
+        assert admission.allocated() <= budget
+        for out in speculative_step(seqs, proposer, verifier, policy):
+            if out.finish_reason is not None:
+                seq = admission.running[out.request_id]
+                outputs[seq.request_id] = list(seq.output)
+                admission.release(seq.request_id)
+                verifier.free(seq.request_id)
+                proposer.free(seq.request_id)
+        for name, cache in caches.items():
+            held = cache.memory_bytes()
+            peak[name] = max(peak[name], held)
+            assert held <= budget * per_position[name], (name, cache.allocated(), held)
+    assert saw_long_with_others and len(outputs) == 25
+    assert peak["target"] >= capacity_for(600) * per_position["target"]  # the long one really ran
+    for seq in [long, *shorts[:3]]:
+        assert outputs[seq.request_id] == hf_greedy(target, seq.prompt, seq.params.max_tokens)
+
+
+@pytest.mark.parametrize("lengths", [[1, 100], [2, 60, 90]])
+def test_padding_never_grows_the_cache_past_the_longest_row(lengths):
+    """Rows of different lengths in one forward: a short row far along its context must not write
+    padding past what the longest row needs."""
+    from specserve.engine import RowInput
+
+    verifier = TargetVerifier(tiny_llama(seed=0, max_position_embeddings=MAX_LEN), MAX_LEN)
+    runner = verifier.runner
+    runner.forward([RowInput("far", 0, [1] * 200)], logits="none")
+    rows = [RowInput("far", 200, [2] * lengths[0])] + [RowInput(f"new{i}", 0, [3] * n)
+                                                       for i, n in enumerate(lengths[1:])]
+    runner.forward(rows, logits="last")
+    assert runner.cache.allocated()[1] == capacity_for(200 + lengths[0] + 1) == 256
