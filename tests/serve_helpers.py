@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import socket
+import tempfile
 import time
 from pathlib import Path
 
@@ -28,6 +29,8 @@ def start_local_serve(port: int, metrics_port: int | None = None) -> str:
     With metrics_port, Ray's Prometheus endpoint is http://127.0.0.1:metrics_port/metrics, flushed
     every second."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a throwaway local cluster on loopback only
+    # the workers' test-only fault files (specserve.serve.workers): Ray's processes inherit this
+    os.environ.setdefault("SPECSERVE_FAULTS_DIR", tempfile.mkdtemp(prefix="specserve-faults-"))
     import ray
     from ray import serve
 
@@ -129,3 +132,11 @@ def coordinator_replicas(app_name: str) -> int:
 
     status = serve.status().applications[app_name].deployments["Coordinator"]
     return status.replica_states.get("RUNNING", 0)
+
+
+def inject_fault(app_name: str, method: str, kind: str, count: int) -> Path:
+    """Make the next `count` calls of `method` ("verify" / "propose") on `app_name`'s workers
+    `kind` ("hang" / "raise"); see specserve.serve.workers. Returns the fault file."""
+    path = Path(os.environ["SPECSERVE_FAULTS_DIR"]) / f"{app_name}.{method}"
+    path.write_text(f"{kind} {count}")
+    return path

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,7 +17,7 @@ import httpx
 import pytest
 
 from models import hf_greedy
-from serve_helpers import (cache_counts, coordinator_replicas, deploy_app, free_port, metric, scrape,
+from serve_helpers import (cache_counts, coordinator_replicas, deploy_app, free_port, inject_fault, metric, scrape,
                            start_local_serve, stop_local_serve, tiny_app_spec, wait_for, worker_actors)
 
 pytestmark = [pytest.mark.serve, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
@@ -419,6 +420,125 @@ class TestLimits:
             assert r.json()["choices"][0]["token_ids"] == expected[prompt]
         stats = limited.get("/v1/stats").json()
         assert stats["rejected_queue_full"] >= len(refused) and stats["reserved_tokens_peak"] <= 768
+
+
+# -- faults: a hung target, a failing draft ------------------------------------------------------------
+FAULTS = {"served_model_name": "tiny-faults", "request_timeout_s": 2.5,
+          "deadlines": {"target_floor_s": 1.0, "draft_floor_s": 0.5, "multiple": 4.0, "health_probe_s": 2.0},
+          "coordinator": {"resources": {"num_cpus": 0.1}, "autoscaling": {"min_replicas": 1, "max_replicas": 1}}}
+
+
+class TestFaults:
+    """A third application of the tiny models with short deadlines; faults come from the workers'
+    test-only hook (a file that makes the next calls hang or raise)."""
+
+    APP = "specserve-faults"
+
+    @pytest.fixture(scope="class")
+    def faulty(self, server):
+        from ray import serve
+
+        deploy_app(self.APP, "/faults", **FAULTS)
+        with httpx.Client(base_url=f"{server}/faults", timeout=60) as client:
+            yield client
+        serve.delete(self.APP)
+
+    @staticmethod
+    def _body(prompt: str, max_tokens: int) -> dict:
+        return {"model": "tiny-faults", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                "ignore_eos": True, "return_token_ids": True}
+
+    def test_hung_target_fails_within_the_deadline_then_restarts(self, http, faulty):
+        expected = complete(http, "hang on", max_tokens=16)["choices"][0]["token_ids"]
+        assert faulty.post("/v1/completions", json=self._body("warm up", 4)).status_code == 200
+        inject_fault(self.APP, "verify", "hang", 1)
+        began = time.monotonic()
+        r = faulty.post("/v1/completions", json=self._body("hang on", 16))
+        elapsed = time.monotonic() - began
+        assert r.status_code == 504, r.text
+        err = r.json()["error"]
+        assert err["code"] == "request_timeout" and err["type"] == "server_error"
+        assert elapsed < FAULTS["request_timeout_s"] + 2.0, elapsed
+        # the coordinator killed the hung target at its call deadline; Ray restarted it, and the
+        # next requests are served, with unchanged output
+        assert wait_for(lambda: faulty.post("/v1/completions", json=self._body("x", 2)).status_code == 200,
+                        timeout=60)
+        assert faulty.post("/v1/completions", json=self._body("hang on", 16)).json()["choices"][0]["token_ids"] \
+            == expected
+        stats = faulty.get("/v1/stats").json()
+        assert stats["worker_restarts"] >= 1 and stats["requests_timed_out"] >= 1, stats
+
+    def test_raising_draft_degrades_to_target_only_with_identical_output(self, http, faulty):
+        expected = complete(http, "the draft fails", max_tokens=40)["choices"][0]["token_ids"]
+        before = faulty.get("/v1/stats").json()
+        fault = inject_fault(self.APP, "propose", "raise", 3)  # e.g. an out-of-memory RayTaskError
+        r = faulty.post("/v1/completions", json=self._body("the draft fails", 40))
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == expected
+        assert fault.read_text() == "raise 0"
+        stats = faulty.get("/v1/stats").json()
+        assert stats["target_only_steps"] > before["target_only_steps"]
+        assert stats["requests_failed"] == before["requests_failed"]
+        assert wait_for(lambda: faulty.get("/v1/stats").json()["draft_available"], timeout=30)
+
+
+# -- overload: a shipped-style config sheds a 600-request burst with fast 429s ------------------------------
+OVERLOAD = {"served_model_name": "tiny-overload", "max_batch_size": 8, "max_queued_requests": 8,
+            "request_timeout_s": 60.0,
+            "ingress": {"resources": {"num_cpus": 0.1}, "autoscaling": {"min_replicas": 1, "max_replicas": 1},
+                        "max_ongoing_requests": 1024},
+            "coordinator": {"resources": {"num_cpus": 0.1}, "autoscaling": {"min_replicas": 1, "max_replicas": 1},
+                            "max_ongoing_requests": 1024}}
+
+
+def test_burst_of_600_is_shed_fast_and_accepted_requests_finish(server):
+    """600 concurrent completions against limits derived like the shipped configs' (coordinator
+    max_ongoing = batch + queue + headroom, Serve queues bounded): the surplus gets 429 +
+    Retry-After long before the accepted requests finish, every accepted one finishes within the
+    request deadline, and /health and /v1/stats answer during the burst."""
+    import asyncio
+
+    from ray import serve
+
+    deploy_app("specserve-overload", "/overload", **OVERLOAD)
+    body = {"model": "tiny-overload", "prompt": "overload", "max_tokens": 32, "temperature": 0.0, "ignore_eos": True}
+
+    async def burst():
+        limits = httpx.Limits(max_connections=700, max_keepalive_connections=0)
+        async def sent(request):  # timed from when the request goes out, not from when the client got to it
+            request.extensions["sent"] = time.monotonic()
+
+        async with httpx.AsyncClient(base_url=f"{server}/overload", timeout=120, limits=limits,
+                                     event_hooks={"request": [sent]}) as client:
+            async def one():
+                r = await client.post("/v1/completions", json=body)
+                return r, time.monotonic() - r.request.extensions["sent"]
+
+            async def control():
+                await asyncio.sleep(0.5)
+                began = time.monotonic()
+                codes = [(await client.get("/health")).status_code, (await client.get("/v1/stats")).status_code]
+                return codes, time.monotonic() - began
+
+            return await asyncio.gather(asyncio.gather(*(one() for _ in range(600))), control())
+
+    try:
+        results, (control_codes, control_s) = asyncio.run(burst())
+    finally:
+        serve.delete("specserve-overload")
+    codes = [r.status_code for r, _ in results]
+    accepted = sorted(t for r, t in results if r.status_code == 200)
+    refused = sorted(t for r, t in results if r.status_code == 429)
+    assert set(codes) <= {200, 429}, sorted(set(codes))
+    assert len(accepted) >= 16 and len(refused) >= 100, (len(accepted), len(refused))
+    assert all(int(r.headers["retry-after"]) >= 1 for r, _ in results if r.status_code == 429)
+    assert all(r.json()["usage"]["completion_tokens"] == 32 for r, _ in results if r.status_code == 200)
+    median = statistics.median
+    # (on a 2-core machine the client and proxy alone take seconds to get 600 requests through)
+    assert refused[0] < 0.5 * median(accepted) and median(refused) < median(accepted), \
+        (refused[0], median(refused), median(accepted))
+    assert accepted[-1] < OVERLOAD["request_timeout_s"]
+    assert control_codes == [200, 200] and control_s < median(accepted), (control_codes, control_s)
 
 
 # -- autoscaling: a second draft+target group comes and goes ------------------------------------------
