@@ -58,6 +58,7 @@ def _error_response(err: OpenAIError) -> JSONResponse:
 
 
 RETRY_AFTER_S = 1  # what a 429 (full queue) or 503 (engine lost / unavailable) tells clients to wait
+SHED_WINDOW_S = 0.2  # after a coordinator's queue_full, new requests are refused here for this long
 
 
 def overloaded(message: str) -> OpenAIError:
@@ -318,6 +319,7 @@ class OpenAIServer:
         self.config = config
         self.tokenizer = load_tokenizer(config)
         self._info: dict | None = None
+        self._shed_until = 0.0  # after a full coordinator queue: refuse at once until then (monotonic s)
         key = config.api_key or os.environ.get("SPECSERVE_API_KEY") or None
         self._api_key = key.encode() if key else None
 
@@ -413,6 +415,8 @@ class OpenAIServer:
                                     top_p=body.top_p, seed=body.seed, ignore_eos=body.ignore_eos)
         except ValueError as err:  # the engine's own checks: a client error, never a 500
             raise OpenAIError(400, str(err)) from err
+        if time.monotonic() < self._shed_until:  # a burst: the surplus gets its 429 without a round trip
+            raise overloaded("the server is overloaded; retry later")
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         stream = self.coordinator.options(stream=True).generate.remote(
             GenerateRequest(rid, prompt_ids, params, body.num_speculative_tokens))
@@ -430,6 +434,7 @@ class OpenAIServer:
             raise
         if isinstance(first, Rejected):
             if first.code == "queue_full":
+                self._shed_until = time.monotonic() + SHED_WINDOW_S
                 raise overloaded(first.message)
             param = "max_tokens" if first.code == "context_length_exceeded" else "prompt"
             raise OpenAIError(400, first.message, param, first.code)
