@@ -29,6 +29,15 @@ def test_every_config_validates_and_builds(path):
     {"served_model_name": "x", "target": {"kind": "tiny"}, "draft": {"kind": "tiny"}, "typo": 1},
     {"served_model_name": "x", "target": {"kind": "tiny"}, "draft": {"kind": "tiny"},
      "coordinator": {"autoscaling": {"min_replicas": 3, "max_replicas": 2}}},
+    # limits that contradict each other: the coordinator's own 429 could never trigger
+    {"served_model_name": "x", "target": {"kind": "tiny"}, "draft": {"kind": "tiny"}, "max_batch_size": 64,
+     "max_queued_requests": 256, "coordinator": {"max_ongoing_requests": 96}},
+    # a KV budget that cannot hold one request of the advertised context
+    {"served_model_name": "x", "target": {"kind": "tiny"}, "draft": {"kind": "tiny"}, "max_model_len": 512,
+     "max_cached_tokens": 512},
+    # a health probe that outlasts Serve's own health-check timeout
+    {"served_model_name": "x", "target": {"kind": "tiny"}, "draft": {"kind": "tiny"},
+     "deadlines": {"health_probe_s": 30}},
 ])
 def test_bad_config_is_rejected(bad):
     with pytest.raises(pydantic.ValidationError):
@@ -87,3 +96,133 @@ def test_drafter_config_is_either_a_draft_model_or_a_colocated_drafter():
                 {"drafter": {"kind": "medusa"}}):
         with pytest.raises(ValueError):
             AppConfig.model_validate({**base, **bad})
+
+
+# -- coordinator logic without Ray: health checks, deadlines, failure isolation ---------------------
+class _Method:
+    """A stand-in for an actor method: `.remote()` gives an awaitable that answers, hangs or raises."""
+
+    def __init__(self, log: list, name: str, behaviour) -> None:
+        self.log, self.name, self.behaviour = log, name, behaviour
+
+    def remote(self, *args):
+        self.log.append(self.name)
+        return self.behaviour(*args)
+
+
+def _bare_coordinator(**attrs):
+    from specserve.serve.coordinator import Coordinator
+
+    coordinator = object.__new__(Coordinator.func_or_class)
+    coordinator.__dict__.update(attrs)
+    return coordinator
+
+
+def test_check_health_raises_after_repeated_misses_and_probes_each_actor_once():
+    import asyncio
+    import types
+
+    from specserve.config import Deadlines
+
+    log: list = []
+    hang = {"on": True}
+
+    async def ready():
+        await asyncio.sleep(3600 if hang["on"] else 0)
+        return True
+
+    target = types.SimpleNamespace(ready=_Method(log, "target", ready))
+    # a colocated drafter: the draft side IS the target actor, so there is no draft worker to probe
+    coordinator = _bare_coordinator(deadlines=Deadlines(health_probe_s=0.05, health_misses=3), target=target,
+                                    draft_worker=None, _health_misses={"target": 0, "draft": 0})
+
+    async def run():
+        await coordinator.check_health()
+        await coordinator.check_health()
+        hang["on"] = False  # answering again resets the count
+        await coordinator.check_health()
+        hang["on"] = True
+        for _ in range(2):
+            await coordinator.check_health()
+        with pytest.raises(RuntimeError, match="target worker unanswered for 3 health checks"):
+            await coordinator.check_health()
+
+    asyncio.run(run())
+    assert log == ["target"] * 6
+
+
+def test_call_deadline_grows_with_the_tokens_a_call_carries():
+    import torch
+
+    from specserve.config import Deadlines
+    from specserve.engine import RowInput
+    from specserve.engine.model_runner import ForwardTiming
+    from specserve.engine.scheduler import SpeculationPolicy
+
+    policy = SpeculationPolicy(4)
+    policy.observe_costs("target", [ForwardTiming(n, 0.001 * n) for n in (1, 8, 32, 64)])
+    policy.observe_costs("draft", [ForwardTiming(n, 0.0001 * n) for n in (1, 8, 32, 64)])
+    coordinator = _bare_coordinator(deadlines=Deadlines(multiple=10, target_floor_s=2, draft_floor_s=0.5),
+                                    policy=policy)
+    decode = [RowInput(f"r{i}", 100, [1]) for i in range(8)]
+    prefill = decode + [RowInput("long", 0, [1] * 4001)]
+    drafts = torch.zeros(8, 4, dtype=torch.long)
+    short = coordinator._deadline("target", decode, drafts)
+    assert short == pytest.approx(2 + 10 * 0.001 * 40)  # 8 rows x (1 + 4) tokens
+    long = coordinator._deadline("target", prefill, torch.zeros(9, 4, dtype=torch.long))
+    assert long >= 2 + 10 * 0.001 * 4000  # the prefill is priced in: 40 s, not mistaken for a hang
+    assert coordinator._deadline("draft", decode, 4) == pytest.approx(0.5 + 10 * 4 * 0.0001 * 8)
+    assert coordinator._deadline("draft", prefill, 4) > 0.5 + 10 * 0.0001 * 4000
+
+
+def test_a_failed_step_fails_only_the_request_it_fails_on():
+    import asyncio
+    import types
+
+    from specserve.engine.sampling import SamplingParams
+    from specserve.engine.scheduler import SpeculationPolicy
+    from specserve.engine.step import StepOutput, new_sequence
+    from specserve.serve.admission import Admission
+    from specserve.serve.coordinator import Failed
+
+    seqs = [new_sequence(rid, [1, 2], SamplingParams(max_tokens=4), vocab_size=10, max_model_len=64,
+                         eos_token_ids=frozenset()) for rid in ("a", "bad", "c")]
+    admission = Admission(8, None, 0)
+    admission.waiting.extend(seqs)
+    admission.admit()
+    freed: list = []
+    coordinator = _bare_coordinator(
+        admission=admission, _aborted=set(), _target_only=SpeculationPolicy(0, adaptive=False),
+        _queues={s.request_id: asyncio.Queue() for s in seqs}, _totals={"requests_failed": 0},
+        target=types.SimpleNamespace(free=_Method(freed, "target", lambda ids: None)), draft=None)
+
+    async def step(batch, policy):
+        if any(s.request_id == "bad" for s in batch):
+            raise RuntimeError("CUDA out of memory; internal detail")
+        return [StepOutput(s.request_id, [5], None) for s in batch]
+
+    coordinator._step = step
+    outputs = asyncio.run(coordinator._isolate(seqs, RuntimeError("the whole step failed")))
+    assert [o.request_id for o in outputs] == ["a", "c"]
+    failed = coordinator._queues["bad"].get_nowait()
+    assert isinstance(failed, Failed) and failed.code == "engine_error"
+    assert "error id" in failed.message and "memory" not in failed.message and "internal" not in failed.message
+    assert set(admission.running) == {"a", "c"} and coordinator._totals["requests_failed"] == 1
+    assert freed == ["target"]
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_shipped_configs_bound_every_queue_and_timeout(path):
+    from specserve.serve.app import _options
+
+    spec = yaml.safe_load(path.read_text())
+    for app in spec["applications"]:
+        config = load_app_config(app["args"])
+        # Serve's HTTP timeout outlasts the request deadline, so the coordinator's 504 arrives first
+        assert spec["http_options"]["request_timeout_s"] > config.request_timeout_s
+        assert config.max_ongoing("coordinator") >= config.max_batch_size + config.max_queued_requests + 8
+        for name in ("ingress", "coordinator"):
+            options = _options(name, config)
+            assert options["max_queued_requests"] >= 0  # Serve's queue is bounded (-1 would be unbounded)
+            assert options["backpressure_config"]["status_code"] == 429
+            assert options["graceful_shutdown_timeout_s"] >= config.request_timeout_s
