@@ -481,6 +481,19 @@ class TestFaults:
         assert stats["requests_failed"] == before["requests_failed"]
         assert wait_for(lambda: faulty.get("/v1/stats").json()["draft_available"], timeout=30)
 
+    def test_late_draft_goes_target_only_and_its_reply_is_kept(self, http, faulty):
+        expected = complete(http, "a late draft", max_tokens=40)["choices"][0]["token_ids"]
+        before = faulty.get("/v1/stats").json()
+        inject_fault(self.APP, "propose", "slow", 1)  # 2 s, past the draft's 0.5 s floor
+        r = faulty.post("/v1/completions", json=self._body("a late draft", 40))
+        assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == expected
+        stats = faulty.get("/v1/stats").json()
+        assert stats["target_only_steps"] > before["target_only_steps"]
+        assert stats["worker_restarts"] == before["worker_restarts"]  # late is not dead
+        assert wait_for(lambda: faulty.get("/v1/stats").json()["draft_available"], timeout=30)
+        assert faulty.post("/v1/completions", json=self._body("speculating again", 24)).json()["speculation"][
+            "num_draft_tokens"] > 0
+
 
 # -- overload: a shipped-style config sheds a 600-request burst with fast 429s ------------------------------
 OVERLOAD = {"served_model_name": "tiny-overload", "max_batch_size": 8, "max_queued_requests": 8,

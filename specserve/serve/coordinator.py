@@ -109,7 +109,11 @@ class StepRecord:
 
 
 class WorkerTimeout(RuntimeError):
-    """A worker call missed its deadline."""
+    """A worker call missed its deadline; `late` is its reply still on the way (an ObjectRef)."""
+
+    def __init__(self, message: str, late=None) -> None:
+        super().__init__(message)
+        self.late = late
 
 
 # -- the deployment ------------------------------------------------------------------------------
@@ -385,6 +389,9 @@ class Coordinator:
                 # Any draft failure (dead, restarting, hung, out of memory, a bug): re-plan this very
                 # step without it. Greedy rows are unaffected; seeded sampled rows draw fresh numbers
                 # (same distribution, another sample).
+                if isinstance(err, WorkerTimeout) and err.late is not None:
+                    asyncio.get_running_loop().create_task(
+                        self._adopt_late_draft(err.late, {s.request_id: s.num_tokens for s in seqs}))
                 self._draft_lost(err)
                 policy = self._target_only
                 plan = plan_step(seqs, policy)
@@ -408,11 +415,12 @@ class Coordinator:
         for attempt in range(_CALL_ATTEMPTS):
             args = make_args()
             timeout = self._deadline(side, args[0], args[1])
+            ref = method.remote(*args)
             try:
-                reply: Reply = await asyncio.wait_for(asyncio.ensure_future(method.remote(*args)), timeout=timeout)
+                reply: Reply = await asyncio.wait_for(asyncio.ensure_future(ref), timeout=timeout)
             except asyncio.TimeoutError:
                 if not retry:
-                    raise WorkerTimeout(f"{side} worker missed its {timeout:.1f} s deadline") from None
+                    raise WorkerTimeout(f"{side} worker missed its {timeout:.1f} s deadline", ref) from None
                 if attempt + 1 == _CALL_ATTEMPTS:
                     raise WorkerTimeout(f"{side} worker missed its deadline {_CALL_ATTEMPTS} times") from None
                 await self._restart_target(f"missed its {timeout:.1f} s deadline")
@@ -466,6 +474,20 @@ class Coordinator:
             except RayActorError:  # dying or restarting: Ray queues calls once it is restarting
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, 2.0)
+
+    async def _adopt_late_draft(self, late, num_tokens: dict[str, int]) -> None:
+        """A propose reply that missed its deadline but arrives: the draft did cache those rows'
+        tokens, so move their marks up and the next propose does not prefill them again."""
+        try:
+            reply: Reply = await late
+        except Exception:
+            return
+        if reply.misses:
+            return
+        for rid, n in num_tokens.items():
+            seq = self.admission.running.get(rid)
+            if seq is not None and seq.draft_len < n:
+                seq.draft_len = n
 
     def _draft_lost(self, err: Exception) -> None:
         """Go target-only until the draft answers again (a background probe), then speculate again."""

@@ -7,9 +7,9 @@ which rebuilds the caches from the tokens it holds. (A raised `CacheMiss` is cau
 the same way: its constructor signature does not survive Ray's exception pickling.)
 
 Test-only fault injection: with the environment variable SPECSERVE_FAULTS_DIR set (the tests set it
-before Ray starts; nothing else does), a file `<dir>/<app>.<method>` holding "hang N" or "raise N"
+before Ray starts; nothing else does), a file `<dir>/<app>.<method>` holding "hang N", "raise N" or "slow N"
 makes the next N `verify` / `propose` calls of that Serve application's workers hang (until the
-coordinator kills the worker) or raise. The count lives in the file, so it survives a restart.
+coordinator kills the worker) or raise; "slow N" delays them 2 s. The count lives in the file, so it survives a restart.
 """
 from __future__ import annotations
 
@@ -63,6 +63,9 @@ class _Worker:
         if int(count) <= 0:
             return
         path.write_text(f"{kind} {int(count) - 1}")
+        if kind == "slow":  # late, then answers as usual
+            time.sleep(2.0)
+            return
         if kind == "hang":
             time.sleep(3600)
         raise RuntimeError(f"injected fault in {method}")
