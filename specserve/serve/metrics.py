@@ -54,9 +54,9 @@ class CoordinatorMetrics:
         self.acceptance_rate = gauge("spec_decode_acceptance_rate",
                                      "Accepted / draft tokens since this replica started.")
         self.kv_usage = gauge("kv_cache_usage_tokens", "Tokens held in each worker's KV cache.", ("worker",))
-        self.kv_reserved = gauge("kv_cache_reserved_tokens",
-                                 "Tokens reserved by running requests (prompt + max_tokens).")
-        self.kv_usage_perc = gauge("kv_cache_usage_perc", "Reserved tokens / max_cached_tokens (0 when unset).")
+        self.kv_reserved = gauge("kv_cache_reserved_tokens", "Cache positions the running batch may allocate "
+                                 "(running x capacity for the longest prompt + max_tokens + gamma).")
+        self.kv_usage_perc = gauge("kv_cache_usage_perc", "Reserved positions / max_cached_tokens (0 when unset).")
         self.draft_available = gauge("draft_available", "1 when the draft worker answers, 0 while it restarts.")
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", description="Arrival to first token.",
                               boundaries=_LATENCY_BUCKETS, tag_keys=keys)
