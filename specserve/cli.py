@@ -77,6 +77,7 @@ BENCHES = {  # name -> module with `main(argv: list[str]) -> int`; its own argpa
     "http": "specserve.bench.http",
     "engine": "specserve.bench.engine",
     "gpu": "specserve.bench.gpu",
+    "overload": "specserve.bench.overload",
 }
 
 
