@@ -173,6 +173,13 @@ class AutoscalingConfig(_Strict):
         return self
 
 
+CONTROL_HEADROOM = 8  # slots beyond generation traffic kept for /v1/stats, /v1/models, health calls
+# Ingress and coordinator are async and cheap per request: they take a burst of this many requests
+# in and answer the surplus with the coordinator's own 429 at once, rather than let Serve queue it
+# in front of them, where /health and /v1/stats would wait behind it.
+BURST_ONGOING = 1024
+
+
 class DeploymentConfig(_Strict):
     resources: Resources = Resources()
     autoscaling: AutoscalingConfig = AutoscalingConfig()
@@ -181,7 +188,7 @@ class DeploymentConfig(_Strict):
     max_ongoing_requests: int | None = Field(None, ge=1)
     # Serve's own queue at each caller (the proxy, or an ingress's handle) once every replica holds
     # max_ongoing_requests: beyond it a request is refused at once (HTTP 429 + Retry-After).
-    max_queued_requests: int = Field(64, ge=0)
+    max_queued_requests: int = Field(BURST_ONGOING, ge=0)
     health_check_period_s: float = Field(10.0, gt=0)  # Serve calls the replica's check_health this often
     health_check_timeout_s: float = Field(30.0, gt=0)  # and marks it unhealthy if it takes longer
 
@@ -203,11 +210,6 @@ class Deadlines(_Strict):
 
 
 # -- the application -----------------------------------------------------------------------------
-CONTROL_HEADROOM = 8  # slots beyond generation traffic kept for /v1/stats, /v1/models, health calls
-# Ingress and coordinator are async and cheap per request: they take a burst of this many requests
-# in and answer the surplus with the coordinator's own 429 at once, rather than let Serve queue it
-# in front of them, where /health and /v1/stats would wait behind it.
-BURST_ONGOING = 1024
 
 
 class AppConfig(_Strict):
