@@ -7,9 +7,10 @@
       4. the body limit (413): Content-Length, then the bytes of a chunked body as they arrive;
          the body is buffered (at most the limit) and replayed to the app
 
-    max_chars_per_token(tokenizer): the most input characters one token can stand for, when the
-    tokenizer's pipeline provably never drops input (else None): a text of more than
-    max_model_len x that many characters cannot fit, so it is refused without tokenizing it.
+    token_floor(tokenizer): the fewest tokens a text can become, from its characters (the most
+    input characters one token can stand for, when the tokenizer's pipeline provably loses no input
+    but a known set of characters; else None): a text whose floor exceeds the context cannot fit,
+    so it is refused without tokenizing it.
 
 Errors are OpenAI-shaped JSON, as everywhere in the ingress (`OpenAIError`).
 """
@@ -237,24 +238,36 @@ def check_unicode(text: str, param: str) -> None:
                                f"{hit.start()}", param, "invalid_unicode")
 
 
-# -- how many characters one token can stand for ---------------------------------------------------------
-# Pipeline steps that never drop input characters (see max_chars_per_token). Normalizers that can
-# shrink the text (NFC/NFKC composition, Strip, StripAccents, Bert's cleaning, regex Replace) and
+# -- how many tokens a text is at least --------------------------------------------------------------
+# Pipeline steps that never drop input characters (see token_floor). Normalizers that can shrink
+# the text (NFC/NFKC composition, Strip, StripAccents, Bert's cleaning, regex Replace) and
 # pre-tokenizers that drop whitespace (Whitespace, Bert) are absent on purpose.
 _KEEPING_NORMALIZERS = {"Lowercase", "NFD", "NFKD", "Prepend"}
 _KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "Punctuation", "Split", "UnicodeScripts"}
 
 
-def max_chars_per_token(tokenizer) -> int | None:
-    """The most characters of input text any single token can cover, or None when that is unbounded
-    or cannot be proven from the tokenizer's serialized pipeline.
+@dataclass(frozen=True)
+class TokenFloor:
+    """The fewest tokens a text can become: (characters - those the tokenizer may drop) / the most
+    characters one token covers, rounded up. Costs a few C-speed scans of the text, no tokenizing."""
 
-    Proof sketch: with a BPE model that never emits <unk> for an unseen character (byte-level
-    pre-tokenizer, or byte fallback), normalizers and pre-tokenizers that never remove characters,
-    and added tokens that do not swallow surrounding whitespace, every input character ends up
-    inside exactly one token, and a token covers at most len(its vocabulary string) characters
-    (byte-level strings have one symbol per byte; fallback tokens stand for one byte). So
-    tokens >= characters / max(len(vocabulary string), len(added token))."""
+    chars_per_token: int
+    dropped: str = ""  # characters the tokenizer silently drops (ASCII bytes its byte vocabulary lacks)
+
+    def __call__(self, text: str) -> int:
+        kept = len(text) - sum(text.count(c) for c in self.dropped)
+        return -(-kept // self.chars_per_token)
+
+
+def token_floor(tokenizer) -> TokenFloor | None:
+    """A TokenFloor for this tokenizer, or None when one token can cover unboundedly many characters
+    or that cannot be proven from the tokenizer's serialized pipeline.
+
+    Proof sketch: with a BPE model that gives every input symbol a token (see _dropped_symbols),
+    normalizers and pre-tokenizers that never remove characters, and added tokens that do not
+    swallow surrounding whitespace, every kept character ends up inside exactly one token, and a
+    token covers at most len(its vocabulary string) characters (byte-level strings have one symbol
+    per byte; fallback tokens stand for one byte). So tokens >= kept / max(len(token string))."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return None
@@ -262,7 +275,8 @@ def max_chars_per_token(tokenizer) -> int | None:
     model = spec.get("model") or {}
     if model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
         return None
-    if not (model.get("byte_fallback") or _has(spec.get("pre_tokenizer"), "ByteLevel")):
+    dropped = _dropped_symbols(model, _has(spec.get("pre_tokenizer"), "ByteLevel"))
+    if dropped is None:
         return None
     if not _keeps(spec.get("normalizer"), _KEEPING_NORMALIZERS) or not _keeps(spec.get("pre_tokenizer"),
                                                                                 _KEEPING_PRE_TOKENIZERS):
@@ -271,7 +285,38 @@ def max_chars_per_token(tokenizer) -> int | None:
     if any(a.get("lstrip") or a.get("rstrip") for a in added):
         return None
     lengths = [len(t) for t in model["vocab"]] + [len(a["content"]) for a in added]
-    return max(lengths, default=None)
+    return TokenFloor(max(lengths), dropped) if lengths else None
+
+
+def max_chars_per_token(tokenizer) -> int | None:
+    floor = token_floor(tokenizer)
+    return None if floor is None else floor.chars_per_token
+
+
+def _byte_symbols() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: printable Latin-1 bytes stand for themselves, the other 68
+    bytes for U+0100 onwards, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
+
+
+def _dropped_symbols(model: dict, byte_level: bool) -> str | None:
+    """The characters BPE may drop ("" for none), or None when a whole run of text could vanish
+    into nothing or into one token. BPE without an unk token silently drops a symbol it lacks; with
+    an unfused <unk>, every unseen symbol is one token; a fused <unk> covers a whole run."""
+    vocab = model["vocab"]
+    if model.get("unk_token") is not None and not model.get("fuse_unk"):
+        return ""
+    if byte_level:
+        missing = [b for b, symbol in _byte_symbols().items() if symbol not in vocab]
+        if any(0x80 <= b < 0xC0 for b in missing):  # a continuation byte: a whole character may vanish
+            return None
+        # a lead byte >= 0xC0 is followed by continuation bytes, which do get tokens
+        return "".join(chr(b) for b in missing if b < 0x80)
+    if model.get("byte_fallback") and all(f"<0x{b:02X}>" in vocab for b in range(256)):
+        return ""
+    return None
 
 
 def _has(step: dict | None, kind: str) -> bool:

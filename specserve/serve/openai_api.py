@@ -47,8 +47,8 @@ from specserve.config import AppConfig
 from specserve.engine.sampling import SamplingParams
 
 from .coordinator import Accepted, Delta, Failed, GenerateRequest, Rejected
-from .front_door import (Door, FrontDoor, KeyLimits, OpenAIError, check_unicode, is_loopback, max_chars_per_token,
-                         parse_keys)
+from .front_door import (Door, FrontDoor, KeyLimits, OpenAIError, check_unicode, is_loopback, parse_keys,
+                         token_floor)
 from .text import IncrementalDetokenizer, StopStrings
 
 logger = logging.getLogger("specserve.ingress")
@@ -330,9 +330,9 @@ class OpenAIServer:
         self.door = Door(keys, KeyLimits(front.per_key.max_concurrent_requests, front.per_key.tokens_per_minute),
                          front.max_request_bytes)
         self._pool = ThreadPoolExecutor(front.threads, thread_name_prefix="specserve-tokenize")
-        # a text longer than max_model_len x this cannot fit (None: no proven bound, no pre-check)
-        self._chars_per_token = max_chars_per_token(self.tokenizer)
-        if self._chars_per_token is None:
+        # the fewest tokens a text can become, without tokenizing (None: no proven bound, no pre-check)
+        self._token_floor = token_floor(self.tokenizer)
+        if self._token_floor is None:
             logger.warning("this tokenizer can map unboundedly many characters to one token: prompts are "
                            "tokenized without a length pre-check (the body limit still applies)")
         if not keys:
@@ -375,7 +375,7 @@ class OpenAIServer:
         # an explicit null means the default, as OpenAI's API treats it
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
         if isinstance(prompt, str):
-            await self._precheck(len(prompt), None, max_tokens, "prompt")
+            await self._precheck(prompt, None, max_tokens, "prompt")
             ids = await self._offload(self._encode, prompt, "prompt", True)
         else:
             await self._precheck(None, len(prompt), max_tokens, "prompt")
@@ -395,7 +395,7 @@ class OpenAIServer:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         text = await self._offload(self._template, messages)
         sent = body.max_completion_tokens or body.max_tokens
-        await self._precheck(len(text), None, sent or 1, "messages")
+        await self._precheck(text, None, sent or 1, "messages")
         ids = await self._offload(self._encode, text, "messages", False)
         max_tokens = sent if sent is not None else await self._room(len(ids))
         return await self._respond(body, ids, max_tokens, chat=True, key=_key(request),
@@ -416,15 +416,15 @@ class OpenAIServer:
         except Exception as err:  # a template may reject a role order
             raise OpenAIError(400, f"chat template failed: {err}", "messages") from err
 
-    async def _precheck(self, chars: int | None, tokens: int | None, max_tokens: int, param: str) -> None:
+    async def _precheck(self, text: str | None, tokens: int | None, max_tokens: int, param: str) -> None:
         """Refuse, before tokenizing, a prompt whose size alone shows it cannot fit the context:
-        a text of `chars` characters is at least ceil(chars / chars-per-token) tokens."""
-        if tokens is None:
-            if self._chars_per_token is None:
+        `text` is at least token_floor(text) tokens (`tokens`: a token-id prompt's exact count)."""
+        if text is not None:
+            if self._token_floor is None:
                 return
-            tokens = -(-chars // self._chars_per_token)
+            tokens = self._token_floor(text) if len(text) < 1 << 16 else await self._offload(self._token_floor, text)
         context = (await self.info())["max_model_len"]
-        what = f"{chars} characters, so at least {tokens} tokens" if chars is not None else f"{tokens} tokens"
+        what = f"{len(text)} characters, so at least {tokens} tokens" if text is not None else f"{tokens} tokens"
         if tokens >= context:
             raise OpenAIError(400, f"{param}: {what}: exceeds the model's context of {context} tokens", param,
                               "context_length_exceeded")
@@ -554,9 +554,12 @@ def _warn_if_public() -> None:
     """Warn when Serve's proxy listens beyond loopback while this ingress takes no key (best effort:
     the HTTP options come from the Serve controller)."""
     try:
+        import ray
         from ray.serve.context import _get_global_client
 
-        host = _get_global_client().http_config.host
+        if not ray.is_initialized():  # not inside a Ray worker: asking would start a cluster
+            return
+        host = _get_global_client(raise_if_no_controller_running=False).http_config.host
     except Exception:  # no controller (tests in process) or an older Serve: nothing to tell
         return
     if not is_loopback(host):
