@@ -452,7 +452,7 @@ def test_chars_per_token_bound_holds_and_unbounded_pipelines_are_detected():
     assert max_chars_per_token(wrap(byte_level)) is None  # BPE drops bytes it has no symbol for
     alphabet = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
     gaps = Tokenizer(models.BPE({c: i for c, i in alphabet.items() if c not in ("Ĕ", "ÿ")}, []))
-    gaps.pre_tokenizer = pre_tokenizers.ByteLevel()  # lacks byte 0x14 (a control) and 0xff (never UTF-8)
+    gaps.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # lacks byte 0x14 (a control) and 0xff (never UTF-8)
     floor = token_floor(wrap(gaps))
     text = "ab\x14\x14\x14\x14cd"
     assert floor.dropped == "\x14" and len(wrap(gaps)(text).input_ids) == 4  # the controls vanished
