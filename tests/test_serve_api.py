@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
+import time
 
 import httpx
 import pytest
@@ -153,15 +155,26 @@ def test_openapi_fuzz_finds_no_server_error(fake, monkeypatch):
     _server(fake, monkeypatch)
     statuses: dict[int, int] = {}
     schema = schemathesis.openapi.from_asgi("/openapi.json", app)
-    bad = []
-    for result in schema.get_all_operations():
-        operation = result.ok()
-        heavy = operation.method.upper() == "POST" and "completions" in operation.path
-        modes = (GenerationMode.POSITIVE, GenerationMode.NEGATIVE) if heavy else (GenerationMode.POSITIVE,)
-        for mode in modes:  # (an operation without inputs has no invalid ones)
-            bad += _fuzz_operation(operation, mode, statuses, max_examples=100 if heavy else 10)
+    bad: list[str] = []
+
+    def fuzz() -> None:
+        for result in schema.get_all_operations():
+            operation = result.ok()
+            heavy = operation.method.upper() == "POST" and "completions" in operation.path
+            modes = (GenerationMode.POSITIVE, GenerationMode.NEGATIVE) if heavy else (GenerationMode.POSITIVE,)
+            for mode in modes:  # (an operation without inputs has no invalid ones)
+                bad.extend(_fuzz_operation(operation, mode, statuses, max_examples=100 if heavy else 10))
+
+    # bounded: ~450 cases, each answered within CASE_LIMIT_S, the whole run within RUN_LIMIT_S (no hang)
+    runner = threading.Thread(target=fuzz, daemon=True)
+    runner.start()
+    runner.join(timeout=RUN_LIMIT_S)
+    assert not runner.is_alive(), f"the fuzz run did not finish within {RUN_LIMIT_S} s: {statuses}"
     assert not bad, "\n".join(bad[:10])
     assert statuses.get(200, 0) > 50 and statuses.get(400, 0) > 50, statuses  # both paths were exercised
+
+
+CASE_LIMIT_S, RUN_LIMIT_S = 10.0, 300.0
 
 
 def _fuzz_operation(operation, mode, statuses: dict[int, int], max_examples: int) -> list[str]:
@@ -178,10 +191,12 @@ def _fuzz_operation(operation, mode, statuses: dict[int, int], max_examples: int
     def run(case):
         if mode == GenerationMode.POSITIVE and isinstance(case.body, dict) and "model" in case.body:
             case.body["model"] = MODEL  # else nearly every valid body is a 404 (unknown model)
+        began = time.monotonic()
         response = case.call()
+        took = time.monotonic() - began
         statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
-        if response.status_code >= 500:
-            bad.append(f"{operation.label}: {response.status_code} for {case.body!r}"[:500])
+        if response.status_code >= 500 or took > CASE_LIMIT_S:
+            bad.append(f"{operation.label}: {response.status_code} in {took:.1f} s for {case.body!r}"[:500])
 
     run()
     return bad
