@@ -3,6 +3,7 @@
     specserve serve CONFIG.yaml [--num-cpus N] [--address ADDR]   local Ray + every app of a Serve config
     specserve bench http [--url ...] [...]                           HTTP benchmark (specserve.bench.http)
     specserve bench engine [...]                                      in-process benchmark (specserve.bench.engine)
+    specserve bench ingress [--url ...]                              one huge request vs small ones (specserve.bench.ingress)
 
 A subcommand is one entry in COMMANDS (name -> help, add_arguments, run); a benchmark is one entry
 in BENCHES (name -> module with `main(argv)`).
@@ -101,6 +102,7 @@ BENCHES = {  # name -> module with `main(argv: list[str]) -> int`; its own argpa
     "http": "specserve.bench.http",
     "engine": "specserve.bench.engine",
     "gpu": "specserve.bench.gpu",
+    "ingress": "specserve.bench.ingress",
 }
 
 
