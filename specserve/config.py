@@ -191,8 +191,8 @@ class PerKeyLimits(_Strict):
 class FrontDoorConfig(_Strict):
     """What the ingress refuses before doing any work, and where its slow work runs."""
 
-    # tokenization, chat templating and long detokenization run on this many threads per ingress
-    # replica, never on its event loop
+    # tokenization and chat templating run on this many threads per ingress replica, never on its
+    # event loop
     threads: int = Field(4, ge=1, le=256)
     # a larger body is refused with 413 before it is parsed (Content-Length, or while it streams in)
     max_request_bytes: int = Field(4 << 20, ge=1024)

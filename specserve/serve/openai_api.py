@@ -340,7 +340,10 @@ class OpenAIServer:
 
     async def info(self) -> dict:
         if self._info is None:
-            self._info = await self.coordinator.info.remote()
+            try:
+                self._info = await self.coordinator.info.remote()
+            except Exception as err:  # no coordinator replica reachable (yet)
+                raise unavailable(f"the engine is unavailable: {type(err).__name__}") from err
         return self._info
 
     # -- routes (the FrontDoor middleware has checked the key, the per-key limits and the body size) --
