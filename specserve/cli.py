@@ -3,6 +3,7 @@
     specserve serve CONFIG.yaml [--num-cpus N] [--address ADDR]   local Ray + every app of a Serve config
     specserve bench http [--url ...] [...]                           HTTP benchmark (specserve.bench.http)
     specserve bench engine [...]                                      in-process benchmark (specserve.bench.engine)
+    specserve bench ingress [--url ...]                              one huge request vs small ones (specserve.bench.ingress)
 
 A subcommand is one entry in COMMANDS (name -> help, add_arguments, run); a benchmark is one entry
 in BENCHES (name -> module with `main(argv)`).
@@ -25,6 +26,26 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-cpus", type=float, default=None, help="CPUs of the local Ray (default: all)")
     p.add_argument("--dashboard", action="store_true",
                    help="start Ray's dashboard (127.0.0.1:8265), which `serve status` needs")
+    p.add_argument("--allow-unauthenticated-public", action="store_true",
+                   help="serve a non-loopback http_options.host even without an API key")
+
+
+def unauthenticated_public(spec: dict, allow: bool = False) -> list[str]:
+    """The applications that would answer anyone: the config binds beyond loopback, and neither the
+    app's `api_key` nor the environment's SPECSERVE_API_KEY gives a key (unless allowed, by the flag
+    or the app's `front_door.allow_unauthenticated_public`)."""
+    from specserve.serve.front_door import is_loopback
+
+    if allow or is_loopback(str(spec.get("http_options", {}).get("host", "127.0.0.1"))):
+        return []
+    if os.environ.get("SPECSERVE_API_KEY", "").strip(","):
+        return []
+    open_apps = []
+    for app in spec.get("applications", []):
+        args = app.get("args", {})
+        if not args.get("api_key") and not args.get("front_door", {}).get("allow_unauthenticated_public"):
+            open_apps.append(app.get("name", "?"))
+    return open_apps
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -32,6 +53,13 @@ def _serve(args: argparse.Namespace) -> int:
     import yaml
 
     spec = yaml.safe_load(args.config.read_text())
+    open_apps = unauthenticated_public(spec, args.allow_unauthenticated_public)
+    if open_apps:
+        print(f"refusing to serve {', '.join(open_apps)} on {spec['http_options']['host']} (beyond loopback) "
+              "without an API key: export SPECSERVE_API_KEY, or pass --allow-unauthenticated-public "
+              "(or set front_door.allow_unauthenticated_public) if something in front authenticates",
+              file=sys.stderr)
+        return 2
     # Ray's token auth (the default) stays on; later `ray`/`serve` CLI calls need the same mode
     # exported (RAY_AUTH_MODE=token): see README, "Serving".
     os.environ.setdefault("RAY_AUTH_MODE", "token")
@@ -78,6 +106,7 @@ BENCHES = {  # name -> module with `main(argv: list[str]) -> int`; its own argpa
     "engine": "specserve.bench.engine",
     "gpu": "specserve.bench.gpu",
     "overload": "specserve.bench.overload",
+    "ingress": "specserve.bench.ingress",
 }
 
 

@@ -4,7 +4,8 @@
       served_model_name, max_batch_size, max_model_len
       max_queued_requests, max_cached_tokens   overload: bounded waiting queue, KV-cache allocation budget
       request_timeout_s, deadlines             how long a request and each worker call may take
-      api_key                                  optional Bearer key (or env SPECSERVE_API_KEY)
+      api_key                                  optional Bearer key(s) (or env SPECSERVE_API_KEY)
+      front_door:       FrontDoorConfig  (ingress threads, body / list limits, per-key limits)
       target / draft:   ModelSource  (tiny | smollm2 | hf)
       speculation:      SpeculationConfig
       ingress / coordinator: DeploymentConfig (Serve resources, autoscaling, max_ongoing_requests)
@@ -209,6 +210,35 @@ class Deadlines(_Strict):
     health_misses: int = Field(3, ge=1)  # consecutive unanswered health checks that fail the replica
 
 
+# -- the ingress's front door --------------------------------------------------------------------
+class PerKeyLimits(_Strict):
+    """Per API key (every client shares one account when no key is set), per ingress replica:
+    beyond either limit a request is refused with 429 + Retry-After. None = off."""
+
+    max_concurrent_requests: int | None = Field(None, ge=1)
+    tokens_per_minute: int | None = Field(None, ge=1)  # prompt + generated tokens
+
+
+class FrontDoorConfig(_Strict):
+    """What the ingress refuses before doing any work, and where its slow work runs."""
+
+    # tokenization and chat templating run on this many threads per ingress replica, never on its
+    # event loop
+    threads: int = Field(4, ge=1, le=256)
+    # a larger body is refused with 413 before it is parsed (Content-Length, or while it streams in)
+    max_request_bytes: int = Field(4 << 20, ge=1024)
+    max_stop_sequences: int = Field(16, ge=0)
+    max_stop_chars: int = Field(256, ge=1)  # per stop string
+    max_messages: int = Field(1024, ge=1)
+    max_content_parts: int = Field(256, ge=1)  # per message
+    max_logit_bias_entries: int = Field(1024, ge=0)
+    per_key: PerKeyLimits = PerKeyLimits()
+    # refuse to start without an API key (config or env SPECSERVE_API_KEY): for public deployments
+    require_api_key: bool = False
+    # `specserve serve` refuses a non-loopback http_options.host without a key unless this is true
+    allow_unauthenticated_public: bool = False
+
+
 # -- the application -----------------------------------------------------------------------------
 
 
@@ -232,9 +262,11 @@ class AppConfig(_Strict):
     # (the Serve proxy's http_options.request_timeout_s should be a little longer).
     request_timeout_s: float = Field(600.0, gt=0)
     deadlines: Deadlines = Deadlines()
-    # Bearer key every route but /health requires (None: the environment's SPECSERVE_API_KEY, if
-    # set, else no authentication). Prefer the environment: a config's args are stored by Serve.
-    api_key: str | None = Field(None, min_length=1)
+    # Bearer key (or keys) every route but /health requires (None: the environment's
+    # SPECSERVE_API_KEY, comma-separated keys, if set, else no authentication). Prefer the
+    # environment: a config's args are stored by Serve.
+    api_key: Annotated[str, Field(min_length=1)] | tuple[Annotated[str, Field(min_length=1)], ...] | None = None
+    front_door: FrontDoorConfig = FrontDoorConfig()
     ingress: DeploymentConfig = DeploymentConfig(resources=Resources(num_cpus=0.1))
     coordinator: DeploymentConfig = DeploymentConfig(resources=Resources(num_cpus=0.1))
     target_worker: Resources = Resources()

@@ -196,6 +196,34 @@ def test_bad_input_is_4xx_and_server_keeps_serving(http, name, body, status):
     assert complete(http, "still alive", max_tokens=4)["usage"]["completion_tokens"] == 4
 
 
+def test_small_request_stays_fast_while_huge_ones_are_refused(http, server):
+    """One client sending 20 MB prompts used to stall the replica (~40 s of tokenizing on the event
+    loop). Now each is refused at the door (413) within a second, and a small request sent meanwhile
+    takes about what it takes alone (a ratio of medians, robust to a slow machine)."""
+    import statistics
+
+    small = {"model": MODEL, "prompt": "hi", "max_tokens": 4, "temperature": 0.0}
+    huge = json.dumps({"model": MODEL, "prompt": "h" * (20 << 20), "max_tokens": 4}).encode()
+
+    def timed(client, body, **kw):
+        began = time.perf_counter()
+        r = client.post("/v1/completions", **({"json": body} if isinstance(body, dict) else {"content": body}), **kw)
+        return time.perf_counter() - began, r.status_code
+
+    for _ in range(3):
+        timed(http, small)
+    alone = [timed(http, small)[0] for _ in range(10)]
+    during, refusals = [], []
+    with httpx.Client(base_url=server, timeout=60) as other, ThreadPoolExecutor(1) as pool:
+        for _ in range(5):
+            refused = pool.submit(timed, other, huge, headers={"content-type": "application/json"})
+            during += [timed(http, small)[0] for _ in range(2)]
+            refusals.append(refused.result())
+    assert all(status == 413 for _, status in refusals), refusals
+    assert max(t for t, _ in refusals) < 1.0, refusals
+    assert statistics.median(during) <= 2.5 * statistics.median(alone), (alone, during)
+
+
 def test_chat_errors_and_routes(http):
     assert http.get("/health").json() == {"status": "ok"}
     r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": []})

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
+import time
 
 import httpx
 import pytest
@@ -153,15 +155,26 @@ def test_openapi_fuzz_finds_no_server_error(fake, monkeypatch):
     _server(fake, monkeypatch)
     statuses: dict[int, int] = {}
     schema = schemathesis.openapi.from_asgi("/openapi.json", app)
-    bad = []
-    for result in schema.get_all_operations():
-        operation = result.ok()
-        heavy = operation.method.upper() == "POST" and "completions" in operation.path
-        modes = (GenerationMode.POSITIVE, GenerationMode.NEGATIVE) if heavy else (GenerationMode.POSITIVE,)
-        for mode in modes:  # (an operation without inputs has no invalid ones)
-            bad += _fuzz_operation(operation, mode, statuses, max_examples=100 if heavy else 10)
+    bad: list[str] = []
+
+    def fuzz() -> None:
+        for result in schema.get_all_operations():
+            operation = result.ok()
+            heavy = operation.method.upper() == "POST" and "completions" in operation.path
+            modes = (GenerationMode.POSITIVE, GenerationMode.NEGATIVE) if heavy else (GenerationMode.POSITIVE,)
+            for mode in modes:  # (an operation without inputs has no invalid ones)
+                bad.extend(_fuzz_operation(operation, mode, statuses, max_examples=100 if heavy else 10))
+
+    # bounded: ~450 cases, each answered within CASE_LIMIT_S, the whole run within RUN_LIMIT_S (no hang)
+    runner = threading.Thread(target=fuzz, daemon=True)
+    runner.start()
+    runner.join(timeout=RUN_LIMIT_S)
+    assert not runner.is_alive(), f"the fuzz run did not finish within {RUN_LIMIT_S} s: {statuses}"
     assert not bad, "\n".join(bad[:10])
     assert statuses.get(200, 0) > 50 and statuses.get(400, 0) > 50, statuses  # both paths were exercised
+
+
+CASE_LIMIT_S, RUN_LIMIT_S = 10.0, 300.0
 
 
 def _fuzz_operation(operation, mode, statuses: dict[int, int], max_examples: int) -> list[str]:
@@ -178,10 +191,12 @@ def _fuzz_operation(operation, mode, statuses: dict[int, int], max_examples: int
     def run(case):
         if mode == GenerationMode.POSITIVE and isinstance(case.body, dict) and "model" in case.body:
             case.body["model"] = MODEL  # else nearly every valid body is a 404 (unknown model)
+        began = time.monotonic()
         response = case.call()
+        took = time.monotonic() - began
         statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
-        if response.status_code >= 500:
-            bad.append(f"{operation.label}: {response.status_code} for {case.body!r}"[:500])
+        if response.status_code >= 500 or took > CASE_LIMIT_S:
+            bad.append(f"{operation.label}: {response.status_code} in {took:.1f} s for {case.body!r}"[:500])
 
     run()
     return bad
@@ -239,9 +254,9 @@ def test_invalid_utf8_and_wrong_content_type_are_400(client):
 
 
 def test_multi_megabyte_prompt_is_400_not_a_crash(client):
-    r = _post(client, {"model": MODEL, "prompt": "z" * (4 << 20), "max_tokens": 4})
+    r = _post(client, {"model": MODEL, "prompt": "z" * (3 << 20), "max_tokens": 4})
     assert _error(r, 400)["code"] == "context_length_exceeded"
-    r = _post(client, {"model": MODEL, "prompt": list(range(200)) * 5000, "max_tokens": 4})  # 1M token ids
+    r = _post(client, {"model": MODEL, "prompt": list(range(200)) * 2000, "max_tokens": 4})  # 400k token ids
     assert _error(r, 400)["code"] == "context_length_exceeded"
     assert _post(client, {"model": MODEL, "prompt": "fine", "max_tokens": 4}).status_code == 200
 
@@ -338,3 +353,276 @@ def test_null_max_tokens_means_the_default(client):
     r = _post(client, {"model": MODEL, "prompt": "x", "max_tokens": None})
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] <= 16
+
+
+# -- the front door: body limit, key before body, pre-check, limits, edge inputs -------------------------
+def _client(fake, monkeypatch, **overrides):
+    from starlette.testclient import TestClient
+
+    from specserve.serve.openai_api import app
+
+    fake.mode = "ok"
+    monkeypatch.delenv("SPECSERVE_API_KEY", raising=False)
+    server = _server(fake, monkeypatch, **overrides)
+    return server, TestClient(app, raise_server_exceptions=False)
+
+
+def test_body_over_the_limit_is_413_before_it_is_parsed(fake, monkeypatch):
+    _, c = _client(fake, monkeypatch, front_door={"max_request_bytes": 64 << 10})
+    with c:
+        big = {"model": MODEL, "prompt": "x" * (100 << 10)}
+        err = _error(_post(c, big), 413)  # Content-Length says so
+        assert err["code"] == "request_too_large"
+        chunks = (b'{"model": "tiny", "prompt": "' + b"y" * (16 << 10) for _ in range(8))  # chunked: no length
+        r = c.post("/v1/completions", content=chunks, headers={"content-type": "application/json"})
+        assert _error(r, 413)["code"] == "request_too_large"
+        # malformed JSON under the limit is still the parser's 400; a body just under the limit is served
+        assert _error(_post(c, b'{"model": ', headers={"content-type": "application/json"}), 400)
+        ok = {"model": MODEL, "prompt": "x" * 400, "max_tokens": 2}
+        assert _post(c, ok).status_code == 200
+
+
+def test_the_key_is_checked_before_the_body(fake, monkeypatch):
+    """A wrong key gets its 401 whatever the body: too large, malformed, or nothing at all."""
+    _, c = _client(fake, monkeypatch, api_key="k-123", front_door={"max_request_bytes": 64 << 10})
+    json_headers = {"content-type": "application/json"}
+    with c:
+        for body in (b"x" * (1 << 20), b'{"model": ', b""):
+            r = c.post("/v1/completions", content=body, headers={**json_headers, "authorization": "Bearer nope"})
+            assert _error(r, 401)["code"] == "invalid_api_key"
+        r = c.post("/v1/completions", content=b"x" * (1 << 20), headers={**json_headers, "authorization": "Bearer k-123"})
+        assert _error(r, 413)["code"] == "request_too_large"
+
+
+def test_openapi_and_unknown_routes_need_the_key(fake, monkeypatch):
+    _, c = _client(fake, monkeypatch, api_key=["first-key", "second-key"])
+    with c:
+        assert c.get("/health").status_code == 200
+        for path in ("/openapi.json", "/docs", "/v1/nothing-here"):
+            assert _error(c.get(path), 401)["code"] == "missing_api_key"
+        for key in ("first-key", "second-key"):  # several keys: each works
+            r = c.get("/openapi.json", headers={"authorization": f"Bearer {key}"})
+            assert r.status_code == 200 and "/v1/completions" in r.json()["paths"]
+        assert c.get("/v1/nothing-here", headers={"authorization": "Bearer first-key"}).status_code == 404
+
+
+def test_env_holds_several_keys(fake, monkeypatch):
+    from specserve.serve.front_door import parse_keys
+
+    assert parse_keys(None, " a , b,,") == (b"a", b"b") and parse_keys("c", "a,b") == (b"c",)
+    assert parse_keys(None, None) == () and parse_keys(("x", "y"), None) == (b"x", b"y")
+
+
+def test_require_api_key_refuses_to_start_without_one(fake, monkeypatch):
+    monkeypatch.delenv("SPECSERVE_API_KEY", raising=False)
+    with pytest.raises(RuntimeError, match="SPECSERVE_API_KEY"):
+        _server(fake, monkeypatch, front_door={"require_api_key": True})
+    monkeypatch.setenv("SPECSERVE_API_KEY", "from-a-secret")
+    assert _server(fake, monkeypatch, front_door={"require_api_key": True}).door.keys == (b"from-a-secret",)
+
+
+def test_a_text_that_cannot_fit_is_refused_without_tokenizing(fake, monkeypatch):
+    server, c = _client(fake, monkeypatch)
+    per_token = server._token_floor.chars_per_token
+    assert per_token == len("<|endoftext|>")  # the byte tokenizer's longest token: a special token
+    calls = []
+    encode = server._encode
+    monkeypatch.setattr(server, "_encode", lambda *a: calls.append(a) or encode(*a))
+    with c:
+        too_long = "z" * (fake.max_model_len * per_token + 1)
+        err = _error(_post(c, {"model": MODEL, "prompt": too_long, "max_tokens": 4}), 400)
+        assert err["code"] == "context_length_exceeded" and err["param"] == "prompt"
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": too_long}]}
+        err = _error(_post(c, chat, "/v1/chat/completions"), 400)
+        assert err["code"] == "context_length_exceeded" and err["param"] == "messages"
+        assert calls == []  # neither was tokenized
+        # one that might fit is tokenized and then measured exactly (the engine's own check)
+        err = _error(_post(c, {"model": MODEL, "prompt": "z" * 600, "max_tokens": 4}), 400)
+        assert err["code"] == "context_length_exceeded" and len(calls) == 1
+
+
+def test_chars_per_token_bound_holds_and_unbounded_pipelines_are_detected():
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from specserve.models.tiny import byte_tokenizer
+    from specserve.serve.front_door import max_chars_per_token, token_floor
+
+    tok = byte_tokenizer()
+    floor = token_floor(tok)
+    assert floor.dropped == ""
+    for text in ["<|endoftext|>" * 50, "héllo → 你好 🙂", "a" * 1000, "<|im_start|><|im_end|>x"]:
+        assert len(tok(text).input_ids) >= floor(text)
+
+    def wrap(backend):
+        return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]")
+
+    word_piece = Tokenizer(models.WordPiece({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+    word_piece.pre_tokenizer = pre_tokenizers.Whitespace()
+    assert max_chars_per_token(wrap(word_piece)) is None  # a whole unknown word is one [UNK]
+    bpe = Tokenizer(models.BPE({"[UNK]": 0, "a": 1}, [], unk_token="[UNK]", fuse_unk=True))
+    assert max_chars_per_token(wrap(bpe)) is None  # no byte fallback: a run of unknowns fuses
+    byte_level = Tokenizer(models.BPE({"a": 0, "b": 1}, []))
+    byte_level.pre_tokenizer = pre_tokenizers.ByteLevel()
+    assert max_chars_per_token(wrap(byte_level)) is None  # BPE drops bytes it has no symbol for
+    alphabet = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    gaps = Tokenizer(models.BPE({c: i for c, i in alphabet.items() if c not in ("Ĕ", "ÿ")}, []))
+    gaps.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # lacks byte 0x14 (a control) and 0xff (never UTF-8)
+    floor = token_floor(wrap(gaps))
+    text = "ab\x14\x14\x14\x14cd"
+    assert floor.dropped == "\x14" and len(wrap(gaps)(text).input_ids) == 4  # the controls vanished
+    assert floor(text) == 1 and floor("\x14" * 1000) == 0  # 4 kept characters, at most 5 ("[UNK]") a token
+    byte_level = Tokenizer(models.BPE({**alphabet, "abcdef": 256}, []))
+    byte_level.pre_tokenizer = pre_tokenizers.ByteLevel()
+    assert max_chars_per_token(wrap(byte_level)) == 6
+    byte_level.normalizer = normalizers.NFKC()  # composition shrinks the text
+    assert max_chars_per_token(wrap(byte_level)) is None
+    byte_level.normalizer = normalizers.Sequence([normalizers.NFD(), normalizers.Lowercase()])
+    assert max_chars_per_token(wrap(byte_level)) == 6
+    byte_level.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.ByteLevel()])
+    assert max_chars_per_token(wrap(byte_level)) is None  # whitespace is dropped
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {"prompt": "ok \ud800 not ok"}, "prompt"),
+    ("/v1/completions", {"prompt": "x", "stop": ["fine", "\udfff"]}, "stop"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\ud83d"}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]},
+     "messages"),
+])
+def test_lone_surrogates_are_400(client, path, body, param):
+    r = client.post(path, content=json.dumps({"model": MODEL, "max_tokens": 2, **body}).encode(),
+                    headers={"content-type": "application/json"})
+    err = _error(r, 400)
+    assert err["code"] == "invalid_unicode" and err["param"] == param
+
+
+@pytest.mark.parametrize("name,body,param", [
+    ("too many stops", {"prompt": "x", "stop": [f"s{i}" for i in range(17)]}, "stop"),
+    ("stop too long", {"prompt": "x", "stop": "s" * 257}, "stop"),
+    ("too many logit_bias entries", {"prompt": "x", "logit_bias": {str(i): 1.0 for i in range(1025)}}, "logit_bias"),
+    ("too many messages", {"messages": [{"role": "user", "content": "m"}] * 1025}, "messages"),
+    ("too many content parts", {"messages": [{"role": "user", "content": [{"type": "text", "text": "p"}] * 257}]},
+     "messages"),
+    ("several prompts", {"prompt": ["a", "b"]}, "prompt"),
+    ("token ids over the context", {"prompt": [65] * 600}, "prompt"),
+])
+def test_client_controlled_lists_are_limited(client, name, body, param):
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    assert _error(_post(client, {"model": MODEL, **body}, path), 400)["param"] == param
+
+
+def test_chat_default_max_tokens_fits_the_context_and_the_kv_budget(fake, monkeypatch):
+    messages = [{"role": "user", "content": "twenty chars, about."}]
+    # AppConfig refuses a KV budget that cannot hold one request of the whole context, so the
+    # context is what bounds the default
+    for overrides in ({}, {"max_cached_tokens": 768}):
+        _, c = _client(fake, monkeypatch, **overrides)
+        room = fake.max_model_len
+        with c:
+            r = _post(c, {"model": MODEL, "messages": messages}, "/v1/chat/completions")
+            assert r.status_code == 200, r.text
+            usage = r.json()["usage"]
+            assert usage["total_tokens"] == room  # all that fits, not more
+    monkeypatch.setattr(fake, "max_model_len", 8)
+    _, c = _client(fake, monkeypatch)
+    with c:  # the prompt alone fills the context: the 400 names the messages, never max_tokens
+        err = _error(_post(c, {"model": MODEL, "messages": messages}, "/v1/chat/completions"), 400)
+        assert err["param"] == "messages" and "max_tokens" not in err["message"]
+
+
+def test_tiny_temperature_is_greedy_not_nan():
+    import torch
+
+    from specserve.engine.sampling import BatchSampling, SamplingParams, logits_to_probs
+
+    params = [SamplingParams(temperature=t) for t in (1e-40, 5e-324, 1e-6)]
+    assert all(p.greedy and p.temperature == 0.0 for p in params)
+    assert not SamplingParams(temperature=1e-3).greedy
+    logits = torch.tensor([[1.0, 3.0, 2.0]] * 3) * 1e3
+    probs = logits_to_probs(logits, BatchSampling.from_params(params))
+    assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0]] * 3))
+
+
+def test_per_key_concurrency_and_tokens_per_minute():
+    from specserve.serve.front_door import KeyLimits, OpenAIError
+
+    now = [0.0]
+    limits = KeyLimits(max_concurrent=2, tokens_per_minute=600, clock=lambda: now[0])
+    limits.enter(0), limits.enter(0), limits.enter(1)  # keys are separate accounts
+    with pytest.raises(OpenAIError) as busy:
+        limits.enter(0)
+    assert busy.value.status == 429 and busy.value.code == "concurrency_limit_exceeded"
+    assert busy.value.headers["Retry-After"] == "1"
+    limits.leave(0)
+    limits.charge(0, 900)  # overshoots by one request: 300 tokens in debt
+    with pytest.raises(OpenAIError) as spent:
+        limits.enter(0)
+    assert spent.value.code == "tokens_per_minute_exceeded"
+    assert spent.value.headers["Retry-After"] == "31"  # (300 + 1) tokens at 10 per second
+    limits.enter(1)
+    now[0] = 31.0  # refilled past zero
+    limits.enter(0)
+
+
+def test_per_key_limits_over_http(fake, monkeypatch):
+    _, c = _client(fake, monkeypatch, api_key=["a-key", "b-key"],
+                   front_door={"per_key": {"max_concurrent_requests": 1, "tokens_per_minute": 50}})
+    a, b = {"authorization": "Bearer a-key"}, {"authorization": "Bearer b-key"}
+    body = {"model": MODEL, "prompt": "0123456789", "max_tokens": 30, "stream": True}
+    with c:
+        with c.stream("POST", "/v1/completions", json=body, headers=a) as first:
+            assert first.status_code == 200
+            r = _post(c, body, headers=a)  # a's one slot is taken while its stream is open
+            assert _error(r, 429)["code"] == "concurrency_limit_exceeded" and r.headers["retry-after"] == "1"
+            assert _post(c, {**body, "stream": False}, headers=b).status_code == 200  # b has its own
+            list(first.iter_lines())
+        # a spent 10 prompt + 30 generated tokens of 50; b spent 40 too: one more each overshoots
+        assert _post(c, {**body, "stream": False}, headers=a).status_code == 200
+        r = _post(c, body, headers=a)
+        assert _error(r, 429)["code"] == "tokens_per_minute_exceeded" and int(r.headers["retry-after"]) >= 1
+        assert c.get("/health").status_code == 200  # never limited
+
+
+def test_small_requests_stay_fast_while_a_huge_one_is_refused(fake, monkeypatch):
+    """The issue's scenario in process: a 20 MB prompt used to be tokenized on the event loop and
+    stall every other request. Latency of a small request during a stream of huge ones stays within
+    a ratio of its latency alone (medians, so a slow machine moves both alike)."""
+    import statistics
+    import time
+
+    from specserve.serve.openai_api import app
+
+    fake.mode = "ok"
+    monkeypatch.delenv("SPECSERVE_API_KEY", raising=False)
+    _server(fake, monkeypatch)
+    small = {"model": MODEL, "prompt": "hi", "max_tokens": 4}
+    huge = json.dumps({"model": MODEL, "prompt": "h" * (20 << 20), "max_tokens": 4}).encode()
+
+    async def scenario():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            async def timed():
+                began = time.perf_counter()
+                r = await client.post("/v1/completions", json=small)
+                assert r.status_code == 200
+                return time.perf_counter() - began
+
+            async def refuse_huge():
+                began = time.perf_counter()
+                r = await client.post("/v1/completions", content=huge, headers={"content-type": "application/json"})
+                assert r.status_code == 413
+                return time.perf_counter() - began
+
+            for _ in range(5):
+                await timed()  # warm-up
+            alone = [await timed() for _ in range(15)]
+            during, refusals = [], []
+            for _ in range(5):
+                huge_task = asyncio.ensure_future(refuse_huge())
+                during += [await timed() for _ in range(3)]
+                refusals.append(await huge_task)
+            return statistics.median(alone), statistics.median(during), max(refusals)
+
+    alone, during, refusal = asyncio.run(scenario())
+    assert during <= 3 * alone, (alone, during)
+    assert refusal < 1.0, refusal

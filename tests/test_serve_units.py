@@ -226,3 +226,36 @@ def test_shipped_configs_bound_every_queue_and_timeout(path):
             assert options["max_queued_requests"] >= 0  # Serve's queue is bounded (-1 would be unbounded)
             assert options["backpressure_config"]["status_code"] == 429
             assert options["graceful_shutdown_timeout_s"] >= config.request_timeout_s
+def test_a_public_bind_needs_a_key(monkeypatch):
+    from specserve.cli import main, unauthenticated_public
+
+    monkeypatch.delenv("SPECSERVE_API_KEY", raising=False)
+    app = {"name": "a", "args": {}}
+    public = {"http_options": {"host": "0.0.0.0"}, "applications": [app]}
+    assert unauthenticated_public(public) == ["a"]
+    assert unauthenticated_public({**public, "http_options": {"host": "127.0.0.1"}}) == []
+    assert unauthenticated_public({**public, "http_options": {"host": "::1"}}) == []
+    assert unauthenticated_public(public, allow=True) == []
+    assert unauthenticated_public({**public, "applications": [{"name": "a", "args": {"api_key": "k"}}]}) == []
+    opt_out = {"name": "a", "args": {"front_door": {"allow_unauthenticated_public": True}}}
+    assert unauthenticated_public({**public, "applications": [opt_out]}) == []
+    monkeypatch.setenv("SPECSERVE_API_KEY", "k")
+    assert unauthenticated_public(public) == []
+    monkeypatch.delenv("SPECSERVE_API_KEY")
+    # the CLI refuses before starting anything
+    path = Path(__file__).resolve().parent / "_public.yaml"
+    path.write_text(yaml.safe_dump(public))
+    try:
+        assert main(["serve", str(path)]) == 2
+    finally:
+        path.unlink()
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_shipped_configs_bind_loopback_or_require_a_key(path):
+    from specserve.serve.front_door import is_loopback
+
+    spec = yaml.safe_load(path.read_text())
+    if not is_loopback(spec.get("http_options", {}).get("host", "127.0.0.1")):
+        for app in spec["applications"]:
+            assert load_app_config(app["args"]).front_door.require_api_key, app["name"]

@@ -11,11 +11,15 @@ from dataclasses import dataclass, field
 import torch
 
 
+GREEDY_BELOW = 1e-5  # a temperature below this decodes greedily (see SamplingParams)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request is decoded.
 
-    temperature 0 means greedy; top_k 0 means off; top_p 1 means off. A request with a seed draws
+    temperature 0 means greedy, and so does any temperature below GREEDY_BELOW (logits / T would
+    overflow float32 there, and the distribution is one-hot to within rounding anyway); top_k 0 means off; top_p 1 means off. A request with a seed draws
     every random number from its own generator, so its tokens do not depend on what else is in the
     batch. stop_token_ids end the request (the stop token is kept in the output ids); the model's
     EOS does too unless ignore_eos.
@@ -35,6 +39,8 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not (self.temperature >= 0.0) or self.temperature == float("inf"):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if self.temperature < GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not (0.0 < self.top_p <= 1.0):

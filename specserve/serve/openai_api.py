@@ -4,24 +4,33 @@ It tokenizes, applies the chat template, validates, and forwards token ids to th
 through a streaming DeploymentHandle; it detokenizes the stream incrementally and cuts stop strings.
 Errors are OpenAI-shaped: {"error": {"message", "type", "param", "code"}} with a 4xx status.
 
+The event loop only parses, routes and streams: tokenization and chat templating run on a thread
+pool (`front_door.threads`). Before any of that, the `FrontDoor` middleware (front_door.py) checks
+the API key, the per-key limits and the body size (413) without reading or parsing the body; a
+text that cannot fit the context by its character count alone is refused before it is tokenized;
+every list a client controls has a limit (`front_door.*`).
+
 Extensions beyond OpenAI's fields: `top_k` (0 or -1 = off), `ignore_eos`, `return_token_ids`
 (non-streaming), and `num_speculative_tokens` (a per-request cap on γ, 0 = no speculation; at most
 the configured γ).
 Responses carry a `speculation` object (draft tokens, accepted tokens, steps) next to `usage`.
 
 Operations: an optional Bearer key (config `api_key`, else env SPECSERVE_API_KEY) guards every route
-but /health (401 without it); a full coordinator queue is a 429 with Retry-After; a coordinator
+but /health, /openapi.json included (401 without it); a full coordinator queue is a 429 with Retry-After; a coordinator
 replica lost mid-request is a 503 (or, once a stream has started, an SSE error event then [DONE]).
 Prompts and outputs are never logged.
 
 `OpenAIServer` is the plain class (routes on the module-level FastAPI `app`); `OpenAIIngress` is
 that class as a Serve deployment. Tests may run the routes in process with another coordinator.
 """
-import hmac
+import asyncio
 import json
+import logging
 import os
+import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import AsyncIterator, Literal
 
@@ -38,23 +47,16 @@ from specserve.config import AppConfig
 from specserve.engine.sampling import SamplingParams
 
 from .coordinator import Accepted, Delta, Failed, GenerateRequest, Rejected
+from .front_door import (Door, FrontDoor, KeyLimits, OpenAIError, check_unicode, is_loopback, parse_keys,
+                         token_floor)
 from .text import IncrementalDetokenizer, StopStrings
+
+logger = logging.getLogger("specserve.ingress")
 
 
 # -- errors --------------------------------------------------------------------------------------
-class OpenAIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type_: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
-        self.headers = headers
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
 def _error_response(err: OpenAIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+    return err.response()
 
 
 RETRY_AFTER_S = 1  # what a 429 (full queue) or 503 (engine lost / unavailable) tells clients to wait
@@ -287,6 +289,8 @@ def _sse(payload: dict) -> str:
 
 
 app = FastAPI(title="specserve", docs_url=None, redoc_url=None)
+# the replica's `OpenAIServer` (the routes' `self`) holds the key(s) and limits the middleware applies
+app.add_middleware(FrontDoor, door=lambda: serve.get_replica_context().servable_object.door)
 
 
 @app.exception_handler(OpenAIError)
@@ -320,22 +324,37 @@ class OpenAIServer:
         self.tokenizer = load_tokenizer(config)
         self._info: dict | None = None
         self._shed_until = 0.0  # after a full coordinator queue: refuse at once until then (monotonic s)
-        key = config.api_key or os.environ.get("SPECSERVE_API_KEY") or None
-        self._api_key = key.encode() if key else None
+        front = config.front_door
+        keys = parse_keys(config.api_key, os.environ.get("SPECSERVE_API_KEY"))
+        if front.require_api_key and not keys:
+            raise RuntimeError("front_door.require_api_key is set but no API key is configured: set "
+                               "SPECSERVE_API_KEY in the ingress replicas' environment (or api_key)")
+        self.door = Door(keys, KeyLimits(front.per_key.max_concurrent_requests, front.per_key.tokens_per_minute),
+                         front.max_request_bytes)
+        self._pool = ThreadPoolExecutor(front.threads, thread_name_prefix="specserve-tokenize")
+        # the fewest tokens a text can become, without tokenizing (None: no proven bound, no pre-check)
+        self._token_floor = token_floor(self.tokenizer)
+        if self._token_floor is None:
+            logger.warning("this tokenizer can map unboundedly many characters to one token: prompts are "
+                           "tokenized without a length pre-check (the body limit still applies)")
+        if not keys:
+            threading.Thread(target=_warn_if_public, daemon=True).start()
 
     async def info(self) -> dict:
         if self._info is None:
-            self._info = await self.coordinator.info.remote()
+            try:
+                self._info = await self.coordinator.info.remote()
+            except Exception as err:  # no coordinator replica reachable (yet)
+                raise unavailable(f"the engine is unavailable: {type(err).__name__}") from err
         return self._info
 
-    # -- routes -----------------------------------------------------------------------------------
+    # -- routes (the FrontDoor middleware has checked the key, the per-key limits and the body size) --
     @app.get("/health")
     async def health(self) -> dict:
         return {"status": "ok"}
 
     @app.get("/v1/models")
-    async def models(self, request: Request) -> dict:
-        self._authorize(request)
+    async def models(self) -> dict:
         info = await self.info()
         return {"object": "list", "data": [{
             "id": self.config.served_model_name, "object": "model", "created": 0, "owned_by": "specserve",
@@ -343,63 +362,96 @@ class OpenAIServer:
         }]}
 
     @app.get("/v1/stats")
-    async def stats(self, request: Request) -> dict:
+    async def stats(self) -> dict:
         """Step timings of the coordinator replica the router picks (one replica: the whole picture)."""
-        self._authorize(request)
         return await self.coordinator.stats.remote()
 
     @app.post("/v1/stats/reset")
-    async def reset_stats(self, request: Request) -> dict:
-        self._authorize(request)
+    async def reset_stats(self) -> dict:
         await self.coordinator.reset_stats.remote()
         return {"status": "ok"}
 
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request):
-        self._authorize(request)
         self._check(body)
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
-        if isinstance(prompt, str):
-            ids = self.tokenizer(prompt).input_ids
-        else:
-            ids = list(prompt)
         # an explicit null means the default, as OpenAI's API treats it
-        return await self._respond(body, ids, 16 if body.max_tokens is None else body.max_tokens, chat=False)
+        max_tokens = 16 if body.max_tokens is None else body.max_tokens
+        if isinstance(prompt, str):
+            await self._precheck(prompt, None, max_tokens, "prompt")
+            ids = await self._offload(self._encode, prompt, "prompt", True)
+        else:
+            await self._precheck(None, len(prompt), max_tokens, "prompt")
+            ids = list(prompt)
+        return await self._respond(body, ids, max_tokens, chat=False, key=_key(request))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
-        self._authorize(request)
         self._check(body)
+        front = self.config.front_door
+        if len(body.messages) > front.max_messages:
+            raise OpenAIError(400, f"at most {front.max_messages} messages per request", "messages", "too_many_messages")
+        for m in body.messages:
+            if isinstance(m.content, list) and len(m.content) > front.max_content_parts:
+                raise OpenAIError(400, f"at most {front.max_content_parts} content parts per message", "messages",
+                                  "too_many_content_parts")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        except Exception as err:  # a template may reject a role order
-            raise OpenAIError(400, f"chat template failed: {err}", "messages") from err
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
-        max_tokens = body.max_completion_tokens or body.max_tokens
-        if max_tokens is None:
-            max_tokens = max((await self.info())["max_model_len"] - len(ids), 1)
-        return await self._respond(body, ids, max_tokens, chat=True)
+        text = await self._offload(self._template, messages)
+        sent = body.max_completion_tokens or body.max_tokens
+        await self._precheck(text, None, sent or 1, "messages")
+        ids = await self._offload(self._encode, text, "messages", False)
+        max_tokens = sent if sent is not None else await self._room(len(ids))
+        return await self._respond(body, ids, max_tokens, chat=True, key=_key(request),
+                                   length_param="max_tokens" if sent is not None else "messages")
 
     # -- helpers ----------------------------------------------------------------------------------
-    def _authorize(self, request: Request) -> None:
-        """With an API key configured, require `Authorization: Bearer <key>` (constant-time compare)."""
-        if self._api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not token:
-            raise OpenAIError(401, "missing API key: send 'Authorization: Bearer <key>'", None, "missing_api_key",
-                              headers={"WWW-Authenticate": "Bearer"})
-        if not hmac.compare_digest(token.strip().encode(), self._api_key):
-            raise OpenAIError(401, "incorrect API key provided", None, "invalid_api_key",
-                              headers={"WWW-Authenticate": "Bearer"})
+    async def _offload(self, fn, *args):
+        """fn(*args) on the tokenizer pool: the event loop keeps serving other requests meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def _encode(self, text: str, param: str, add_special_tokens: bool) -> list[int]:
+        check_unicode(text, param)
+        return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
+
+    def _template(self, messages: list[dict]) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as err:  # a template may reject a role order
+            raise OpenAIError(400, f"chat template failed: {err}", "messages") from err
+
+    async def _precheck(self, text: str | None, tokens: int | None, max_tokens: int, param: str) -> None:
+        """Refuse, before tokenizing, a prompt whose size alone shows it cannot fit the context:
+        `text` is at least token_floor(text) tokens (`tokens`: a token-id prompt's exact count)."""
+        if text is not None:
+            if self._token_floor is None:
+                return
+            tokens = self._token_floor(text) if len(text) < 1 << 16 else await self._offload(self._token_floor, text)
+        context = (await self.info())["max_model_len"]
+        what = f"{len(text)} characters, so at least {tokens} tokens" if text is not None else f"{tokens} tokens"
+        if tokens >= context:
+            raise OpenAIError(400, f"{param}: {what}: exceeds the model's context of {context} tokens", param,
+                              "context_length_exceeded")
+        if tokens + max_tokens > context:
+            raise OpenAIError(400, f"prompt ({what}) + max_tokens ({max_tokens}) exceeds the model's context of "
+                                   f"{context} tokens", "max_tokens", "context_length_exceeded")
+
+    async def _room(self, prompt_tokens: int) -> int:
+        """The chat default for max_tokens: all that fits the context. (AppConfig refuses a KV-cache
+        budget that cannot hold one request of the whole context, so that always fits the budget.)"""
+        room = (await self.info())["max_model_len"] - prompt_tokens
+        if room < 1:
+            raise OpenAIError(400, f"the messages ({prompt_tokens} tokens) leave no room for a reply within the "
+                                   "model's context and the server's KV-cache budget", "messages",
+                              "context_length_exceeded")
+        return room
 
     def _check(self, body: _SamplingRequest) -> None:
         if body.model != self.config.served_model_name:
             raise OpenAIError(404, f"model {body.model!r} does not exist; this server serves "
                                    f"{self.config.served_model_name!r}", "model", "model_not_found")
+        self._check_limits(body)
         bad = body.unsupported()
         if bad:
             param, why = bad[0]
@@ -409,7 +461,22 @@ class OpenAIServer:
             raise OpenAIError(400, f"num_speculative_tokens must be <= "
                                    f"{self.config.speculation.num_speculative_tokens}", "num_speculative_tokens")
 
-    async def _respond(self, body: _SamplingRequest, prompt_ids: list[int], max_tokens: int, chat: bool):
+    def _check_limits(self, body: _SamplingRequest) -> None:
+        """The lists and strings a client controls (the prompt's size is _precheck's)."""
+        front = self.config.front_door
+        stops = body.stop_list()
+        if len(stops) > front.max_stop_sequences:
+            raise OpenAIError(400, f"at most {front.max_stop_sequences} stop sequences", "stop", "too_many_stop_sequences")
+        for stop in stops:
+            if len(stop) > front.max_stop_chars:
+                raise OpenAIError(400, f"a stop sequence may have at most {front.max_stop_chars} characters", "stop",
+                                  "stop_sequence_too_long")
+            check_unicode(stop, "stop")
+        if body.logit_bias is not None and len(body.logit_bias) > front.max_logit_bias_entries:
+            raise OpenAIError(400, f"at most {front.max_logit_bias_entries} logit_bias entries", "logit_bias")
+
+    async def _respond(self, body: _SamplingRequest, prompt_ids: list[int], max_tokens: int, chat: bool, key: int,
+                       length_param: str = "max_tokens"):
         try:
             params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_k=max(body.top_k, 0),
                                     top_p=body.top_p, seed=body.seed, ignore_eos=body.ignore_eos)
@@ -436,10 +503,14 @@ class OpenAIServer:
             if first.code == "queue_full":
                 self._shed_until = time.monotonic() + SHED_WINDOW_S
                 raise overloaded(first.message)
-            param = "max_tokens" if first.code == "context_length_exceeded" else "prompt"
+            if first.code == "context_length_exceeded" and length_param == "messages":
+                raise OpenAIError(400, f"the messages ({len(prompt_ids)} tokens) leave no room for a reply within "
+                                       "the server's limits", "messages", first.code)
+            param = length_param if first.code == "context_length_exceeded" else "prompt"
             raise OpenAIError(400, first.message, param, first.code)
         assert isinstance(first, Accepted)
-        pieces = self._pieces(gen, prompt_ids, body.stop_list())
+        self.door.limits.charge(key, first.num_prompt_tokens)
+        pieces = self._pieces(gen, prompt_ids, body.stop_list(), key)
         fmt = _Format(rid, self.config.served_model_name, chat, first.num_prompt_tokens, gen)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
@@ -449,9 +520,11 @@ class OpenAIServer:
         except _StreamFailed as err:
             raise err.error from err
 
-    async def _pieces(self, gen: "_Generation", prompt_ids: list[int], stops: list[str]) -> AsyncIterator[Piece]:
+    async def _pieces(self, gen: "_Generation", prompt_ids: list[int], stops: list[str],
+                      key: int) -> AsyncIterator[Piece]:
         """Coordinator Deltas -> text pieces. Cancels the coordinator stream if it ends early
-        (stop string, client gone), which aborts the request and frees its caches."""
+        (stop string, client gone), which aborts the request and frees its caches. The detokenizer
+        decodes a window of a few tokens per delta (text.py), cheap enough for the event loop."""
         detok, stopper = IncrementalDetokenizer(self.tokenizer, prompt_ids), StopStrings(stops)
         token_ids: list[int] = []
         stream = _guarded(gen.stream)
@@ -475,8 +548,31 @@ class OpenAIServer:
                 if out:
                     yield Piece(out, None, len(token_ids), spec, token_ids)
         finally:
+            self.door.limits.charge(key, len(token_ids))
             await stream.aclose()
             gen.close()
+
+
+def _key(request: Request) -> int:
+    """The index of the API key the FrontDoor accepted (-1: no keys configured)."""
+    return request.scope.get(FrontDoor.KEY_SCOPE, -1)
+
+
+def _warn_if_public() -> None:
+    """Warn when Serve's proxy listens beyond loopback while this ingress takes no key (best effort:
+    the HTTP options come from the Serve controller)."""
+    try:
+        import ray
+        from ray.serve.context import _get_global_client
+
+        if not ray.is_initialized():  # not inside a Ray worker: asking would start a cluster
+            return
+        host = _get_global_client(raise_if_no_controller_running=False).http_config.host
+    except Exception:  # no controller (tests in process) or an older Serve: nothing to tell
+        return
+    if not is_loopback(host):
+        logger.warning("Serve's HTTP proxy binds %s, beyond loopback, and this ingress has no API key: anyone who "
+                       "can reach it can use the model (set SPECSERVE_API_KEY)", host)
 
 
 async def _guarded(stream) -> AsyncIterator:

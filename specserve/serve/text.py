@@ -2,6 +2,11 @@
 from __future__ import annotations
 
 _CONTEXT = 4  # prompt tokens decoded in front of the output, so leading-space rules match a full decode
+# Tokens held back while the text ends in U+FFFD (or adds nothing: skipped special tokens). A UTF-8
+# character has at most 4 bytes and a text token adds at least one, so a replacement character that
+# outlives this many tokens is real (the model produced invalid bytes): emit it, so the window,
+# decoded on every push, stays a few tokens long whatever the model generates.
+_MAX_PENDING = 8
 
 
 class IncrementalDetokenizer:
@@ -21,7 +26,8 @@ class IncrementalDetokenizer:
         self.ids.extend(new_ids)
         seen = self._decode(self.ids[self.prefix : self.read])
         text = self._decode(self.ids[self.prefix :])
-        if len(text) <= len(seen) or text.endswith("\ufffd"):
+        waiting = len(text) <= len(seen) or text.endswith("\ufffd")
+        if waiting and len(self.ids) - self.read < _MAX_PENDING:
             return ""
         self.prefix, self.read = self.read, len(self.ids)
         return text[len(seen) :]
