@@ -40,19 +40,22 @@ class SpeculativeEngine:
         eos_token_ids: list[int] | None = None,
         drafter: DrafterSpec | None = None,
         proposer: Proposer | None = None,
+        execution: str = "auto",
     ) -> None:
         """What drafts, at most one of: draft_model, a separate draft model (shorthand for
         drafter=DraftModelSpec(draft_model)); drafter, any drafter spec (layer skip, prompt
-        lookup, ...); proposer, a ready-made Proposer."""
+        lookup, ...); proposer, a ready-made Proposer. execution: how the target and a draft
+        model run their fixed-shape forwards, "eager", "compile", "graph" (CUDA graphs) or
+        "auto" (graph on one CUDA device, else eager); see ModelRunner."""
         if num_speculative_tokens < 0:
             raise ValueError("num_speculative_tokens must be >= 0")
         if sum(x is not None for x in (draft_model, drafter, proposer)) > 1:
             raise ValueError("give at most one of draft_model, drafter and proposer")
         if draft_model is not None:
-            drafter = DraftModelSpec(draft_model)
+            drafter = DraftModelSpec(draft_model, execution)
         if drafter is None and proposer is None and num_speculative_tokens > 0:
             raise ValueError("num_speculative_tokens > 0 needs a draft model, a drafter or a proposer")
-        self.verifier = TargetVerifier(target_model, max_model_len)
+        self.verifier = TargetVerifier(target_model, max_model_len, execution)
         if drafter is not None:
             proposer = drafter.build(target_model, self.verifier.vocab_size, max_model_len)
         limits = [self.verifier.runner.max_positions, getattr(proposer, "max_positions", None)]
