@@ -112,3 +112,63 @@ def test_graph_mode_matches_eager_on_gpu(temperature):
     assert runs["graph"] == runs["eager"]
     if temperature == 0.0:
         assert runs["graph"] == [hf_greedy(target, p, 20) for p in prompts]
+
+
+class ReplayOnCpu:
+    """Stands in for a CUDA graph on a CPU: `replay` runs the captured function again and copies
+    its results into the outputs of the 'capture', as a replay refills its static outputs."""
+
+    def __init__(self, fn, out):
+        self.fn, self.out = fn, out
+
+    def replay(self):
+        for static, fresh in zip(_flat(self.out), _flat(self.fn())):
+            static.copy_(fresh)
+
+
+def _flat(x):
+    return [t for t in (x if isinstance(x, tuple) else (x,)) if t is not None]
+
+
+def emulate_graphs(runner: ModelRunner) -> None:
+    """Put a CPU runner in graph mode with CPU stand-ins for the graphs (the GraphSet's own
+    warm-up / input restore / keying / replay logic runs as it is)."""
+    from specserve.engine.model_runner import GraphSet
+
+    graphs = GraphSet.__new__(GraphSet)
+    graphs.device, graphs._entries, graphs.capture_seconds = runner.device, {}, 0.0
+
+    def capture(fn, inputs):
+        saved = [t.clone() for t in inputs]
+        fn()  # the warm-up
+        for t, s in zip(inputs, saved):
+            t.copy_(s)
+        out = fn()  # what capture would record (on a GPU it runs nothing: overwrite it)
+        for t in _flat(out):
+            t.fill_(-7)
+        return ReplayOnCpu(fn, out), out
+
+    graphs._capture = capture
+    runner.execution, runner.graphs = "graph", graphs
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_graph_mode_logic_on_cpu(target, temperature):
+    """Graph mode's dispatch, keys, start-up capture and the draft loop's restore of the inputs it
+    overwrites, with graphs emulated on the CPU: same tokens as eager."""
+    draft = perturbed(target, 0.6, seed=1)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9], [3, 3], [5, 1, 5]]
+    params = SamplingParams(max_tokens=16, temperature=temperature, seed=5)
+    eager = SpeculativeEngine(target, draft, num_speculative_tokens=3, adaptive=False, execution="eager")
+    expected = [o.token_ids for o in eager.generate(prompts, params)]
+    engine = SpeculativeEngine(target, draft, num_speculative_tokens=3, adaptive=False, max_batch_size=8,
+                               execution="eager")
+    emulate_graphs(engine.verifier.runner)
+    emulate_graphs(engine.proposer.runner)
+    engine.capture_graphs(progress=False)
+    captured = len(engine.verifier.runner.graphs), len(engine.proposer.runner.graphs)
+    assert captured == (4 * 4, 4 * 3 * 2)  # buckets 8, 4, 2, 1 x (widths 1..4 | γ 1..3 x first width 1, 2)
+    got = [o.token_ids for o in engine.generate(prompts, params)]
+    assert got == expected
+    if temperature == 0.0:
+        assert got == [hf_greedy(target, p, 16) for p in prompts]

@@ -315,7 +315,7 @@ class ModelRunner:
         the device), written right after each row's last real token. Device ops only; its key
         length is the one `stage(..., extra_positions=...)` reserved."""
         q = staged.width
-        block = self._block(staged.padded, 1)
+        block = self.advance_block(staged)
         starts = staged.block[:, q] + staged.block[:, q + 3] + 1  # [B']
         block[:, 0] = tokens
         block[:, 1] = starts
@@ -326,20 +326,27 @@ class ModelRunner:
         return Staged(staged.request_ids, ends, staged.order, staged.padded, 1, staged.key_length, staged.gather,
                       staged.rows, block)
 
+    def advance_block(self, staged: Staged) -> torch.Tensor:
+        """The static block `advance` writes: [B', 1 + 6]."""
+        return self._block(staged.padded, 1)
+
     def run(self, staged: Staged, logits: str = "last", prefill: bool = False) -> torch.Tensor | None:
         """Device half of a forward, timed: logits in sorted order ([B', V'] or [B', Q, V']) or None."""
         began = self.clock()
-        out, hidden = self.execute(staged, logits)
+        out, hidden = self.execute(staged, logits, prefill)
         self.last_hidden = hidden
         self.commit(staged)
         self.record(staged.tokens, began, prefill)
         return out
 
-    def execute(self, staged: Staged, logits: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """`_compute` as this runner's execution mode says: eager for a gathered batch, for one
-        that would allocate cache storage, and for widths above 16 (prefills); else compiled or
-        replayed."""
-        static = (self.execution != "eager" and not staged.gather and self.cache.ready and staged.width <= 16)
+    def execute(
+        self, staged: Staged, logits: str, prefill: bool = False
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """`_compute` as this runner's execution mode says: eager for prefills, for a gathered
+        batch, for one that would allocate cache storage and for widths above 16; else compiled
+        or replayed."""
+        static = (self.execution != "eager" and not prefill and not staged.gather and self.cache.ready
+                  and staged.width <= 16)
         if static and self.execution == "graph":
             key = ("forward", *staged.static_key, logits, self.cache.generation)
             return self.graphs.run(key, lambda: self._compute(staged.block, staged.width, staged.key_length, False,
@@ -473,21 +480,27 @@ class GraphSet:
         """Forget graphs captured over cache storage that has since moved."""
         self._entries = {k: v for k, v in self._entries.items() if k[-1] == generation}
 
-    def run(self, key: tuple, fn: Callable[[], object]):
+    def run(self, key: tuple, fn: Callable[[], object], inputs: tuple[torch.Tensor, ...] = ()):
+        """Replay key's graph (capturing fn first if new) -> its static outputs. key[-1] is the KV
+        cache's generation. inputs: static buffers fn itself overwrites (they are put back after
+        the warm-up run, so that the first replay reads what the caller staged)."""
         entry = self._entries.get(key)
         if entry is None:
             self.drop_stale(key[-1])
-            entry = self._entries[key] = self._capture(fn)
+            entry = self._entries[key] = self._capture(fn, inputs)
         graph, out = entry
         graph.replay()
         return out
 
-    def _capture(self, fn: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
+    def _capture(self, fn: Callable[[], object], inputs: tuple[torch.Tensor, ...]):
         began = time.perf_counter()
+        saved = [t.clone() for t in inputs]
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            fn()
+            fn()  # warm-up: its cache writes are the ones the replay makes again, from the same inputs
+            for t, s in zip(inputs, saved):
+                t.copy_(s)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):

@@ -110,7 +110,8 @@ class DraftModelProposer:
         static = runner.execution == "graph" and not staged.gather and runner.cache.ready and staged.width <= 16
         if static:
             key = ("draft", *staged.static_key, num_tokens, flags, runner.cache.generation)
-            tokens, probs = runner.graphs.run(key, lambda: self._loop(staged, num_tokens, flags, inputs, True))
+            written = (staged.block, runner.advance_block(staged))  # the loop writes the single-token block
+            tokens, probs = runner.graphs.run(key, lambda: self._loop(staged, num_tokens, flags, inputs, True), written)
             tokens, probs = tokens.clone(), None if probs is None else probs.clone()
         else:
             tokens, probs = self._loop(staged, num_tokens, flags, inputs, False)
