@@ -151,7 +151,7 @@ class DraftModelProposer:
         logits = forward(staged)  # [B', V']
         tokens, probs = [], []
         for j in range(num_tokens):
-            token, q = self._choose(logits, sampling, flags, inputs["uniforms"][:, j])
+            token, q = self._choose(logits, sampling, flags, inputs, j)
             tokens.append(token)
             probs.append(q)
             if j + 1 < num_tokens:
@@ -161,15 +161,17 @@ class DraftModelProposer:
         return torch.stack(tokens, dim=1), draft_probs  # [B', G]
 
     def _choose(
-        self, logits: torch.Tensor, sampling: BatchSampling, flags: tuple[bool, bool] | None, uniforms: torch.Tensor
+        self, logits: torch.Tensor, sampling: BatchSampling, flags: tuple[bool, bool] | None,
+        inputs: dict[str, torch.Tensor], j: int,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """logits [B', V'] -> (target ids [B'], q [B', V] or None when all rows are greedy: flags None)."""
+        """logits [B', V'] of draft position j -> (target ids [B'], q [B', V] or None when all rows
+        are greedy: flags None). inputs: the static loop inputs (uniforms [B', G])."""
         if flags is None:
             if self.runner.token_map is None:
                 logits = logits[:, : self.vocab_size]
             return self.runner.map_tokens(logits.argmax(-1)), None
         q = logits_to_probs(self._to_target_vocab(logits), sampling, flags)  # [B', V]
-        token = sample_with_uniforms(q, uniforms)
+        token = sample_with_uniforms(q, inputs["uniforms"][:, j])
         greedy = sampling.temperature == 0
         token = torch.where(greedy, q.argmax(-1), token)
         return token, q
