@@ -114,6 +114,8 @@ ColocatedDrafter = Annotated[Union[LayerSkipDrafter, PromptLookupDrafter], Field
 class SpeculationConfig(_Strict):
     num_speculative_tokens: int = Field(4, ge=0, le=16)  # γ, the most drafts per row and step
     adaptive: bool = True  # choose γ <= num_speculative_tokens from live measurements
+    # How workers run their fixed-shape forwards: CUDA graphs on a GPU ("auto"), or always eager.
+    execution: Literal["auto", "eager", "graph"] = "auto"
 
 
 _BUILTIN_RESOURCES = frozenset({"cpu", "gpu", "memory", "object_store_memory"})
