@@ -29,7 +29,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from .kv_cache import SlotKVCache, capacity_for
+from .kv_cache import SlotKVCache
 
 # Batch sizes a forward is padded up to: every power of two up to 8 (small batches are weight-bound
 # on a GPU, so a padded row costs next to nothing, and few shapes keep few graphs), then steps of 8
