@@ -116,6 +116,8 @@ ColocatedDrafter = Annotated[Union[LayerSkipDrafter, PromptLookupDrafter], Field
 class SpeculationConfig(_Strict):
     num_speculative_tokens: int = Field(4, ge=0, le=16)  # γ, the most drafts per row and step
     adaptive: bool = True  # choose γ <= num_speculative_tokens from live measurements
+    # How workers run their fixed-shape forwards: CUDA graphs on a GPU ("auto"), or always eager.
+    execution: Literal["auto", "eager", "graph"] = "auto"
 
 
 _BUILTIN_RESOURCES = frozenset({"cpu", "gpu", "memory", "object_store_memory"})
@@ -256,7 +258,8 @@ class AppConfig(_Strict):
     max_queued_requests: int = Field(32, ge=0)
     # KV-cache budget per worker, in ALLOCATED token positions: the dense cache holds one slot per
     # running request, each sized for the longest one, so a request joins only while
-    # (running + 1) x capacity_for(longest prompt + max_tokens + γ) fits (None: no budget).
+    # (batch_bucket(running + 1) + 1 scratch) x capacity_for(longest prompt + max_tokens + γ) fits
+    # (None: no budget).
     max_cached_tokens: int | None = Field(None, ge=2)
     # Per request, arrival to last token: a request still unfinished after this fails with a 504
     # (the Serve proxy's http_options.request_timeout_s should be a little longer).
@@ -302,12 +305,13 @@ class AppConfig(_Strict):
                 "requests in front of the coordinator, whose own 429 never triggers, and /v1/stats and health "
                 "calls find no free slot")
         if self.max_cached_tokens is not None and self.max_model_len is not None:
-            from specserve.engine.kv_cache import capacity_for
+            from specserve.engine.model_runner import allocation
 
-            one = capacity_for(self.max_model_len + self.speculation.num_speculative_tokens)
+            one = allocation(1, self.max_model_len + self.speculation.num_speculative_tokens)
             if one > self.max_cached_tokens:
                 raise ValueError(f"max_cached_tokens ({self.max_cached_tokens}) cannot hold one request of "
-                                 f"max_model_len ({self.max_model_len}): a slot for it allocates {one} positions")
+                                 f"max_model_len ({self.max_model_len}): its slot and the scratch slot "
+                                 f"allocate {one} positions")
 
     def coordinator_bundles(self) -> list[dict[str, float]]:
         """[coordinator, target worker, draft worker (only with a draft model)]: one placement group

@@ -30,15 +30,17 @@ def _seq(rid: str, prompt_len: int, max_tokens: int, seed: int = 0):
 def test_allocation_is_slots_times_the_longest_capacity():
     short, long = _seq("s", 5, 20), _seq("l", 40, 600)
     assert positions_needed(short, GAMMA) == 5 + 20 + GAMMA
-    assert allocation([28, 643]) == 2 * capacity_for(643) == 2 * 768
-    admission = Admission(max_batch_size=8, budget=2048, max_gamma=GAMMA)
+    # slots: the batch padded to its bucket (2, 4, 8, ...) plus the scratch slot
+    assert allocation([28, 643]) == 3 * capacity_for(643) == 3 * 768
+    assert allocation([28] * 3) == 5 * 256 and allocation([]) == 0
+    admission = Admission(max_batch_size=8, budget=2400, max_gamma=GAMMA)
     admission.waiting.extend([_seq(f"s{i}", 5, 20) for i in range(3)] + [long] + [_seq("s9", 5, 20)])
-    admitted = admission.admit()  # 3 shorts (256 each), then the long one would need 4 x 768
-    assert [s.request_id for s in admitted] == ["s0", "s1", "s2"] and admission.allocated() == 3 * 256
+    admitted = admission.admit()  # 3 shorts (5 slots of 256), then the long one would need 5 x 768
+    assert [s.request_id for s in admitted] == ["s0", "s1", "s2"] and admission.allocated() == 5 * 256
     admission.release("s0")
     admission.release("s1")
-    assert [s.request_id for s in admission.admit()] == ["l"]  # 2 x 768 fits; FIFO: s9 waits behind
-    assert admission.allocated() == 2 * 768 and [s.request_id for s in admission.waiting] == ["s9"]
+    assert [s.request_id for s in admission.admit()] == ["l"]  # 3 x 768 fits; FIFO: s9 waits behind
+    assert admission.allocated() == 3 * 768 and [s.request_id for s in admission.waiting] == ["s9"]
     assert not Admission(8, 512, GAMMA).too_big(short) and Admission(8, 512, GAMMA).too_big(long)
     assert not Admission(8, None, GAMMA).too_big(long)
 
@@ -52,7 +54,7 @@ def test_cache_bytes_stay_within_the_admitted_budget():
     verifier = TargetVerifier(target, MAX_LEN)
     proposer = DraftModelProposer(draft, verifier.vocab_size, MAX_LEN)
     policy = SpeculationPolicy(GAMMA, adaptive=False)
-    budget = 4096  # 16 short slots of 256, or a long one (768) and 4 more
+    budget = 4096  # 8 shorts of 256 (8 + scratch slots), or the long one (768) and 2 more (4 + scratch)
     admission = Admission(max_batch_size=16, budget=budget, max_gamma=GAMMA)
     rng = random.Random(1)
     shorts = [_seq(f"s{i}", rng.randint(3, 12), rng.randint(4, 40), seed=i) for i in range(24)]

@@ -32,6 +32,9 @@ def test_tiny_run_without_serving_imports(tmp_path):
     assert all(r.get("off_reference", 0) == 0 for r in rows)
     for r in rows:
         assert r["bound_v"] > 0 and r["speedup"] > 0 and r["c"] > 0
+    anchors = {(a["batch"], a["anchor"].split(" (")[0]) for a in result["anchors"]}
+    assert {(b, n) for b in (1, 4) for n in ("HF generate() eager", "bandwidth limit")} <= anchors
+    assert all(a["identical"] in (True, None) for a in result["anchors"])  # HF's greedy tokens are the engine's
 
 
 def test_smollm2_section_skips_with_a_message(tmp_path, monkeypatch, capsys):

@@ -264,7 +264,8 @@ def test_cache_memory_follows_live_requests_down(target):
     for i in range(8):
         if i != 3:
             runner.free(f"r{i}")  # the long one (r0) and most short ones leave
-    assert runner.cache.memory_bytes() * 8 <= peak
+    # 9 slots (8 + the scratch slot padded rows write to) at the peak, 2 (1 + scratch) after
+    assert runner.cache.memory_bytes() * 4 <= peak
     kept = runner.forward([RowInput("r3", 40, [9])])
     fresh = ModelRunner(target).forward([RowInput("x", 0, [1] * 40 + [9])])
     assert torch.allclose(kept, fresh, atol=1e-5)  # what the live request holds survived the move

@@ -386,14 +386,14 @@ def test_prompt_and_output_not_in_serve_logs(http):
 
 # -- overload: a bounded waiting queue (429) and a KV-cache token budget ---------------------------------
 LIMITS = {"served_model_name": "tiny-limits", "max_batch_size": 8, "max_queued_requests": 2,
-          "max_cached_tokens": 768,
+          "max_model_len": 250, "max_cached_tokens": 1280,
           "coordinator": {"resources": {"num_cpus": 0.1}, "autoscaling": {"min_replicas": 1, "max_replicas": 1},
                           "max_ongoing_requests": 64}}
 
 
 class TestLimits:
-    """A second application of the same tiny models: batch 8, 2 waiting at most, a budget of 768
-    allocated cache positions (3 slots of 256)."""
+    """A second application of the same tiny models: batch 8, 2 waiting at most, a budget of 1280
+    allocated cache positions (5 slots of 256: a batch of up to 4, its bucket, plus the scratch slot)."""
 
     @pytest.fixture(scope="class")
     def limited(self, server):
@@ -410,20 +410,20 @@ class TestLimits:
                 "ignore_eos": True, "return_token_ids": True}
 
     def test_token_budget_admits_in_turn(self, http, limited):
-        prompts = [f"budget {i}" for i in range(4)]  # 8 + 100 + γ positions: a 256-slot each, 3 fit in 768
+        prompts = [f"budget {i}" for i in range(5)]  # 8 + 100 + γ positions: a 256-slot each, 4 fit in 1280
         expected = [complete(http, p, max_tokens=100)["choices"][0]["token_ids"] for p in prompts]
         assert limited.post("/v1/stats/reset").status_code == 200
-        with ThreadPoolExecutor(4) as pool:
+        with ThreadPoolExecutor(5) as pool:
             responses = list(pool.map(lambda p: limited.post("/v1/completions", json=self._body(p)), prompts))
-        assert [r.status_code for r in responses] == [200] * 4, [r.text for r in responses]
+        assert [r.status_code for r in responses] == [200] * 5, [r.text for r in responses]
         assert [r.json()["choices"][0]["token_ids"] for r in responses] == expected
         stats = limited.get("/v1/stats").json()
-        assert stats["running_peak"] == 3 and stats["reserved_tokens_peak"] <= 768, stats
+        assert stats["running_peak"] == 4 and stats["reserved_tokens_peak"] <= 1280, stats
         assert stats["running"] == 0 and stats["reserved_tokens"] == 0
         # what the target's cache holds stays within the budget (bytes per position: 2 layers x
         # 2 kv heads x 16 dims x keys and values x 4 bytes)
         kv_bytes = stats["memory"]["target"]["kv_cache_bytes"]
-        assert 0 < kv_bytes <= 768 * 2 * 2 * 16 * 2 * 4, kv_bytes
+        assert 0 < kv_bytes <= 1280 * 2 * 2 * 16 * 2 * 4, kv_bytes
 
     def test_burst_beyond_queue_gets_429_with_retry_after(self, http, limited):
         prompts = [f"burst {i:02d}" for i in range(12)]
@@ -447,7 +447,7 @@ class TestLimits:
         for prompt, r in served:
             assert r.json()["choices"][0]["token_ids"] == expected[prompt]
         stats = limited.get("/v1/stats").json()
-        assert stats["rejected_queue_full"] >= len(refused) and stats["reserved_tokens_peak"] <= 768
+        assert stats["rejected_queue_full"] >= len(refused) and stats["reserved_tokens_peak"] <= 1280
 
 
 # -- faults: a hung target, a failing draft ------------------------------------------------------------

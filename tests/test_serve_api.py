@@ -516,7 +516,7 @@ def test_chat_default_max_tokens_fits_the_context_and_the_kv_budget(fake, monkey
     messages = [{"role": "user", "content": "twenty chars, about."}]
     # AppConfig refuses a KV budget that cannot hold one request of the whole context, so the
     # context is what bounds the default
-    for overrides in ({}, {"max_cached_tokens": 768}):
+    for overrides in ({}, {"max_cached_tokens": 1536}):
         _, c = _client(fake, monkeypatch, **overrides)
         room = fake.max_model_len
         with c:

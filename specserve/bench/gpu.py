@@ -3,6 +3,13 @@
     python -m specserve.bench.gpu [--out bench-results/gpu.json]      # on a GPU machine
     python -m specserve.bench.gpu --tiny                              # CPU smoke test (< 1 min)
 
+Every configuration (γ=0 included) is built once, warmed on the very prompts it is timed on
+(graphs captured, cost model calibrated), then timed in interleaved rounds; each keeps the median.
+The random section also measures anchors on the same prompts: HF generate() eager, an HF
+StaticCache decode loop (under torch.compile(mode="reduce-overhead") on CUDA, eager on a CPU), and
+the bandwidth limit (weight bytes / measured copy bandwidth). Efficiency above 1.05 is flagged as
+a measurement error.
+
 Two sections, each at several batch sizes, every speculative run checked token for token against
 the target-only run of the same prompts:
 
@@ -92,69 +99,62 @@ def num_params(model: torch.nn.Module) -> int:
 
 
 # -- the controlled-acceptance drafter -------------------------------------------------------------
-class ControlledProposer:
+class ControlledProposer(DraftModelProposer):
     """A Proposer whose acceptance rate is α by construction, at the real draft model's cost.
 
-    Every draft position runs the draft model's forward (and its argmax); the token it then
-    proposes is the target's true greedy token with probability α (from `references`: per request
-    id, prompt + target-only output), otherwise a token that is certainly wrong. With greedy
-    verification, a row then accepts k drafts with probability α^k (1-α) (the i.i.d. model of
-    Leviathan et al.). Rows that left their reference (should not happen; counted in
-    `off_reference`) get wrong tokens. Greedy only.
+    Every draft position runs the draft model's forward and its argmax, exactly as
+    DraftModelProposer does (the same device loop, the same CUDA graph in graph mode); the token it
+    then proposes is the target's true greedy token with probability α (from `references`: per
+    request id, prompt + target-only output), otherwise a token that is certainly wrong. The
+    choices are made on the host before the forwards (they depend only on the reference) and
+    reach the device in one copy. With greedy verification, a row then accepts k drafts with
+    probability α^k (1-α) (the i.i.d. model of Leviathan et al.). Rows that left their reference
+    (should not happen; counted in `off_reference`) get wrong tokens. Greedy only.
     """
 
     def __init__(self, draft: torch.nn.Module, alpha: float, references: dict[str, list[int]], vocab_size: int,
-                 seed: int = 0, max_positions: int | None = None) -> None:
+                 seed: int = 0, max_positions: int | None = None, execution: str = "auto") -> None:
         if not 0.0 <= alpha <= 1.0:
             raise ValueError("alpha must lie in [0, 1]")
-        self.runner = ModelRunner(draft, max_positions)
+        super().__init__(draft, vocab_size, max_positions, execution)
         self.alpha = alpha
         self.references = references
-        self.vocab_size = vocab_size
         self.rng = random.Random(seed)
         self.off_reference = 0  # draft positions proposed for rows that had left their reference
         self.planted = 0  # draft positions given the true token
         self.proposed = 0
         self._diverged: set[str] = set()
+        self._chosen: torch.Tensor | None = None  # [B, G] this call's drafts, caller order (host)
 
     def free(self, request_id: str) -> None:
-        self.runner.free(request_id)
+        super().free(request_id)
         self._diverged.discard(request_id)
-
-    def valid_length(self, request_id: str) -> int:
-        return self.runner.valid_length(request_id)
-
-    @property
-    def max_positions(self) -> int | None:
-        return self.runner.max_positions
 
     def propose(self, rows: list[RowInput], num_tokens: int, sampling: BatchSampling,
                 uniforms: torch.Tensor | None) -> Proposal:
         if not sampling.all_greedy:
             raise ValueError("the controlled drafter supports greedy rows only")
         self.runner.check(rows)
-        ends = [r.start + len(r.tokens) for r in rows]  # sequence length = index of draft 0
         for r in rows:
             ref = self.references.get(r.request_id)
             if ref is None or ref[r.start : r.start + len(r.tokens)] != r.tokens:
                 self._diverged.add(r.request_id)
-        self.runner.take_forward_log()
-        backlog = [RowInput(r.request_id, r.start, r.tokens[:-1]) for r in rows if len(r.tokens) > 2]
-        if backlog:  # same shape of work as DraftModelProposer: prefill, then one token per forward
-            self.runner.forward(backlog, logits="none")
-            rows = [RowInput(r.request_id, r.start + len(r.tokens) - 1, r.tokens[-1:]) if len(r.tokens) > 2 else r
-                    for r in rows]
-        drafts: list[list[int]] = [[] for _ in rows]
-        for j in range(num_tokens):
-            logits = self.runner.forward(rows, logits="last")  # [B, V]
-            logits.argmax(-1).tolist()  # the real draft's own choice: computed (cost), then overridden
-            chosen = [self._control(r.request_id, end + j) for r, end in zip(rows, ends)]
-            for b, token in enumerate(chosen):
-                drafts[b].append(token)
-            if j + 1 < num_tokens:
-                rows = [RowInput(r.request_id, r.start + len(r.tokens), [t]) for r, t in zip(rows, chosen)]
-        tokens = torch.tensor(drafts, dtype=torch.long).view(len(ends), num_tokens)  # [B, G]
-        return Proposal(tokens, None, self.runner.take_forward_log())
+        ends = [r.start + len(r.tokens) for r in rows]  # sequence length = index of draft 0
+        chosen = [[self._control(r.request_id, end + j) for j in range(num_tokens)] for r, end in zip(rows, ends)]
+        self._chosen = torch.tensor(chosen, dtype=torch.long).view(len(rows), num_tokens)
+        return super().propose(rows, num_tokens, sampling, uniforms)
+
+    def _static_inputs(self, staged, num_tokens, sampling, uniforms, flags):
+        buffers = super()._static_inputs(staged, num_tokens, sampling, uniforms, flags)
+        if "chosen" not in buffers:
+            buffers["chosen"] = torch.zeros(staged.padded, num_tokens, dtype=torch.long, device=self.runner.device)
+        chosen = self._chosen.to(self.runner.device, non_blocking=True)
+        buffers["chosen"].copy_(chosen.index_select(0, staged.sorted_to_caller))  # sorted order
+        return buffers
+
+    def _choose(self, logits, sampling, flags, inputs, j):
+        super()._choose(logits, sampling, flags, inputs, j)  # the real draft's own choice: computed (cost)
+        return inputs["chosen"][:, j], None
 
     def _control(self, request_id: str, position: int) -> int:
         self.proposed += 1
@@ -214,20 +214,54 @@ def generate(engine: SpeculativeEngine, prompts: list[list[int]], ids: list[str]
     return seqs, time.perf_counter() - began
 
 
-def run_engine(section: str, target: torch.nn.Module, proposer, gamma: int | None, max_gamma: int,
-               alpha: float | None, prompts, ids, batch: int, max_new: int, device: str,
-               reference: list[list[int]] | None) -> Run:
+def build_engine(target: torch.nn.Module, proposer, gamma: int | None, max_gamma: int, batch: int,
+                 execution: str) -> SpeculativeEngine:
+    """One configuration's engine, built once and reused by its warm-up and every timed repeat (so
+    its graphs are captured and its cost model calibrated before anything is timed)."""
     engine = SpeculativeEngine(target, num_speculative_tokens=0 if proposer is None else max_gamma,
-                               adaptive=gamma is None, proposer=proposer, eos_token_ids=[])
+                               adaptive=gamma is None, proposer=proposer, eos_token_ids=[], max_batch_size=batch,
+                               execution=execution)
+    engine.capture_graphs(progress=False)
     if gamma is None:
         engine.calibrate(sizes=tuple(sorted({*CALIBRATION_SIZES, batch, batch * (max_gamma + 1)})))
-    seqs, seconds = generate(engine, prompts, ids, batch, max_new, device)
-    run = Run(section, batch, gamma, alpha, sum(len(s.output) for s in seqs), seconds,
-              outputs=[list(s.output) for s in seqs])
-    for s in seqs:
+    return engine
+
+
+@dataclass
+class Config:
+    name: str
+    gamma: int | None
+    alpha: float | None
+    engine: SpeculativeEngine
+    proposer: object
+    seconds: list[float] = field(default_factory=list)
+    outputs: list[list[int]] | None = None
+    seqs: list = field(default_factory=list)
+
+
+def measure_configs(configs: list[Config], prompts, ids, batch: int, max_new: int, device: str, repeats: int,
+                    bar: tqdm) -> None:
+    """Warm every configuration on these very prompts (every shape it will meet), then time
+    `repeats` rounds, each running every configuration once (interleaved, so drifts in clocks or
+    co-tenants hit all alike); each keeps the median. The reference run (γ=0) is one of them."""
+    for config in configs:
+        seqs, _ = generate(config.engine, prompts, ids, batch, max_new, device)
+        config.outputs = [list(s.output) for s in seqs]
+    for _ in range(repeats):
+        for config in configs:
+            config.seqs, seconds = generate(config.engine, prompts, ids, batch, max_new, device)
+            config.seconds.append(seconds)
+            if [list(s.output) for s in config.seqs] != config.outputs:
+                config.outputs = None  # not even reproducible run to run: reported as not the same
+    bar.update(len(configs))
+
+
+def to_run(section: str, config: Config, batch: int, reference: list[list[int]]) -> Run:
+    run = Run(section, batch, config.gamma, config.alpha, sum(len(s.output) for s in config.seqs),
+              statistics.median(config.seconds), outputs=config.outputs or [])
+    for s in config.seqs:
         run.add_metrics(s.metrics)
-    if reference is not None:
-        run.identical = run.outputs == reference
+    run.identical = config.outputs == reference
     return run
 
 
@@ -245,8 +279,9 @@ def forward_seconds(runner: ModelRunner, batch: int, context: list[int], width: 
     return statistics.median(times[1:])
 
 
-def measure_costs(target, draft, batch: int, context: list[int], gammas: list[int], reps: int) -> dict:
-    t_runner, d_runner = ModelRunner(target), ModelRunner(draft)
+def measure_costs(target, draft, batch: int, context: list[int], gammas: list[int], reps: int,
+                  execution: str) -> dict:
+    t_runner, d_runner = ModelRunner(target, execution=execution), ModelRunner(draft, execution=execution)
     one = forward_seconds(t_runner, batch, context, 1, reps, "all")
     draft_one = forward_seconds(d_runner, batch, context, 1, reps, "last")
     v = {g: forward_seconds(t_runner, batch, context, g + 1, reps, "all") / one for g in gammas if g > 0}
@@ -264,30 +299,42 @@ ProposerFactory = Callable[[float | None, dict[str, list[int]]], object]
 
 def run_section(name: str, target, draft, make_proposer: ProposerFactory, prompt_sets: dict[int, list[list[int]]],
                 gammas: list[int], alphas: list[float | None], max_new: int, reps: int, device: str,
-                bar: tqdm) -> tuple[list[dict], dict]:
-    """For each batch size: γ=0 (the reference), then every α × (every γ, adaptive). -> table rows, costs."""
-    rows, costs = [], {}
+                bar: tqdm, execution: str, repeats: int, anchors: bool) -> tuple[list[dict], dict, list[dict]]:
+    """For each batch size: γ=0 (the reference) and every α × (every γ, adaptive), all warmed and
+    then timed interleaved; then, when `anchors`, the HF anchors on the same prompts (they need
+    prompts of one length). -> table rows, costs, anchor rows."""
+    rows, costs, anchor_rows = [], {}, []
     for batch, prompts in prompt_sets.items():
         ids = [f"{name}-b{batch}-{i}" for i in range(len(prompts))]
         bar.set_postfix_str(f"{name} b={batch} costs")
-        cost = measure_costs(target, draft, batch, prompts[0], gammas, reps)
+        cost = measure_costs(target, draft, batch, prompts[0], gammas, reps, execution)
         costs[batch] = cost
-        base = run_engine(name, target, None, 0, 0, None, prompts, ids, batch, max_new, device, None)
-        bar.update(1)
+        bar.set_postfix_str(f"{name} b={batch} reference")
+        base = Config("γ=0", 0, None, build_engine(target, None, 0, 0, batch, execution), None)
+        base.outputs = [list(s.output) for s in generate(base.engine, prompts, ids, batch, max_new, device)[0]]
         references = {rid: p + o for rid, p, o in zip(ids, prompts, base.outputs)}
-        rows.append(_row(base, base, cost))
+        reference = base.outputs
+        configs = [base]
         for alpha in alphas:
             for gamma in [*gammas, None]:
-                bar.set_postfix_str(f"{name} b={batch} α={alpha} γ={'auto' if gamma is None else gamma}")
                 proposer = make_proposer(alpha, references)
-                run = run_engine(name, target, proposer, gamma, gamma or max(gammas), alpha, prompts, ids, batch,
-                                 max_new, device, base.outputs)
-                row = _row(run, base, cost)
-                if isinstance(proposer, ControlledProposer):
-                    row["off_reference"] = proposer.off_reference
-                rows.append(row)
-                bar.update(1)
-    return rows, costs
+                engine = build_engine(target, proposer, gamma, gamma or max(gammas), batch, execution)
+                configs.append(Config(f"α={alpha} γ={gamma}", gamma, alpha, engine, proposer))
+        bar.set_postfix_str(f"{name} b={batch} timing {len(configs)} configurations × {repeats}")
+        measure_configs(configs, prompts, ids, batch, max_new, device, repeats, bar)
+        base_run = to_run(name, base, batch, reference)
+        for config in configs:
+            row = _row(to_run(name, config, batch, reference), base_run, cost)
+            if isinstance(config.proposer, ControlledProposer):
+                row["off_reference"] = config.proposer.off_reference
+            rows.append(row)
+        for config in configs:
+            del config.engine
+        if anchors:
+            bar.set_postfix_str(f"{name} b={batch} anchors")
+            anchor_rows += measure_anchors(name, target, prompts, batch, max_new, device, repeats, reference,
+                                           base_run.tokens_per_second)
+    return rows, costs, anchor_rows
 
 
 def _row(run: Run, base: Run, cost: dict) -> dict:
@@ -310,8 +357,104 @@ def _row(run: Run, base: Run, cost: dict) -> dict:
     return row
 
 
+# -- anchors: what the same model reaches outside the engine, same prompts and shapes -------------
+def hf_generate(model, prompts: list[list[int]], batch: int, max_new: int, device: str) -> tuple[list, float]:
+    """HF generate(), eager, greedy, `batch` equal-length prompts at a time -> (outputs, seconds)."""
+    outputs = []
+    sync(device)
+    began = time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        ids = torch.tensor(prompts[i : i + batch], device=device)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
+                             min_new_tokens=max_new, do_sample=False, pad_token_id=0)
+        outputs += out[:, ids.shape[1]:].tolist()
+    sync(device)
+    return outputs, time.perf_counter() - began
+
+
+class StaticDecode:
+    """HF model + StaticCache, greedy; on CUDA the one-token decode step runs under
+    torch.compile(mode="reduce-overhead") (CUDA graphs), elsewhere eagerly."""
+
+    def __init__(self, model, batch: int, max_len: int, device: str) -> None:
+        from transformers import StaticCache
+
+        self.model, self.device = model, device
+        self.cache = StaticCache(config=model.config, max_cache_len=max_len)
+        self.compiled = device.startswith("cuda")
+        step = self._step
+        self.step = torch.compile(step, mode="reduce-overhead", fullgraph=True) if self.compiled else step
+
+    def _step(self, ids: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """ids [b, 1], position [1] -> next ids [b, 1]."""
+        logits = self.model(input_ids=ids, cache_position=position, past_key_values=self.cache, use_cache=True).logits
+        return logits[:, -1].argmax(-1, keepdim=True)
+
+    @torch.no_grad()
+    def __call__(self, prompts: list[list[int]], batch: int, max_new: int) -> tuple[list, float]:
+        outputs = []
+        sync(self.device)
+        began = time.perf_counter()
+        for i in range(0, len(prompts), batch):
+            self.cache.reset()
+            ids = torch.tensor(prompts[i : i + batch], device=self.device)
+            length = ids.shape[1]
+            logits = self.model(input_ids=ids, cache_position=torch.arange(length, device=self.device),
+                                past_key_values=self.cache, use_cache=True).logits
+            token = logits[:, -1].argmax(-1, keepdim=True)  # [b, 1]
+            tokens = [token]
+            for k in range(max_new - 1):
+                position = torch.tensor([length + k], device=self.device)
+                token = self.step(token.clone(), position)
+                tokens.append(token)
+            outputs += torch.cat(tokens, dim=1).tolist()
+        sync(self.device)
+        return outputs, time.perf_counter() - began
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes per second of a large device-to-device copy (read + write counted), median of 5."""
+    n = (1 << 28) if device.startswith("cuda") else (1 << 25)
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(6):
+        sync(device)
+        began = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        times.append(time.perf_counter() - began)
+    return 2 * n / statistics.median(times[1:])
+
+
+def measure_anchors(section: str, model, prompts: list[list[int]], batch: int, max_new: int, device: str,
+                    repeats: int, reference: list[list[int]], engine_tps: float) -> list[dict]:
+    """HF generate() eager, the StaticCache decode loop, and the bandwidth limit, on these prompts."""
+    tokens = len(prompts) * max_new
+    static = StaticDecode(model, batch, len(prompts[0]) + max_new, device)
+    anchors = {"HF generate() eager": lambda: hf_generate(model, prompts, batch, max_new, device),
+               f"HF StaticCache {'compiled (reduce-overhead)' if static.compiled else 'eager (no compile on CPU)'}":
+                   lambda: static(prompts, batch, max_new)}
+    rows = []
+    for name, fn in anchors.items():
+        outputs, _ = fn()  # warm-up (and, when compiled, capture)
+        seconds = statistics.median(fn()[1] for _ in range(repeats))
+        rows.append(dict(section=section, batch=batch, anchor=name, tokens_per_second=tokens / seconds,
+                         engine_ratio=engine_tps / (tokens / seconds), identical=outputs == reference))
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    bandwidth = copy_bandwidth(device)
+    limit = batch * bandwidth / weight_bytes  # every decode step reads every weight once
+    rows.append(dict(section=section, batch=batch, tokens_per_second=limit, engine_ratio=engine_tps / limit,
+                     identical=None, anchor=f"bandwidth limit ({weight_bytes / 1e9:.3g} GB at "
+                                            f"{bandwidth / 1e9:.0f} GB/s)"))
+    return rows
+
+
 # -- report ---------------------------------------------------------------------------------------
-def report(rows: list[dict], device: str, shapes: dict[str, str]) -> str:
+EFFICIENCY_LIMIT = 1.05  # speedup / bound_v above this cannot be real
+
+
+def report(rows: list[dict], device: str, shapes: dict[str, str], anchors: list[dict] = ()) -> str:
     lines = [f"device: {device}"] + [f"{k}: {v}" for k, v in shapes.items()]
     head = (f"{'section':<9}{'batch':>6}{'α tgt':>7}{'α meas':>8}{'γ':>7}{'c':>7}{'v':>6}{'bound':>7}"
             f"{'bound_v':>9}{'tok/s':>9}{'speedup':>9}{'eff.':>7}{'same':>6}")
@@ -323,10 +466,21 @@ def report(rows: list[dict], device: str, shapes: dict[str, str]) -> str:
         lines.append(
             f"{r['section']:<9}{r['batch']:>6}{target:>7}{measured:>8}{gamma:>7}{r['c']:>7.3f}{r['v']:>6.2f}"
             f"{r['bound']:>7.2f}{r['bound_v']:>9.2f}{r['tokens_per_second']:>9.1f}{r['speedup']:>9.2f}"
-            f"{r['efficiency']:>7.2f}{'yes' if r['identical'] else 'NO':>6}"
+            f"{r['efficiency']:>7.2f}{'!' if r['efficiency'] > EFFICIENCY_LIMIT else ' '}"
+            f"{'yes' if r['identical'] else 'NO':>5}"
         )
     lines.append("γ aN.N: adaptive, mean drafts per step; its bound is the best fixed γ's at the measured α. "
                  "eff. = speedup / bound_v.")
+    if any(r["efficiency"] > EFFICIENCY_LIMIT for r in rows):
+        lines.append(f"! efficiency above {EFFICIENCY_LIMIT}: beyond the physical bound, a measurement error "
+                     "(noise, or c / v measured on other shapes than the run met)")
+    if anchors:
+        head = f"{'section':<9}{'batch':>6}  {'anchor':<52}{'tok/s':>10}{'engine γ=0 / it':>17}{'same':>6}"
+        lines += ["", head, "-" * len(head)]
+        for a in anchors:
+            same = "-" if a["identical"] is None else ("yes" if a["identical"] else "NO")
+            lines.append(f"{a['section']:<9}{a['batch']:>6}  {a['anchor']:<52}{a['tokens_per_second']:>10.1f}"
+                         f"{a['engine_ratio']:>17.2f}{same:>6}")
     return "\n".join(lines)
 
 
@@ -347,6 +501,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=None, help="random-section prompt tokens (default 128)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 128; tiny 16")
     p.add_argument("--reps", type=int, default=None, help="repetitions per cost measurement (default 10)")
+    p.add_argument("--repeats", type=int, default=None, help="timed rounds per configuration, median kept "
+                   "(default 3; tiny 2)")
+    p.add_argument("--execution", default="auto", choices=["auto", "eager", "compile", "graph"],
+                   help="how the engine runs its fixed-shape forwards (auto: CUDA graphs on a GPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench-results/gpu.json")
     args = p.parse_args(argv)
@@ -357,7 +515,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         random_batches="1,4" if tiny else "1,16",
         target_shape="tiny-target" if tiny else "llama2-7b", draft_shape="tiny-draft" if tiny else "tinyllama-1.1b",
         prompts=2 if tiny else 4, prompt_len=8 if tiny else 128, max_new_tokens=16 if tiny else 128,
-        reps=3 if tiny else 10,
+        reps=3 if tiny else 10, repeats=2 if tiny else 3,
     )
     for key, value in defaults.items():
         if getattr(args, key) is None:
@@ -398,7 +556,7 @@ def _main(args: argparse.Namespace) -> int:
     total = (len(batches) * (1 + len(gammas) + 1) if "smollm2" in sections else 0)
     total += len(random_batches) * (1 + len(alphas) * (len(gammas) + 1)) if "random" in sections else 0
     bar = tqdm(total=total, desc="gpu bench", unit="run")
-    rows, costs, shapes, notes = [], {}, {}, []
+    rows, costs, shapes, notes, anchors = [], {}, {}, [], []
 
     if "smollm2" in sections:
         pair = _load_smollm2(device, dtype)
@@ -413,16 +571,20 @@ def _main(args: argparse.Namespace) -> int:
             del pair
             _empty_cache(device)
     if "random" in sections:
-        section_rows, costs["random"], shapes["random"] = _random_section(args, gammas, alphas, random_batches, bar)
+        section_rows, costs["random"], shapes["random"], anchors = _random_section(
+            args, gammas, alphas, random_batches, bar)
         rows += section_rows
+        if not device.startswith("cuda"):
+            notes.append("anchors: on a CPU the StaticCache loop runs eagerly (torch.compile's reduce-overhead "
+                         "mode is CUDA graphs); anchors need prompts of one length, so the random section only")
     bar.close()
 
-    table = report(rows, device_name, shapes)
+    table = report(rows, device_name, shapes, anchors)
     print(table)
     for note in notes:
         print(note)
     out = {"device": device_name, "dtype": args.dtype, "torch": torch.__version__, "args": vars(args),
-           "shapes": shapes, "costs": costs, "rows": rows, "notes": notes, "table": table}
+           "shapes": shapes, "costs": costs, "rows": rows, "anchors": anchors, "notes": notes, "table": table}
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2, default=str))
@@ -437,11 +599,12 @@ def _smollm2_section(args, pair, gammas: list[int], batches: list[int], bar: tqd
     vocab = target.get_output_embeddings().weight.shape[0]
 
     def make(alpha, references):
-        return DraftModelProposer(draft, vocab)
+        return DraftModelProposer(draft, vocab, execution=args.execution)
 
     _warm_up(target, args.device)
-    rows, costs = run_section("smollm2", target, draft, make, prompt_sets(pool, batches, args.prompts), gammas,
-                              [None], args.max_new_tokens, args.reps, args.device, bar)
+    rows, costs, _ = run_section("smollm2", target, draft, make, prompt_sets(pool, batches, args.prompts), gammas,
+                                 [None], args.max_new_tokens, args.reps, args.device, bar, args.execution,
+                                 args.repeats, anchors=False)
     return rows, costs, shape
 
 
@@ -457,12 +620,13 @@ def _random_section(args, gammas: list[int], alphas: list[float], batches: list[
     seeds = iter(range(args.seed, args.seed + (1 << 30)))
 
     def make(alpha, references):
-        return ControlledProposer(draft, alpha, references, vocab, seed=next(seeds))
+        return ControlledProposer(draft, alpha, references, vocab, seed=next(seeds), execution=args.execution)
 
     _warm_up(target, args.device)
-    rows, costs = run_section("random", target, draft, make, prompt_sets(pool, batches, args.prompts), gammas,
-                              alphas, args.max_new_tokens, args.reps, args.device, bar)
-    return rows, costs, shape
+    rows, costs, anchors = run_section("random", target, draft, make, prompt_sets(pool, batches, args.prompts),
+                                       gammas, alphas, args.max_new_tokens, args.reps, args.device, bar,
+                                       args.execution, args.repeats, anchors=True)
+    return rows, costs, shape, anchors
 
 
 def _load_smollm2(device: str, dtype: torch.dtype):
@@ -481,7 +645,7 @@ def _load_smollm2(device: str, dtype: torch.dtype):
 
 
 def _warm_up(model: torch.nn.Module, device: str) -> None:
-    runner = ModelRunner(model)
+    runner = ModelRunner(model, execution="eager")
     runner.forward([RowInput("warm", 0, [1, 2, 3, 4])], logits="last")
     runner.free("warm")
     sync(device)

@@ -6,13 +6,15 @@ It knows token ids only (no tokenizer, no HTTP, no Ray). `generate` runs prompts
 from __future__ import annotations
 
 import itertools
+import logging
+import time
 from dataclasses import dataclass
 
 import torch
 
-from .model_runner import CALIBRATION_SIZES, ModelRunner
-from .proposers import DrafterSpec, DraftModelSpec, Proposer
-from .sampling import SamplingParams
+from .model_runner import BATCH_BUCKETS, CALIBRATION_SIZES, ModelRunner, RowInput, batch_bucket
+from .proposers import DrafterSpec, DraftModelProposer, DraftModelSpec, Proposer
+from .sampling import BatchSampling, SamplingParams
 from .scheduler import SpeculationPolicy
 from .step import RequestMetrics, Sequence, StepOutput, new_sequence, speculative_step
 from .verifier import TargetVerifier
@@ -40,19 +42,22 @@ class SpeculativeEngine:
         eos_token_ids: list[int] | None = None,
         drafter: DrafterSpec | None = None,
         proposer: Proposer | None = None,
+        execution: str = "auto",
     ) -> None:
         """What drafts, at most one of: draft_model, a separate draft model (shorthand for
         drafter=DraftModelSpec(draft_model)); drafter, any drafter spec (layer skip, prompt
-        lookup, ...); proposer, a ready-made Proposer."""
+        lookup, ...); proposer, a ready-made Proposer. execution: how the target and a draft
+        model run their fixed-shape forwards, "eager", "compile", "graph" (CUDA graphs) or
+        "auto" (graph on one CUDA device, else eager); see ModelRunner."""
         if num_speculative_tokens < 0:
             raise ValueError("num_speculative_tokens must be >= 0")
         if sum(x is not None for x in (draft_model, drafter, proposer)) > 1:
             raise ValueError("give at most one of draft_model, drafter and proposer")
         if draft_model is not None:
-            drafter = DraftModelSpec(draft_model)
+            drafter = DraftModelSpec(draft_model, execution)
         if drafter is None and proposer is None and num_speculative_tokens > 0:
             raise ValueError("num_speculative_tokens > 0 needs a draft model, a drafter or a proposer")
-        self.verifier = TargetVerifier(target_model, max_model_len)
+        self.verifier = TargetVerifier(target_model, max_model_len, execution)
         if drafter is not None:
             proposer = drafter.build(target_model, self.verifier.vocab_size, max_model_len)
         limits = [self.verifier.runner.max_positions, getattr(proposer, "max_positions", None)]
@@ -65,6 +70,7 @@ class SpeculativeEngine:
         self._waiting: dict[str, Sequence] = {}  # insertion order is arrival order
         self._ids = itertools.count()
         self._calibrated = not (adaptive and num_speculative_tokens > 0)
+        self._captured = False
 
     # -- incremental API ----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -98,6 +104,8 @@ class SpeculativeEngine:
             self._running[request_id] = self._waiting.pop(request_id)
         if not self._running:
             return []
+        if not self._captured:
+            self.capture_graphs()
         if not self._calibrated:
             self.calibrate()
         seqs = list(self._running.values())
@@ -140,6 +148,12 @@ class SpeculativeEngine:
         if self.proposer is not None:
             self.proposer.free(request_id)
 
+    def capture_graphs(self, progress: bool = True) -> float:
+        """Capture the CUDA graphs of the usual step shapes now (see `capture_graphs`); done
+        before the first step. Nothing to do unless a runner is in graph mode."""
+        self._captured = True
+        return capture_graphs(self.verifier, self.proposer, self.max_batch_size, self.policy.max_gamma, progress)
+
     def calibrate(self, sizes: tuple[int, ...] = CALIBRATION_SIZES) -> None:
         """Time each model on dummy rows of a few sizes so the policy starts from measurements
         (done before the first step when γ is adaptive; a drafter with no model learns as it goes)."""
@@ -147,6 +161,46 @@ class SpeculativeEngine:
         self.policy.observe_costs("target", self.verifier.runner.time_forwards(sizes))
         if isinstance(getattr(self.proposer, "runner", None), ModelRunner):
             self.policy.observe_costs("draft", self.proposer.runner.time_forwards(sizes))
+
+
+def capture_graphs(verifier, proposer, max_batch_size: int, max_gamma: int, progress: bool = True) -> float:
+    """Capture, for every batch bucket up to max_batch_size (largest first, so that the cache's
+    slots are allocated once), the target's verify forward at widths 1..γ+1 and a draft model's
+    whole greedy γ-forward loop (first width 1 or 2) for γ in 1..max_gamma, over the first key
+    length bucket; longer contexts and sampled loops are captured when first met. Only runners in
+    graph mode take part. Returns the seconds spent."""
+    target = verifier.runner if verifier.runner.execution == "graph" else None
+    draft = proposer if isinstance(proposer, DraftModelProposer) and proposer.runner.execution == "graph" else None
+    if target is None and draft is None:
+        return 0.0
+    from tqdm import tqdm
+
+    sizes = [b for b in BATCH_BUCKETS if b <= batch_bucket(max_batch_size)][::-1]
+    per_size = (max_gamma + 1 if target else 0) + (2 * max_gamma if draft else 0)
+    began = time.perf_counter()
+    with tqdm(total=len(sizes) * per_size, desc="capturing CUDA graphs", unit="graph", disable=not progress) as bar:
+        for b in sizes:
+            ids = [f"__capture_{i}__" for i in range(b)]
+            if target is not None:
+                target.forward([RowInput(i, 0, [0] * 4) for i in ids], logits="none")
+                for width in range(1, max_gamma + 2):
+                    target.forward([RowInput(i, 4, [0] * width) for i in ids], logits="all")
+                    bar.update(1)
+                for i in ids:
+                    target.free(i)
+            if draft is not None:
+                greedy = BatchSampling.from_params([SamplingParams(temperature=0.0)] * b)
+                draft.runner.forward([RowInput(i, 0, [0] * 4) for i in ids], logits="none")
+                for gamma in range(1, max_gamma + 1):
+                    for first in (1, 2):
+                        draft.propose([RowInput(i, 5 - first, [0] * first) for i in ids], gamma, greedy, None)
+                        bar.update(1)
+                for i in ids:
+                    draft.free(i)
+    seconds = time.perf_counter() - began
+    graphs = sum(len(r.graphs) for r in (target, draft and draft.runner) if r is not None)
+    logging.getLogger(__name__).info("captured %d CUDA graphs for batch buckets %s in %.1f s", graphs, sizes, seconds)
+    return seconds
 
 
 def model_eos_ids(model: torch.nn.Module) -> list[int]:

@@ -6,9 +6,20 @@ different lengths share one forward pass. Rolling a row back is free: the next f
 writes from the row's accepted length on, and the causal mask (a key is visible to a query only if
 its position is <= the query's) hides whatever stale entries lie beyond (gpt-fast's trick, per row).
 
+The last slot S-1 is scratch: no request owns it, and the padded rows of a forward (a batch padded
+up to its capture bucket) write there. A forward attends over K = capacity_for(longest row) key
+positions, a length that changes once per 256 tokens rather than every step, so that shapes stay
+fixed per capture bucket.
+
+Reading the keys of a forward's rows is free when its rows are slots 0..B'-1 in order (the runner
+sorts its rows by slot, and live slots are dense, so a forward over every live request is such a
+prefix): `update` returns a view of the first B' slots. Any other set of rows (a prefill of a few
+new requests) gathers its slots, a copy per layer.
+
 The object is passed to a HF model as `past_key_values`; HF calls `update(keys, values, layer_idx)`
-in every attention layer. Before each forward the runner calls `prepare(slots, write_positions)`.
-Layers are allocated lazily on the device of their keys, so a model sharded with accelerate works.
+in every attention layer. Before each forward the runner calls `reserve` (host integers only) and,
+inside the forward, `bind` (device index tensors). Layers are allocated lazily on the device of
+their keys, so a model sharded with accelerate works; each device gets its own copy of the indices.
 """
 from __future__ import annotations
 
@@ -19,7 +30,8 @@ _CAPACITY_STEP = 256  # grow the position dimension in chunks of this many token
 
 def capacity_for(positions: int, max_positions: int | None = None) -> int:
     """Positions a slot's storage is allocated for when it must hold `positions` of them: the one
-    rounding rule that the cache and admission (which budgets what the cache really allocates) share."""
+    rounding rule that the cache, the key length of a forward and admission (which budgets what
+    the cache really allocates) share."""
     grown = -(-max(positions, 1) // _CAPACITY_STEP) * _CAPACITY_STEP
     return grown if max_positions is None else min(grown, max_positions)
 
@@ -29,13 +41,15 @@ class SlotKVCache:
         self.max_positions = max_positions
         self._keys: list[torch.Tensor | None] = []  # per layer [S, H, C, D]
         self._values: list[torch.Tensor | None] = []
-        self._num_slots = 0  # rows S every layer is (or will be) sized for
+        self._num_slots = 0  # slots S every layer is (or will be) sized for, scratch included
         self._capacity = 0  # positions C every layer is (or will be) sized for
-        self._slots: torch.Tensor | None = None  # [B] slot of each row of the current forward
-        self._write_positions: torch.Tensor | None = None  # [B, Q] where each new token goes
+        self._built = (0, 0)  # (S, C) every layer was last seen at after a forward
+        self.generation = 0  # bumped whenever storage moves (captured graphs hold its addresses)
+        self._write_slots: torch.Tensor | None = None  # [B'] slot each row writes to (scratch for padding)
+        self._positions: torch.Tensor | None = None  # [B', Q] where each new token goes
+        self._read_slots: torch.Tensor | None = None  # [B'] slots to gather, or None: the first B' slots
         self._view_length = 0  # K: key positions the current forward attends over
-        self._contiguous = False  # rows are slots 0..B-1 in order (no gather needed)
-        self._on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # slots, positions per device
+        self._on_device: dict[torch.device, tuple] = {}  # indices copied to other devices (sharded models)
 
     # -- HF Cache duck-typing -------------------------------------------------------------
     is_compileable = False
@@ -46,36 +60,60 @@ class SlotKVCache:
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """key_states/value_states [B, H, Q, D] -> all keys/values of the batch rows [B, H, K, D]."""
+        """key_states/value_states [B', H, Q, D] -> keys/values of the batch rows [B', H, K, D]."""
         keys, values = self._layer(layer_idx, key_states)
-        slots, positions = self._indices(keys.device)  # [B, 1], [B, Q]
-        keys[slots, :, positions] = key_states.transpose(1, 2).to(keys.dtype)  # indexed view [B, Q, H, D]
-        values[slots, :, positions] = value_states.transpose(1, 2).to(values.dtype)
-        if self._contiguous:
-            batch = slots.shape[0]
-            return keys[:batch, :, : self._view_length], values[:batch, :, : self._view_length]
-        return keys[slots[:, 0], :, : self._view_length], values[slots[:, 0], :, : self._view_length]
+        write_slots, positions, read_slots = self._indices(keys.device)  # [B', 1], [B', Q], [B'] or None
+        keys[write_slots, :, positions] = key_states.transpose(1, 2).to(keys.dtype)  # indexed view [B', Q, H, D]
+        values[write_slots, :, positions] = value_states.transpose(1, 2).to(values.dtype)
+        length = self._view_length
+        if read_slots is None:
+            batch = positions.shape[0]
+            return keys[:batch, :, :length], values[:batch, :, :length]
+        return keys[read_slots, :, :length], values[read_slots, :, :length]
 
     # -- runner API -----------------------------------------------------------------------
-    def prepare(self, slots: torch.Tensor, write_positions: torch.Tensor) -> int:
-        """Set up the next forward. slots [B] int64, write_positions [B, Q] int64. Returns K."""
-        needed = int(write_positions.max()) + 1
-        if self.max_positions is not None and needed > self.max_positions:
-            raise ValueError(f"position {needed - 1} is beyond the cache limit of {self.max_positions} tokens")
-        self._num_slots = max(self._num_slots, int(slots.max()) + 1)
-        if needed > self._capacity:
-            self._capacity = capacity_for(needed, self.max_positions)
-        self._slots = slots
-        self._write_positions = write_positions
-        self._on_device = {}
-        self._view_length = needed
-        self._contiguous = bool(torch.equal(slots.cpu(), torch.arange(slots.shape[0])))
-        return needed
+    @property
+    def scratch_slot(self) -> int:
+        return self._num_slots - 1
 
-    def _indices(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """This forward's slots [B, 1] and write positions [B, Q] on `device`, copied once per device."""
+    def reserve(self, num_slots: int, needed_positions: int) -> int:
+        """Before a forward (host integers only): make room for `num_slots` owned or padded slots
+        plus the scratch slot, and for `needed_positions`. Returns K, the key length to attend over."""
+        if self.max_positions is not None and needed_positions > self.max_positions:
+            raise ValueError(
+                f"position {needed_positions - 1} is beyond the cache limit of {self.max_positions} tokens")
+        self._num_slots = max(self._num_slots, num_slots + 1)
+        length = capacity_for(needed_positions, self.max_positions)
+        self._capacity = max(self._capacity, length)
+        self._view_length = length
+        return length
+
+    @property
+    def ready(self) -> bool:
+        """Every layer already holds what the last `reserve` asked for: a forward allocates nothing
+        (so it can be compiled or captured)."""
+        return self._built[0] >= self._num_slots and self._built[1] >= self._capacity
+
+    def built(self) -> None:
+        """After a forward: every layer has been brought to the reserved size."""
+        self._built = (self._num_slots, self._capacity)
+
+    def bind(self, write_slots: torch.Tensor, positions: torch.Tensor, read_slots: torch.Tensor | None) -> None:
+        """Inside a forward (device tensors): write_slots [B'] int64, positions [B', Q] int64,
+        read_slots [B'] int64 or None when the rows are slots 0..B'-1."""
+        self._write_slots = write_slots[:, None]
+        self._positions = positions
+        self._read_slots = read_slots
+        self._on_device = {}
+
+    def _indices(self, device: torch.device) -> tuple:
+        """This forward's write slots [B', 1], positions [B', Q], read slots on `device`: the bound
+        tensors themselves on their own device, a copy made once per forward on any other."""
+        if device == self._positions.device:
+            return self._write_slots, self._positions, self._read_slots
         if device not in self._on_device:
-            self._on_device[device] = (self._slots.to(device)[:, None], self._write_positions.to(device))
+            reads = None if self._read_slots is None else self._read_slots.to(device)
+            self._on_device[device] = (self._write_slots.to(device), self._positions.to(device), reads)
         return self._on_device[device]
 
     def move_slot(self, src: int, dst: int) -> None:
@@ -86,38 +124,45 @@ class SlotKVCache:
                 values[dst].copy_(values[src])
 
     def allocated(self) -> tuple[int, int]:
-        """(slots, positions) the storage is sized for."""
+        """(slots, positions) the storage is sized for, the scratch slot included."""
         return self._num_slots, self._capacity
 
     def shrink(self, num_slots: int, num_positions: int) -> None:
-        """Reallocate every layer to hold only the first `num_slots` slots and `num_positions`
-        positions (rounded up to the growth step), copying what they hold: memory follows the live
-        requests down again after a burst of many or long ones."""
-        capacity = capacity_for(num_positions)
-        num_slots, capacity = min(num_slots, self._num_slots), min(capacity, self._capacity)
+        """Reallocate every layer to hold only the first `num_slots` slots (plus scratch) and
+        `num_positions` positions (rounded up to the growth step), copying what they hold: memory
+        follows the live requests down again after a burst of many or long ones."""
+        capacity = min(capacity_for(num_positions), self._capacity)
+        num_slots = min(num_slots + 1, self._num_slots)
         for i, (keys, values) in enumerate(zip(self._keys, self._values)):
             if keys is not None:
                 self._keys[i] = keys[:num_slots, :, :capacity].clone()
                 self._values[i] = values[:num_slots, :, :capacity].clone()
         self._num_slots, self._capacity = num_slots, capacity
+        self._built = (num_slots, capacity)
+        self.generation += 1
 
     def memory_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._keys + self._values if t is not None)
 
     def _layer(self, layer_idx: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This layer's storage, allocated or grown to [S, H, C, D] as the last prepare() asked."""
+        """This layer's storage, allocated or grown to [S, H, C, D] as the last reserve() asked."""
         while len(self._keys) <= layer_idx:
             self._keys.append(None)
             self._values.append(None)
         keys = self._keys[layer_idx]
-        _, heads, _, head_dim = like.shape
         if keys is None or keys.shape[0] < self._num_slots or keys.shape[2] < self._capacity:
-            shape = (self._num_slots, heads, self._capacity, head_dim)
-            new_keys = like.new_zeros(shape)
-            new_values = like.new_zeros(shape)
-            if keys is not None:
-                old_slots, _, old_capacity, _ = keys.shape
-                new_keys[:old_slots, :, :old_capacity] = keys
-                new_values[:old_slots, :, :old_capacity] = self._values[layer_idx]
-            self._keys[layer_idx], self._values[layer_idx] = new_keys, new_values
+            self._grow(layer_idx, like)
         return self._keys[layer_idx], self._values[layer_idx]
+
+    def _grow(self, layer_idx: int, like: torch.Tensor) -> None:
+        keys, values = self._keys[layer_idx], self._values[layer_idx]
+        _, heads, _, head_dim = like.shape
+        shape = (self._num_slots, heads, self._capacity, head_dim)
+        new_keys, new_values = like.new_zeros(shape), like.new_zeros(shape)
+        if keys is not None:
+            old_slots, _, old_capacity, _ = keys.shape
+            # The old scratch slot (its last) is copied too: harmless, nobody reads it.
+            new_keys[:old_slots, :, :old_capacity] = keys
+            new_values[:old_slots, :, :old_capacity] = values
+        self._keys[layer_idx], self._values[layer_idx] = new_keys, new_values
+        self.generation += 1

@@ -5,16 +5,52 @@ many leading positions of its slot hold valid keys. A call names, per row, where
 start; a start below the valid length rolls the row back, a start above it is a cache miss (the
 caller must resend from `valid_length`), which is how a restarted worker rebuilds its caches from
 the tokens the coordinator holds.
+
+A forward is two halves (ARCHITECTURE §7):
+
+- `stage` (host): slots, the row order, the shape bucket, and ONE host-to-device copy of a small
+  int64 block [B', Q + 6] into a static buffer allocated once per (B', Q): token ids, start,
+  write slot, read slot, last real token, and the two row permutations.
+- `_compute` (device only): positions, the mask, the model, the logits. It reads nothing back to
+  the host, so it can run eagerly, under `torch.compile(fullgraph=True, dynamic=False)`, or be
+  captured as a CUDA graph and replayed (`execution`).
+
+Rows are run in slot order (sorted on the host, un-permuted on the device): live slots are dense,
+so a forward over every live request reads its keys as a view of the first B' slots instead of
+gathering the batch's keys in every layer. The batch is padded up to a bucket of BATCH_BUCKETS;
+padded rows write to the cache's scratch slot, which no request owns.
 """
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
 from .kv_cache import SlotKVCache, capacity_for
+
+# Batch sizes a forward is padded up to: every power of two up to 8 (small batches are weight-bound
+# on a GPU, so a padded row costs next to nothing, and few shapes keep few graphs), then steps of 8
+# (at most 7 wasted rows; tensor-core tiles are multiples of 8), as vLLM's CUDA-graph capture sizes.
+BATCH_BUCKETS = (1, 2, 4, *range(8, 257, 8))
+EXECUTION_MODES = ("auto", "eager", "compile", "graph")
+_COLUMNS = 6  # after the Q token ids: start, write slot, read slot, last, caller->sorted, sorted->caller
+
+
+def allocation(num_requests: int, longest: int) -> int:
+    """Token positions a runner's dense cache may allocate for `num_requests` live requests, the
+    longest needing `longest` positions: a slot per row of the batch padded to its bucket, the
+    scratch slot, each of one capacity (what admission budgets; eager runs pad less)."""
+    return (batch_bucket(num_requests) + 1) * capacity_for(longest) if num_requests else 0
+
+
+def batch_bucket(rows: int) -> int:
+    for size in BATCH_BUCKETS:
+        if size >= rows:
+            return size
+    return -(-rows // 8) * 8
 
 
 class ForwardTiming(NamedTuple):
@@ -24,6 +60,40 @@ class ForwardTiming(NamedTuple):
     tokens: int
     seconds: float
     prefill: bool = False
+
+
+class ForwardLog(Sequence):
+    """ForwardTimings of a run of forwards. On CUDA each forward is bracketed by device events,
+    read only when the log is first looked at (after the step's one result copy, so reading them
+    waits for nothing); on a CPU the seconds are known at once. Pickles as a plain tuple."""
+
+    def __init__(self, pending: list[tuple]) -> None:
+        self._pending = pending  # (tokens, prefill, began, ended, parts): floats or CUDA events
+        self._timings: tuple[ForwardTiming, ...] | None = None
+
+    def _resolved(self) -> tuple[ForwardTiming, ...]:
+        if self._timings is None:
+            self._timings = tuple(ForwardTiming(n, _elapsed(b, e) / k, p) for n, p, b, e, k in self._pending)
+        return self._timings
+
+    def __getitem__(self, i):
+        return self._resolved()[i]
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def __reduce__(self):
+        return (tuple, (self._resolved(),))
+
+    def __repr__(self) -> str:
+        return f"ForwardLog({list(self._resolved())!r})"
+
+
+def _elapsed(began, ended) -> float:
+    if isinstance(began, float):
+        return ended - began
+    ended.synchronize()
+    return began.elapsed_time(ended) / 1000.0
 
 
 @dataclass(frozen=True)
@@ -48,11 +118,60 @@ class CacheMiss(RuntimeError):
         return (CacheMiss, (self.request_id, self.valid_length, self.start))
 
 
+@dataclass
+class Staged:
+    """One forward's layout, decided on the host, and its inputs on the device.
+
+    Sorted row i is caller row order[i]; rows B..B'-1 are padding (scratch slot)."""
+
+    request_ids: list[str]  # caller order
+    ends: list[int]  # caller order: each row's valid length once this forward has run
+    order: list[int]  # sorted row -> caller row
+    padded: int  # B'
+    width: int  # Q
+    key_length: int  # K
+    gather: bool  # rows are not slots 0..B-1: gather their keys
+    tokens: int  # real tokens in the forward
+    block: torch.Tensor  # [B', Q + 6] int64 on the device: the static buffer for (B', Q)
+
+    @property
+    def rows(self) -> int:
+        return len(self.request_ids)
+
+    @property
+    def ids(self) -> torch.Tensor:  # [B', Q]
+        return self.block[:, : self.width]
+
+    @property
+    def sorted_to_caller(self) -> torch.Tensor:  # [B']
+        return self.block[:, self.width + 5]
+
+    @property
+    def caller_to_sorted(self) -> torch.Tensor:  # [B']
+        return self.block[:, self.width + 4]
+
+    @property
+    def static_key(self) -> tuple[int, int, int]:
+        return self.padded, self.width, self.key_length
+
+
 CALIBRATION_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 64)
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, max_positions: int | None = None) -> None:
+    compile_backend = "inductor"  # execution="compile": torch.compile's backend
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        max_positions: int | None = None,
+        execution: str = "auto",
+        keep_hidden: bool = False,
+    ) -> None:
+        """execution: "eager"; "compile" (torch.compile fullgraph of the fixed-shape forward);
+        "graph" (CUDA graphs, one per shape bucket, replayed); "auto" = graph on a single CUDA
+        device, eager otherwise. keep_hidden: keep the final hidden states of every forward in
+        `last_hidden` ([B, Q, H], caller order), for drafters that read the target's features."""
         self.model = model.eval()
         attn = getattr(model.config, "_attn_implementation", None) or "eager"
         if attn not in ("sdpa", "eager"):
@@ -61,6 +180,12 @@ class ModelRunner:
         self._float_mask = attn == "eager"
         self.device = model.get_input_embeddings().weight.device
         self.dtype = model.get_input_embeddings().weight.dtype
+        self.execution = _resolve_execution(execution, model, self.device)
+        self.keep_hidden = keep_hidden
+        # batches padded up to BATCH_BUCKETS (fixed shapes to compile or capture); not in eager
+        # mode, where a padded row costs a real row's compute on a CPU
+        self.pad_batches = self.execution != "eager"
+        self.last_hidden: torch.Tensor | None = None
         limit = getattr(model.config, "max_position_embeddings", None)
         self.max_positions = min(p for p in (max_positions, limit) if p) if (max_positions or limit) else None
         self.cache = SlotKVCache(self.max_positions)
@@ -68,9 +193,10 @@ class ModelRunner:
         self._slot_of: dict[str, int] = {}
         self._valid: dict[str, int] = {}
         self._slot_owner: list[str] = []  # slot -> request id, dense
-        self.last_forward_seconds = 0.0
-        self.last_forward_tokens = 0
-        self._forward_log: list[ForwardTiming] = []  # every forward since the log was last taken
+        self._blocks: dict[tuple[int, int], torch.Tensor] = {}  # (B', Q) -> static input block
+        self._pending: list[tuple] = []  # every forward since the log was last taken
+        self._compiled: Callable | None = None
+        self.graphs = GraphSet(self.device) if self.execution == "graph" else None
 
     # -- bookkeeping ------------------------------------------------------------------------
     def valid_length(self, request_id: str) -> int:
@@ -96,7 +222,10 @@ class ModelRunner:
 
     def _maybe_shrink(self, freed_length: int) -> None:
         """Give memory back once the live requests use under a quarter of the cache's allocation.
-        O(1) unless a quarter of the slots emptied or the freed request was among the longest."""
+        O(1) unless a quarter of the slots emptied or the freed request was among the longest.
+        Never in graph mode: captured graphs hold the storage's addresses."""
+        if self.execution == "graph":
+            return
         slots, positions = self.cache.allocated()
         live_slots = len(self._slot_owner)
         if live_slots * 4 >= slots and freed_length * 2 < positions:
@@ -105,17 +234,17 @@ class ModelRunner:
         if slots * positions and live_slots * live_positions * 4 < slots * positions:
             self.cache.shrink(max(live_slots, 1), live_positions)
 
-    def _fit(self, needed: int) -> None:
-        """Before the cache grows, drop what no live request uses (slots past the live ones, positions
-        past the longest live row): its allocation stays within live slots x the capacity that the
-        longest of them needs, which is what admission budgets."""
+    def _fit(self, num_slots: int, needed: int) -> None:
+        """Before the cache grows, drop what no live request uses (slots past those a forward needs,
+        positions past the longest live row): the allocation then stays within what admission
+        budgets, `allocation(live requests, longest)`. Growth moves the storage anyway, so this
+        costs captured graphs nothing extra."""
         slots, capacity = self.cache.allocated()
-        live = len(self._slot_owner)
-        if live <= slots and capacity_for(needed, self.max_positions) <= capacity:
+        if num_slots + 1 <= slots and capacity_for(needed, self.max_positions) <= capacity:
             return  # no growth
         keep = max(needed, max(self._valid.values(), default=0))
-        if slots > live or capacity > capacity_for(keep, self.max_positions):
-            self.cache.shrink(live, keep)
+        if slots > num_slots + 1 or capacity > capacity_for(keep, self.max_positions):
+            self.cache.shrink(num_slots, keep)
 
     def _slot(self, request_id: str) -> int:
         if request_id not in self._slot_of:
@@ -132,52 +261,210 @@ class ModelRunner:
 
     # -- forward ----------------------------------------------------------------------------
     @torch.no_grad()
-    def forward(self, rows: list[RowInput], logits: str = "last") -> torch.Tensor | None:
-        """Write every row's tokens into its cache and return logits.
+    def forward(
+        self, rows: list[RowInput], logits: str = "last", tail: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """Write every row's tokens into its cache and return logits (on the device).
 
         logits="last": [B, V'] at each row's last token; "all": [B, Q, V'] (Q = longest row; a
         shorter row's padded positions hold junk); "none": None. V' is the model's output size
-        (K for a draft with a token map). Rows are right-padded; padding is written past a row's
-        end, where the causal mask hides it and the next call overwrites it.
+        (K for a draft with a token map). tail [B, T] (device ids, or None): tokens appended to
+        every row after its own (all rows must then hold the same number). Rows are right-padded;
+        padding is written past a row's end, where the causal mask hides it and the next call
+        overwrites it.
         """
         self.check(rows)
-        lengths = [len(r.tokens) for r in rows]
+        staged = self.stage(rows, tail_width=0 if tail is None else tail.shape[1])
+        if tail is not None:
+            staged.ids[:, staged.width - tail.shape[1]:] = tail.to(self.device).index_select(0, staged.sorted_to_caller)
+        out = self.run(staged, logits, prefill=logits == "none")
+        if self.keep_hidden:
+            self.last_hidden = self.unsort(staged, self.last_hidden)
+        return None if out is None else self.unsort(staged, out)
+
+    def stage(self, rows: list[RowInput], tail_width: int = 0, extra_positions: int = 0) -> Staged:
+        """Host half of a forward: slots, row order, shapes, and one copy of the inputs to the
+        device. tail_width: ids the caller writes into `ids[:, -tail_width:]` itself (on the
+        device); extra_positions: later single-token forwards (`advance`) the key length covers."""
+        lengths = [len(r.tokens) + tail_width for r in rows]
         width = max(lengths)
-        input_ids = torch.tensor([r.tokens + [0] * (width - n) for r, n in zip(rows, lengths)])  # [B, Q]
-        starts = torch.tensor([r.start for r in rows], dtype=torch.long)  # [B]
-        positions = starts[:, None] + torch.arange(width)[None, :]  # [B, Q]
+        if tail_width and len(set(lengths)) > 1:
+            raise ValueError("rows with a tail must hold the same number of tokens")
+        slots = [self._slot(r.request_id) for r in rows]
+        order = sorted(range(len(rows)), key=slots.__getitem__)  # sorted row -> caller row
+        padded = batch_bucket(len(rows)) if self.pad_batches else len(rows)
+        gather = any(slots[b] != i for i, b in enumerate(order))
+        # + 1: a shorter row's padding lands just past its own tokens (see _compute)
+        needed = max(r.start + n for r, n in zip(rows, lengths)) + 1 + extra_positions
+        if self.max_positions is not None:
+            needed = min(needed, self.max_positions)
+        num_slots = max(padded, len(self._slot_owner))
+        self._fit(num_slots, needed)
+        key_length = self.cache.reserve(num_slots, needed)
+        host = self._host_block(rows, slots, order, padded, width, tail_width)
+        block = self._block(padded, width)
+        block.copy_(host, non_blocking=True)
+        ends = [r.start + n for r, n in zip(rows, lengths)]
+        return Staged([r.request_id for r in rows], ends, order, padded, width, key_length, gather,
+                      sum(lengths), block)
+
+    def _host_block(self, rows, slots, order, padded, width, tail_width) -> torch.Tensor:
+        """[B', Q + 6] int64 on the host (pinned on CUDA), sorted order, padding rows last."""
+        scratch = self.cache.scratch_slot
+        caller_to_sorted = [0] * padded
+        block = []
+        for i, b in enumerate(order):
+            caller_to_sorted[b] = i
+            row = rows[b]
+            ids = row.tokens + [0] * (width - len(row.tokens))
+            block.append(ids + [row.start, slots[b], slots[b], len(row.tokens) + tail_width - 1, 0, b])
+        for i in range(len(rows), padded):
+            caller_to_sorted[i] = i
+            block.append([0] * width + [0, scratch, i, 0, 0, 0])
+        for i in range(padded):
+            block[i][width + 4] = caller_to_sorted[i]
+        host = torch.tensor(block, dtype=torch.long)
+        # Pinned through torch's caching host allocator, which reuses a block only once the copy
+        # that read it has finished: the copy below can then run asynchronously.
+        return host.pin_memory() if self.device.type == "cuda" else host
+
+    def _block(self, padded: int, width: int) -> torch.Tensor:
+        """The static device block for (B', Q), allocated once (graphs read it at fixed addresses)."""
+        key = (padded, width)
+        if key not in self._blocks:
+            self._blocks[key] = torch.zeros(padded, width + _COLUMNS, dtype=torch.long, device=self.device)
+        return self._blocks[key]
+
+    def advance(self, staged: Staged, tokens: torch.Tensor) -> Staged:
+        """The next forward after `staged`: one token per row (tokens [B'] int64, sorted order, on
+        the device), written right after each row's last real token. Device ops only; its key
+        length is the one `stage(..., extra_positions=...)` reserved."""
+        q = staged.width
+        block = self.advance_block(staged)
+        starts = staged.block[:, q] + staged.block[:, q + 3] + 1  # [B']
+        block[:, 0] = tokens
+        block[:, 1] = starts
+        block[:, 2:4] = staged.block[:, q + 1 : q + 3]
+        block[:, 4] = 0
+        block[:, 5:7] = staged.block[:, q + 4 : q + 6]
+        ends = [e + 1 for e in staged.ends]
+        return Staged(staged.request_ids, ends, staged.order, staged.padded, 1, staged.key_length, staged.gather,
+                      staged.rows, block)
+
+    def advance_block(self, staged: Staged) -> torch.Tensor:
+        """The static block `advance` writes: [B', 1 + 6]."""
+        return self._block(staged.padded, 1)
+
+    def run(self, staged: Staged, logits: str = "last", prefill: bool = False) -> torch.Tensor | None:
+        """Device half of a forward, timed: logits in sorted order ([B', V'] or [B', Q, V']) or None."""
+        began = self.clock()
+        out, hidden = self.execute(staged, logits, prefill)
+        self.last_hidden = hidden
+        self.commit(staged)
+        self.record(staged.tokens, began, prefill)
+        return out
+
+    def execute(
+        self, staged: Staged, logits: str, prefill: bool = False
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """`_compute` as this runner's execution mode says: eager for prefills, for a gathered
+        batch, for one that would allocate cache storage and for widths above 16; else compiled
+        or replayed."""
+        static = (self.execution != "eager" and not prefill and not staged.gather and self.cache.ready
+                  and staged.width <= 16)
+        if static and self.execution == "graph":
+            key = ("forward", *staged.static_key, logits, self.cache.generation)
+            return self.graphs.run(key, lambda: self._compute(staged.block, staged.width, staged.key_length, False,
+                                                              logits))
+        if static and self.execution == "compile":
+            if self._compiled is None:
+                self._compiled = torch.compile(
+                    self._compute, fullgraph=True, dynamic=False, backend=self.compile_backend)
+            return self._compiled(staged.block, staged.width, staged.key_length, False, logits)
+        return self._compute(staged.block, staged.width, staged.key_length, staged.gather, logits)
+
+    def commit(self, staged: Staged, advanced: int = 0) -> None:
+        """Host bookkeeping once a forward's work is queued (and `advanced` single-token forwards
+        after it): valid lengths, the cache's sizes."""
+        for request_id, end in zip(staged.request_ids, staged.ends):
+            self._valid[request_id] = end + advanced
+        self.cache.built()
+
+    def unsort(self, staged: Staged, x: torch.Tensor | None) -> torch.Tensor | None:
+        """[B', ...] in sorted order -> [B, ...] in caller order (device gather)."""
+        return None if x is None else x.index_select(0, staged.caller_to_sorted[: staged.rows])
+
+    def _compute(
+        self, block: torch.Tensor, width: int, key_length: int, gather: bool, logits: str
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The forward itself, device only. block [B', Q + 6] -> (logits in sorted order, [B', V']
+        or [B', Q, V'] or None; final hidden states [B', Q, H] or None)."""
+        ids = block[:, :width]  # [B', Q]
+        starts, write_slots, read_slots, last = block[:, width : width + 4].unbind(1)  # [B'] each
+        positions = starts[:, None] + torch.arange(width, device=block.device)  # [B', Q]
         # a shorter row's padding all goes to the position just past its own tokens (junk the mask
         # hides), never past the longest row's end: the cache grows only as far as real rows need
-        ends = starts + torch.tensor(lengths, dtype=torch.long)  # [B]
-        positions = torch.minimum(positions, ends[:, None])
+        positions = torch.minimum(positions, (starts + last + 1)[:, None])
         if self.max_positions is not None:
             # Real tokens stay below max_positions - 1 (the caller's invariant); padding and
             # unused drafts past that all land on the last position, which nothing real attends.
             positions = positions.clamp(max=self.max_positions - 1)
-        slots = torch.tensor([self._slot(r.request_id) for r in rows], dtype=torch.long)  # [B]
-        self._fit(int(positions.max()) + 1)
-        view_length = self.cache.prepare(slots, positions)
-        mask = self._mask(positions, view_length)  # [B, 1, Q, K]
-        keep = {"last": width, "all": width, "none": 1}[logits]
-        began = time.perf_counter()
+        self.cache.bind(write_slots, positions, read_slots if gather else None)
+        extra = {"output_hidden_states": True} if self.keep_hidden else {}
         out = self.model(
-            input_ids=input_ids.to(self.device),
-            position_ids=positions.to(self.device),
-            attention_mask=mask,
+            input_ids=ids,
+            position_ids=positions,
+            attention_mask=self._mask(positions, key_length),
             past_key_values=self.cache,
             use_cache=True,
-            logits_to_keep=keep,
-        ).logits  # [B, keep, V']
-        for row, n in zip(rows, lengths):
-            self._valid[row.request_id] = row.start + n
-        if logits == "none":  # only prefills ask for no logits
-            self._record(began, sum(lengths), prefill=True)
-            return None
+            logits_to_keep={"last": width, "all": width, "none": 1}[logits],
+            **extra,
+        )
+        hidden = out.hidden_states[-1] if self.keep_hidden else None
+        if logits == "none":
+            return None, hidden
+        result = out.logits  # [B', Q, V']
         if logits == "last":
-            last = torch.tensor(lengths, device=out.device) - 1  # [B]
-            out = out[torch.arange(len(rows), device=out.device), last]  # [B, V']
-        self._record(began, sum(lengths), out)
-        return out
+            result = result[torch.arange(result.shape[0], device=result.device), last]  # [B', V']
+        return result, hidden
+
+    def _mask(self, positions: torch.Tensor, key_length: int) -> torch.Tensor:
+        """positions [B', Q] -> [B', 1, Q, K] on the device: key k is visible to a query at
+        position p iff k <= p. Boolean for SDPA, additive for eager attention."""
+        keys = torch.arange(key_length, device=positions.device)  # [K]
+        visible = (keys[None, None, :] <= positions[:, :, None])[:, None]  # [B', 1, Q, K]
+        if not self._float_mask:
+            return visible
+        return (~visible).to(self.dtype) * torch.finfo(self.dtype).min
+
+    # -- timing -----------------------------------------------------------------------------
+    def clock(self):
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def record(self, tokens: int, began, prefill: bool = False, forwards: int = 1) -> None:
+        """Book `forwards` forwards of `tokens` tokens each, run back to back from `began` (a
+        `clock()`) until now (a replayed graph of several is timed as a whole, and split evenly)."""
+        ended = self.clock()
+        self._pending.extend([(tokens, prefill, began, ended, forwards)] * forwards)
+
+    @property
+    def last_forward_seconds(self) -> float:
+        """Seconds of the last forward (waits for it on a GPU)."""
+        _, _, began, ended, parts = self._pending[-1]
+        return _elapsed(began, ended) / parts
+
+    @property
+    def last_forward_tokens(self) -> int:
+        return self._pending[-1][0]
+
+    def take_forward_log(self) -> ForwardLog:
+        """Every forward since the last call, for the cost model (read lazily, see ForwardLog)."""
+        log, self._pending = ForwardLog(self._pending), []
+        return log
 
     def time_forwards(self, sizes: tuple[int, ...] = CALIBRATION_SIZES) -> list[ForwardTiming]:
         """One forward of each size (tokens) after a short context, twice, keeping the faster:
@@ -195,30 +482,70 @@ class ModelRunner:
         self.take_forward_log()
         return timings
 
-    def _record(self, began: float, num_tokens: int, out: torch.Tensor | None = None, prefill: bool = False) -> None:
-        if out is not None and out.is_cuda:
-            torch.cuda.synchronize(out.device)
-        self.last_forward_seconds = time.perf_counter() - began
-        self.last_forward_tokens = num_tokens
-        self._forward_log.append(ForwardTiming(num_tokens, self.last_forward_seconds, prefill))
-
-    def take_forward_log(self) -> tuple[ForwardTiming, ...]:
-        """Every forward since the last call, for the cost model."""
-        log, self._forward_log = tuple(self._forward_log), []
-        return log
-
-    def _mask(self, positions: torch.Tensor, view_length: int) -> torch.Tensor:
-        """positions [B, Q] -> [B, 1, Q, K]: key k is visible to a query at position p iff k <= p."""
-        keys = torch.arange(view_length)[None, None, :]  # [1, 1, K]
-        visible = (keys <= positions[:, :, None])[:, None]  # [B, 1, Q, K]
-        if not self._float_mask:
-            return visible.to(self.device)
-        blocked = torch.finfo(self.dtype).min
-        return torch.zeros(visible.shape, dtype=self.dtype).masked_fill(~visible, blocked).to(self.device)
-
     def map_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         """Ids in the model's output space -> target vocabulary ids."""
         return ids if self.token_map is None else self.token_map.to(ids.device)[ids]
+
+
+class GraphSet:
+    """CUDA graphs of device-only functions, captured on first use per key and replayed after;
+    one memory pool for all of them. A function's outputs are static: valid until its next
+    replay. Capture runs the function once on a side stream first (lazy inits, allocations)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pool = torch.cuda.graph_pool_handle()
+        self._entries: dict[tuple, tuple[torch.cuda.CUDAGraph, object]] = {}
+        self.capture_seconds = 0.0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: tuple) -> bool:
+        return key in self._entries
+
+    def drop_stale(self, generation: int) -> None:
+        """Forget graphs captured over cache storage that has since moved."""
+        self._entries = {k: v for k, v in self._entries.items() if k[-1] == generation}
+
+    def run(self, key: tuple, fn: Callable[[], object], inputs: tuple[torch.Tensor, ...] = ()):
+        """Replay key's graph (capturing fn first if new) -> its static outputs. key[-1] is the KV
+        cache's generation. inputs: static buffers fn itself overwrites (they are put back after
+        the warm-up run, so that the first replay reads what the caller staged)."""
+        entry = self._entries.get(key)
+        if entry is None:
+            self.drop_stale(key[-1])
+            entry = self._entries[key] = self._capture(fn, inputs)
+        graph, out = entry
+        graph.replay()
+        return out
+
+    def _capture(self, fn: Callable[[], object], inputs: tuple[torch.Tensor, ...]):
+        began = time.perf_counter()
+        saved = [t.clone() for t in inputs]
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            fn()  # warm-up: its cache writes are the ones the replay makes again, from the same inputs
+            for t, s in zip(inputs, saved):
+                t.copy_(s)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = fn()
+        self.capture_seconds += time.perf_counter() - began
+        return graph, out
+
+
+def _resolve_execution(execution: str, model: torch.nn.Module, device: torch.device) -> str:
+    if execution not in EXECUTION_MODES:
+        raise ValueError(f"execution must be one of {EXECUTION_MODES}, got {execution!r}")
+    devices = {p.device for p in model.parameters()}
+    if execution == "auto":
+        return "graph" if device.type == "cuda" and len(devices) == 1 else "eager"
+    if execution == "graph" and (device.type != "cuda" or len(devices) != 1):
+        raise ValueError("execution='graph' needs the whole model on one CUDA device")
+    return execution
 
 
 def _reject_sliding_window(config) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -34,13 +35,17 @@ from .sampling import BatchSampling, logits_to_probs, sample_with_uniforms
 
 @dataclass(frozen=True)
 class Proposal:
-    tokens: torch.Tensor  # [B, G] int64 target-vocabulary ids
+    tokens: torch.Tensor  # [B, G] int64 target-vocabulary ids (on the proposer's device)
     probs: torch.Tensor | None  # [B, G, V] float32 q of each draft token; None when every row is greedy
-    forwards: tuple[ForwardTiming, ...] = ()  # each model forward it took
+    forwards: Sequence[ForwardTiming] = ()  # each model forward it took
 
     @property
     def seconds(self) -> float:
         return sum(f.seconds for f in self.forwards)
+
+    def __reduce__(self):  # across processes (Ray) through the host: another process may lack the device
+        probs = None if self.probs is None else self.probs.cpu()
+        return (Proposal, (self.tokens.cpu(), probs, tuple(self.forwards)))
 
 
 class Proposer(Protocol):
@@ -59,13 +64,18 @@ class DraftModelProposer:
     """A smaller causal LM that shares the target's tokenizer, with its own KV cache slots.
 
     Per call: rows with a long backlog (a new prompt, or a lag after speculation was off) are first
-    prefilled up to their last token; then one forward per draft position. After the call a row's
-    cache holds its tokens plus its first G-1 drafts.
+    prefilled up to their last token; then one forward per draft position, each fed the token the
+    previous one chose on the device (no host read between drafts). In graph mode the whole
+    G-forward loop, with its argmax or sampling from the pre-drawn uniforms, is one CUDA graph.
+    After the call a row's cache holds its tokens plus its first G-1 drafts.
     """
 
-    def __init__(self, model: torch.nn.Module, vocab_size: int, max_positions: int | None = None) -> None:
-        self.runner = ModelRunner(model, max_positions)
+    def __init__(
+        self, model: torch.nn.Module, vocab_size: int, max_positions: int | None = None, execution: str = "auto"
+    ) -> None:
+        self.runner = ModelRunner(model, max_positions, execution)
         self.vocab_size = vocab_size  # V, the target's
+        self._inputs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # (B', G) -> static loop inputs
 
     def free(self, request_id: str) -> None:
         self.runner.free(request_id)
@@ -80,41 +90,88 @@ class DraftModelProposer:
     def max_positions(self) -> int | None:
         return self.runner.max_positions
 
+    @torch.no_grad()
     def propose(
         self, rows: list[RowInput], num_tokens: int, sampling: BatchSampling, uniforms: torch.Tensor | None
     ) -> Proposal:
         """rows: B rows; uniforms [B, G] (G = num_tokens) or None when all greedy -> Proposal."""
-        self.runner.check(rows)
-        self.runner.take_forward_log()
+        runner = self.runner
+        runner.check(rows)
+        runner.take_forward_log()
         backlog = [RowInput(r.request_id, r.start, r.tokens[:-1]) for r in rows if len(r.tokens) > 2]
         if backlog:
-            self.runner.forward(backlog, logits="none")
+            runner.forward(backlog, logits="none")
             rows = [RowInput(r.request_id, r.start + len(r.tokens) - 1, r.tokens[-1:]) if len(r.tokens) > 2 else r
                     for r in rows]
-        sampling = sampling.to(self.runner.device)
+        staged = runner.stage(rows, extra_positions=num_tokens - 1)
+        flags = None if sampling.all_greedy else sampling.flags()  # host reads of host tensors
+        inputs = self._static_inputs(staged, num_tokens, sampling, uniforms, flags)
+        began = runner.clock()
+        static = runner.execution == "graph" and not staged.gather and runner.cache.ready and staged.width <= 16
+        if static:
+            key = ("draft", *staged.static_key, num_tokens, flags, runner.cache.generation)
+            written = (staged.block, runner.advance_block(staged))  # the loop writes the single-token block
+            tokens, probs = runner.graphs.run(key, lambda: self._loop(staged, num_tokens, flags, inputs, True), written)
+            tokens, probs = tokens.clone(), None if probs is None else probs.clone()
+        else:
+            tokens, probs = self._loop(staged, num_tokens, flags, inputs, False)
+        runner.record(staged.rows, began, forwards=num_tokens)
+        runner.commit(staged, advanced=num_tokens - 1)
+        return Proposal(runner.unsort(staged, tokens), runner.unsort(staged, probs), runner.take_forward_log())
+
+    def _static_inputs(self, staged, num_tokens, sampling, uniforms, flags) -> dict[str, torch.Tensor]:
+        """This call's sampling parameters and uniforms, in sorted row order, in buffers allocated
+        once per (B', G) (a captured loop reads them at fixed addresses)."""
+        key = (staged.padded, num_tokens)
+        device = self.runner.device
+        if key not in self._inputs:
+            b = staged.padded
+            self._inputs[key] = dict(
+                temperature=torch.zeros(b, device=device), top_k=torch.zeros(b, dtype=torch.long, device=device),
+                top_p=torch.ones(b, device=device), uniforms=torch.zeros(b, num_tokens, device=device))
+        buffers = self._inputs[key]
+        if flags is not None:
+            order = staged.sorted_to_caller  # [B'] caller row of each sorted row
+            for name in ("temperature", "top_k", "top_p"):
+                buffers[name].copy_(getattr(sampling, name).to(device, non_blocking=True).index_select(0, order))
+            buffers["uniforms"].copy_(uniforms.to(device, non_blocking=True).index_select(0, order))
+        return buffers
+
+    def _loop(self, staged, num_tokens: int, flags, inputs, captured: bool):
+        """The G draft forwards, device only, sorted row order -> (tokens [B', G], q [B', G, V] or None).
+        captured: inside a graph capture (run the forward itself, not the runner's dispatch)."""
+        runner = self.runner
+
+        def forward(s):
+            if captured:
+                return runner._compute(s.block, s.width, s.key_length, False, "last")[0]
+            return runner.execute(s, "last")[0]
+
+        sampling = BatchSampling(inputs["temperature"], inputs["top_k"], inputs["top_p"])
+        logits = forward(staged)  # [B', V']
         tokens, probs = [], []
         for j in range(num_tokens):
-            logits = self.runner.forward(rows, logits="last")  # [B, V']
-            token, q = self._choose(logits, sampling, None if uniforms is None else uniforms[:, j])
+            token, q = self._choose(logits, sampling, flags, inputs, j)
             tokens.append(token)
             probs.append(q)
             if j + 1 < num_tokens:
-                ids = token.tolist()
-                rows = [RowInput(r.request_id, r.start + len(r.tokens), [t]) for r, t in zip(rows, ids)]
-        draft_tokens = torch.stack(tokens, dim=1).cpu()  # [B, G]
-        draft_probs = None if probs[0] is None else torch.stack(probs, dim=1)  # [B, G, V]
-        return Proposal(draft_tokens, draft_probs, self.runner.take_forward_log())
+                staged = runner.advance(staged, token)
+                logits = forward(staged)
+        draft_probs = None if flags is None else torch.stack(probs, dim=1)  # [B', G, V]
+        return torch.stack(tokens, dim=1), draft_probs  # [B', G]
 
     def _choose(
-        self, logits: torch.Tensor, sampling: BatchSampling, uniforms: torch.Tensor | None
+        self, logits: torch.Tensor, sampling: BatchSampling, flags: tuple[bool, bool] | None,
+        inputs: dict[str, torch.Tensor], j: int,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """logits [B, V'] -> (target ids [B], q [B, V] or None when all rows are greedy)."""
-        if sampling.all_greedy:
+        """logits [B', V'] of draft position j -> (target ids [B'], q [B', V] or None when all rows
+        are greedy: flags None). inputs: the static loop inputs (uniforms [B', G])."""
+        if flags is None:
             if self.runner.token_map is None:
                 logits = logits[:, : self.vocab_size]
             return self.runner.map_tokens(logits.argmax(-1)), None
-        q = logits_to_probs(self._to_target_vocab(logits), sampling)  # [B, V]
-        token = sample_with_uniforms(q, uniforms.to(q.device))
+        q = logits_to_probs(self._to_target_vocab(logits), sampling, flags)  # [B', V]
+        token = sample_with_uniforms(q, inputs["uniforms"][:, j])
         greedy = sampling.temperature == 0
         token = torch.where(greedy, q.argmax(-1), token)
         return token, q
@@ -300,9 +357,10 @@ class DraftModelSpec:
     """A separate draft model (already loaded; sharing the target's tokenizer)."""
 
     model: torch.nn.Module
+    execution: str = "auto"  # see ModelRunner
 
     def build(self, target_model: torch.nn.Module, vocab_size: int, max_positions: int | None) -> Proposer:
-        return DraftModelProposer(self.model, vocab_size, max_positions)
+        return DraftModelProposer(self.model, vocab_size, max_positions, self.execution)
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,13 @@ class BatchSampling:
     def all_greedy(self) -> bool:
         return bool((self.temperature == 0).all())
 
+    def flags(self) -> tuple[bool, bool]:
+        """(some row filters with top-k or top-p, some row is greedy): read once where the tensors
+        live (a step's sampling is built on the host), so that `logits_to_probs` on the device
+        need not read them back."""
+        filtering = bool(((self.top_k > 0) | (self.top_p < 1)).any())
+        return filtering, bool((self.temperature == 0).any())
+
     def to(self, device: torch.device | str) -> "BatchSampling":
         return BatchSampling(self.temperature.to(device), self.top_k.to(device), self.top_p.to(device))
 
@@ -85,20 +92,24 @@ class BatchSampling:
         )
 
 
-def logits_to_probs(logits: torch.Tensor, sampling: BatchSampling) -> torch.Tensor:
+def logits_to_probs(
+    logits: torch.Tensor, sampling: BatchSampling, flags: tuple[bool, bool] | None = None
+) -> torch.Tensor:
     """logits [N, V] -> probs [N, V] float32 after temperature, top-k, then top-p.
 
     Greedy rows (temperature 0) become one-hot at their argmax, so that the rejection rule treats
-    greedy and sampled rows alike.
+    greedy and sampled rows alike. flags: `BatchSampling.flags()` of these rows when the caller
+    has them (then nothing here reads the device); None reads them from `sampling`.
     """
+    filtering, any_greedy = sampling.flags() if flags is None else flags
     logits = logits.float()
     greedy = sampling.temperature == 0  # [N]
     temperature = torch.where(greedy, torch.ones_like(sampling.temperature), sampling.temperature)
     scaled = logits / temperature[:, None]  # [N, V]
-    if bool(((sampling.top_k > 0) | (sampling.top_p < 1)).any()):
+    if filtering:
         scaled = _apply_top_k_top_p(scaled, sampling.top_k, sampling.top_p)
     probs = torch.softmax(scaled, dim=-1)  # [N, V]
-    if bool(greedy.any()):
+    if any_greedy:
         one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
         probs = torch.where(greedy[:, None], one_hot, probs)
     return probs

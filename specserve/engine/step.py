@@ -181,7 +181,7 @@ def empty_proposal(batch: int) -> Proposal:
 def apply_verdict(plan: StepPlan, proposal: Proposal, verdict: Verdict) -> list[StepOutput]:
     """Append accepted + next tokens (cut at a stop token or the length limit); move cache marks."""
     outputs = []
-    drafts = proposal.tokens.tolist()
+    drafts = verdict.draft_tokens if verdict.draft_tokens is not None else proposal.tokens.tolist()
     for b, s in enumerate(plan.seqs):
         accepted, g = verdict.num_accepted[b], int(plan.num_draft[b])
         s.metrics.record(g, accepted)

@@ -1,6 +1,7 @@
 """The target side of a step: one forward over [last token + drafts] for every row, then the rule."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -14,7 +15,8 @@ from .sampling import BatchSampling, logits_to_probs, sample_with_uniforms
 class Verdict:
     num_accepted: list[int]  # per row, accepted draft tokens
     next_token: list[int]  # per row, the recovered or bonus token
-    forwards: tuple[ForwardTiming, ...] = ()  # each model forward, prefill included
+    forwards: Sequence[ForwardTiming] = ()  # each model forward, prefill included
+    draft_tokens: list[list[int]] | None = None  # [B][G] the drafts verified, copied back with the verdict
 
     @property
     def seconds(self) -> float:
@@ -22,8 +24,13 @@ class Verdict:
 
 
 class TargetVerifier:
-    def __init__(self, model: torch.nn.Module, max_positions: int | None = None) -> None:
-        self.runner = ModelRunner(model, max_positions)
+    def __init__(
+        self, model: torch.nn.Module, max_positions: int | None = None, execution: str = "auto",
+        keep_hidden: bool = False,
+    ) -> None:
+        """execution: see ModelRunner. keep_hidden: after `verify`, `runner.last_hidden` holds the
+        target's final hidden states of the verify forward, [B, G+1, H] (for feature drafters)."""
+        self.runner = ModelRunner(model, max_positions, execution, keep_hidden)
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
 
     def free(self, request_id: str) -> None:
@@ -51,18 +58,16 @@ class TargetVerifier:
         backlog = [RowInput(r.request_id, r.start, r.tokens[:-1]) for r in rows if len(r.tokens) > 1]
         if backlog:
             self.runner.forward(backlog, logits="none")
-        drafts = draft_tokens.tolist()
-        step_rows = [
-            RowInput(r.request_id, r.start + len(r.tokens) - 1, r.tokens[-1:] + d) for r, d in zip(rows, drafts)
-        ]
-        logits = self.runner.forward(step_rows, logits="all")  # [B, G+1, V]
+        step_rows = [RowInput(r.request_id, r.start + len(r.tokens) - 1, r.tokens[-1:]) for r in rows]
+        drafts = draft_tokens.to(self.runner.device)  # [B, G]
+        tail = drafts if drafts.shape[1] else None
+        logits = self.runner.forward(step_rows, logits="all", tail=tail)  # [B, G+1, V']
         logits = logits[..., : self.vocab_size]
-        result = self._accept(logits, draft_tokens, draft_probs, num_draft, sampling, accept_uniforms, final_uniforms)
-        return Verdict(
-            result.num_accepted.tolist(),
-            result.next_token.tolist(),
-            self.runner.take_forward_log(),
-        )
+        result = self._accept(logits, drafts, draft_probs, num_draft, sampling, accept_uniforms, final_uniforms)
+        # The step's one device-to-host copy: [B, 2 + G] = accepted count, next token, drafts.
+        packed = torch.cat([result.num_accepted[:, None], result.next_token[:, None], drafts], dim=1).cpu()
+        return Verdict(packed[:, 0].tolist(), packed[:, 1].tolist(), self.runner.take_forward_log(),
+                       packed[:, 2:].tolist())
 
     def _accept(self, logits, draft_tokens, draft_probs, num_draft, sampling, accept_uniforms, final_uniforms):
         device = logits.device
@@ -70,7 +75,9 @@ class TargetVerifier:
         if sampling.all_greedy:
             return greedy_accept(logits.argmax(-1), draft_tokens, num_draft)
         batch, width, vocab = logits.shape
-        probs = logits_to_probs(logits.reshape(batch * width, vocab), sampling.to(device).repeat_rows(width))
+        flags = sampling.flags()  # read on the host, where a step's sampling lives
+        rows = sampling.to(device).repeat_rows(width)
+        probs = logits_to_probs(logits.reshape(batch * width, vocab), rows, flags)
         probs = probs.view(batch, width, vocab)  # [B, G+1, V]
         final_uniforms = final_uniforms.to(device)
         if width == 1:

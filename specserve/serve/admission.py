@@ -1,10 +1,10 @@
 """Admission of requests into a coordinator's running batch: FIFO, bounded in count and in memory.
 
-The workers' KV caches are dense (`engine/kv_cache.py`): one slot per running request, every slot
-allocated for the same number of positions, `capacity_for(longest row)`. So what a batch really
-allocates on each worker is
+The workers' KV caches are dense (`engine/kv_cache.py`): a slot per row of the batch padded to its
+capture bucket, plus one scratch slot, every slot allocated for the same number of positions,
+`capacity_for(longest row)`. So what a batch really allocates on each worker is
 
-    running x capacity_for(max over running of (prompt + max_tokens + γ))    token positions
+    (batch_bucket(running) + 1) x capacity_for(max over running of (prompt + max_tokens + γ))
 
 (γ: a step writes up to γ draft positions past a row's last real token; the worker trims dead
 slots and capacity before it grows, see `ModelRunner._fit`). With a budget (`max_cached_tokens`)
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from specserve.engine.kv_cache import capacity_for
+from specserve.engine import model_runner
 from specserve.engine.step import Sequence
 
 
@@ -26,8 +26,8 @@ def positions_needed(seq: Sequence, max_gamma: int) -> int:
 
 
 def allocation(needs: list[int]) -> int:
-    """Token positions a dense cache allocates for slots needing these positions."""
-    return len(needs) * capacity_for(max(needs)) if needs else 0
+    """Token positions a dense cache allocates for requests needing these positions."""
+    return model_runner.allocation(len(needs), max(needs, default=0))
 
 
 class Admission:

@@ -126,7 +126,7 @@ class Coordinator:
         tag = _replica_tag()
         threads = config.target_worker.torch_threads
         self.target = _actor(TargetWorker, config.target_worker, 1, f"{tag}:target").remote(
-            config.target, config.max_model_len, threads, config.drafter)
+            config.target, config.max_model_len, threads, config.drafter, execution=config.speculation.execution)
         info = ray.get(self.target.info.remote())
         self.vocab_size, self.eos_token_ids = info.vocab_size, info.eos_token_ids
         limits = [config.max_model_len, info.max_positions]
@@ -134,7 +134,8 @@ class Coordinator:
         self.draft_worker = None  # the DraftWorker actor, if the draft side is one (else: the target)
         if config.draft is not None:
             self.draft_worker = _actor(DraftWorker, config.draft_worker, 2, f"{tag}:draft").remote(
-                config.draft, info.vocab_size, config.max_model_len, config.draft_worker.torch_threads)
+                config.draft, info.vocab_size, config.max_model_len, config.draft_worker.torch_threads,
+                execution=config.speculation.execution)
             self.draft = ProposerSide.of_draft_worker(self.draft_worker)
         elif config.drafter is not None:
             self.draft = ProposerSide.colocated(self.target)

@@ -118,11 +118,11 @@ class TargetWorker(_Worker):
     target's weights; prompt lookup needs no model): the `proposer_*` methods serve that drafter."""
 
     def __init__(self, source: ModelSource, max_model_len: int | None, torch_threads: int | None = None,
-                 drafter: ColocatedDrafter | None = None) -> None:
+                 drafter: ColocatedDrafter | None = None, execution: str = "auto") -> None:
         super().__init__(torch_threads)
         from specserve.models.loading import load_target
 
-        self.model = TargetVerifier(load_target(source, _assigned_gpus()), max_model_len)
+        self.model = TargetVerifier(load_target(source, _assigned_gpus()), max_model_len, execution)
         eos = model_eos_ids(self.model.runner.model)
         self.info_ = ModelInfo(self.model.vocab_size, self.model.runner.max_positions, frozenset(eos))
         self.proposer = None if drafter is None else drafter.engine_spec().build(
@@ -168,11 +168,11 @@ class TargetWorker(_Worker):
 
 class DraftWorker(_Worker):
     def __init__(self, source: ModelSource, vocab_size: int, max_model_len: int | None,
-                 torch_threads: int | None = None) -> None:
+                 torch_threads: int | None = None, execution: str = "auto") -> None:
         super().__init__(torch_threads)
         from specserve.models.loading import load_draft
 
-        self.model = DraftModelProposer(load_draft(source, _assigned_gpus()), vocab_size, max_model_len)
+        self.model = DraftModelProposer(load_draft(source, _assigned_gpus()), vocab_size, max_model_len, execution)
 
     def max_positions(self) -> int | None:
         return self.model.runner.max_positions

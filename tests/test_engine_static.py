@@ -1,0 +1,175 @@
+"""The fixed-shape forward (ARCHITECTURE §7): compiles whole, matches eager, keeps rows in slot order,
+pads to buckets through the scratch slot; and on a GPU, CUDA graphs give the eager path's tokens."""
+import pytest
+import torch
+
+from models import hf_greedy, perturbed, tiny_llama
+from specserve import SamplingParams, SpeculativeEngine
+from specserve.engine import ModelRunner, RowInput
+from specserve.engine.model_runner import BATCH_BUCKETS, batch_bucket
+
+
+@pytest.fixture
+def quick_compile(monkeypatch):
+    """Dynamo traces the whole graph (a graph break or a host read fails it) and AOT autograd
+    functionalises it; the backend runs it as ATen ops rather than generating C++ (minutes cold)."""
+    monkeypatch.setattr(ModelRunner, "compile_backend", "aot_eager")
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def decode(runner: ModelRunner, prompts: dict[str, list[int]], steps: int) -> dict[str, list[int]]:
+    """Greedy decoding through runner.forward alone, all rows every step (the static shapes)."""
+    out = {rid: [] for rid in prompts}
+    runner.forward([RowInput(rid, 0, p[:-1]) for rid, p in prompts.items()], logits="none")
+    rows = [RowInput(rid, len(p) - 1, p[-1:]) for rid, p in prompts.items()]
+    for _ in range(steps):
+        tokens = runner.forward(rows, logits="last").argmax(-1).tolist()
+        rows = [RowInput(r.request_id, r.start + 1, [t]) for r, t in zip(rows, tokens)]
+        for r, t in zip(rows, tokens):
+            out[r.request_id].append(t)
+    return out
+
+
+def test_static_forward_compiles_whole_and_matches_eager(quick_compile):
+    """torch.compile(fullgraph=True, dynamic=False) fails on any graph break, host read included."""
+    model = tiny_llama(0)
+    prompts = {"a": [1, 2, 3, 4, 5], "b": [7, 8], "c": [9, 10, 11]}
+    compiled = ModelRunner(model, execution="compile")
+    got = decode(compiled, prompts, 6)
+    assert compiled._compiled is not None  # the decode steps really ran compiled
+    assert got == decode(ModelRunner(model, execution="eager"), prompts, 6)
+    for rid, p in prompts.items():
+        assert got[rid] == hf_greedy(model, p, 6)
+
+
+def test_compiled_engine_is_lossless(quick_compile):
+    """Target verify and the draft's loop (device-fed, no host read between drafts), compiled."""
+    target = tiny_llama(0)
+    draft = perturbed(target, 0.6, seed=1)
+    engine = SpeculativeEngine(target, draft, num_speculative_tokens=3, adaptive=False, execution="compile")
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0))
+    assert [o.token_ids for o in outs] == [hf_greedy(target, p, 12) for p in prompts]
+    assert engine.verifier.runner._compiled is not None and engine.proposer.runner._compiled is not None
+
+
+def test_rows_run_in_slot_order_after_an_out_of_order_finish(target):
+    """After a free moves the last slot into a hole, rows still read a view of the first slots
+    (no gather) and each row gets its own logits back in the caller's order."""
+    runner = ModelRunner(target, execution="eager")
+    runner.forward([RowInput(r, 0, [i + 1, i + 2, i + 3]) for i, r in enumerate("abcd")], logits="none")
+    runner.free("b")  # "d" moves into b's slot: slots a=0, d=1, c=2
+    rows = [RowInput("a", 3, [9]), RowInput("c", 3, [9]), RowInput("d", 3, [9])]
+    staged = runner.stage(rows)
+    assert not staged.gather and staged.order == [0, 2, 1] and staged.padded == 3  # eager: no padding
+    out = runner.forward(rows)
+    fresh = ModelRunner(target).forward([RowInput("x", 0, [1, 2, 3, 9]), RowInput("y", 0, [3, 4, 5, 9]),
+                                         RowInput("z", 0, [4, 5, 6, 9])])
+    assert torch.allclose(out, fresh, atol=1e-5)
+
+
+def test_padded_rows_write_only_the_scratch_slot(target):
+    runner = ModelRunner(target, execution="eager")
+    runner.pad_batches = True  # as compiled and captured runs do
+    runner.forward([RowInput(r, 0, [1, 2, 3]) for r in "abc"], logits="none")  # 3 rows -> bucket 4
+    runner.cache._keys[0][4].zero_()  # (the prefill's padded row wrote there already)
+    keys = runner.cache._keys[0].clone()
+    runner.forward([RowInput(r, 3, [5]) for r in "abc"])  # slot 3 is nobody's, the scratch slot is 4
+    after = runner.cache._keys[0]
+    assert runner.cache.scratch_slot == 4
+    assert torch.equal(after[3], keys[3])  # the unowned slot the padded row reads is not written
+    assert not torch.equal(after[4], keys[4])  # the padded row wrote to scratch
+    assert torch.equal(after[:3, :, :3], keys[:3, :, :3])  # rows wrote past their prefixes only
+
+
+def test_batch_buckets():
+    assert BATCH_BUCKETS[:5] == (1, 2, 4, 8, 16) and [batch_bucket(n) for n in (1, 3, 5, 9, 17, 300)] == [
+        1, 4, 8, 16, 24, 304]
+
+
+def test_execution_switch(target):
+    assert ModelRunner(target).execution == "eager"  # auto on a CPU
+    with pytest.raises(ValueError, match="CUDA"):
+        ModelRunner(target, execution="graph")
+    with pytest.raises(ValueError, match="execution"):
+        ModelRunner(target, execution="fast")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_graph_mode_matches_eager_on_gpu(temperature):
+    target = tiny_llama(0).cuda()
+    draft = perturbed(target, 0.6, seed=1)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9], [3, 3]]
+    params = SamplingParams(max_tokens=20, temperature=temperature, seed=5)
+    runs = {}
+    for execution in ("eager", "graph"):
+        engine = SpeculativeEngine(target, draft, num_speculative_tokens=3, adaptive=False, execution=execution)
+        runs[execution] = [o.token_ids for o in engine.generate(prompts, params)]
+        if execution == "graph":
+            assert len(engine.verifier.runner.graphs) > 0 and len(engine.proposer.runner.graphs) > 0
+    assert runs["graph"] == runs["eager"]
+    if temperature == 0.0:
+        assert runs["graph"] == [hf_greedy(target, p, 20) for p in prompts]
+
+
+class ReplayOnCpu:
+    """Stands in for a CUDA graph on a CPU: `replay` runs the captured function again and copies
+    its results into the outputs of the 'capture', as a replay refills its static outputs."""
+
+    def __init__(self, fn, out):
+        self.fn, self.out = fn, out
+
+    def replay(self):
+        for static, fresh in zip(_flat(self.out), _flat(self.fn())):
+            static.copy_(fresh)
+
+
+def _flat(x):
+    return [t for t in (x if isinstance(x, tuple) else (x,)) if t is not None]
+
+
+def emulate_graphs(runner: ModelRunner) -> None:
+    """Put a CPU runner in graph mode with CPU stand-ins for the graphs (the GraphSet's own
+    warm-up / input restore / keying / replay logic runs as it is)."""
+    from specserve.engine.model_runner import GraphSet
+
+    graphs = GraphSet.__new__(GraphSet)
+    graphs.device, graphs._entries, graphs.capture_seconds = runner.device, {}, 0.0
+
+    def capture(fn, inputs):
+        saved = [t.clone() for t in inputs]
+        fn()  # the warm-up
+        for t, s in zip(inputs, saved):
+            t.copy_(s)
+        out = fn()  # what capture would record (on a GPU it runs nothing: overwrite it)
+        for t in _flat(out):
+            t.fill_(-7)
+        return ReplayOnCpu(fn, out), out
+
+    graphs._capture = capture
+    runner.execution, runner.graphs = "graph", graphs
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_graph_mode_logic_on_cpu(target, temperature):
+    """Graph mode's dispatch, keys, start-up capture and the draft loop's restore of the inputs it
+    overwrites, with graphs emulated on the CPU: same tokens as eager."""
+    draft = perturbed(target, 0.6, seed=1)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9], [3, 3], [5, 1, 5]]
+    params = SamplingParams(max_tokens=16, temperature=temperature, seed=5)
+    eager = SpeculativeEngine(target, draft, num_speculative_tokens=3, adaptive=False, execution="eager")
+    expected = [o.token_ids for o in eager.generate(prompts, params)]
+    engine = SpeculativeEngine(target, draft, num_speculative_tokens=3, adaptive=False, max_batch_size=8,
+                               execution="eager")
+    emulate_graphs(engine.verifier.runner)
+    emulate_graphs(engine.proposer.runner)
+    engine.capture_graphs(progress=False)
+    captured = len(engine.verifier.runner.graphs), len(engine.proposer.runner.graphs)
+    assert captured == (4 * 4, 4 * 3 * 2)  # buckets 8, 4, 2, 1 x (widths 1..4 | γ 1..3 x first width 1, 2)
+    got = [o.token_ids for o in engine.generate(prompts, params)]
+    assert got == expected
+    if temperature == 0.0:
+        assert got == [hf_greedy(target, p, 16) for p in prompts]
