@@ -102,7 +102,7 @@ def layer_skip_spec(path: str | None, num_layers: int) -> tuple[LayerSkipSpec, i
     """(spec, tuned γ or None, where it came from)."""
     if path and Path(path).is_file():
         tuned = json.loads(Path(path).read_text())
-        drafter = tuned["speculation"]["drafter"]
+        drafter = tuned["drafter"]
         return LayerSkipSpec(tuple(drafter["skip_layers"])), tuned["speculation"].get("num_speculative_tokens"), path
     return LayerSkipSpec.every_other(num_layers), None, "untuned baseline (every other layer): no tuned config found"
 
