@@ -185,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--categories", default=",".join(CATEGORIES))
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--gamma", type=int, default=4, help="most drafts per step for the model drafters")
-    parser.add_argument("--lookup-gamma", type=int, default=6, help="most drafts per step for prompt lookup")
+    parser.add_argument("--lookup-gamma", type=int, default=10,
+                        help="most drafts per step for prompt lookup (HF's prompt_lookup_num_tokens is 10)")
     parser.add_argument("--lookup-min-n", type=int, default=1)
     parser.add_argument("--lookup-max-n", type=int, default=3)
     parser.add_argument("--hf-lookup-tokens", type=int, default=10, help="HF's prompt_lookup_num_tokens")
