@@ -138,7 +138,8 @@ class FeatureCapture:
         return hook
 
     def take(self) -> torch.Tensor:
-        out = torch.cat(self._outputs, dim=-1)  # [B, Q, F]
+        device = self._outputs[0].device  # a sharded target keeps its layers on several devices
+        out = torch.cat([o.to(device) for o in self._outputs], dim=-1)  # [B, Q, F]
         self._outputs = [None] * len(self._outputs)
         return out
 
@@ -160,8 +161,9 @@ def answer_batch(model, tokenizer, prompts: list[list[int]], max_new: int, tempe
     """The target's answers (token ids, up to and including EOS) to a batch of prompts."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     width = max(map(len, prompts))
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # [B, P] left-padded
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    device = model.get_input_embeddings().weight.device
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)  # [B, P] left-padded
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     sample = temperature > 0
     out = model.generate(
         input_ids=ids, attention_mask=mask, max_new_tokens=max_new, do_sample=sample,
@@ -181,14 +183,15 @@ def answer_batch(model, tokenizer, prompts: list[list[int]], max_new: int, tempe
 def label_batch(model, capture: FeatureCapture, seqs: list[list[int]]) -> list[dict]:
     """One forward over whole sequences -> per sequence ids [L], features [L, F] fp16, argmax [L]."""
     width = max(map(len, seqs))
-    ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])  # [B, L] right-padded
-    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+    device = model.get_input_embeddings().weight.device
+    ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs], device=device)  # [B, L] right-padded
+    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs], device=device)
     logits = model(input_ids=ids, attention_mask=mask).logits  # [B, L, V]
     feats = capture.take()  # [B, L, F]
     argmax = logits.argmax(-1)  # [B, L]
     return [
-        {"ids": ids[b, :n].to(torch.int32), "features": feats[b, :n].to(torch.float16).clone(),
-         "argmax": argmax[b, :n].to(torch.int32)}
+        {"ids": ids[b, :n].to(torch.int32).cpu(), "features": feats[b, :n].to(torch.float16).cpu().clone(),
+         "argmax": argmax[b, :n].to(torch.int32).cpu()}
         for b, n in enumerate(map(len, seqs))
     ]
 

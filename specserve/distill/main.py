@@ -58,10 +58,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-gamma", type=int, default=3)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device-map", default=None,
+                   help="HF device_map for the target (e.g. 'auto': shard over the visible GPUs)")
+    p.add_argument("--train-device", default=None, help="where the head trains (default: cuda if available, else cpu)")
     p.add_argument("--seed", type=int, default=0)
 
 
-def load_model(name: str, dtype: str):
+def load_model(name: str, dtype: str, device_map: str | None = None):
     if name == "smollm2":
         from specserve.models.smollm2 import load_smollm2_target
 
@@ -69,7 +72,7 @@ def load_model(name: str, dtype: str):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(name, dtype=getattr(torch, dtype), local_files_only=True,
-                                                 attn_implementation="sdpa")
+                                                 attn_implementation="sdpa", device_map=device_map)
     return model.eval(), AutoTokenizer.from_pretrained(name, local_files_only=True)
 
 
@@ -103,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     random.seed(args.seed)
     torch.manual_seed(args.seed)
     began = time.time()
-    model, tokenizer = load_model(args.model, args.dtype)
+    model, tokenizer = load_model(args.model, args.dtype, args.device_map)
     model.requires_grad_(False)
     layers = eagle3_feature_layers(model.config.num_hidden_layers) if args.eagle3_features else ()
     rows = collect_data(model, tokenizer, args, layers)
@@ -115,11 +118,13 @@ def run(args: argparse.Namespace) -> int:
     vocab = int(model.get_output_embeddings().weight.shape[0])
     torch.manual_seed(args.seed)
     head = init_head(model, choose_draft_vocab(rows, args.draft_vocab, vocab), layers)
+    device = args.train_device or ("cuda" if torch.cuda.is_available() else "cpu")
+    head.to(device=device, dtype=torch.float32)
     settings = TrainSettings(time_budget=args.time_budget, max_epochs=args.max_epochs, batch_tokens=args.batch_tokens,
                              lr=args.lr, ttt_steps=args.ttt_steps, seed=args.seed)
     training = train_head(head, rows, settings, args.out / "checkpoint.pt")
     extra = {"training": training, "data": data, "target": args.model}
-    save_feature_head(head, args.out, store_lm_head=args.store_lm_head, extra=extra)
+    save_feature_head(head.cpu(), args.out, store_lm_head=args.store_lm_head, extra=extra)
     print(f"wrote {args.out / 'config.json'} and {args.out / 'model.safetensors'}")
     report = {"data": data, "training": training, "wall_seconds": round(time.time() - began, 1)}
     if args.eval_per_category > 0:

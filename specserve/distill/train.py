@@ -77,7 +77,8 @@ def init_head(target: torch.nn.Module, k_map: torch.Tensor, feature_layers=(), f
         head.norm.weight.copy_(target.get_decoder().norm.weight)
         if cfg.feature_size == hidden:
             head.fc.weight.copy_(torch.eye(hidden))
-        head.lm_head.weight.copy_(target.get_output_embeddings().weight[k_map])
+        rows = target.get_output_embeddings().weight
+        head.lm_head.weight.copy_(rows[k_map.to(rows.device)])
     head.lm_head.requires_grad_(False)
     return head
 
@@ -118,11 +119,11 @@ def collate(batch: list[dict], inv_map: torch.Tensor, prompt_weight: float):
 
 
 # -- the loss -----------------------------------------------------------------------------------
-def pass_mask(width: int, step: int) -> torch.Tensor:
+def pass_mask(width: int, step: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Pass `step` (1-based) query t sees pass 1 keys j <= t-step+1 and pass i keys j == t-step+i:
     bool [T, step*T]."""
-    t = torch.arange(width)[:, None]
-    j = torch.arange(width)[None, :]
+    t = torch.arange(width, device=device)[:, None]
+    j = torch.arange(width, device=device)[None, :]
     blocks = [j <= t - step + 1] + [j == t - step + i for i in range(2, step + 1)]
     return torch.cat(blocks, dim=1)
 
@@ -131,9 +132,12 @@ def head_loss(head: FeatureHead, feats, next_feats, tokens, labels, weight, sett
     """Mean loss over the passes of training-time test, and pass 1's top-1 agreement."""
     layer = head.midlayer
     attn = layer.self_attn
+    device = head.fc.weight.device
+    feats, next_feats, tokens, labels, weight = (x.to(device) for x in (feats, next_feats, tokens, labels, weight))
     batch, width = tokens.shape
-    embeds = head.get_input_embeddings()(tokens).detach().float()  # [B, T, H]
-    cos, sin = head.rotary(torch.arange(width)[None].expand(batch, width), embeds.dtype)
+    embed = head.get_input_embeddings()
+    embeds = embed(tokens.to(embed.weight.device)).detach().to(device, torch.float32)  # [B, T, H]
+    cos, sin = head.rotary(torch.arange(width, device=device)[None].expand(batch, width), embeds.dtype)
     with torch.no_grad():
         teacher = F.softmax(next_feats @ head.lm_head.weight.T, dim=-1)  # [B, T, K]
     keys, values = [], []
@@ -148,7 +152,7 @@ def head_loss(head: FeatureHead, feats, next_feats, tokens, labels, weight, sett
         q, k, v = attn.qkv(layer.inputs(embeds, hidden), cos, sin)
         keys.append(k)
         values.append(v)
-        mask = pass_mask(width, step)[None, None]
+        mask = pass_mask(width, step, device)[None, None]
         pre = layer.finish(hidden, attn.attend(q, torch.cat(keys, 2), torch.cat(values, 2), mask))
         normed = head.norm(pre)
         fed = head.feedback_of(pre, normed)
@@ -172,7 +176,8 @@ def train_head(head: FeatureHead, rows: list[dict], settings: TrainSettings, che
     """Train in place for settings.time_budget seconds (resuming `checkpoint` when present)."""
     vocab = head.cfg.vocab_size
     inv_map = torch.full((vocab,), -1, dtype=torch.long)
-    inv_map[head.draft_token_map] = torch.arange(len(head.draft_token_map))
+    token_map = head.draft_token_map.cpu()
+    inv_map[token_map] = torch.arange(len(token_map))
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0, betas=(0.9, 0.95))
     state = {"step": 0, "elapsed": 0.0, "epoch": 0, "batch": 0}

@@ -400,6 +400,7 @@ class FeatureTap:
     """
 
     def __init__(self, runner: ModelRunner, feature_layers: tuple[int, ...], store: FeatureStore) -> None:
+        self.runner = runner
         self.store = store
         self._outputs: list[torch.Tensor | None] = []
         self._handles = []
@@ -427,7 +428,8 @@ class FeatureTap:
     def _store(self, rows: list[RowInput]) -> None:
         if any(o is None for o in self._outputs):
             return
-        feats = self._outputs[0] if len(self._outputs) == 1 else torch.cat(self._outputs, dim=-1)  # [B, Q, F]
+        first = self._outputs[0]  # a sharded target keeps its layers on several devices
+        feats = first if len(self._outputs) == 1 else torch.cat([o.to(first.device) for o in self._outputs], -1)
         self._outputs = [None] * len(self._outputs)
         for b, row in enumerate(rows):
             self.store.write(row.request_id, row.start, feats[b, : len(row.tokens)])
@@ -450,7 +452,9 @@ class FeatureDrafterProposer(DraftModelProposer):
         self._tap: FeatureTap | None = None
 
     def attach_target(self, runner: ModelRunner) -> None:
-        """Start keeping the features of the target runner's forwards (once)."""
+        """Start keeping the features of the target runner's forwards (one runner per proposer)."""
+        if self._tap is not None and self._tap.runner is not runner:
+            raise RuntimeError("this feature drafter already reads another target runner; build one per engine")
         if self._tap is None:
             self._tap = FeatureTap(runner, self.head.cfg.feature_layers, self.features)
 
@@ -513,7 +517,8 @@ class FeatureDrafterProposer(DraftModelProposer):
             feats.append(self.features.read(row.request_id, exact, last))
             self._exact[row.request_id] = last
         width = max(len(r.tokens) for r in catch_up)
-        padded = torch.stack([F.pad(f, (0, 0, 0, width - f.shape[0])) for f in feats])  # [b, Q, F]
+        device = self.runner.device
+        padded = torch.stack([F.pad(f.to(device), (0, 0, 0, width - f.shape[0])) for f in feats])  # [b, Q, F]
         sampling = sampling.to(self.runner.device)
         self.head.set_features(padded, feedback=False)
         logits = self.runner.forward(catch_up, logits="last")  # [b, K]
