@@ -221,3 +221,30 @@ def test_config_names_a_feature_head(head_dir):
                               "drafter": {"kind": "eagle", "path": str(head_dir)}})
     assert isinstance(config.drafter, FeatureDrafter)
     assert config.drafter.engine_spec() == FeatureDrafterSpec(str(head_dir))
+
+
+def test_target_worker_drafts_with_a_feature_head(tmp_path):
+    """The target worker (no Ray here) builds the head from its config, attaches it to its own
+    verifier, and the coordinator's propose/verify loop stays lossless."""
+    from specserve.config import TinySource
+    from specserve.engine.scheduler import SpeculationPolicy
+    from specserve.engine.step import apply_verdict, new_sequence, plan_step
+    from specserve.models.loading import load_target
+    from specserve.serve.workers import TargetWorker
+
+    source = TinySource(layers=2)
+    model = load_target(source)
+    save_feature_head(init_head(model, torch.arange(target_vocab_size(model))), tmp_path, store_lm_head=True)
+    worker = TargetWorker(source, 256, drafter=FeatureDrafter(path=str(tmp_path)))
+    prompt = list(b"speculate")
+    seq = new_sequence("r", prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                       vocab_size=target_vocab_size(model), max_model_len=256, eos_token_ids=frozenset())
+    policy = SpeculationPolicy(3, adaptive=False)
+    while seq.finish_reason is None:
+        plan = plan_step([seq], policy)
+        proposal = worker.propose(plan.draft_rows(), plan.num_positions, plan.sampling, plan.draft_uniforms).result
+        verdict = worker.verify(plan.target_rows(), proposal.tokens, proposal.probs, plan.num_draft, plan.sampling,
+                                plan.accept_uniforms, plan.final_uniforms).result
+        apply_verdict(plan, proposal, verdict)
+    assert seq.output == hf_greedy(model, prompt, 12)
+    assert seq.metrics.num_draft_tokens > 0
