@@ -121,9 +121,22 @@ def _bench(args: argparse.Namespace) -> int:
     return importlib.import_module(BENCHES[args.bench]).main(args.rest) or 0
 
 
+def _distill_args(p: argparse.ArgumentParser) -> None:
+    from specserve.distill.main import add_arguments
+
+    add_arguments(p)
+
+
+def _distill(args: argparse.Namespace) -> int:
+    from specserve.distill.main import run
+
+    return run(args)
+
+
 COMMANDS = {  # name -> (help, add_arguments, run)
     "serve": ("serve a Ray Serve config locally (blocking)", _serve_args, _serve),
     "bench": ("benchmarks", _bench_args, _bench),
+    "distill": ("train a feature head (EAGLE-style drafter) for a local causal LM", _distill_args, _distill),
 }
 
 

@@ -109,7 +109,23 @@ class PromptLookupDrafter(_Strict):
         return PromptLookupSpec(self.min_n, self.max_n)
 
 
-ColocatedDrafter = Annotated[Union[LayerSkipDrafter, PromptLookupDrafter], Field(discriminator="kind")]
+class FeatureDrafter(_Strict):
+    """A feature head (EAGLE-style) drafting from the target's hidden states inside the target
+    worker: `path` is a directory with config.json + safetensors (written by `specserve distill`,
+    or a public EAGLE-3 head), or the name of a head shipped in specserve/models/weights."""
+
+    kind: Literal["eagle"] = "eagle"
+    path: str = Field(min_length=1)
+
+    def engine_spec(self):
+        from specserve.engine.feature_drafter import FeatureDrafterSpec
+
+        return FeatureDrafterSpec(self.path)
+
+
+ColocatedDrafter = Annotated[
+    Union[LayerSkipDrafter, PromptLookupDrafter, FeatureDrafter], Field(discriminator="kind")
+]
 
 
 # -- speculation and resources -------------------------------------------------------------------

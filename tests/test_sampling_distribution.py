@@ -12,7 +12,9 @@ import torch
 import specserve.engine.verifier as verifier_module
 from models import tiny_llama
 from specserve import SamplingParams, SpeculativeEngine
-from specserve.engine.rejection import AcceptResult, _leading_true
+from specserve.engine.rejection import (
+    AcceptResult, _leading_true, rejection_sample, rejection_sample_deterministic,
+)
 from specserve.engine.sampling import BatchSampling, logits_to_probs, sample_with_uniforms
 
 VOCAB = 8
@@ -98,3 +100,26 @@ def test_wrong_rule_is_caught(pair, monkeypatch):
     exact2, exact3 = exact_marginals(target, params)
     seen2, seen3 = sampled_marginals(target, draft, params)
     assert min(chi_square_pvalue(seen2, exact2), chi_square_pvalue(seen3, exact3)) < 1e-6
+
+
+def test_deterministic_rule_is_the_one_hot_rule_and_follows_p():
+    """Drafts with no q (prompt lookup): the rule without [B, G, V] gives exactly what the general
+    rule gives with a one-hot q, and the first emitted token follows p (chi-square, 20k draws)."""
+    gen = torch.Generator().manual_seed(0)
+    width, num = 3, NUM_SEQUENCES
+    p = torch.softmax(2.0 * torch.randn(width + 1, VOCAB, generator=gen), -1)  # [G+1, V]
+    drafts = torch.tensor([int(p[0].argmax()), 1, int(p[2].argmin())])  # likely, any, unlikely
+    probs = p.expand(num, -1, -1)  # [N, G+1, V]
+    tokens = drafts.expand(num, -1)  # [N, G]
+    num_draft = torch.full((num,), width)
+    accept_u, final_u = torch.rand(num, width, generator=gen), torch.rand(num, generator=gen)
+    fast = rejection_sample_deterministic(probs, tokens, num_draft, accept_u, final_u)
+    one_hot = torch.nn.functional.one_hot(tokens, VOCAB).float()  # [N, G, V]
+    general = rejection_sample(probs, tokens, one_hot, num_draft, accept_u, final_u)
+    assert torch.equal(fast.num_accepted, general.num_accepted)
+    assert torch.equal(fast.next_token, general.next_token)
+    first = torch.where(fast.num_accepted > 0, tokens[:, 0], fast.next_token)
+    assert 0.1 * num < int((fast.num_accepted > 0).sum()) < 0.9 * num  # both branches exercised
+    assert chi_square_pvalue(torch.bincount(first, minlength=VOCAB).double(), p[0]) > 1e-4
+    wrong = torch.where(fast.num_accepted > 0, tokens[:, 0], sample_with_uniforms(p[:1].expand(num, -1), final_u))
+    assert chi_square_pvalue(torch.bincount(wrong, minlength=VOCAB).double(), p[0]) < 1e-6

@@ -4,6 +4,7 @@ import json
 import torch
 import yaml
 
+from specserve.config import LayerSkipDrafter, load_app_config
 from specserve.engine.proposers import LayerSkipSpec
 from specserve.tuning.layer_skip import main
 
@@ -25,7 +26,10 @@ def test_tune_layer_skip_tiny(tmp_path, capsys):
     assert best["bound"] >= result["baseline"]["bound"]
     assert 0.0 <= best["alpha"] <= 1.0 and best["c"] > 0
     snippet = yaml.safe_load((tmp_path / "layer_skip.yaml").read_text())
-    drafter = snippet["speculation"]["drafter"]
-    assert drafter["kind"] == "layer_skip" and drafter["skip_layers"] == best["skip_layers"]
-    assert LayerSkipSpec(tuple(drafter["skip_layers"])).skip_layers == tuple(best["skip_layers"])
+    # The snippet merges into a serve application's args and the app config takes it as it is.
+    config = load_app_config({"served_model_name": "tiny", "target": {"kind": "tiny", "layers": 6}, **snippet})
+    assert isinstance(config.drafter, LayerSkipDrafter)
+    assert config.drafter.skip_layers == tuple(best["skip_layers"])
+    assert config.speculation.num_speculative_tokens == best["best_gamma"]
+    assert config.drafter.engine_spec() == LayerSkipSpec(tuple(best["skip_layers"]))
     assert (tmp_path / "layer_skip_trials.png").stat().st_size > 1000

@@ -1,4 +1,4 @@
-"""Drafter benchmark: draft model vs layer skip vs prompt lookup, per prompt category.
+"""Drafter benchmark: draft model vs layer skip vs prompt lookup vs feature head, per prompt category.
 
     python -m specserve.bench.drafters [--per-category 3] [--out bench-results/drafters.json]
 
@@ -27,6 +27,7 @@ from tqdm import tqdm
 from specserve.bench.prompt_sets import EXTRACTION, GENERAL, SpeedAndAcceptance, by_category, encode, load_records
 from specserve.engine import RowInput, SamplingParams, SpeculativeEngine
 from specserve.engine.model_runner import ModelRunner
+from specserve.engine.feature_drafter import FeatureDrafterSpec
 from specserve.engine.proposers import (
     DraftModelSpec, LayerSkipSpec, PromptLookupProposer, PromptLookupSpec, target_vocab_size,
 )
@@ -102,7 +103,7 @@ def layer_skip_spec(path: str | None, num_layers: int) -> tuple[LayerSkipSpec, i
     """(spec, tuned γ or None, where it came from)."""
     if path and Path(path).is_file():
         tuned = json.loads(Path(path).read_text())
-        drafter = tuned["speculation"]["drafter"]
+        drafter = tuned["drafter"]
         return LayerSkipSpec(tuple(drafter["skip_layers"])), tuned["speculation"].get("num_speculative_tokens"), path
     return LayerSkipSpec.every_other(num_layers), None, "untuned baseline (every other layer): no tuned config found"
 
@@ -185,12 +186,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--categories", default=",".join(CATEGORIES))
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--gamma", type=int, default=4, help="most drafts per step for the model drafters")
-    parser.add_argument("--lookup-gamma", type=int, default=6, help="most drafts per step for prompt lookup")
+    parser.add_argument("--lookup-gamma", type=int, default=10,
+                        help="most drafts per step for prompt lookup (HF's prompt_lookup_num_tokens is 10)")
     parser.add_argument("--lookup-min-n", type=int, default=1)
     parser.add_argument("--lookup-max-n", type=int, default=3)
     parser.add_argument("--hf-lookup-tokens", type=int, default=10, help="HF's prompt_lookup_num_tokens")
     parser.add_argument("--layer-skip-config", default="bench-results/layer-skip/layer_skip.json")
     parser.add_argument("--draft-weights", default=None, help="draft weights dir (default: the shipped one)")
+    parser.add_argument("--feature-head", default="smollm2-eagle",
+                        help="feature head dir or shipped name (SmolLM2 only; '' to skip its rows)")
     parser.add_argument("--reps", type=int, default=9, help="timed forward pairs per c measurement")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--no-hf", action="store_true")
@@ -219,6 +223,14 @@ def main(argv: list[str] | None = None) -> int:
     context = prompts[categories[0]][0]
     target_runner = ModelRunner(target)
     costs = {"layer skip": forward_ratio(target_runner, skip_spec.build(target, vocab, None).runner, context, args.reps)}
+    head_spec = FeatureDrafterSpec(args.feature_head) if args.feature_head and args.model == "smollm2" else None
+    if head_spec is not None:
+        try:
+            costs["feature head"] = forward_ratio(target_runner, head_spec.build(target, vocab, None).runner,
+                                                  context, args.reps)
+        except FileNotFoundError as err:
+            print(f"no feature head ({err}); its rows are skipped")
+            head_spec = None
     if draft is not None:
         costs["draft model"] = forward_ratio(target_runner, DraftModelSpec(draft).build(target, vocab, None).runner,
                                              context, args.reps)
@@ -230,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     target_forward = statistics.median(times)
 
     methods = ["target-only"] + (["draft model"] if draft is not None else []) + ["layer skip", "prompt lookup"]
+    methods += ["feature head"] if head_spec is not None else []
     methods += [] if args.no_hf else ["HF generate", f"HF lookup({args.hf_lookup_tokens})"]
     run_engine(target, None, 0, [context[:8]], SamplingParams(max_tokens=4, temperature=0.0), "warm-up", "warm-up")
     bar = tqdm(total=len(categories) * len(methods), desc="drafter bench", unit="run")
@@ -249,6 +262,10 @@ def main(argv: list[str] | None = None) -> int:
             elif method == "layer skip":
                 r = run_engine(target, skip_spec.build(target, vocab, None), skip_gamma or args.gamma, batch, params,
                                category, method)
+                r.c = costs[method]
+            elif method == "feature head":
+                r = run_engine(target, head_spec.build(target, vocab, None), args.gamma, batch, params, category,
+                               method)
                 r.c = costs[method]
             elif method == "prompt lookup":
                 proposer = TimedProposer(PromptLookupSpec(args.lookup_min_n, args.lookup_max_n).build(target, vocab, None))

@@ -1,5 +1,6 @@
 """The speculative decoding engine: pure torch + transformers. Never imports ray or fastapi."""
 from .engine import CompletionOutput, SpeculativeEngine
+from .feature_drafter import FeatureDrafterProposer, FeatureDrafterSpec
 from .model_runner import CacheMiss, ModelRunner, RowInput
 from .proposers import (
     DrafterSpec, DraftModelProposer, DraftModelSpec, LayerSkipProposer, LayerSkipSpec, PromptLookupProposer,
@@ -10,7 +11,7 @@ from .step import RequestMetrics, StepOutput
 from .verifier import TargetVerifier, Verdict
 
 __all__ = [
-    "CacheMiss", "CompletionOutput", "DrafterSpec", "DraftModelProposer", "DraftModelSpec", "LayerSkipProposer",
+    "CacheMiss", "CompletionOutput", "DrafterSpec", "FeatureDrafterProposer", "FeatureDrafterSpec", "DraftModelProposer", "DraftModelSpec", "LayerSkipProposer",
     "LayerSkipSpec", "ModelRunner", "PromptLookupProposer", "PromptLookupSpec", "Proposal", "Proposer",
     "RequestMetrics", "RowInput", "SamplingParams", "SpeculativeEngine", "StepOutput", "TargetVerifier", "Verdict",
 ]

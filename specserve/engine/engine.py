@@ -60,6 +60,8 @@ class SpeculativeEngine:
         self.verifier = TargetVerifier(target_model, max_model_len, execution)
         if drafter is not None:
             proposer = drafter.build(target_model, self.verifier.vocab_size, max_model_len)
+        if hasattr(proposer, "attach_target"):  # a drafter that reads the target's hidden states
+            proposer.attach_target(self.verifier.runner)
         limits = [self.verifier.runner.max_positions, getattr(proposer, "max_positions", None)]
         self.proposer = proposer
         self.max_model_len = min(x for x in limits if x) if any(limits) else 1 << 30

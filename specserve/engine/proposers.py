@@ -38,6 +38,9 @@ class Proposal:
     tokens: torch.Tensor  # [B, G] int64 target-vocabulary ids (on the proposer's device)
     probs: torch.Tensor | None  # [B, G, V] float32 q of each draft token; None when every row is greedy
     forwards: Sequence[ForwardTiming] = ()  # each model forward it took
+    # The drafts are a deterministic function of the tokens (prompt lookup): q is one-hot at each
+    # draft, so `probs` stays None and the verifier's rule treats it as such without building it.
+    deterministic: bool = False
 
     @property
     def seconds(self) -> float:
@@ -45,7 +48,7 @@ class Proposal:
 
     def __reduce__(self):  # across processes (Ray) through the host: another process may lack the device
         probs = None if self.probs is None else self.probs.cpu()
-        return (Proposal, (self.tokens.cpu(), probs, tuple(self.forwards)))
+        return (Proposal, (self.tokens.cpu(), probs, tuple(self.forwards), self.deterministic))
 
 
 class Proposer(Protocol):
@@ -264,7 +267,8 @@ class PromptLookupProposer:
     Without a match the row still gets `num_tokens` drafts (the protocol is rectangular): copies of
     its last token, which cost nothing to make and which the engine's adaptive γ sees as low
     acceptance. A deterministic proposal is a valid q: one-hot at the proposed token, so the
-    rejection rule accepts it with probability p(x) and otherwise samples from p with x removed.
+    rejection rule accepts it with probability p(x) and otherwise samples from p with x removed;
+    the proposal says `deterministic=True` and carries no q (the verifier never builds one).
     """
 
     def __init__(self, vocab_size: int, min_n: int = 1, max_n: int = 3, max_positions: int | None = None) -> None:
@@ -304,11 +308,8 @@ class PromptLookupProposer:
             seq.extend(draft[: num_tokens - 1])  # held like a draft model's cache: tokens + G-1 drafts
             drafts.append(draft)
         tokens = torch.tensor(drafts, dtype=torch.long).view(len(rows), num_tokens)  # [B, G]
-        probs = None
-        if not sampling.all_greedy:
-            probs = torch.zeros(len(rows), num_tokens, self.vocab_size).scatter_(-1, tokens[..., None], 1.0)
         # One entry so the policy's draft cost becomes known (and near zero): no model, no tokens.
-        return Proposal(tokens, probs, (ForwardTiming(0, time.perf_counter() - began),))
+        return Proposal(tokens, None, (ForwardTiming(0, time.perf_counter() - began),), deterministic=True)
 
     def continuation(self, seq: list[int], num_tokens: int) -> list[int]:
         """num_tokens drafts following `seq` (its last token repeated when nothing matches)."""

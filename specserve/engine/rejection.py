@@ -80,3 +80,32 @@ def rejection_sample(
     residual = torch.where(empty, p_next, residual)
     next_token = sample_with_uniforms(residual, final_uniforms)
     return AcceptResult(num_accepted, next_token)
+
+
+def rejection_sample_deterministic(
+    target_probs: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    num_draft: torch.Tensor,
+    accept_uniforms: torch.Tensor,
+    final_uniforms: torch.Tensor,
+) -> AcceptResult:
+    """The stochastic rule for drafts a deterministic drafter chose (prompt lookup): q is one-hot
+    at each draft, so x is accepted with probability p(x) and a rejection samples from p with x
+    removed (max(0, p - onehot(x)), renormalised); no [B, G, V] q is ever built.
+
+    target_probs [B, G+1, V]; draft_tokens [B, G]; num_draft [B]; accept_uniforms [B, G];
+    final_uniforms [B].
+    """
+    batch, num_positions = draft_tokens.shape
+    p_of_x = target_probs[:, :-1].gather(-1, draft_tokens[..., None]).squeeze(-1)  # [B, G]
+    in_range = torch.arange(num_positions, device=draft_tokens.device)[None, :] < num_draft[:, None]
+    num_accepted = _leading_true((accept_uniforms.to(p_of_x.dtype) < p_of_x) & in_range)  # [B]
+    rows = torch.arange(batch, device=draft_tokens.device)
+    p_next = target_probs[rows, num_accepted]  # [B, V]
+    padded = torch.cat([draft_tokens, draft_tokens.new_zeros(batch, 1)], dim=1)  # [B, G+1]
+    rejected_token = padded[rows, num_accepted]  # [B]; meaningless where the bonus token is due
+    rejected = (num_accepted < num_draft)[:, None]  # [B, 1]
+    residual = torch.where(rejected, p_next.scatter(-1, rejected_token[:, None], 0.0), p_next)  # [B, V]
+    empty = residual.sum(-1, keepdim=True) <= 0  # p was one-hot at x: float round-off only
+    residual = torch.where(empty, p_next, residual)
+    return AcceptResult(num_accepted, sample_with_uniforms(residual, final_uniforms))

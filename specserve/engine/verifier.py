@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from .model_runner import ForwardTiming, ModelRunner, RowInput
-from .rejection import AcceptResult, greedy_accept, rejection_sample
+from .rejection import AcceptResult, greedy_accept, rejection_sample, rejection_sample_deterministic
 from .sampling import BatchSampling, logits_to_probs, sample_with_uniforms
 
 
@@ -51,7 +51,8 @@ class TargetVerifier:
         final_uniforms: torch.Tensor | None,
     ) -> Verdict:
         """rows: each row's unseen tokens (ending with its last accepted token); draft_tokens [B, G]
-        (G may be 0); draft_probs [B, G, V] or None (all rows greedy); num_draft [B] (g_b <= G);
+        (G may be 0); draft_probs [B, G, V], or None when all rows are greedy or the drafts are
+        deterministic (a one-hot q at each draft: `Proposal.deterministic`); num_draft [B] (g_b <= G);
         accept_uniforms [B, G], final_uniforms [B] (None when all rows greedy)."""
         self.runner.check(rows)
         self.runner.take_forward_log()
@@ -83,6 +84,9 @@ class TargetVerifier:
         if width == 1:
             token = sample_with_uniforms(probs[:, 0], final_uniforms)
             return AcceptResult(torch.zeros_like(token), token)
+        if draft_probs is None:  # deterministic drafts: q is one-hot, never materialised
+            return rejection_sample_deterministic(
+                probs, draft_tokens, num_draft, accept_uniforms.to(device), final_uniforms)
         return rejection_sample(
             probs, draft_tokens, draft_probs.to(device), num_draft, accept_uniforms.to(device), final_uniforms
         )

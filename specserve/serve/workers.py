@@ -127,6 +127,8 @@ class TargetWorker(_Worker):
         self.info_ = ModelInfo(self.model.vocab_size, self.model.runner.max_positions, frozenset(eos))
         self.proposer = None if drafter is None else drafter.engine_spec().build(
             self.model.runner.model, self.model.vocab_size, max_model_len)
+        if hasattr(self.proposer, "attach_target"):  # a feature drafter reads the target's hidden states
+            self.proposer.attach_target(self.model.runner)
 
     def propose(
         self, rows: list[RowInput], num_tokens: int, sampling: BatchSampling, uniforms: torch.Tensor | None

@@ -226,15 +226,18 @@ def plot(evaluations: list[Evaluation], baseline: Evaluation, best: Evaluation, 
     plt.close(fig)
 
 
-def snippet(model: str, gamma: int, best: Evaluation) -> dict:
-    """The configuration a server would take (see the drafter spec in `specserve.engine.proposers`)."""
+def snippet(gamma: int, best: Evaluation) -> dict:
+    """The fields of a serve application's `args` (specserve.config.AppConfig) this result sets:
+    `drafter` is a top-level field, next to `speculation`."""
     return {
-        "speculation": {
-            "num_speculative_tokens": gamma,
-            "drafter": {"kind": "layer_skip", "skip_layers": list(best.skip_layers)},
-        },
-        "_tuned": {"model": model, "alpha": round(best.alpha, 4), "c": round(best.c, 4), "bound": round(best.bound, 4)},
+        "drafter": {"kind": "layer_skip", "skip_layers": list(best.skip_layers)},
+        "speculation": {"num_speculative_tokens": gamma, "adaptive": True},
     }
+
+
+def snippet_header(model: str, best: Evaluation) -> str:
+    return (f"# Layer-skip drafter tuned for {model}: alpha={best.alpha:.4f} c={best.c:.4f} bound={best.bound:.4f}.\n"
+            "# Merge these keys into an application's `args` in a serve config (e.g. configs/local.yaml).\n")
 
 
 def describe(label: str, e: Evaluation, num_layers: int, gamma: int) -> str:
@@ -284,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    config = snippet(args.model, best.best_gamma, best)
+    config = snippet(best.best_gamma, best)
     result = {
         **config,
         "objective": args.objective, "v": evaluator.v, "target_tokens_per_second": evaluator.target_tokens_per_second,
@@ -295,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import yaml
 
-        (out / "layer_skip.yaml").write_text(yaml.safe_dump(config, sort_keys=False, default_flow_style=None))
+        text = yaml.safe_dump(config, sort_keys=False, default_flow_style=None)
+        (out / "layer_skip.yaml").write_text(snippet_header(args.model, best) + text)
     except ImportError:
         pass
     plot(evaluations, baseline, best, args.objective, out / "layer_skip_trials.png")

@@ -1,0 +1,147 @@
+"""`specserve distill`: train a feature head (EAGLE-style drafter) for a local causal LM.
+
+    specserve distill --model smollm2 --out heads/smollm2
+    specserve distill --model /models/my-llama --out heads/my-llama --prompts my_prompts.jsonl \\
+        --text docs/*.md --time-budget 7200
+
+1. data: the target answers the prompts (greedy; `--sampled T` adds a sampled pass), and reads
+   the `--text` files as they are; one forward per sequence keeps its features and greedy labels
+   (`specserve.distill.data`). Shards go to `--data-dir` (default OUT/data) as they finish; a rerun
+   skips the ones present.
+2. train: a head shaped like one target layer, for `--time-budget` seconds
+   (`specserve.distill.train`); a checkpoint every few minutes (OUT/checkpoint.pt), resumed by a
+   rerun with the same OUT.
+3. save: OUT/config.json + OUT/model.safetensors (the EAGLE-3 layout; the output head is the
+   target's rows of the draft vocabulary, not stored unless --store-lm-head), which a serve config
+   names as `drafter: {kind: eagle, path: OUT}`.
+4. report: greedy acceptance α and speed of the head against the target alone on the held-out
+   benchmark prompts (specserve/bench/prompts.jsonl, never trained on), batch 1, in OUT/report.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2", help="'smollm2' (the offline demo target) or a local HF checkpoint dir")
+    p.add_argument("--out", required=True, type=Path, help="output directory (the head; a config's drafter path)")
+    p.add_argument("--data-dir", type=Path, default=None, help="where data shards go (default OUT/data)")
+    p.add_argument("--prompts", nargs="*", default=[], type=Path,
+                   help="prompt files: JSON lines {prompt, chat} or text, one chat prompt per line")
+    p.add_argument("--text", nargs="*", default=[], type=Path, help="plain text files read by the target as they are")
+    p.add_argument("--no-default-prompts", action="store_true",
+                   help="skip the built-in set (train_prompts.txt chat + stdlib code + doc summaries)")
+    p.add_argument("--num-code", type=int, default=96, help="built-in code prompts")
+    p.add_argument("--num-summary", type=int, default=96, help="built-in summarise prompts")
+    p.add_argument("--max-new", type=int, default=96, help="answer tokens per prompt")
+    p.add_argument("--sampled", type=float, default=0.0, help="also a sampled pass at this temperature (0: none)")
+    p.add_argument("--gen-batch", type=int, default=16)
+    p.add_argument("--text-chunk", type=int, default=256, help="tokens per --text sequence")
+    p.add_argument("--draft-vocab", type=int, default=8192, help="K, the head's vocabulary (<= the target's)")
+    p.add_argument("--eagle3-features", action="store_true",
+                   help="fuse three decoder layers' outputs (EAGLE-3) instead of the final norm's")
+    p.add_argument("--time-budget", type=float, default=1800.0, help="seconds of training")
+    p.add_argument("--max-epochs", type=int, default=20)
+    p.add_argument("--ttt-steps", type=int, default=2, help="training-time-test passes")
+    p.add_argument("--batch-tokens", type=int, default=2048)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--store-lm-head", action="store_true", help="store the output head (else the target's rows)")
+    p.add_argument("--eval-per-category", type=int, default=4, help="held-out prompts per category (0: no report)")
+    p.add_argument("--eval-tokens", type=int, default=64)
+    p.add_argument("--eval-gamma", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device-map", default=None,
+                   help="HF device_map for the target (e.g. 'auto': shard over the visible GPUs)")
+    p.add_argument("--train-device", default=None, help="where the head trains (default: cuda if available, else cpu)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def load_model(name: str, dtype: str, device_map: str | None = None):
+    if name == "smollm2":
+        from specserve.models.smollm2 import load_smollm2_target
+
+        return load_smollm2_target(dtype=getattr(torch, dtype))
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=getattr(torch, dtype), local_files_only=True,
+                                                 attn_implementation="sdpa", device_map=device_map)
+    return model.eval(), AutoTokenizer.from_pretrained(name, local_files_only=True)
+
+
+def collect_data(model, tokenizer, args, feature_layers) -> list[dict]:
+    from .data import generate_shards, label_text, load_shards, read_prompt_file, without
+    from .prompts import default_sets, held_out
+
+    data_dir = args.data_dir or args.out / "data"
+    sets = {} if args.no_default_prompts else default_sets(args.seed, args.num_code, args.num_summary)
+    for path in args.prompts:
+        sets[f"file-{path.stem}"] = without(read_prompt_file(path), held_out())
+    shards = []
+    passes = [("greedy", 0.0)] + ([("sampled", args.sampled)] if args.sampled > 0 else [])
+    for tag, records in sets.items():
+        for kind, temperature in passes:
+            shards += generate_shards(model, tokenizer, records, data_dir, max_new=args.max_new,
+                                      temperature=temperature, batch_size=args.gen_batch, seed=args.seed,
+                                      feature_layers=feature_layers, tag=f"{tag}-{kind}" if kind != "greedy" else tag)
+    if args.text:
+        shards += label_text(model, tokenizer, args.text, data_dir, args.text_chunk, args.gen_batch, feature_layers)
+    return load_shards(shards)
+
+
+def run(args: argparse.Namespace) -> int:
+    from specserve.engine.feature_drafter import eagle3_feature_layers, save_feature_head
+
+    from .train import TrainSettings, choose_draft_vocab, describe, init_head, train_head
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    began = time.time()
+    model, tokenizer = load_model(args.model, args.dtype, args.device_map)
+    model.requires_grad_(False)
+    layers = eagle3_feature_layers(model.config.num_hidden_layers) if args.eagle3_features else ()
+    rows = collect_data(model, tokenizer, args, layers)
+    if not rows:
+        print("no training data (give --prompts / --text, or drop --no-default-prompts)", file=sys.stderr)
+        return 2
+    data = describe(rows)
+    print(f"data: {data}")
+    vocab = int(model.get_output_embeddings().weight.shape[0])
+    torch.manual_seed(args.seed)
+    head = init_head(model, choose_draft_vocab(rows, args.draft_vocab, vocab), layers)
+    device = args.train_device or ("cuda" if torch.cuda.is_available() else "cpu")
+    head.to(device=device, dtype=torch.float32)
+    settings = TrainSettings(time_budget=args.time_budget, max_epochs=args.max_epochs, batch_tokens=args.batch_tokens,
+                             lr=args.lr, ttt_steps=args.ttt_steps, seed=args.seed)
+    training = train_head(head, rows, settings, args.out / "checkpoint.pt")
+    extra = {"training": training, "data": data, "target": args.model}
+    save_feature_head(head.cpu(), args.out, store_lm_head=args.store_lm_head, extra=extra)
+    print(f"wrote {args.out / 'config.json'} and {args.out / 'model.safetensors'}")
+    report = {"data": data, "training": training, "wall_seconds": round(time.time() - began, 1)}
+    if args.eval_per_category > 0:
+        from .report import acceptance_report, format_report
+
+        report["heldout"] = acceptance_report(model, tokenizer, args.out, args.eval_per_category, args.eval_tokens,
+                                              args.eval_gamma)
+        print(format_report(report["heldout"]))
+    (args.out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="specserve distill", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

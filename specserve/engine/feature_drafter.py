@@ -1,0 +1,592 @@
+"""Feature drafter (EAGLE-style head): drafts from the target's own hidden states.
+
+The head is one Llama decoder layer fed, per position t, with the target's feature f_t (its final
+norm's output, or EAGLE-3's fused low/mid/high decoder-layer outputs) and the token embedding of
+x_{t+1}; its output predicts x_{t+2}. Layout (the public EAGLE-3 checkpoint's names):
+
+    fc            Linear(F, H)          F = features per position (H_target, or 3 H_target)
+    midlayer      input_layernorm(emb) ++ hidden_norm(fc(f))  -> attention over 2H inputs
+                  -> post_attention_layernorm -> mlp   (residual stream = fc(f))
+    norm          RMSNorm(H)
+    lm_head       Linear(H, K)          K = draft vocabulary; `d2t[k]` + k is its target id
+    embed_tokens  the target's (shared, never stored)
+
+Drafting (per request): pairs (f_t, x_{t+1}) whose features came from the target are *exact*;
+each call first runs the head over the exact pairs it has not seen yet (the tokens accepted since
+its last call) and takes draft 1 from the last one; draft j+1 comes from the pair (h_j, d_j), where
+h_j is the head's own output for the previous position ("feedback": the pre-norm output as in
+EAGLE-3, or `fc` of the normed output for heads trained to regress the next feature). Draft pairs
+are rolled back at the next call, like a draft model's KV cache.
+
+The target's features reach the head through `FeatureTap`, attached to the target's runner: hooks
+keep the outputs of the feature modules of every target forward, and the runner's rows say which
+request and positions they belong to; they are stored per request by position (a later forward
+over the same positions overwrites them, as it does the target's KV cache).
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .model_runner import CacheMiss, ForwardTiming, ModelRunner, RowInput
+from .proposers import DraftModelProposer, Proposal, decoder_layers
+from .sampling import BatchSampling
+
+FEEDBACK_KINDS = ("direct", "fc")  # how a draft's own output becomes the next position's feature
+
+
+def feature_modules(model: torch.nn.Module, feature_layers: tuple[int, ...] = ()) -> list[torch.nn.Module]:
+    """The target modules whose outputs are the head's features: the final norm when
+    `feature_layers` is empty, else those decoder layers (EAGLE-3 fuses a low, a middle and a high one)."""
+    if feature_layers:
+        _, layers = decoder_layers(model)
+        return [layers[i] for i in feature_layers]
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    for name in ("norm", "final_layernorm", "ln_f"):
+        if isinstance(getattr(decoder, name, None), torch.nn.Module):
+            return [getattr(decoder, name)]
+    raise ValueError(f"cannot find the final norm of {type(model).__name__}")
+
+
+def eagle3_feature_layers(num_layers: int) -> tuple[int, int, int]:
+    """The decoder layers whose outputs EAGLE-3 heads are trained on (the inputs of layers 2,
+    L/2 and L-3, as SGLang and vLLM capture them)."""
+    return (1, num_layers // 2 - 1, num_layers - 4)
+
+
+# -- the head -----------------------------------------------------------------------------------
+class _RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class _Attention(nn.Module):
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.q_proj = nn.Linear(2 * hidden, heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * hidden, kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * hidden, kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [B, Q, 2H] -> q [B, heads, Q, D], k, v [B, kv_heads, Q, D] (rotary applied)."""
+        batch, width, _ = x.shape
+        q = self.q_proj(x).view(batch, width, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, width, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, width, self.kv_heads, self.head_dim).transpose(1, 2)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin), v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """q [B, heads, Q, D], k/v [B, kv_heads, K, D], mask [B|1, 1, Q, K] (bool: visible, or
+        additive float) -> [B, Q, H]."""
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads)
+        return self.o_proj(out.transpose(1, 2).flatten(2))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding; cos/sin [B, Q, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+class _MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _MidLayer(nn.Module):
+    def __init__(self, cfg: "HeadConfig") -> None:
+        super().__init__()
+        self.self_attn = _Attention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        self.mlp = _MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = _RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_norm = _RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = _RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def inputs(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """[B, Q, H] each -> the attention's input [B, Q, 2H]."""
+        return torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+
+    def finish(self, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Residual + attention, then the MLP block -> the pre-norm output [B, Q, H]."""
+        hidden = hidden + attn
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    vocab_size: int  # V, the target's
+    draft_vocab_size: int  # K
+    feature_size: int  # F, fc's input width
+    feature_layers: tuple[int, ...] = ()  # () = the target's final norm
+    feedback: str = "direct"  # "direct" (EAGLE-3) or "fc" (the normed output goes through fc)
+
+    def __post_init__(self) -> None:
+        if self.feedback not in FEEDBACK_KINDS:
+            raise ValueError(f"feedback must be one of {FEEDBACK_KINDS}, got {self.feedback!r}")
+
+
+@dataclass
+class _Output:
+    logits: torch.Tensor
+
+
+class _HFConfigView:
+    """What ModelRunner reads of a model's config."""
+
+    def __init__(self, cfg: HeadConfig) -> None:
+        self._attn_implementation = "sdpa"
+        self.max_position_embeddings = cfg.max_position_embeddings
+        self.layer_types = None
+
+
+class FeatureHead(nn.Module):
+    """The head as a module the engine's ModelRunner can drive: `forward(input_ids, position_ids,
+    attention_mask, past_key_values, logits_to_keep)` like a HF causal LM, with the features for the
+    call set beforehand through `set_features` (the runner knows nothing of them)."""
+
+    def __init__(self, cfg: HeadConfig, embed_tokens: nn.Embedding, token_map: torch.Tensor | None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.config = _HFConfigView(cfg)
+        self.fc = nn.Linear(cfg.feature_size, cfg.hidden_size, bias=False)
+        self.midlayer = _MidLayer(cfg)
+        self.norm = _RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self._embed = [embed_tokens]  # the target's, kept out of this module's parameters and state
+        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
+        self.register_buffer("inv_freq", inv, persistent=False)  # [D/2]
+        if token_map is not None:
+            self.register_buffer("draft_token_map", token_map.long(), persistent=False)  # [K] target ids
+        else:
+            self.draft_token_map = None
+        self._features: torch.Tensor | None = None  # [B, Q, F] target features, or [B, Q, H] feedback
+        self._feedback = False
+        self.last_feedback: torch.Tensor | None = None  # [B, Q, H] what the next position reads
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self._embed[0]
+
+    def set_features(self, features: torch.Tensor, feedback: bool) -> None:
+        """features [B, Q, F] from the target (feedback=False) or [B, Q, H] the head's own."""
+        self._features, self._feedback = features, feedback
+
+    def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, Q] -> cos, sin [B, Q, D]."""
+        angles = positions[..., None].float() * self.inv_freq  # [B, Q, D/2]
+        angles = torch.cat([angles, angles], dim=-1)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def hidden_in(self, features: torch.Tensor, feedback: bool) -> torch.Tensor:
+        """The residual stream the layer starts from: fc(target features), or a draft's feedback."""
+        if feedback and self.cfg.feedback == "direct":
+            return features
+        return self.fc(features)
+
+    def feedback_of(self, pre: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
+        return pre if self.cfg.feedback == "direct" else normed
+
+    def forward(self, input_ids, position_ids, attention_mask, past_key_values=None, use_cache=True,
+                logits_to_keep: int = 0, **_) -> _Output:
+        """input_ids/position_ids [B, Q]; attention_mask [B, 1, Q, K]; past_key_values a SlotKVCache."""
+        embeds = self.get_input_embeddings()(input_ids).to(self.fc.weight.dtype)  # [B, Q, H]
+        features, feedback = self._features, self._feedback
+        self._features = None
+        if features is None:  # a timing call (calibration): zero features of the right width
+            features, feedback = embeds.new_zeros(*input_ids.shape, self.cfg.feature_size), False
+        hidden = self.hidden_in(features.to(embeds.dtype), feedback)  # [B, Q, H]
+        layer = self.midlayer
+        cos, sin = self.rotary(position_ids, embeds.dtype)
+        q, k, v = layer.self_attn.qkv(layer.inputs(embeds, hidden), cos, sin)
+        if past_key_values is not None:
+            k, v = past_key_values.update(k, v, 0)  # [B, kv_heads, K, D]
+        pre = layer.finish(hidden, layer.self_attn.attend(q, k, v, attention_mask))  # [B, Q, H]
+        normed = self.norm(pre)
+        self.last_feedback = self.feedback_of(pre, normed)
+        keep = normed[:, -logits_to_keep:] if logits_to_keep else normed
+        return _Output(self.lm_head(keep))
+
+
+# -- loading and saving -------------------------------------------------------------------------
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+def head_config_for(target: nn.Module, draft_vocab_size: int, feature_layers: tuple[int, ...] = (),
+                    feedback: str = "fc", intermediate_size: int | None = None) -> HeadConfig:
+    """A head shaped like one decoder layer of `target` (a HF Llama-like causal LM)."""
+    c = target.config
+    heads = c.num_attention_heads
+    hidden = c.hidden_size
+    return HeadConfig(
+        hidden_size=hidden, num_attention_heads=heads,
+        num_key_value_heads=getattr(c, "num_key_value_heads", None) or heads,
+        head_dim=getattr(c, "head_dim", None) or hidden // heads,
+        intermediate_size=intermediate_size or c.intermediate_size, rms_norm_eps=c.rms_norm_eps,
+        rope_theta=_rope_theta(c), max_position_embeddings=c.max_position_embeddings,
+        vocab_size=int(target.get_output_embeddings().weight.shape[0]), draft_vocab_size=draft_vocab_size,
+        feature_size=hidden * max(len(feature_layers), 1), feature_layers=tuple(feature_layers), feedback=feedback,
+    )
+
+
+def _rope_theta(config) -> float:
+    params = getattr(config, "rope_parameters", None) or {}
+    theta = params.get("rope_theta") if isinstance(params, dict) else None
+    return float(theta or getattr(config, "rope_theta", None) or 10000.0)
+
+
+def read_head_config(raw: dict, target: nn.Module) -> HeadConfig:
+    """A checkpoint's config.json (EAGLE-3's, or ours with a "specserve" section) -> HeadConfig."""
+    ours = raw.get("specserve", {})
+    heads = raw["num_attention_heads"]
+    hidden = raw["hidden_size"]
+    target_layers = target.config.num_hidden_layers
+    eagle = raw.get("eagle_config") or {}
+    layers = ours.get("feature_layers", eagle.get("eagle_aux_hidden_state_layer_ids"))
+    if layers is None:
+        layers = eagle3_feature_layers(target_layers)
+    target_hidden = raw.get("target_hidden_size") or target.config.hidden_size
+    if raw.get("rope_scaling") not in (None, {}) and raw["rope_scaling"].get("rope_type", "default") != "default":
+        raise ValueError("feature heads with scaled rotary embeddings are not supported yet")
+    vocab = raw.get("vocab_size") or int(target.get_output_embeddings().weight.shape[0])
+    return HeadConfig(
+        hidden_size=hidden, num_attention_heads=heads,
+        num_key_value_heads=raw.get("num_key_value_heads") or heads,
+        head_dim=raw.get("head_dim") or hidden // heads, intermediate_size=raw["intermediate_size"],
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-6), rope_theta=float(raw.get("rope_theta", 10000.0)),
+        max_position_embeddings=raw.get("max_position_embeddings", 2048), vocab_size=vocab,
+        draft_vocab_size=raw.get("draft_vocab_size") or vocab,
+        feature_size=target_hidden * max(len(layers), 1), feature_layers=tuple(int(i) for i in layers),
+        feedback=ours.get("feedback", "direct"),
+    )
+
+
+def load_feature_head(path: str | Path, target: nn.Module) -> FeatureHead:
+    """A head from a directory holding config.json + model.safetensors in the EAGLE-3 layout.
+
+    Keys: fc.weight [H, F]; midlayer.{self_attn.{q,k,v}_proj [*, 2H], self_attn.o_proj,
+    mlp.{gate,up,down}_proj, input_layernorm, hidden_norm, post_attention_layernorm}.weight;
+    norm.weight; lm_head.weight [K, H] (when absent: the target's output rows of the draft
+    vocabulary); d2t [K] (target id = k + d2t[k]; absent: K == V, the identity); t2d [V] (ignored).
+    A "model." prefix is accepted; embed_tokens.weight, when present, must equal the target's.
+    """
+    from safetensors.torch import load_file
+
+    folder = Path(path)
+    cfg = read_head_config(json.loads((folder / CONFIG_FILE).read_text()), target)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors file in {folder}")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        tensors.update({k.removeprefix("model."): v for k, v in load_file(str(f)).items()})
+    tensors.pop("t2d", None)
+    tensors.pop("embed_tokens.weight", None)  # EAGLE-3 heads are trained on the target's embedding
+    d2t = tensors.pop("d2t", None)
+    if d2t is None and cfg.draft_vocab_size != cfg.vocab_size:
+        raise ValueError("a head with a reduced vocabulary needs its d2t map")
+    token_map = None if d2t is None else d2t.long() + torch.arange(len(d2t))  # [K] target ids
+    embed = target.get_input_embeddings()
+    head = FeatureHead(cfg, embed, token_map)
+    if "lm_head.weight" not in tensors:
+        rows = target.get_output_embeddings().weight.detach()
+        tensors["lm_head.weight"] = rows if token_map is None else rows[token_map.to(rows.device)]
+    dtype, device = embed.weight.dtype, embed.weight.device
+    missing, unexpected = head.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"feature head {folder}: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+    return head.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def save_feature_head(head: FeatureHead, path: str | Path, *, store_lm_head: bool, extra: dict | None = None,
+                      dtype: torch.dtype = torch.float16) -> None:
+    """Write config.json + model.safetensors in the layout `load_feature_head` reads."""
+    from safetensors.torch import save_file
+
+    cfg = head.cfg
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to(dtype).contiguous() for k, v in head.state_dict().items()
+             if store_lm_head or k != "lm_head.weight"}
+    if head.draft_token_map is not None:
+        k = head.draft_token_map.cpu()
+        state["d2t"] = (k - torch.arange(len(k))).contiguous()
+    save_file(state, str(folder / WEIGHTS_FILE))
+    raw = {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+        "hidden_size": cfg.hidden_size, "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
+        "intermediate_size": cfg.intermediate_size, "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta, "max_position_embeddings": cfg.max_position_embeddings,
+        "vocab_size": cfg.vocab_size, "draft_vocab_size": cfg.draft_vocab_size, "num_hidden_layers": 1,
+        "target_hidden_size": cfg.feature_size // max(len(cfg.feature_layers), 1),
+        "specserve": {"feature_layers": list(cfg.feature_layers), "feedback": cfg.feedback, **(extra or {})},
+    }
+    (folder / CONFIG_FILE).write_text(json.dumps(raw, indent=2) + "\n")
+
+
+# -- the target's features ------------------------------------------------------------------------
+class FeatureStore:
+    """Per request, the target's features by position: [capacity, F], grown by doubling."""
+
+    def __init__(self) -> None:
+        self._rows: dict[str, torch.Tensor] = {}
+        self._written: dict[str, int] = {}  # request id -> end of the last write
+
+    def write(self, request_id: str, start: int, features: torch.Tensor) -> None:
+        """features [n, F] for positions start .. start+n-1 (what lies beyond is stale from now on)."""
+        end = start + features.shape[0]
+        store = self._rows.get(request_id)
+        if store is None or store.shape[0] < end:
+            grown = features.new_empty(max(end, 2 * (0 if store is None else store.shape[0]), 64), features.shape[1])
+            if store is not None:
+                grown[: store.shape[0]] = store
+            self._rows[request_id] = store = grown
+        store[start:end] = features
+        self._written[request_id] = end
+
+    def written(self, request_id: str) -> int:
+        return self._written.get(request_id, 0)
+
+    def read(self, request_id: str, start: int, end: int) -> torch.Tensor:
+        return self._rows[request_id][start:end]  # [end - start, F]
+
+    def free(self, request_id: str) -> None:
+        self._rows.pop(request_id, None)
+        self._written.pop(request_id, None)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+
+class FeatureTap:
+    """Keeps the features of every forward of the target's runner in a FeatureStore.
+
+    Hooks on the feature modules hold the last forward's outputs ([B', Q, H] each, in the runner's
+    slot order, padded rows last); the runner's `forward(rows, ..., tail=...)` is wrapped so that,
+    once it returns, row b's first len(tokens) + tail positions are written for its request from
+    `start` on, and its `free` so that they go with the request. Hooks fire only in eager forwards
+    (a replayed CUDA graph or a compiled forward would bypass them), so the tap turns the target
+    runner eager.
+    """
+
+    def __init__(self, runner: ModelRunner, feature_layers: tuple[int, ...], store: FeatureStore) -> None:
+        self.runner = runner
+        self.store = store
+        self._outputs: list[torch.Tensor | None] = []
+        self._handles = []
+        for i, module in enumerate(feature_modules(runner.model, feature_layers)):
+            self._outputs.append(None)
+            self._handles.append(module.register_forward_hook(self._keep(i)))
+        runner.execution = "eager"  # hooks must fire on every forward
+        inner_forward, inner_free = runner.forward, runner.free
+
+        def forward(rows: list[RowInput], logits: str = "last", tail: torch.Tensor | None = None):
+            out = inner_forward(rows, logits, tail=tail)
+            self._store(rows, 0 if tail is None else tail.shape[1])
+            return out
+
+        def free(request_id: str) -> None:  # features live as long as the target's cache of them
+            inner_free(request_id)
+            store.free(request_id)
+
+        runner.forward, runner.free = forward, free  # instance attributes: this runner only
+
+    def _keep(self, i: int):
+        def hook(module, args, output):
+            self._outputs[i] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+    def _store(self, rows: list[RowInput], tail_width: int) -> None:
+        if any(o is None for o in self._outputs):
+            return
+        first = self._outputs[0]  # a sharded target keeps its layers on several devices
+        feats = first if len(self._outputs) == 1 else torch.cat([o.to(first.device) for o in self._outputs], -1)
+        self._outputs = [None] * len(self._outputs)
+        # the runner ran the rows sorted by slot (see ModelRunner.stage): sorted row i is caller row order[i]
+        order = sorted(range(len(rows)), key=lambda b: self.runner._slot_of[rows[b].request_id])
+        for i, b in enumerate(order):
+            row = rows[b]
+            self.store.write(row.request_id, row.start, feats[i, : len(row.tokens) + tail_width])
+
+
+# -- the proposer ---------------------------------------------------------------------------------
+class FeatureDrafterProposer(DraftModelProposer):
+    """Drafts with a FeatureHead from the target's features; needs `attach_target(runner)` (the
+    target verifier's runner) before its first call. Per request it keeps the tokens it was sent
+    (plus its last G-1 drafts, as the protocol asks) and how many exact pairs the head's KV cache
+    holds. A row whose last target feature is not there yet (its prompt has not been through the
+    target: the first step) gets copies of its last token, which cost nothing and are rejected."""
+
+    def __init__(self, head: FeatureHead, vocab_size: int, max_positions: int | None = None) -> None:
+        # eager: the head reads the features set on it before each forward (module state that a
+        # replayed graph would not see)
+        super().__init__(head, vocab_size, max_positions, execution="eager")
+        self.head = head
+        self.features = FeatureStore()
+        self._tokens: dict[str, list[int]] = {}
+        self._exact: dict[str, int] = {}  # request id -> leading pairs computed from target features
+        self._tap: FeatureTap | None = None
+
+    def attach_target(self, runner: ModelRunner) -> None:
+        """Start keeping the features of the target runner's forwards (one runner per proposer)."""
+        if self._tap is not None and self._tap.runner is not runner:
+            raise RuntimeError("this feature drafter already reads another target runner; build one per engine")
+        if self._tap is None:
+            self._tap = FeatureTap(runner, self.head.cfg.feature_layers, self.features)
+
+    def free(self, request_id: str) -> None:
+        self.runner.free(request_id)
+        self.features.free(request_id)
+        self._tokens.pop(request_id, None)
+        self._exact.pop(request_id, None)
+
+    def valid_length(self, request_id: str) -> int:
+        return len(self._tokens.get(request_id, ()))
+
+    def num_cached(self) -> int:
+        return len(self._tokens)
+
+    @torch.no_grad()
+    def propose(
+        self, rows: list[RowInput], num_tokens: int, sampling: BatchSampling, uniforms: torch.Tensor | None
+    ) -> Proposal:
+        """rows: B rows; uniforms [B, G] or None (all greedy) -> Proposal with G = num_tokens."""
+        if self._tap is None:
+            raise RuntimeError("a feature drafter must be attached to the target's runner first")
+        for row in rows:
+            if row.start > self.valid_length(row.request_id):
+                raise CacheMiss(row.request_id, self.valid_length(row.request_id), row.start)
+        self.runner.take_forward_log()
+        began = time.perf_counter()
+        seqs = []
+        for row in rows:
+            seq = self._tokens.setdefault(row.request_id, [])
+            del seq[row.start :]
+            seq.extend(row.tokens)
+            self._exact[row.request_id] = min(self._exact.get(row.request_id, 0), row.start - 1)
+            seqs.append(seq)
+        ready = [b for b, (row, seq) in enumerate(zip(rows, seqs))
+                 if self.features.written(row.request_id) >= len(seq) - 1 and len(seq) >= 2]
+        tokens = torch.tensor([seq[-1] for seq in seqs], dtype=torch.long)[:, None].repeat(1, num_tokens)  # [B, G]
+        probs = None
+        if ready and num_tokens > 0:
+            drafted, probs = self._draft([rows[b] for b in ready], [seqs[b] for b in ready], num_tokens,
+                                         _select(sampling, ready) if len(ready) < len(rows) else sampling,
+                                         None if uniforms is None else uniforms[ready])
+            tokens[ready] = drafted
+            probs = self._full_probs(probs, ready, tokens, len(rows))
+        elif not sampling.all_greedy:
+            probs = self._full_probs(None, [], tokens, len(rows))
+        for seq, row_tokens in zip(seqs, tokens.tolist()):
+            seq.extend(row_tokens[: num_tokens - 1])
+        forwards = self.runner.take_forward_log() or (ForwardTiming(0, time.perf_counter() - began),)
+        return Proposal(tokens, probs, forwards)
+
+    def _draft(self, rows, seqs, num_tokens, sampling, uniforms):
+        """Catch up on the exact pairs, then one head forward per further draft -> ([b, G], q or None)."""
+        catch_up = []
+        feats = []
+        for row, seq in zip(rows, seqs):
+            exact = max(self._exact[row.request_id], 0)
+            last = len(seq) - 1  # position P of the newest token; pairs exact .. P-1 are due
+            catch_up.append(RowInput(row.request_id, exact, seq[exact + 1 :]))
+            feats.append(self.features.read(row.request_id, exact, last))
+            self._exact[row.request_id] = last
+        width = max(len(r.tokens) for r in catch_up)
+        device = self.runner.device
+        padded = torch.stack([F.pad(f.to(device), (0, 0, 0, width - f.shape[0])) for f in feats])  # [b, Q, F]
+        flags = None if sampling.all_greedy else sampling.flags()
+        sampling = sampling.to(self.runner.device)
+        inputs = {"uniforms": None if uniforms is None else uniforms.to(device)}  # [b, G]
+        self.head.set_features(padded, feedback=False)
+        logits = self.runner.forward(catch_up, logits="last")  # [b, K]
+        lengths = torch.tensor([len(r.tokens) for r in catch_up], device=padded.device) - 1
+        feedback = self.head.last_feedback[torch.arange(len(rows), device=padded.device), lengths]  # [b, H]
+        last = [len(s) - 1 for s in seqs]  # P per row: draft j+1 comes from the pair at P + j
+        out, qs = [], []
+        for j in range(num_tokens):
+            token, q = self._choose(logits, sampling, flags, inputs, j)
+            out.append(token)
+            qs.append(q)
+            if j + 1 == num_tokens:
+                break
+            step_rows = [RowInput(r.request_id, p + j, [t]) for r, p, t in zip(rows, last, token.tolist())]
+            self.head.set_features(feedback[:, None], feedback=True)  # [b, 1, H]
+            logits = self.runner.forward(step_rows, logits="last")  # [b, K]
+            feedback = self.head.last_feedback[:, -1]
+        drafted = torch.stack(out, dim=1).cpu()  # [b, G]
+        return drafted, None if qs[0] is None else torch.stack(qs, dim=1)
+
+    def _full_probs(self, probs, ready, tokens, batch):
+        """q for every row: the head's for drafted rows, one-hot at the copied token elsewhere."""
+        if probs is not None and len(ready) == batch:
+            return probs
+        full = torch.zeros(batch, tokens.shape[1], self.vocab_size, device=self.runner.device)
+        full.scatter_(-1, tokens[..., None].to(full.device), 1.0)
+        if probs is not None:
+            full[ready] = probs
+        return full
+
+
+def _select(sampling: BatchSampling, rows: list[int]) -> BatchSampling:
+    index = torch.tensor(rows, dtype=torch.long)
+    return BatchSampling(sampling.temperature[index], sampling.top_k[index], sampling.top_p[index])
+
+
+SHIPPED_HEADS = Path(__file__).resolve().parent.parent / "models" / "weights"
+
+
+def resolve_head_path(path: str | Path) -> Path:
+    """A head directory as given, else one shipped with the package (specserve/models/weights/NAME)."""
+    given = Path(path).expanduser()
+    if (given / CONFIG_FILE).is_file():
+        return given
+    shipped = SHIPPED_HEADS / str(path)
+    if (shipped / CONFIG_FILE).is_file():
+        return shipped
+    raise FileNotFoundError(f"no feature head at {given} (config.json + safetensors), nor a shipped one named {path!r}")
+
+
+@dataclass(frozen=True)
+class FeatureDrafterSpec:
+    """A feature head (EAGLE-style) loaded from `path` (config.json + safetensors; or the name of
+    a head shipped in specserve/models/weights), drafting from the target's hidden states next to
+    the target. The engine (or the target worker) attaches it to the target's runner."""
+
+    path: str
+
+    def build(self, target_model: torch.nn.Module, vocab_size: int, max_positions: int | None):
+        head = load_feature_head(resolve_head_path(self.path), target_model)
+        return FeatureDrafterProposer(head, vocab_size, max_positions)

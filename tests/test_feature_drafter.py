@@ -1,0 +1,250 @@
+"""The feature drafter (EAGLE-style head): lossless like every drafter, and it loads the public
+EAGLE-3 checkpoint layout.
+
+A head is trained for a few seconds on a tiny target's own greedy continuations (the distill
+trainer), so that it really drafts something the target accepts; the loader test writes a randomly
+initialised head by hand in the EAGLE-3 layout (fc over three layers' features, reduced draft
+vocabulary with d2t/t2d) and runs it.
+"""
+import functools
+import json
+import random
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from models import hf_greedy, tiny_llama
+from specserve import SamplingParams, SpeculativeEngine
+from specserve.config import FeatureDrafter, load_app_config
+from specserve.distill.data import FeatureCapture
+from specserve.distill.train import TrainSettings, choose_draft_vocab, init_head, train_head
+from specserve.engine.feature_drafter import (
+    FeatureDrafterProposer, FeatureDrafterSpec, eagle3_feature_layers, load_feature_head, save_feature_head,
+)
+from specserve.engine.proposers import target_vocab_size
+from test_sampling_distribution import NUM_SEQUENCES, PROMPT, SETTINGS, VOCAB, chi_square_pvalue, exact_marginals
+
+MAX_NEW = 24
+LAYERS = 4
+
+
+@functools.lru_cache(maxsize=None)
+def target():
+    return tiny_llama(0, layers=LAYERS)
+
+
+def prompts(batch: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed + batch)
+    return [[rng.randrange(1, 96) for _ in range(rng.choice([2, 5, 9, 17]))] for _ in range(batch)]
+
+
+@functools.lru_cache(maxsize=None)
+def reference(prompt: tuple[int, ...]) -> list[int]:
+    return hf_greedy(target(), list(prompt), MAX_NEW)
+
+
+@torch.no_grad()
+def training_rows(model, seqs: list[list[int]], prompt_len: int) -> list[dict]:
+    capture = FeatureCapture(model)
+    try:
+        rows = []
+        for seq in seqs:
+            logits = model(input_ids=torch.tensor([seq])).logits[0]
+            rows.append({"ids": torch.tensor(seq, dtype=torch.int32), "features": capture.take()[0].half(),
+                         "argmax": logits.argmax(-1).to(torch.int32), "prompt_len": prompt_len})
+        return rows
+    finally:
+        capture.remove()
+
+
+@pytest.fixture(scope="module")
+def head_dir(tmp_path_factory):
+    """A head trained briefly on the tiny target's greedy continuations of random prompts."""
+    model = target()
+    train = prompts(48, seed=100)
+    rows = training_rows(model, [p + hf_greedy(model, p, 32) for p in train], prompt_len=0)
+    torch.manual_seed(0)
+    head = init_head(model, choose_draft_vocab(rows, 64, target_vocab_size(model), reserved=0))
+    settings = TrainSettings(time_budget=6.0, batch_tokens=512, lr=3e-3, warmup_steps=5, checkpoint_every=1e9)
+    out = tmp_path_factory.mktemp("head")
+    train_head(head, rows, settings, out / "checkpoint.pt")
+    save_feature_head(head, out, store_lm_head=False)
+    return out
+
+
+def build(path, model=None):
+    model = model or target()
+    return FeatureDrafterSpec(str(path)).build(model, target_vocab_size(model), None)
+
+
+# -- lossless ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("gamma", [1, 3, 5])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_greedy_identical_to_hf_generate(head_dir, gamma, batch):
+    model = target()
+    engine = SpeculativeEngine(model, proposer=build(head_dir), num_speculative_tokens=gamma, adaptive=False)
+    batch_prompts = prompts(batch)
+    outs = engine.generate(batch_prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0.0))
+    for prompt, out in zip(batch_prompts, outs):
+        assert out.token_ids == reference(tuple(prompt)), (gamma, prompt)
+    assert sum(o.metrics.num_accepted_tokens for o in outs) > 0  # really speculating, not just running
+
+
+def test_adaptive_and_joining_requests_identical(head_dir):
+    """Requests join and leave between steps; adaptive γ switches drafting on and off."""
+    model = target()
+    engine = SpeculativeEngine(model, drafter=FeatureDrafterSpec(str(head_dir)), num_speculative_tokens=4)
+    batch_prompts = prompts(5, seed=3)
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
+    outputs = {f"r{i}": [] for i in range(len(batch_prompts))}
+
+    def step():
+        for out in engine.step():
+            outputs[out.request_id] += out.new_token_ids
+
+    for i, prompt in enumerate(batch_prompts[:2]):
+        engine.add_request(f"r{i}", prompt, params)
+    step()
+    step()
+    for i, prompt in enumerate(batch_prompts[2:], start=2):
+        engine.add_request(f"r{i}", prompt, params)
+    while engine.has_unfinished():
+        step()
+    for i, prompt in enumerate(batch_prompts):
+        assert outputs[f"r{i}"] == reference(tuple(prompt)), i
+    assert engine.proposer.num_cached() == 0 and len(engine.proposer.features) == 0  # all freed
+
+
+def test_trained_head_beats_chance(head_dir):
+    model = target()
+    engine = SpeculativeEngine(model, proposer=build(head_dir), num_speculative_tokens=3, adaptive=False)
+    outs = engine.generate(prompts(8, seed=7), SamplingParams(max_tokens=MAX_NEW, temperature=0.0))
+    drafted = sum(o.metrics.num_draft_tokens for o in outs)
+    accepted = sum(o.metrics.num_accepted_tokens for o in outs)
+    assert accepted / drafted > 0.1  # a random guess among 96 tokens would accept about 1%
+
+
+def test_sampling_matches_target_distribution(tmp_path):
+    """An untrained head on the vocabulary-8 model: sampled output follows the target (chi-square)."""
+    torch.manual_seed(1)
+    small = tiny_llama(0, vocab=VOCAB, init_range=0.3, layers=3, hidden=16)
+    head = init_head(small, torch.arange(VOCAB))
+    save_feature_head(head, tmp_path, store_lm_head=True)
+    params = SETTINGS["plain"]
+    exact2, exact3 = exact_marginals(small, params)
+    engine = SpeculativeEngine(small, proposer=build(tmp_path, small), num_speculative_tokens=2, adaptive=False,
+                               max_batch_size=2500)
+    seeded = [SamplingParams(**{**params.__dict__, "seed": i, "ignore_eos": True}) for i in range(NUM_SEQUENCES)]
+    outs = engine.generate([PROMPT] * NUM_SEQUENCES, seeded)
+    assert sum(o.metrics.num_accepted_tokens for o in outs) > 0.1 * NUM_SEQUENCES  # the rule is exercised
+    count = lambda pos: torch.tensor(  # noqa: E731
+        [sum(o.token_ids[pos] == v for o in outs) for v in range(VOCAB)], dtype=torch.float64)
+    assert chi_square_pvalue(count(1), exact2) > 1e-4
+    assert chi_square_pvalue(count(2), exact3) > 1e-4
+
+
+# -- the EAGLE-3 checkpoint layout ------------------------------------------------------------------
+def write_eagle3_head(folder, model, draft_vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A randomly initialised head written the way public EAGLE-3 heads are published."""
+    gen = torch.Generator().manual_seed(seed)
+    c = model.config
+    hidden, vocab = c.hidden_size, c.vocab_size
+    head_dim = hidden // c.num_attention_heads
+    rand = lambda *shape: torch.randn(*shape, generator=gen) * 0.05  # noqa: E731
+    hot = torch.randperm(vocab, generator=gen)[:draft_vocab].sort().values  # [K] target ids
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[hot] = True
+    tensors = {
+        "fc.weight": rand(hidden, 3 * hidden),
+        "midlayer.self_attn.q_proj.weight": rand(c.num_attention_heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.k_proj.weight": rand(c.num_key_value_heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.v_proj.weight": rand(c.num_key_value_heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.o_proj.weight": rand(hidden, c.num_attention_heads * head_dim),
+        "midlayer.mlp.gate_proj.weight": rand(c.intermediate_size, hidden),
+        "midlayer.mlp.up_proj.weight": rand(c.intermediate_size, hidden),
+        "midlayer.mlp.down_proj.weight": rand(hidden, c.intermediate_size),
+        "midlayer.input_layernorm.weight": 1 + rand(hidden),
+        "midlayer.hidden_norm.weight": 1 + rand(hidden),
+        "midlayer.post_attention_layernorm.weight": 1 + rand(hidden),
+        "norm.weight": 1 + rand(hidden),
+        "lm_head.weight": rand(draft_vocab, hidden),
+        "d2t": hot - torch.arange(draft_vocab),  # target id = draft id + d2t[draft id]
+        "t2d": t2d,
+    }
+    save_file(tensors, str(folder / "model.safetensors"))
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": hidden,
+        "intermediate_size": c.intermediate_size, "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads, "num_hidden_layers": 1, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0, "max_position_embeddings": 256, "vocab_size": vocab,
+        "draft_vocab_size": draft_vocab, "tie_word_embeddings": False, "torch_dtype": "float16",
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    return tensors
+
+
+def test_loads_the_eagle3_layout_and_stays_lossless(tmp_path):
+    model = tiny_llama(0, layers=8)
+    tensors = write_eagle3_head(tmp_path, model, draft_vocab=40)
+    head = load_feature_head(tmp_path, model)
+    assert head.cfg.feature_layers == eagle3_feature_layers(8) == (1, 3, 4)
+    assert head.cfg.feature_size == 3 * model.config.hidden_size and head.cfg.feedback == "direct"
+    assert torch.equal(head.draft_token_map, tensors["d2t"] + torch.arange(40))
+    assert torch.equal(head.fc.weight, tensors["fc.weight"])
+    assert torch.equal(head.midlayer.self_attn.q_proj.weight, tensors["midlayer.self_attn.q_proj.weight"])
+    assert torch.equal(head.lm_head.weight, tensors["lm_head.weight"])
+
+    proposer = build(tmp_path, model)
+    assert isinstance(proposer, FeatureDrafterProposer)
+    engine = SpeculativeEngine(model, proposer=proposer, num_speculative_tokens=3, adaptive=False)
+    batch_prompts = prompts(3)
+    outs = engine.generate(batch_prompts, SamplingParams(max_tokens=12, temperature=0.0))
+    for prompt, out in zip(batch_prompts, outs):
+        assert out.token_ids == hf_greedy(model, prompt, 12)
+    assert sum(o.metrics.num_draft_tokens for o in outs) > 0
+
+
+def test_loader_refuses_a_broken_checkpoint(tmp_path):
+    model = tiny_llama(0, layers=8)
+    tensors = write_eagle3_head(tmp_path, model, draft_vocab=40)
+    del tensors["d2t"]
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="d2t"):
+        load_feature_head(tmp_path, model)
+    with pytest.raises(FileNotFoundError):
+        FeatureDrafterSpec(str(tmp_path / "nowhere")).build(model, target_vocab_size(model), None)
+
+
+def test_config_names_a_feature_head(head_dir):
+    config = load_app_config({"served_model_name": "t", "target": {"kind": "tiny"},
+                              "drafter": {"kind": "eagle", "path": str(head_dir)}})
+    assert isinstance(config.drafter, FeatureDrafter)
+    assert config.drafter.engine_spec() == FeatureDrafterSpec(str(head_dir))
+
+
+def test_target_worker_drafts_with_a_feature_head(tmp_path):
+    """The target worker (no Ray here) builds the head from its config, attaches it to its own
+    verifier, and the coordinator's propose/verify loop stays lossless."""
+    from specserve.config import TinySource
+    from specserve.engine.scheduler import SpeculationPolicy
+    from specserve.engine.step import apply_verdict, new_sequence, plan_step
+    from specserve.models.loading import load_target
+    from specserve.serve.workers import TargetWorker
+
+    source = TinySource(layers=2)
+    model = load_target(source)
+    save_feature_head(init_head(model, torch.arange(target_vocab_size(model))), tmp_path, store_lm_head=True)
+    worker = TargetWorker(source, 256, drafter=FeatureDrafter(path=str(tmp_path)))
+    prompt = list(b"speculate")
+    seq = new_sequence("r", prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                       vocab_size=target_vocab_size(model), max_model_len=256, eos_token_ids=frozenset())
+    policy = SpeculationPolicy(3, adaptive=False)
+    while seq.finish_reason is None:
+        plan = plan_step([seq], policy)
+        proposal = worker.propose(plan.draft_rows(), plan.num_positions, plan.sampling, plan.draft_uniforms).result
+        verdict = worker.verify(plan.target_rows(), proposal.tokens, proposal.probs, plan.num_draft, plan.sampling,
+                                plan.accept_uniforms, plan.final_uniforms).result
+        apply_verdict(plan, proposal, verdict)
+    assert seq.output == hf_greedy(model, prompt, 12)
+    assert seq.metrics.num_draft_tokens > 0
