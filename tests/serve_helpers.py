@@ -41,9 +41,15 @@ def start_local_serve(port: int, metrics_port: int | None = None) -> str:
         extra = {"_metrics_export_port": metrics_port, "_system_config": {"metrics_report_interval_ms": 1000}}
     ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
              namespace="specserve-tests", **extra)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    spec = tiny_app_spec()
-    serve.run(build_app(spec["args"]), name=spec["name"], route_prefix=spec["route_prefix"])
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        spec = tiny_app_spec()
+        serve.run(build_app(spec["args"]), name=spec["name"], route_prefix=spec["route_prefix"])
+    except BaseException:
+        # a failed start leaves no Ray behind: pytest retries a failed session fixture for every test
+        # that uses it, and each retry should show this error, not "ray.init twice"
+        stop_local_serve()
+        raise
     return f"http://127.0.0.1:{port}"
 
 
@@ -84,8 +90,10 @@ def stop_local_serve() -> None:
     import ray
     from ray import serve
 
-    serve.shutdown()
-    ray.shutdown()
+    try:
+        serve.shutdown()
+    finally:
+        ray.shutdown()
 
 
 def worker_actors(kind: str) -> list:

@@ -19,7 +19,7 @@ from specserve.engine.proposers import (
     find_continuation, layer_skip_view, target_vocab_size,
 )
 from specserve.engine.sampling import BatchSampling
-from test_sampling_distribution import NUM_SEQUENCES, PROMPT, SETTINGS, VOCAB, chi_square_pvalue, exact_marginals
+from test_sampling_distribution import VOCAB, assert_proposer_follows_target
 
 MAX_NEW = 24
 LAYERS = 4
@@ -86,17 +86,7 @@ def small_target():
 
 @pytest.mark.parametrize("spec", [LayerSkipSpec((1,)), PromptLookupSpec(min_n=1, max_n=2)], ids=repr)
 def test_sampling_matches_target_distribution(small_target, spec):
-    params = SETTINGS["plain"]
-    exact2, exact3 = exact_marginals(small_target, params)
-    engine = SpeculativeEngine(small_target, proposer=build(spec, small_target), num_speculative_tokens=2,
-                               adaptive=False, max_batch_size=2500)
-    seeded = [SamplingParams(**{**params.__dict__, "seed": i, "ignore_eos": True}) for i in range(NUM_SEQUENCES)]
-    outs = engine.generate([PROMPT] * NUM_SEQUENCES, seeded)
-    assert sum(o.metrics.num_accepted_tokens for o in outs) > 0.1 * NUM_SEQUENCES  # the rule is exercised
-    count = lambda pos: torch.tensor(  # noqa: E731
-        [sum(o.token_ids[pos] == v for o in outs) for v in range(VOCAB)], dtype=torch.float64)
-    assert chi_square_pvalue(count(1), exact2) > 1e-4
-    assert chi_square_pvalue(count(2), exact3) > 1e-4
+    assert_proposer_follows_target(small_target, build(spec, small_target))
 
 
 # -- prompt lookup ----------------------------------------------------------------------------------

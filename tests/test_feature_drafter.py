@@ -23,7 +23,7 @@ from specserve.engine.feature_drafter import (
     FeatureDrafterProposer, FeatureDrafterSpec, eagle3_feature_layers, load_feature_head, save_feature_head,
 )
 from specserve.engine.proposers import target_vocab_size
-from test_sampling_distribution import NUM_SEQUENCES, PROMPT, SETTINGS, VOCAB, chi_square_pvalue, exact_marginals
+from test_sampling_distribution import VOCAB, assert_proposer_follows_target
 
 MAX_NEW = 24
 LAYERS = 4
@@ -131,17 +131,7 @@ def test_sampling_matches_target_distribution(tmp_path):
     small = tiny_llama(0, vocab=VOCAB, init_range=0.3, layers=3, hidden=16)
     head = init_head(small, torch.arange(VOCAB))
     save_feature_head(head, tmp_path, store_lm_head=True)
-    params = SETTINGS["plain"]
-    exact2, exact3 = exact_marginals(small, params)
-    engine = SpeculativeEngine(small, proposer=build(tmp_path, small), num_speculative_tokens=2, adaptive=False,
-                               max_batch_size=2500)
-    seeded = [SamplingParams(**{**params.__dict__, "seed": i, "ignore_eos": True}) for i in range(NUM_SEQUENCES)]
-    outs = engine.generate([PROMPT] * NUM_SEQUENCES, seeded)
-    assert sum(o.metrics.num_accepted_tokens for o in outs) > 0.1 * NUM_SEQUENCES  # the rule is exercised
-    count = lambda pos: torch.tensor(  # noqa: E731
-        [sum(o.token_ids[pos] == v for o in outs) for v in range(VOCAB)], dtype=torch.float64)
-    assert chi_square_pvalue(count(1), exact2) > 1e-4
-    assert chi_square_pvalue(count(2), exact3) > 1e-4
+    assert_proposer_follows_target(small, build(tmp_path, small))
 
 
 # -- the EAGLE-3 checkpoint layout ------------------------------------------------------------------

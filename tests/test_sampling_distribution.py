@@ -72,6 +72,24 @@ def chi_square_pvalue(observed: torch.Tensor, probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(dof / 2.0), stat / 2.0))
 
 
+def assert_proposer_follows_target(target, proposer) -> None:
+    """A drafter's engine (γ 2, every sequence seeded) samples PROMPT's second and third tokens
+    from the target's own distribution, and accepts often enough that the rule is exercised."""
+    from specserve import SpeculativeEngine
+
+    params = SETTINGS["plain"]
+    exact2, exact3 = exact_marginals(target, params)
+    engine = SpeculativeEngine(target, proposer=proposer, num_speculative_tokens=2, adaptive=False,
+                               max_batch_size=2500)
+    seeded = [SamplingParams(**{**params.__dict__, "seed": i, "ignore_eos": True}) for i in range(NUM_SEQUENCES)]
+    outs = engine.generate([PROMPT] * NUM_SEQUENCES, seeded)
+    assert sum(o.metrics.num_accepted_tokens for o in outs) > 0.1 * NUM_SEQUENCES  # the rule is exercised
+    count = lambda pos: torch.tensor(  # noqa: E731
+        [sum(o.token_ids[pos] == v for o in outs) for v in range(VOCAB)], dtype=torch.float64)
+    assert chi_square_pvalue(count(1), exact2) > 1e-4
+    assert chi_square_pvalue(count(2), exact3) > 1e-4
+
+
 @pytest.mark.parametrize("setting", sorted(SETTINGS))
 def test_sampling_matches_target_distribution(pair, setting):
     target, draft = pair

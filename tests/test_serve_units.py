@@ -226,7 +226,7 @@ def test_shipped_configs_bound_every_queue_and_timeout(path):
             assert options["max_queued_requests"] >= 0  # Serve's queue is bounded (-1 would be unbounded)
             assert options["backpressure_config"]["status_code"] == 429
             assert options["graceful_shutdown_timeout_s"] >= config.request_timeout_s
-def test_a_public_bind_needs_a_key(monkeypatch):
+def test_a_public_bind_needs_a_key(monkeypatch, tmp_path):
     from specserve.cli import main, unauthenticated_public
 
     monkeypatch.delenv("SPECSERVE_API_KEY", raising=False)
@@ -243,12 +243,9 @@ def test_a_public_bind_needs_a_key(monkeypatch):
     assert unauthenticated_public(public) == []
     monkeypatch.delenv("SPECSERVE_API_KEY")
     # the CLI refuses before starting anything
-    path = Path(__file__).resolve().parent / "_public.yaml"
+    path = tmp_path / "public.yaml"
     path.write_text(yaml.safe_dump(public))
-    try:
-        assert main(["serve", str(path)]) == 2
-    finally:
-        path.unlink()
+    assert main(["serve", str(path)]) == 2
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
