@@ -238,3 +238,6 @@ def test_target_worker_drafts_with_a_feature_head(tmp_path):
         apply_verdict(plan, proposal, verdict)
     assert seq.output == hf_greedy(model, prompt, 12)
     assert seq.metrics.num_draft_tokens > 0
+    import ray
+
+    assert not ray.is_initialized()  # a worker built outside Ray must not start a cluster

@@ -193,7 +193,10 @@ def _rss_bytes() -> int:
 
 
 def _assigned_gpus() -> list[int]:
-    """The CUDA ordinals of the GPUs Ray gave this actor (Ray narrows CUDA_VISIBLE_DEVICES to them)."""
+    """The CUDA ordinals of the GPUs Ray gave this actor (Ray narrows CUDA_VISIBLE_DEVICES to them).
+    A worker built outside Ray (tests, scripts) has none; asking Ray there would start a cluster."""
     from specserve.engine.sharding import cuda_ordinals
 
+    if not ray.is_initialized():
+        return cuda_ordinals([])
     return cuda_ordinals(ray.get_gpu_ids())
