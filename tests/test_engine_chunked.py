@@ -240,3 +240,20 @@ def test_coordinator_prefills_in_chunks_and_rebuilds_after_a_restart(monkeypatch
     assert log.count("prefill") >= 2 * math.ceil(74 / chunk)  # b's prompt went in chunks, to both workers
     # the restart (b mid-prefill) made the target take b's first chunks again
     assert coordinator._totals["prefill_tokens"] > sum(len(p) - 1 for p in prompts.values())
+
+
+def test_a_prefill_call_deadline_is_priced_by_its_padded_chunk():
+    from specserve.config import Deadlines
+    from specserve.engine import RowInput
+    from specserve.engine.model_runner import ForwardTiming
+    from specserve.engine.scheduler import SpeculationPolicy
+    from specserve.serve.coordinator import Coordinator
+
+    policy = SpeculationPolicy(4)
+    policy.observe_costs("target", [ForwardTiming(n, 0.001 * n) for n in (1, 8, 32, 64)])
+    policy.observe_costs("draft", [ForwardTiming(n, 0.0001 * n) for n in (1, 8, 32, 64)])
+    coordinator = object.__new__(Coordinator.func_or_class)
+    coordinator.__dict__.update(deadlines=Deadlines(multiple=10, target_floor_s=2, draft_floor_s=0.5), policy=policy)
+    chunk = [RowInput("long", 1024, [1] * 512), RowInput("short", 0, [1] * 3)]  # padded: 2 x 512
+    assert coordinator._deadline("target", chunk) == pytest.approx(2 + 10 * 0.001 * 1024)
+    assert coordinator._deadline("draft", chunk) == pytest.approx(0.5 + 10 * 0.0001 * 1024)

@@ -189,8 +189,9 @@ def prefill_step(
     seqs: list[Sequence], proposer: Proposer | None, verifier: TargetVerifier, budget: int
 ) -> list[Sequence]:
     """Run this step's prefill chunks in process (target, then the draft when there is one) and
-    return the requests ready to step, in their order."""
-    with_draft = proposer is not None
+    return the requests ready to step, in their order. A proposer without `prefill` (one written
+    before chunking) catches a prompt up in its first propose, as before."""
+    with_draft = proposer is not None and hasattr(proposer, "prefill")
     rows = prefill_rows(seqs, "target_len", budget)
     if rows:
         verifier.prefill(rows)
