@@ -6,7 +6,7 @@ prefill off (a prompt prefilled whole inside its first step) and on, side by sid
 `--streams` requests decode without end (ignore_eos); every `--interval` seconds a `--long`-token
 prompt arrives (the shipped prompts concatenated), takes `--long-max-tokens` tokens and leaves.
 Each mode runs `--seconds` per round, rounds alternate off/on (a shared machine's load bursts hit
-both). A running stream's tokens from one step share its wait evenly (as the serving metrics do):
+every mode; `--chunks` may list several budgets). A running stream's tokens from one step share its wait evenly (as the serving metrics do):
 ITL samples are (now - its previous step's end) / tokens. Also: the long prompts' TTFT (arrival to
 first token) and the running streams' tokens per second. A speed figure, so a benchmark, not a test.
 """
@@ -136,18 +136,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--interval", type=float, default=4.0, help="seconds between long prompts")
     parser.add_argument("--long-max-tokens", type=int, default=8)
     parser.add_argument("--stream-max-tokens", type=int, default=1500)
-    parser.add_argument("--chunk", type=int, default=512, help="prefill_chunk_tokens of the chunked mode")
+    parser.add_argument("--chunks", default="512", help="prefill_chunk_tokens of each chunked mode, comma-separated")
     parser.add_argument("--gamma", type=int, default=4, help="num_speculative_tokens (adaptive)")
     parser.add_argument("--seconds", type=float, default=20.0, help="seconds per mode and round")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (0: torch's default); 1 by default: on a shared CPU, threads that "
+                             "wait for each other at every op make small forwards 10-50x slower")
     parser.add_argument("--out", default="bench-results/prefill.json")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     target, draft, tokenizer = load(args.model, args.long)
     running, long_prompt = workload(tokenizer, args.streams, args.long)
-    modes = [Mode("off (whole)", 0), Mode(f"chunked {args.chunk}", args.chunk)]
+    modes = [Mode("off (whole)", 0)] + [Mode(f"chunked {c}", c) for c in map(int, args.chunks.split(","))]
     engines = [SpeculativeEngine(target, draft, args.gamma, max_batch_size=args.streams + 4,
                                  prefill_chunk_tokens=m.chunk) for m in modes]
     for engine in engines:  # measured costs, a learnt α, and the long prompt's kernels warmed up

@@ -5,6 +5,7 @@ One replica = one placement group [coordinator, target worker, draft worker] (Se
 the truth (each request's `Sequence`: tokens, sampling params, random stream, cache marks); the
 workers hold KV caches. An asyncio loop runs the engine's step protocol remotely:
 
+    await target.prefill + draft.prefill (new prompts' next chunks, both at once; chunked prefill)
     plan_step -> await draft.propose -> await target.verify -> apply_verdict -> policy.observe_*
 
 Requests join (admission up to max_batch_size) and leave (finish, abort) between steps. The maths
@@ -652,24 +653,24 @@ class ProposerSide:
     Each field is an actor method: `side.propose.remote(...)`."""
 
     propose: object
-    prefill: object
     free: object
     num_cached: object
     max_positions: object
     time_forwards: object
     ready: object
     memory: object
+    prefill: object
 
     @staticmethod
     def of_draft_worker(actor) -> "ProposerSide":
-        return ProposerSide(actor.propose, actor.prefill, actor.free, actor.num_cached, actor.max_positions,
-                            actor.time_forwards, actor.ready, actor.memory)
+        return ProposerSide(actor.propose, actor.free, actor.num_cached, actor.max_positions, actor.time_forwards,
+                            actor.ready, actor.memory, actor.prefill)
 
     @staticmethod
     def colocated(target) -> "ProposerSide":
-        return ProposerSide(target.propose, target.proposer_prefill, target.proposer_free,
-                            target.proposer_num_cached, target.proposer_max_positions,
-                            target.proposer_time_forwards, target.ready, target.memory)
+        return ProposerSide(target.propose, target.proposer_free, target.proposer_num_cached,
+                            target.proposer_max_positions, target.proposer_time_forwards, target.ready,
+                            target.memory, target.proposer_prefill)
 
 
 def _merge(items: list) -> Delta | Failed:
