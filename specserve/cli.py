@@ -107,6 +107,7 @@ BENCHES = {  # name -> module with `main(argv: list[str]) -> int`; its own argpa
     "gpu": "specserve.bench.gpu",
     "overload": "specserve.bench.overload",
     "ingress": "specserve.bench.ingress",
+    "prefill": "specserve.bench.prefill",
 }
 
 

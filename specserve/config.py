@@ -269,6 +269,10 @@ class AppConfig(_Strict):
     speculation: SpeculationConfig = SpeculationConfig()
     max_batch_size: int = Field(32, ge=1)
     max_model_len: int | None = Field(None, ge=2)  # default: the models' own limit
+    # Chunked prefill: the most prompt tokens each worker prefills per step, in a forward of its own
+    # beside the step, so that a long prompt delays running streams by one bounded chunk per step
+    # instead of its whole prefill (docs/engine.md); 0: a new prompt is prefilled whole in its first step.
+    prefill_chunk_tokens: int = Field(512, ge=0)
     # Overload, per coordinator replica: requests waiting for the running batch beyond this are
     # refused (HTTP 429 + Retry-After); 0 = no waiting at all (admit or refuse).
     max_queued_requests: int = Field(32, ge=0)

@@ -16,8 +16,13 @@ from .model_runner import BATCH_BUCKETS, CALIBRATION_SIZES, ModelRunner, RowInpu
 from .proposers import DrafterSpec, DraftModelProposer, DraftModelSpec, Proposer
 from .sampling import BatchSampling, SamplingParams
 from .scheduler import SpeculationPolicy
-from .step import RequestMetrics, Sequence, StepOutput, new_sequence, speculative_step
+from .step import RequestMetrics, Sequence, StepOutput, new_sequence, prefill_step, speculative_step
 from .verifier import TargetVerifier
+
+
+# Prompt tokens each model prefills per step by default: a bounded forward beside the step (a
+# 2,000-token prompt takes four steps) that is still long enough to run near full efficiency.
+DEFAULT_PREFILL_CHUNK = 512
 
 
 @dataclass(frozen=True)
@@ -43,14 +48,19 @@ class SpeculativeEngine:
         drafter: DrafterSpec | None = None,
         proposer: Proposer | None = None,
         execution: str = "auto",
+        prefill_chunk_tokens: int | None = DEFAULT_PREFILL_CHUNK,
     ) -> None:
         """What drafts, at most one of: draft_model, a separate draft model (shorthand for
         drafter=DraftModelSpec(draft_model)); drafter, any drafter spec (layer skip, prompt
         lookup, ...); proposer, a ready-made Proposer. execution: how the target and a draft
         model run their fixed-shape forwards, "eager", "compile", "graph" (CUDA graphs) or
-        "auto" (graph on one CUDA device, else eager); see ModelRunner."""
+        "auto" (graph on one CUDA device, else eager); see ModelRunner. prefill_chunk_tokens: the
+        most prompt tokens each model prefills per step, in a forward beside the step (chunked
+        prefill; see `prefill_rows`); None or 0: a new prompt is prefilled whole inside its first step."""
         if num_speculative_tokens < 0:
             raise ValueError("num_speculative_tokens must be >= 0")
+        if prefill_chunk_tokens is not None and prefill_chunk_tokens < 0:
+            raise ValueError("prefill_chunk_tokens must be >= 0 (0 or None: no chunking)")
         if sum(x is not None for x in (draft_model, drafter, proposer)) > 1:
             raise ValueError("give at most one of draft_model, drafter and proposer")
         if draft_model is not None:
@@ -66,6 +76,7 @@ class SpeculativeEngine:
         self.proposer = proposer
         self.max_model_len = min(x for x in limits if x) if any(limits) else 1 << 30
         self.max_batch_size = max_batch_size
+        self.prefill_chunk_tokens = prefill_chunk_tokens or None
         self.policy = SpeculationPolicy(num_speculative_tokens, adaptive=adaptive)
         self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None else model_eos_ids(target_model))
         self._running: dict[str, Sequence] = {}
@@ -100,7 +111,8 @@ class SpeculativeEngine:
         return counts
 
     def step(self) -> list[StepOutput]:
-        """Admit waiting requests (up to max_batch_size), run one speculative step over them all."""
+        """Admit waiting requests (up to max_batch_size, FIFO), run this step's prefill chunks (when
+        chunking), then one speculative step over every request whose prompt is cached."""
         while self._waiting and len(self._running) < self.max_batch_size:
             request_id = next(iter(self._waiting))
             self._running[request_id] = self._waiting.pop(request_id)
@@ -111,8 +123,11 @@ class SpeculativeEngine:
         if not self._calibrated:
             self.calibrate()
         seqs = list(self._running.values())
-        outputs = speculative_step(seqs, self.proposer, self.verifier, self.policy)
-        for seq in seqs:
+        ready = seqs
+        if self.prefill_chunk_tokens is not None:
+            ready = prefill_step(seqs, self.proposer, self.verifier, self.prefill_chunk_tokens)
+        outputs = speculative_step(ready, self.proposer, self.verifier, self.policy) if ready else []
+        for seq in ready:
             if seq.finish_reason is not None:
                 del self._running[seq.request_id]
                 self._free(seq.request_id)

@@ -478,6 +478,20 @@ class FeatureDrafterProposer(DraftModelProposer):
     def num_cached(self) -> int:
         return len(self._tokens)
 
+    def prefill(self, rows: list[RowInput]) -> tuple[ForwardTiming, ...]:
+        """Hold rows' tokens (prompt chunks). The head's own cache of them waits for the target's
+        features (written by the target's prefill forwards) and is caught up by the next propose:
+        one forward of the head's single layer, a small fraction of the target's prefill."""
+        for row in rows:
+            if row.start > self.valid_length(row.request_id):
+                raise CacheMiss(row.request_id, self.valid_length(row.request_id), row.start)
+        for row in rows:
+            seq = self._tokens.setdefault(row.request_id, [])
+            del seq[row.start :]
+            seq.extend(row.tokens)
+            self._exact[row.request_id] = min(self._exact.get(row.request_id, 0), row.start - 1)
+        return ()
+
     @torch.no_grad()
     def propose(
         self, rows: list[RowInput], num_tokens: int, sampling: BatchSampling, uniforms: torch.Tensor | None

@@ -56,6 +56,8 @@ class Proposer(Protocol):
         self, rows: list[RowInput], num_tokens: int, sampling: BatchSampling, uniforms: torch.Tensor | None
     ) -> Proposal: ...
 
+    def prefill(self, rows: list[RowInput]) -> Sequence[ForwardTiming]: ...
+
     def free(self, request_id: str) -> None: ...
 
     def valid_length(self, request_id: str) -> int: ...
@@ -92,6 +94,14 @@ class DraftModelProposer:
     @property
     def max_positions(self) -> int | None:
         return self.runner.max_positions
+
+    @torch.no_grad()
+    def prefill(self, rows: list[RowInput]) -> Sequence[ForwardTiming]:
+        """Cache rows' tokens (prompt chunks) in the draft's slots, computing no logits."""
+        self.runner.check(rows)
+        self.runner.take_forward_log()
+        self.runner.forward(rows, logits="none")
+        return self.runner.take_forward_log()
 
     @torch.no_grad()
     def propose(
@@ -290,6 +300,17 @@ class PromptLookupProposer:
 
     def num_cached(self) -> int:
         return len(self._tokens)
+
+    def prefill(self, rows: list[RowInput]) -> Sequence[ForwardTiming]:
+        """Hold rows' tokens (prompt chunks): no model, nothing to compute."""
+        for row in rows:  # check every row before touching any
+            if row.start > self.valid_length(row.request_id):
+                raise CacheMiss(row.request_id, self.valid_length(row.request_id), row.start)
+        for row in rows:
+            seq = self._tokens.setdefault(row.request_id, [])
+            del seq[row.start :]
+            seq.extend(row.tokens)
+        return ()
 
     def propose(
         self, rows: list[RowInput], num_tokens: int, sampling: BatchSampling, uniforms: torch.Tensor | None

@@ -140,6 +140,69 @@ class StepPlan:
         return [RowInput(s.request_id, s.target_len, s.tokens[s.target_len :]) for s in self.seqs]
 
 
+# -- chunked prefill -------------------------------------------------------------------------------
+# A new request's prompt (all but its last token, which the first step's verify row carries) goes
+# into each model's cache a chunk per step, in forwards of its own beside the step, so that a long
+# prompt costs every running stream one bounded forward per step instead of one long stall.
+def prefill_end(seq: Sequence) -> int:
+    """Positions each model must cache before the request's first step: its prompt minus the last token."""
+    return len(seq.prompt) - 1
+
+
+def prefilling(seq: Sequence, with_draft: bool) -> bool:
+    """Whether the request still waits for its prompt to be cached (target, and draft when
+    with_draft) before it can step. Only before its first token: a draft lagging behind a running
+    request (steps without drafts) is caught up by the next propose, as before."""
+    if seq.output:
+        return False
+    end = prefill_end(seq)
+    return seq.target_len < end or (with_draft and seq.draft_len < end)
+
+
+def prefill_rows(seqs: list[Sequence], mark: str, budget: int) -> list[RowInput]:
+    """This step's prefill chunks for one model ("target_len" or "draft_len" names its cache
+    mark), FIFO over seqs (their admission order): the first request short of its prefill end gets
+    w = min(what it lacks, budget) tokens; later ones join the same forward with at most w tokens
+    each while (rows x w), the padded size of that forward, stays within budget."""
+    rows: list[RowInput] = []
+    width = 0
+    for s in seqs:
+        start, end = getattr(s, mark), prefill_end(s)
+        if s.output or start >= end:
+            continue
+        if not rows:
+            width = min(end - start, budget)
+        elif (len(rows) + 1) * width > budget:
+            break
+        rows.append(RowInput(s.request_id, start, s.tokens[start : min(end, start + width)]))
+    return rows
+
+
+def advance_marks(seqs: list[Sequence], mark: str, rows: list[RowInput]) -> None:
+    """After a prefill call over rows: each row's request now caches up to the end of its chunk."""
+    by_id = {s.request_id: s for s in seqs}
+    for row in rows:
+        setattr(by_id[row.request_id], mark, row.start + len(row.tokens))
+
+
+def prefill_step(
+    seqs: list[Sequence], proposer: Proposer | None, verifier: TargetVerifier, budget: int
+) -> list[Sequence]:
+    """Run this step's prefill chunks in process (target, then the draft when there is one) and
+    return the requests ready to step, in their order. A proposer without `prefill` (one written
+    before chunking) catches a prompt up in its first propose, as before."""
+    with_draft = proposer is not None and hasattr(proposer, "prefill")
+    rows = prefill_rows(seqs, "target_len", budget)
+    if rows:
+        verifier.prefill(rows)
+        advance_marks(seqs, "target_len", rows)
+    rows = prefill_rows(seqs, "draft_len", budget) if with_draft else []
+    if rows:
+        proposer.prefill(rows)
+        advance_marks(seqs, "draft_len", rows)
+    return [s for s in seqs if not prefilling(s, with_draft)]
+
+
 @dataclass(frozen=True)
 class StepOutput:
     request_id: str

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .model_runner import ForwardTiming, ModelRunner, RowInput
+from .model_runner import ForwardLog, ForwardTiming, ModelRunner, RowInput
 from .rejection import AcceptResult, greedy_accept, rejection_sample, rejection_sample_deterministic
 from .sampling import BatchSampling, logits_to_probs, sample_with_uniforms
 
@@ -38,6 +38,14 @@ class TargetVerifier:
 
     def valid_length(self, request_id: str) -> int:
         return self.runner.valid_length(request_id)
+
+    @torch.no_grad()
+    def prefill(self, rows: list[RowInput]) -> ForwardLog:
+        """Cache rows' tokens (prompt chunks), computing no logits -> the forward's timing."""
+        self.runner.check(rows)
+        self.runner.take_forward_log()
+        self.runner.forward(rows, logits="none")
+        return self.runner.take_forward_log()
 
     @torch.no_grad()
     def verify(

@@ -5,6 +5,7 @@ One replica = one placement group [coordinator, target worker, draft worker] (Se
 the truth (each request's `Sequence`: tokens, sampling params, random stream, cache marks); the
 workers hold KV caches. An asyncio loop runs the engine's step protocol remotely:
 
+    await target.prefill + draft.prefill (new prompts' next chunks, both at once; chunked prefill)
     plan_step -> await draft.propose -> await target.verify -> apply_verdict -> policy.observe_*
 
 Requests join (admission up to max_batch_size) and leave (finish, abort) between steps. The maths
@@ -50,8 +51,8 @@ from specserve.engine.proposers import Proposal
 from specserve.engine.sampling import SamplingParams
 from specserve.engine.scheduler import SpeculationPolicy, TokenCost
 from specserve.engine.step import (
-    ContextLengthExceeded, InvalidPrompt, Sequence, StepOutput, StepPlan, empty_proposal, finish_step, new_sequence,
-    plan_step,
+    ContextLengthExceeded, InvalidPrompt, Sequence, StepOutput, StepPlan, advance_marks, empty_proposal, finish_step,
+    new_sequence, plan_step, prefill_rows, prefilling,
 )
 from specserve.engine.verifier import Verdict
 
@@ -156,7 +157,7 @@ class Coordinator:
         self._totals = {"spec_decode_num_draft_tokens": 0, "spec_decode_num_accepted_tokens": 0, "steps": 0,
                         "target_only_steps": 0, "rejected_queue_full": 0, "running_peak": 0,
                         "reserved_tokens_peak": 0, "worker_restarts": 0, "requests_failed": 0,
-                        "requests_timed_out": 0}
+                        "requests_timed_out": 0, "prefill_tokens": 0}
         # draft failure: target-only steps while the draft restarts
         self._draft_ok = self.draft is not None
         self._draft_watch: asyncio.Task | None = None
@@ -328,7 +329,7 @@ class Coordinator:
                 continue
             seqs = list(self.admission.running.values())
             try:
-                outputs = await self._step(seqs, self.policy)
+                outputs = await self._iteration(seqs)
             except Exception as err:  # a worker dead for good, a bad row, a bug: fail only whom it fails
                 outputs = await self._isolate(seqs, err)
             self._publish(outputs)
@@ -375,6 +376,46 @@ class Coordinator:
         m.set(m.kv_reserved, allocated)
         m.set(m.kv_usage_perc, allocated / budget if budget else 0.0)
 
+    async def _iteration(self, seqs: list[Sequence]) -> list[StepOutput]:
+        """This step's prompt chunks (chunked prefill), then one speculative step over the requests
+        whose prompts both caches hold (the target's alone while the draft is down)."""
+        ready = seqs
+        if self.config.prefill_chunk_tokens:
+            await self._prefill(seqs, self.config.prefill_chunk_tokens)
+            with_draft = self.draft is not None and self._draft_ok
+            ready = [s for s in seqs if not prefilling(s, with_draft)]
+        return await self._step(ready, self.policy) if ready else []
+
+    async def _prefill(self, seqs: list[Sequence], budget: int) -> None:
+        """Send each worker its chunks of at most `budget` prompt tokens (FIFO, `prefill_rows`), the
+        two workers at once. A draft failure only turns the draft off (as in a step); a target
+        failure is raised once both calls are over, so that no mark moves after the caller moved on."""
+        calls = [self._prefill_side("target", self.target.prefill, seqs, "target_len", budget)]
+        if self.draft is not None and self._draft_ok:
+            calls.append(self._prefill_side("draft", self.draft.prefill, seqs, "draft_len", budget, retry=False))
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        if len(results) > 1 and isinstance(results[1], Exception):
+            self._draft_lost(results[1])
+        if isinstance(results[0], BaseException):
+            raise results[0]
+
+    async def _prefill_side(self, side: str, method, seqs: list[Sequence], mark: str, budget: int,
+                            retry: bool = True) -> None:
+        """One worker's prefill call: rows planned from the marks (again after cache misses, which
+        move marks back), then the marks moved to the ends of the chunks the worker cached."""
+        sent: list[RowInput] = []
+
+        def make_args():
+            sent[:] = prefill_rows(seqs, mark, budget)
+            return (list(sent),)
+
+        if not prefill_rows(seqs, mark, budget):
+            return
+        await self._call(side, method, seqs, mark, make_args, retry=retry)
+        advance_marks(seqs, mark, sent)
+        if side == "target":
+            self._totals["prefill_tokens"] += sum(len(r.tokens) for r in sent)
+
     async def _step(self, seqs: list[Sequence], policy: SpeculationPolicy) -> list[StepOutput]:
         began = time.perf_counter()
         if not self._draft_ok:
@@ -415,7 +456,7 @@ class Coordinator:
         by_id = {s.request_id: s for s in seqs}
         for attempt in range(_CALL_ATTEMPTS):
             args = make_args()
-            timeout = self._deadline(side, args[0], args[1])
+            timeout = self._deadline(side, *args[:2])
             ref = method.remote(*args)
             try:
                 reply: Reply = await asyncio.wait_for(asyncio.ensure_future(ref), timeout=timeout)
@@ -438,11 +479,16 @@ class Coordinator:
                 setattr(by_id[rid], mark, valid)
         raise RuntimeError(f"{side} worker still misses caches after {_CALL_ATTEMPTS} attempts")
 
-    def _deadline(self, side: str, rows: list[RowInput], extra) -> float:
+    def _deadline(self, side: str, rows: list[RowInput], extra=None) -> float:
         """Seconds a call may take: floor + multiple x the time the measured per-token costs predict
         for its tokens (prefill backlog included). extra: G drafts per row (verify: the draft tokens
-        [B, G]; propose: G)."""
+        [B, G]; propose: G); None for a prefill call (one forward over its rows, padded)."""
         d = self.deadlines
+        if extra is None:
+            cost = self.policy.target_cost if side == "target" else self.policy.draft_cost
+            floor = d.target_floor_s if side == "target" else d.draft_floor_s
+            padded = len(rows) * max((len(r.tokens) for r in rows), default=0)
+            return floor + d.multiple * _predict(cost, padded)
         backlog = sum(max(len(r.tokens) - 1, 0) for r in rows)
         if side == "target":
             width = 1 + (extra.shape[1] if hasattr(extra, "shape") else 0)
@@ -613,17 +659,18 @@ class ProposerSide:
     time_forwards: object
     ready: object
     memory: object
+    prefill: object
 
     @staticmethod
     def of_draft_worker(actor) -> "ProposerSide":
         return ProposerSide(actor.propose, actor.free, actor.num_cached, actor.max_positions, actor.time_forwards,
-                            actor.ready, actor.memory)
+                            actor.ready, actor.memory, actor.prefill)
 
     @staticmethod
     def colocated(target) -> "ProposerSide":
         return ProposerSide(target.propose, target.proposer_free, target.proposer_num_cached,
                             target.proposer_max_positions, target.proposer_time_forwards, target.ready,
-                            target.memory)
+                            target.memory, target.proposer_prefill)
 
 
 def _merge(items: list) -> Delta | Failed:

@@ -8,7 +8,7 @@ the same way: its constructor signature does not survive Ray's exception picklin
 
 Test-only fault injection: with the environment variable SPECSERVE_FAULTS_DIR set (the tests set it
 before Ray starts; nothing else does), a file `<dir>/<app>.<method>` holding "hang N", "raise N" or "slow N"
-makes the next N `verify` / `propose` calls of that Serve application's workers hang (until the
+makes the next N `verify` / `propose` / `prefill` calls of that Serve application's workers hang (until the
 coordinator kills the worker) or raise; "slow N" delays them 2 s. The count lives in the file, so it survives a restart.
 """
 from __future__ import annotations
@@ -136,6 +136,9 @@ class TargetWorker(_Worker):
         self._injected_fault("propose")
         return self._run(rows, lambda: self.proposer.propose(rows, num_tokens, sampling, uniforms), self.proposer)
 
+    def proposer_prefill(self, rows: list[RowInput]) -> Reply:
+        return self._run(rows, lambda: self.proposer.prefill(rows), self.proposer)
+
     def proposer_free(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self.proposer.free(rid)
@@ -152,6 +155,11 @@ class TargetWorker(_Worker):
 
     def info(self) -> ModelInfo:
         return self.info_
+
+    def prefill(self, rows: list[RowInput]) -> Reply:
+        """Cache a step's prompt chunks (no logits); misses as for verify."""
+        self._injected_fault("prefill")
+        return self._run(rows, lambda: self.model.prefill(rows))
 
     def verify(
         self,
@@ -184,6 +192,11 @@ class DraftWorker(_Worker):
     ) -> Reply:
         self._injected_fault("propose")
         return self._run(rows, lambda: self.model.propose(rows, num_tokens, sampling, uniforms))
+
+    def prefill(self, rows: list[RowInput]) -> Reply:
+        """Cache a step's prompt chunks in the draft's slots (no logits); misses as for propose."""
+        self._injected_fault("prefill")
+        return self._run(rows, lambda: self.model.prefill(rows))
 
 
 def _rss_bytes() -> int:

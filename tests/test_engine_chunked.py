@@ -1,0 +1,259 @@
+"""Chunked prefill: prompts enter the caches a bounded chunk per step, beside the running decodes.
+
+Greedy output stays the target's own (HF generate) for prompts many chunks long joining a running
+batch, at odd chunk sizes down to 1; seeded sampled output is the same sample with or without
+chunking; chunks go FIFO; running streams get a token every step while a long prompt prefills, and
+no target forward is longer than the chunk or the step; the Ray coordinator's prefill protocol
+(chunks, cache misses after a restart) gives the same greedy tokens.
+"""
+import asyncio
+import functools
+import math
+import random
+import types
+from unittest import mock
+
+import pytest
+
+from models import hf_greedy, perturbed, tiny_llama
+from specserve import SamplingParams, SpeculativeEngine
+from specserve.engine import DraftModelProposer, TargetVerifier
+from specserve.engine.proposers import LayerSkipSpec, PromptLookupSpec
+from specserve.engine.step import new_sequence, prefill_rows
+
+MAX_NEW = 12
+GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
+
+
+@functools.lru_cache(None)
+def target():
+    return tiny_llama(0)
+
+
+@functools.lru_cache(None)
+def draft():
+    return perturbed(target(), 0.6, seed=1)
+
+
+@functools.lru_cache(None)
+def reference(prompt: tuple[int, ...]) -> list[int]:
+    return hf_greedy(target(), list(prompt), MAX_NEW)
+
+
+def prompt(length: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 96) for _ in range(length)]
+
+
+def run_with_arrivals(engine: SpeculativeEngine, running: list[list[int]], arriving: list[list[int]],
+                      params: SamplingParams = GREEDY, after_steps: int = 2) -> dict[str, list[int]]:
+    """Start `running`, step a few times, then add `arriving` while they decode; run all to the end."""
+    ids = []
+    for i, p in enumerate(running):
+        engine.add_request(f"run-{i}", p, params)
+        ids.append(f"run-{i}")
+    outputs: dict[str, list[int]] = {rid: [] for rid in ids}
+    for n in range(10_000):
+        if n == after_steps:
+            for i, p in enumerate(arriving):
+                engine.add_request(f"new-{i}", p, params)
+                ids.append(f"new-{i}")
+                outputs[f"new-{i}"] = []
+        for out in engine.step():
+            outputs[out.request_id] += out.new_token_ids
+        if n >= after_steps and not engine.has_unfinished():
+            return outputs
+    raise AssertionError("the engine did not finish")
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 13, 64, 0])
+def test_greedy_identical_with_long_prompts_joining_running_decodes(chunk):
+    running = [prompt(n, seed=n) for n in (3, 9, 20)]
+    arriving = [prompt(n, seed=100 + n) for n in (150, 97, 1, 2)]  # 150 tokens: 12+ chunks of 13
+    engine = SpeculativeEngine(target(), draft(), num_speculative_tokens=3, adaptive=False,
+                               prefill_chunk_tokens=chunk)
+    outputs = run_with_arrivals(engine, running, arriving)
+    for rid, p in zip([f"run-{i}" for i in range(3)] + [f"new-{i}" for i in range(4)], running + arriving):
+        assert outputs[rid] == reference(tuple(p)), (rid, chunk)
+    assert engine.num_cached() == {"target": 0, "draft": 0}
+
+
+@pytest.mark.parametrize("drafter", [LayerSkipSpec((1,)), PromptLookupSpec()], ids=["layer-skip", "prompt-lookup"])
+def test_greedy_identical_with_colocated_drafters(drafter):
+    engine = SpeculativeEngine(target(), drafter=drafter, num_speculative_tokens=3, adaptive=False,
+                               prefill_chunk_tokens=11)
+    running, arriving = [prompt(12, seed=1)], [prompt(90, seed=2), prompt(33, seed=3)]
+    outputs = run_with_arrivals(engine, running, arriving)
+    for rid, p in zip(["run-0", "new-0", "new-1"], running + arriving):
+        assert outputs[rid] == reference(tuple(p))
+
+
+def test_seeded_sampling_is_the_same_sample_with_or_without_chunks():
+    params = [SamplingParams(max_tokens=MAX_NEW, temperature=1.0, top_p=0.9, seed=s) for s in range(4)]
+    prompts = [prompt(n, seed=n) for n in (5, 120, 61, 2)]
+
+    def sample(chunk):
+        engine = SpeculativeEngine(target(), draft(), num_speculative_tokens=3, prefill_chunk_tokens=chunk)
+        return [o.token_ids for o in engine.generate(prompts, params)]
+
+    whole = sample(0)
+    assert sample(9) == whole
+    assert sample(64) == whole
+    assert len({tuple(t) for t in whole}) == len(whole)  # really sampled (the seeds differ)
+
+
+def test_chunks_go_fifo_and_bound_the_padded_forward():
+    seqs = [new_sequence(rid, [1] * n, GREEDY, vocab_size=96, max_model_len=256, eos_token_ids=frozenset())
+            for rid, n in (("a", 21), ("b", 6), ("c", 30))]
+    rows = prefill_rows(seqs, "target_len", 8)
+    assert [(r.request_id, r.start, len(r.tokens)) for r in rows] == [("a", 0, 8)]  # 2 x 8 > 8: a alone
+    seqs[0].target_len = 16  # a lacks 4 (its prefill ends before its last token, at 20)
+    rows = prefill_rows(seqs, "target_len", 8)
+    assert [(r.request_id, r.start, len(r.tokens)) for r in rows] == [("a", 16, 4), ("b", 0, 4)]  # 2 x 4 <= 8
+    seqs[0].target_len, seqs[1].target_len = 20, 4
+    rows = prefill_rows(seqs, "target_len", 8)
+    assert [(r.request_id, r.start, len(r.tokens)) for r in rows] == [("b", 4, 1), ("c", 0, 1)]
+    assert prefill_rows(seqs, "draft_len", 100)[0].request_id == "a"  # each model by its own mark
+
+
+def test_admission_and_first_tokens_follow_arrival_order():
+    engine = SpeculativeEngine(target(), draft(), num_speculative_tokens=2, adaptive=False, max_batch_size=2,
+                               prefill_chunk_tokens=16)
+    lengths = [70, 40, 40, 3]
+    for i, n in enumerate(lengths):
+        engine.add_request(f"r{i}", prompt(n, seed=i), SamplingParams(max_tokens=4, temperature=0.0))
+    first_token_step: dict[str, int] = {}
+    step = 0
+    while engine.has_unfinished():
+        step += 1
+        for out in engine.step():
+            first_token_step.setdefault(out.request_id, step)
+    order = sorted(first_token_step, key=lambda r: (first_token_step[r], r))
+    assert order == ["r0", "r1", "r2", "r3"]
+    assert first_token_step["r0"] == math.ceil(69 / 16)  # r1 waited behind r0's chunks, not beside them
+
+
+def forward_sizes(runner) -> list[int]:
+    """Wrap a runner's forward so that each call's token count (tail included) is logged."""
+    sizes: list[int] = []
+    inner = runner.forward
+
+    def forward(rows, logits="last", tail=None):
+        sizes.append(sum(len(r.tokens) for r in rows) + (0 if tail is None else len(rows) * tail.shape[1]))
+        return inner(rows, logits, tail=tail)
+
+    runner.forward = forward
+    return sizes
+
+
+@pytest.mark.parametrize("chunk", [16, 0])
+def test_running_streams_get_a_token_every_step_while_a_long_prompt_prefills(chunk):
+    gamma, streams = 3, 4
+    engine = SpeculativeEngine(target(), draft(), num_speculative_tokens=gamma, adaptive=False,
+                               prefill_chunk_tokens=chunk)
+    for i in range(streams):
+        engine.add_request(f"run-{i}", prompt(8, seed=i), SamplingParams(max_tokens=200, temperature=0.0))
+    while not all(engine.sequence(f"run-{i}").output for i in range(streams)):  # all decoding
+        engine.step()
+    sizes = forward_sizes(engine.verifier.runner)
+    engine.add_request("long", prompt(200, seed=9), SamplingParams(max_tokens=4, temperature=0.0))
+    steps = 0
+    while True:
+        steps += 1
+        outputs = {o.request_id: o.new_token_ids for o in engine.step()}
+        assert all(outputs.get(f"run-{i}") for i in range(streams)), steps  # nobody skipped a step
+        if outputs.get("long"):
+            break
+    if chunk:
+        assert steps == math.ceil(199 / chunk)  # 13 steps, the last one also the long prompt's first
+        assert max(sizes) <= max(chunk, (streams + 1) * (gamma + 1))  # every forward bounded
+    else:
+        assert steps == 1 and max(sizes) >= 199  # the whole prompt in one forward: the stall
+
+
+# -- the coordinator's prefill protocol, with in-process workers -----------------------------------
+class _Actor:
+    """A worker object whose methods answer `.remote(...)` with an awaitable, as a Ray actor's do."""
+
+    def __init__(self, worker, log: list) -> None:
+        self._worker, self._log = worker, log
+
+    def __getattr__(self, name):
+        fn = getattr(self._worker, name)
+        log = self._log
+
+        async def call(*args):
+            log.append(name)
+            return fn(*args)
+
+        return types.SimpleNamespace(remote=call)
+
+
+def _workers():
+    from specserve.serve import workers
+
+    tw = object.__new__(workers.TargetWorker)
+    tw.model = TargetVerifier(target(), None, "eager")
+    dw = object.__new__(workers.DraftWorker)
+    dw.model = DraftModelProposer(draft(), tw.model.vocab_size, None, "eager")
+    return tw, dw
+
+
+def test_coordinator_prefills_in_chunks_and_rebuilds_after_a_restart(monkeypatch):
+    from specserve.config import Deadlines
+    from specserve.engine.scheduler import SpeculationPolicy
+    from specserve.serve import workers
+    from specserve.serve.admission import Admission
+    from specserve.serve.coordinator import Coordinator, ProposerSide
+
+    monkeypatch.setattr(workers, "_FAULTS_DIR", None)
+    tw, dw = _workers()
+    log: list = []
+    t, d = _Actor(tw, log), _Actor(dw, log)
+    chunk = 10
+    coordinator = object.__new__(Coordinator.func_or_class)
+    coordinator.__dict__.update(
+        config=types.SimpleNamespace(prefill_chunk_tokens=chunk), target=t,
+        draft=ProposerSide.of_draft_worker(d), draft_worker=d, _draft_ok=True,
+        policy=SpeculationPolicy(3, adaptive=False), _target_only=SpeculationPolicy(0, adaptive=False),
+        deadlines=Deadlines(), _totals=dict.fromkeys(["prefill_tokens", "steps", "target_only_steps",
+                                                      "spec_decode_num_draft_tokens",
+                                                      "spec_decode_num_accepted_tokens"], 0),
+        metrics=mock.MagicMock(), _records=[], admission=Admission(8, None, 3))
+    prompts = {"a": prompt(6, seed=1), "b": prompt(75, seed=2), "c": prompt(31, seed=3)}
+    seqs = [new_sequence(rid, p, GREEDY, vocab_size=96, max_model_len=256, eos_token_ids=frozenset())
+            for rid, p in prompts.items()]
+
+    async def run():
+        iterations = 0
+        while any(s.finish_reason is None for s in seqs):
+            iterations += 1
+            live = [s for s in seqs if s.finish_reason is None]
+            await coordinator._iteration(live)
+            if iterations == 4:  # the target restarts mid-prefill: empty caches, the same object
+                tw.model = TargetVerifier(target(), None, "eager")
+        return iterations
+
+    asyncio.run(run())
+    for s in seqs:
+        assert s.output == reference(tuple(prompts[s.request_id])), s.request_id
+    assert log.count("prefill") >= 2 * math.ceil(74 / chunk)  # b's prompt went in chunks, to both workers
+    # the restart (b mid-prefill) made the target take b's first chunks again
+    assert coordinator._totals["prefill_tokens"] > sum(len(p) - 1 for p in prompts.values())
+
+
+def test_a_prefill_call_deadline_is_priced_by_its_padded_chunk():
+    from specserve.config import Deadlines
+    from specserve.engine import RowInput
+    from specserve.engine.model_runner import ForwardTiming
+    from specserve.engine.scheduler import SpeculationPolicy
+    from specserve.serve.coordinator import Coordinator
+
+    policy = SpeculationPolicy(4)
+    policy.observe_costs("target", [ForwardTiming(n, 0.001 * n) for n in (1, 8, 32, 64)])
+    policy.observe_costs("draft", [ForwardTiming(n, 0.0001 * n) for n in (1, 8, 32, 64)])
+    coordinator = object.__new__(Coordinator.func_or_class)
+    coordinator.__dict__.update(deadlines=Deadlines(multiple=10, target_floor_s=2, draft_floor_s=0.5), policy=policy)
+    chunk = [RowInput("long", 1024, [1] * 512), RowInput("short", 0, [1] * 3)]  # padded: 2 x 512
+    assert coordinator._deadline("target", chunk) == pytest.approx(2 + 10 * 0.001 * 1024)
+    assert coordinator._deadline("draft", chunk) == pytest.approx(0.5 + 10 * 0.0001 * 1024)
