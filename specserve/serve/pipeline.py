@@ -10,11 +10,12 @@ when sampling, which picks a token holding more than half of q whenever there is
 k+1's γ' drafts after that guess. Each row's context is then exactly what the sequential loop would
 draft block k+1 from, *if* the row accepts all of block k and its bonus equals the guess.
 
-A prepared block is used only when that holds for every row of the batch and the batch is the same
-requests (none finished, joined or aborted): then block k+1 is verified at once, and the next ahead
-call goes out with it. Otherwise it is thrown away; the draft's cache marks are those the verdict
-sets anyway (`apply_verdict` keeps only accepted tokens), so the next propose simply rewrites the
-positions the ahead call wrote (a positional cache: rollback = a shorter length).
+A row's prepared block is used only when that holds for it and the row is still running at the
+length it assumed: then its block k+1 is verified at once in the next step. Rows without one (a
+rejection, a wrong guess, a new request) are drafted afresh in one propose over just them, and the
+step verifies both kinds together (`_combine`). The draft's cache marks are those the verdict sets
+anyway (`apply_verdict` keeps only accepted tokens), so a fresh propose simply rewrites what the
+ahead call wrote (a positional cache: rollback = a shorter length).
 
 Lossless, and the same tokens as the sequential loop: block k+1's random numbers are drawn from each
 request's own generator when the ahead call is planned, by the same `plan_step` over the rows as
@@ -25,8 +26,8 @@ depends only on its own tokens). Greedy rows are token-identical by construction
 follow the same acceptance rule with the same uniforms.
 
 Costs (`OverlappedPolicy`): a step costs max(verify, ahead) plus, on a miss, the fresh drafts
-first. The policy picks γ for that model, and tells the loop when preparing is not worth it (large
-batches make a whole-batch hit unlikely; then a step is the sequential one). A failing draft (dead,
+first (when any row misses). The policy picks γ for that model, and tells the loop when preparing
+is not worth it (at large batches some row nearly always misses; then a step is the sequential one). A failing draft (dead,
 hung, raising) during either call degrades to target-only steps through the coordinator's own
 recovery, exactly as in the sequential loop.
 
@@ -45,6 +46,7 @@ import torch
 
 from specserve.engine import RowInput
 from specserve.engine.proposers import Proposal
+from specserve.engine.sampling import BatchSampling
 from specserve.engine.scheduler import OverlappedPolicy
 from specserve.engine.step import Sequence, StepOutput, StepPlan, apply_verdict, empty_proposal, plan_step
 from specserve.engine.verifier import Verdict
@@ -67,13 +69,14 @@ class Ahead:
 
 @dataclass
 class Prepared:
-    """Block k+1, drafted during block k's verify, for exactly these requests at these lengths."""
+    """Block k+1, drafted during block k's verify, for the rows whose verdict matched it."""
 
-    plan: StepPlan  # over the real rows
-    proposal: Proposal  # [B, G'] drafts and q
-    request_ids: list[str]
-    num_tokens: list[int]
-    states: dict[int, torch.Tensor]
+    plan: StepPlan  # the ahead plan (rows: optimistic copies; their generators are the real ones)
+    tokens: torch.Tensor  # [B, G'] block k+1's drafts
+    probs: torch.Tensor | None  # [B, G', V] their q
+    rows: dict[str, int]  # request id -> its row, for the rows whose verdict matched
+    num_tokens: list[int]  # [B] token count each row must still have for its block to apply
+    states: dict[int, torch.Tensor]  # row -> generator state before its draws (matched rows only)
 
 
 class Pipeline:
@@ -93,23 +96,29 @@ class Pipeline:
             self.discard()
             return None
         began = time.perf_counter()
-        ready = self._take(seqs)
+        prepared, used = self._take(seqs)  # used[i]: seqs[i]'s row in the prepared block, or None
+        fresh_rows = [i for i, row in enumerate(used) if row is None]
+        fresh_seqs = [seqs[i] for i in fresh_rows]
         fresh, fresh_seconds = (), 0.0
-        if ready is not None:
-            plan, proposal = ready.plan, ready.proposal
-            host._totals["pipelined_hits"] += 1
+        fresh_plan = plan_step(fresh_seqs, policy) if fresh_seqs else None
+        fresh_proposal = empty_proposal(len(fresh_seqs))
+        if fresh_plan is not None and fresh_plan.num_positions > 0:
+            try:
+                reply = await host._call("draft", host.draft.propose, fresh_seqs, "draft_len", lambda: (
+                    fresh_plan.draft_rows(), fresh_plan.num_positions, fresh_plan.sampling,
+                    fresh_plan.draft_uniforms), retry=False)
+            except Exception as err:
+                if prepared is not None:
+                    _restore(prepared.plan.seqs, prepared.states)
+                self._draft_failed(fresh_seqs, err)
+                return None  # the coordinator re-plans this step target-only
+            fresh_proposal, fresh, fresh_seconds = reply.result, reply.result.forwards, reply.seconds
+        if prepared is None:
+            plan, proposal, widths = fresh_plan, fresh_proposal, [fresh_plan.num_positions] * len(seqs)
         else:
-            plan = plan_step(seqs, policy)
-            proposal = empty_proposal(len(seqs))
-            if plan.num_positions > 0:
-                try:
-                    reply = await host._call("draft", host.draft.propose, seqs, "draft_len", lambda: (
-                        plan.draft_rows(), plan.num_positions, plan.sampling, plan.draft_uniforms), retry=False)
-                except Exception as err:
-                    self._draft_failed(seqs, err)
-                    return None  # the coordinator re-plans this step target-only
-                proposal, fresh, fresh_seconds = reply.result, reply.result.forwards, reply.seconds
-        ahead = self._launch(plan, proposal)
+            host._totals["pipelined_hits"] += len(seqs) - len(fresh_rows)
+            plan, proposal, widths = _combine(seqs, used, prepared, fresh_plan, fresh_proposal)
+        ahead = self._launch(plan, proposal, widths)
         try:
             reply = await host._call("target", host.target.verify, seqs, "target_len", lambda: (
                 plan.target_rows(), proposal.tokens, proposal.probs, plan.num_draft, plan.sampling,
@@ -118,7 +127,10 @@ class Pipeline:
             self._abandon(ahead)
             raise
         verdict: Verdict = reply.result
+        before = [(s.num_tokens, s.draft_len) for s in seqs]
         outputs = apply_verdict(plan, proposal, verdict)
+        for s, (n, held), width in zip(seqs, before, widths):  # what each row's own propose left cached
+            s.draft_len = held if width == 0 else min(s.draft_len, n + width - 1)
         for s, g, a in zip(seqs, plan.num_draft.tolist(), verdict.num_accepted):
             policy.observe_acceptance(s.acceptance, a, g)
         ahead_forwards, ahead_seconds = await self._settle(ahead, plan, proposal, verdict)
@@ -139,13 +151,16 @@ class Pipeline:
             _restore(prepared.plan.seqs, prepared.states)
 
     # -- preparing the next block -----------------------------------------------------------------
-    def _launch(self, plan: StepPlan, proposal: Proposal) -> Ahead | None:
+    def _launch(self, plan: StepPlan, proposal: Proposal, widths: list[int]) -> Ahead | None:
         """Plan block k+1 for the rows as they would be after a full acceptance of block k and send
-        the ahead call; None when nothing is worth preparing."""
+        the ahead call; None when nothing is worth preparing. widths: drafts each row's own propose
+        made (its cache holds its tokens plus width - 1 of them)."""
         seqs, width = plan.seqs, plan.num_positions
         alphas = [self.policy.alpha(s.acceptance) for s in seqs]
         if width == 0 or not self.policy.overlap_pays(alphas, width):
             return None
+        if any(w == 0 and s.draft_len < s.num_tokens - 1 for s, w in zip(seqs, widths)):
+            return None  # a row the draft lags on: the ahead call could not start from its last token
         num_draft = plan.num_draft.tolist()
         drafts = proposal.tokens.tolist()  # [B][G] host ints (the reply came over the wire)
         optimistic = []
@@ -204,29 +219,32 @@ class Pipeline:
         full = [a == g for a, g in zip(verdict.num_accepted, plan.num_draft.tolist())]
         right = [f and nxt == guess for f, nxt, guess in zip(full, verdict.next_token, guesses)]
         self.policy.observe_guesses(sum(right), sum(full))
-        hit = all(right) and all(s.finish_reason is None and s.num_tokens == n
-                                 for s, n in zip(seqs, ahead.num_tokens))
-        if not hit:
-            _restore(seqs, ahead.states)
-            return reply.result.forwards, reply.seconds
-        for s in seqs:  # the draft now holds each row's tokens plus block k+1's first G'-1 drafts
-            s.draft_len = s.num_tokens + ahead.plan.num_positions - 1
-        probs = reply.result.probs
-        block = Proposal(tokens[:, 1:], None if probs is None else probs[:, 1:])
-        self._prepared = Prepared(dataclasses.replace(ahead.plan, seqs=list(seqs)), block,
-                                  [s.request_id for s in seqs], list(ahead.num_tokens), ahead.states)
+        matched = [r and s.finish_reason is None and s.num_tokens == n
+                   for r, s, n in zip(right, seqs, ahead.num_tokens)]
+        _restore(seqs, {b: state for b, state in ahead.states.items() if not matched[b]})
+        if any(matched):
+            width = ahead.plan.num_positions
+            for s, m in zip(seqs, matched):  # the draft holds the row plus block k+1's first G'-1 drafts
+                if m:
+                    s.draft_len = s.num_tokens + width - 1
+            probs = reply.result.probs
+            self._prepared = Prepared(
+                ahead.plan, tokens[:, 1:], None if probs is None else probs[:, 1:],
+                {s.request_id: b for b, (s, m) in enumerate(zip(seqs, matched)) if m}, list(ahead.num_tokens),
+                {b: state for b, state in ahead.states.items() if matched[b]})
         return reply.result.forwards, reply.seconds
 
-    def _take(self, seqs: list[Sequence]) -> Prepared | None:
-        """The prepared block if it was made for exactly this batch, else None (thrown away)."""
+    def _take(self, seqs: list[Sequence]) -> tuple[Prepared | None, list[int | None]]:
+        """The prepared block and, per row of this step, its row there (None: draft it afresh).
+        Prepared rows not in this step (finished, aborted) give their random numbers back."""
         prepared, self._prepared = self._prepared, None
         if prepared is None:
-            return None
-        if [s.request_id for s in seqs] != prepared.request_ids or any(
-                s.num_tokens != n for s, n in zip(seqs, prepared.num_tokens)):
-            _restore(prepared.plan.seqs, prepared.states)
-            return None
-        return prepared
+            return None, [None] * len(seqs)
+        used = [prepared.rows.get(s.request_id) for s in seqs]
+        used = [b if b is not None and s.num_tokens == prepared.num_tokens[b] else None for b, s in zip(used, seqs)]
+        taken = set(u for u in used if u is not None)
+        _restore(prepared.plan.seqs, {b: st for b, st in prepared.states.items() if b not in taken})
+        return (prepared if taken else None), used
 
     def _abandon(self, ahead: Ahead | None) -> None:
         """The step failed after the ahead call went out: forget it (the draft finishes it unread)."""
@@ -241,6 +259,44 @@ class Pipeline:
             asyncio.get_running_loop().create_task(
                 self.host._adopt_late_draft(err.late, {s.request_id: s.num_tokens for s in seqs}))
         self.host._draft_lost(err)
+
+
+def _combine(seqs: list[Sequence], used: list[int | None], prepared: Prepared, fresh_plan: StepPlan | None,
+             fresh: Proposal) -> tuple[StepPlan, Proposal, list[int]]:
+    """One step's plan and drafts for rows from the prepared block (used[i] = its row there) and
+    freshly drafted rows (the others, in order): width G = the wider of the two, each row's drafts
+    and uniforms in its own first columns (the rule ignores positions past a row's g_b).
+    -> (plan, proposal, each row's own width)."""
+    ahead = prepared.plan
+    parts = [(ahead, prepared.tokens, prepared.probs)]
+    if fresh_plan is not None:
+        parts.append((fresh_plan, fresh.tokens, fresh.probs))
+    width = max(p.num_positions for p, _, _ in parts)
+    where, count = [], 0  # per row: (part, its row in that part)
+    for row in used:
+        where.append((0, row) if row is not None else (1, count))
+        count += row is None
+    sampling = BatchSampling.from_params([s.params for s in seqs])
+    batch = len(seqs)
+    tokens = torch.zeros(batch, width, dtype=torch.long)  # [B, G]
+    num_draft = torch.zeros(batch, dtype=torch.long)  # [B]
+    vocab = next((q.shape[-1] for _, _, q in parts if q is not None), 0)
+    probs = None if sampling.all_greedy else torch.zeros(batch, width, vocab)  # [B, G, V]
+    accept = None if sampling.all_greedy else torch.zeros(batch, width)  # [B, G]
+    final = None if sampling.all_greedy else torch.zeros(batch)  # [B]
+    widths = []
+    for b, (part, row) in enumerate(where):
+        plan, drafts, q = parts[part]
+        g = plan.num_positions
+        widths.append(g)
+        tokens[b, :g] = drafts[row, :g]
+        num_draft[b] = plan.num_draft[row]
+        if probs is not None and plan.accept_uniforms is not None:
+            accept[b, :g], final[b] = plan.accept_uniforms[row], plan.final_uniforms[row]
+            if q is not None:
+                probs[b, :g] = q[row, :g]
+    step = StepPlan(list(seqs), width, num_draft, sampling, None, accept, final)
+    return step, Proposal(tokens, probs), widths
 
 
 def _restore(seqs: list[Sequence], states: dict[int, torch.Tensor]) -> None:
