@@ -351,6 +351,23 @@ def print_table(rows: list[Row]) -> None:
             r.overhead_p50_ms, r.overhead_p99_ms, r.identical)))
 
 
+def start_ray(attempts: int = 4) -> None:
+    """A local Ray on 2 CPUs, loopback only; retried, because Ray gives a raylet 30 s to register,
+    which a busy machine can miss."""
+    import ray
+
+    for attempt in range(attempts):
+        try:
+            ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
+                     namespace="specserve-bench")
+            return
+        except Exception:
+            ray.shutdown()
+            if attempt + 1 == attempts:
+                raise
+            time.sleep(10)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specserve bench overlap", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="bench-results/overlap.json")
@@ -369,8 +386,7 @@ def main(argv: list[str] | None = None) -> int:
                for _ in range(args.prompts)]
     tiny_prompts = [[(7 * i + 3 * j) % 200 + 32 for j in range(_PROMPT_LEN)] for i in range(args.prompts)]
     calibration = {c: calibrate_draft(c, args.seed) for c in sorted({c for _, c in pairs} | {0.5})}
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
-             namespace="specserve-bench")
+    start_ray()
     rows: list[Row] = []
     runs = 5 * (len(pairs) + 2)
     try:
