@@ -29,7 +29,6 @@ for token against the target-only run.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import platform

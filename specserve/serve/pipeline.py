@@ -27,9 +27,9 @@ follow the same acceptance rule with the same uniforms.
 
 Costs (`OverlappedPolicy`): a step costs max(verify, ahead) plus, on a miss, the fresh drafts
 first (when any row misses). The policy picks γ for that model, and tells the loop when preparing
-is not worth it (at large batches some row nearly always misses; then a step is the sequential one). A failing draft (dead,
-hung, raising) during either call degrades to target-only steps through the coordinator's own
-recovery, exactly as in the sequential loop.
+is not worth it (at large batches some row nearly always misses; then a step is the sequential
+one). A failing draft (dead, hung, raising) during either call degrades to target-only steps
+through the coordinator's own recovery, exactly as in the sequential loop.
 
 The coordinator keeps the truth, the deadlines, the cache-miss protocol and the records: this class
 only calls `host._call`, `host._deadline`, `host._draft_lost`, `host._adopt_late_draft` and
