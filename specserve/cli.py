@@ -4,6 +4,7 @@
     specserve bench http [--url ...] [...]                           HTTP benchmark (specserve.bench.http)
     specserve bench engine [...]                                      in-process benchmark (specserve.bench.engine)
     specserve bench ingress [--url ...]                              one huge request vs small ones (specserve.bench.ingress)
+    specserve bench overlap [...]                                     pipelined vs sequential speculation on Ray (specserve.bench.overlap)
 
 A subcommand is one entry in COMMANDS (name -> help, add_arguments, run); a benchmark is one entry
 in BENCHES (name -> module with `main(argv)`).
@@ -108,6 +109,7 @@ BENCHES = {  # name -> module with `main(argv: list[str]) -> int`; its own argpa
     "overload": "specserve.bench.overload",
     "ingress": "specserve.bench.ingress",
     "prefill": "specserve.bench.prefill",
+    "overlap": "specserve.bench.overlap",
 }
 
 

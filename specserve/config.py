@@ -134,6 +134,9 @@ class SpeculationConfig(_Strict):
     adaptive: bool = True  # choose γ <= num_speculative_tokens from live measurements
     # How workers run their fixed-shape forwards: CUDA graphs on a GPU ("auto"), or always eager.
     execution: Literal["auto", "eager", "graph"] = "auto"
+    # Draft block k+1 on the draft worker while the target verifies block k (specserve.serve.pipeline);
+    # needs a separate draft model (draft:). Outputs are unchanged; off by default.
+    pipelined: bool = False
 
 
 _BUILTIN_RESOURCES = frozenset({"cpu", "gpu", "memory", "object_store_memory"})
@@ -300,6 +303,9 @@ class AppConfig(_Strict):
     def _consistent(self) -> "AppConfig":
         if self.draft is not None and self.drafter is not None:
             raise ValueError("give either a draft model (draft) or a drafter (drafter), not both")
+        if self.speculation.pipelined and self.draft is None:
+            raise ValueError("speculation.pipelined needs a separate draft model (draft): a drafter inside the "
+                             "target worker cannot run while the target verifies")
         if self.draft is None and self.drafter is None and self.speculation.num_speculative_tokens > 0:
             raise ValueError("speculation.num_speculative_tokens > 0 needs a draft model or a drafter (or set it to 0)")
         if self.draft is not None and self.draft.kind != self.target.kind and "tiny" in (self.draft.kind, self.target.kind):

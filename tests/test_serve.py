@@ -630,3 +630,61 @@ def test_colocated_drafter_is_lossless_over_http(http, server, drafter):
                 assert got["speculation"]["num_draft_tokens"] > 0
     finally:
         serve.delete(name)
+
+
+# -- pipelined speculation (speculation.pipelined) -------------------------------------------------
+class TestPipelined:
+    """An application of the tiny models whose coordinator drafts block k+1 while the target
+    verifies block k: same tokens as the sequential app, greedy and seeded (same γ: a seeded
+    request's random stream depends on it), through worker kills."""
+
+    APP = "specserve-pipelined"
+
+    @pytest.fixture(scope="class")
+    def pipelined(self, server):
+        from ray import serve
+
+        deploy_app(self.APP, "/pipelined", speculation={"num_speculative_tokens": 4, "adaptive": False,
+                                                        "pipelined": True},
+                   coordinator={"resources": {"num_cpus": 0.1}, "autoscaling": {"min_replicas": 1, "max_replicas": 1}})
+        with httpx.Client(base_url=f"{server}/pipelined", timeout=120) as client:
+            yield client
+        serve.delete(self.APP)
+
+    def test_greedy_and_seeded_tokens_equal_the_sequential_apps(self, http, pipelined):
+        for prompt, extra in [("Hello", {}), ("The quick brown fox", {"temperature": 0.8, "top_k": 4, "seed": 7})]:
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 40, "temperature": 0.0, "ignore_eos": True,
+                    "return_token_ids": True, **extra}
+            want = http.post("/v1/completions", json=body).json()["choices"][0]["token_ids"]
+            assert pipelined.post("/v1/completions", json=body).json()["choices"][0]["token_ids"] == want
+        stats = pipelined.get("/v1/stats").json()
+        assert stats["pipelined_hits"] > 0 and stats["pipelined_prepared"] > 0
+
+    @pytest.mark.parametrize("kind", ["target", "draft"])
+    def test_killed_worker_during_a_pipelined_run_changes_nothing(self, http, pipelined, kind):
+        import ray
+
+        from specserve.serve.coordinator import WORKER_NAMESPACE
+
+        body = {"model": MODEL, "prompt": f"pipelined, then the {kind} dies", "max_tokens": 200,
+                "temperature": 0.0, "ignore_eos": True}
+        expected = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+        texts = []
+        with pipelined.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            for i, event in enumerate(sse_events_iter(r)):
+                if i == 2:
+                    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                             if a["namespace"] == WORKER_NAMESPACE and a["name"].startswith(f"{self.APP}:")
+                             and a["name"].endswith(f":{kind}")]
+                    assert names
+                    for name in names:
+                        ray.kill(ray.get_actor(name, namespace=WORKER_NAMESPACE), no_restart=False)
+                if event != "[DONE]":
+                    assert "error" not in event, event
+                    texts.append(event["choices"][0]["text"])
+        assert "".join(texts) == expected
+        # the restarted worker serves pipelined steps again, and nothing stays cached
+        assert wait_for(lambda: pipelined.get("/v1/stats").json()["draft_available"], timeout=60)
+        again = pipelined.post("/v1/completions", json={**body, "max_tokens": 24, "return_token_ids": True}).json()
+        assert again["choices"][0]["token_ids"] == complete(http, body["prompt"])["choices"][0]["token_ids"]
+        assert wait_for(lambda: all(c == 0 for c in cache_counts()), timeout=30), cache_counts()

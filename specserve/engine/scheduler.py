@@ -172,3 +172,78 @@ class SpeculationPolicy:
         self._steps_without_drafts = 0
         self._probe_interval = min(2 * self._probe_interval, 16 * self.probe_every)
         return 1
+
+
+class OverlappedPolicy(SpeculationPolicy):
+    """γ for a loop that drafts the next block while the target verifies this one (the Ray
+    coordinator's pipelined mode, `specserve.serve.pipeline`).
+
+    While the target verifies γ drafts, the draft runs γ + 1 more forwards: a guess of the bonus
+    token, then the next block's γ drafts after it. That prepared block is used when every row of
+    the batch accepted all its drafts and the bonus equals the guess, with probability
+    h = Π_b α_b^γ · β (β: how often the guess was right after a full acceptance, measured). So in
+    draft-forward units D and verify time T, a step costs
+
+        overlapped:  max(T(B(γ+1)), (γ+1) D(B)) + (1 - h) γ D(B)      (a miss drafts afresh first)
+        sequential:  T(B(γ+1)) + γ D(B)
+
+    (each forward plus the host overhead per call). For every γ the cheaper of the two counts;
+    `overlap_pays` tells the loop whether to prepare the next block at all (at large batches h
+    vanishes, and a draft slower than the verify would only delay the fresh drafts). γ = 0 still
+    wins where drafting loses, exactly as in the sequential policy.
+    """
+
+    def __init__(self, max_gamma: int, adaptive: bool = True, prior_alpha: float = 0.6, probe_every: int = 16) -> None:
+        super().__init__(max_gamma, adaptive, prior_alpha, probe_every)
+        self.guess = AcceptanceEstimate()  # bonus guesses right / made (rows that accepted every draft)
+
+    def observe_guesses(self, right: int, made: int) -> None:
+        for i in range(made):
+            self.guess.observe(1 if i < right else 0, 1, decay=0.99)
+
+    def guess_rate(self) -> float:
+        return self.guess.rate(self.global_alpha.rate(self.prior_alpha, 4.0), 4.0)
+
+    def observe_overlapped_step(self, wall: float, fresh_forwards, ahead_forwards, verify_forwards) -> None:
+        """A pipelined step: the fresh drafts (a miss), then the verify and the next block's
+        drafting side by side; host overhead is what the wall time holds beyond that critical path."""
+        for model, forwards in (("draft", [*fresh_forwards, *ahead_forwards]), ("target", verify_forwards)):
+            self.observe_costs(model, [f for f in forwards if not f.prefill])
+        critical = sum(f.seconds for f in fresh_forwards) + max(
+            sum(f.seconds for f in verify_forwards), sum(f.seconds for f in ahead_forwards))
+        host = max(wall - critical, 0.0) / max(len(fresh_forwards) + len(verify_forwards), 1)
+        self.overhead = host if self.overhead == 0.0 else 0.9 * self.overhead + 0.1 * host
+
+    def overlapped_time(self, batch: int, gamma: int, alphas: list[float], backlog: int = 0) -> float:
+        """Predicted seconds of a pipelined step with γ drafts per row (γ >= 1)."""
+        draft = self.draft_cost.predict(batch) + self.overhead
+        verify = self.target_cost.predict(batch * (gamma + 1)) + self.overhead
+        catch_up = self.draft_cost.predict(backlog) + self.overhead if backlog > 0 else 0.0
+        hit = self.guess_rate()
+        for a in alphas:
+            hit *= min(max(a, 0.0), 0.999) ** gamma
+        return max(verify, (gamma + 1) * draft) + (1.0 - hit) * (gamma * draft + catch_up)
+
+    def overlap_pays(self, alphas: list[float], gamma: int) -> bool:
+        """Whether preparing the next block makes a step with γ drafts cheaper (unmeasured, or a
+        fixed γ: prepare, as configured)."""
+        if gamma == 0:
+            return False
+        if not self.adaptive or not (self.target_cost.ready and self.draft_cost.ready):
+            return True
+        return self.overlapped_time(len(alphas), gamma, alphas) < self.step_time(len(alphas), gamma)
+
+    def best_gamma(self, alphas: list[float], backlog: int = 0) -> int:
+        if not self.adaptive or self.max_gamma == 0 or not (self.target_cost.ready and self.draft_cost.ready):
+            return super().best_gamma(alphas, backlog)
+        batch = len(alphas)
+
+        def rate(g: int) -> float:
+            seconds = self.step_time(batch, g, backlog)
+            if g > 0:
+                seconds = min(seconds, self.overlapped_time(batch, g, alphas, backlog))
+            return sum(expected_tokens(a, g) for a in alphas) / max(seconds, 1e-9)
+
+        rates = [rate(g) for g in range(self.max_gamma + 1)]
+        best = max(range(1, len(rates)), key=rates.__getitem__)
+        return best if rates[best] > SWITCH_MARGIN * rates[0] else 0

@@ -49,7 +49,7 @@ from specserve.config import AppConfig, Resources
 from specserve.engine import RowInput
 from specserve.engine.proposers import Proposal
 from specserve.engine.sampling import SamplingParams
-from specserve.engine.scheduler import SpeculationPolicy, TokenCost
+from specserve.engine.scheduler import OverlappedPolicy, SpeculationPolicy, TokenCost
 from specserve.engine.step import (
     ContextLengthExceeded, InvalidPrompt, Sequence, StepOutput, StepPlan, advance_marks, empty_proposal, finish_step,
     new_sequence, plan_step, prefill_rows, prefilling,
@@ -58,6 +58,7 @@ from specserve.engine.verifier import Verdict
 
 from .admission import Admission
 from .metrics import CoordinatorMetrics
+from .pipeline import Pipeline
 from .workers import DraftWorker, Reply, TargetWorker
 
 logger = logging.getLogger("specserve.coordinator")
@@ -120,13 +121,15 @@ class WorkerTimeout(RuntimeError):
 # -- the deployment ------------------------------------------------------------------------------
 @serve.deployment(ray_actor_options={"num_cpus": 0.1})
 class Coordinator:
+    target_worker_class, draft_worker_class = TargetWorker, DraftWorker  # (a benchmark swaps in its own)
+
     def __init__(self, config: AppConfig) -> None:
         self.config = config
         self.deadlines = config.deadlines
         self.max_gamma = config.speculation.num_speculative_tokens
         tag = _replica_tag()
         threads = config.target_worker.torch_threads
-        self.target = _actor(TargetWorker, config.target_worker, 1, f"{tag}:target").remote(
+        self.target = _actor(self.target_worker_class, config.target_worker, 1, f"{tag}:target").remote(
             config.target, config.max_model_len, threads, config.drafter, execution=config.speculation.execution)
         info = ray.get(self.target.info.remote())
         self.vocab_size, self.eos_token_ids = info.vocab_size, info.eos_token_ids
@@ -134,7 +137,7 @@ class Coordinator:
         self.draft = None  # the remote methods of the draft side (ProposerSide), if anything drafts
         self.draft_worker = None  # the DraftWorker actor, if the draft side is one (else: the target)
         if config.draft is not None:
-            self.draft_worker = _actor(DraftWorker, config.draft_worker, 2, f"{tag}:draft").remote(
+            self.draft_worker = _actor(self.draft_worker_class, config.draft_worker, 2, f"{tag}:draft").remote(
                 config.draft, info.vocab_size, config.max_model_len, config.draft_worker.torch_threads,
                 execution=config.speculation.execution)
             self.draft = ProposerSide.of_draft_worker(self.draft_worker)
@@ -143,7 +146,8 @@ class Coordinator:
         if self.draft is not None:
             limits.append(ray.get(self.draft.max_positions.remote()))
         self.max_model_len = min(x for x in limits if x) if any(limits) else 1 << 30
-        self.policy = SpeculationPolicy(self.max_gamma, adaptive=config.speculation.adaptive)
+        policy = OverlappedPolicy if config.speculation.pipelined else SpeculationPolicy
+        self.policy = policy(self.max_gamma, adaptive=config.speculation.adaptive)
         # measured costs start γ (adaptive) and size every worker call's deadline
         self.policy.observe_costs("target", ray.get(self.target.time_forwards.remote()))
         if self.draft is not None:
@@ -167,6 +171,8 @@ class Coordinator:
         self.metrics = CoordinatorMetrics(config.served_model_name)
         self.metrics.set(self.metrics.draft_available, float(self._draft_ok))
         self._timing: dict[str, list[float | None]] = {}
+        # draft block k+1 while the target verifies block k (speculation.pipelined; needs a DraftWorker)
+        self.pipeline = Pipeline(self) if config.speculation.pipelined and self.draft_worker is not None else None
 
     # -- API (called through DeploymentHandles) ---------------------------------------------------
     def info(self) -> dict:
@@ -417,6 +423,10 @@ class Coordinator:
             self._totals["prefill_tokens"] += sum(len(r.tokens) for r in sent)
 
     async def _step(self, seqs: list[Sequence], policy: SpeculationPolicy) -> list[StepOutput]:
+        if self.pipeline is not None:
+            outputs = await self.pipeline.step(seqs, policy)  # None: this step runs sequentially
+            if outputs is not None:
+                return outputs
         began = time.perf_counter()
         if not self._draft_ok:
             policy = self._target_only

@@ -1,0 +1,415 @@
+"""Pipelined vs sequential speculation through the real coordinator loop on Ray, on CPU.
+
+    specserve bench overlap [--out bench-results/overlap.json] [--tokens 96] [--prompts 3] [--quick]
+
+Every configuration runs the coordinator's own step loop (`Coordinator`, as a plain Ray actor: no
+HTTP) with a TargetWorker and a DraftWorker actor, each on one core (torch threads 1), one request
+at a time (batch 1), greedy:
+
+  target-only     γ = 0, the target worker alone on 1 thread (the unit of every bound), and on 2
+                  threads (the fair baseline: speculation uses both cores)
+  sequential      propose, then verify (today's loop)
+  pipelined       the draft drafts block k+1 while the target verifies block k (speculation.pipelined)
+
+Pairs: random-weight Llama shapes with a *controlled-acceptance drafter* (as in `bench gpu`: the
+draft runs its real forwards, so its cost is real, but proposes the target's true greedy token
+with probability α, known from the target-only run), with the draft's depth chosen so that its
+forward costs c of the target's, for α in {0.6, 0.8} x c in {0.2, 0.5} and a low α (adaptive γ:
+speculation should switch itself off); and the tiny pair of configs/tiny.yaml (its own drafter).
+
+Per row: γ, α (planted and measured), c and v measured in the run (draft / target forward at one
+token; target forward over γ+1 tokens / over 1), the bound of its cost model in units of one
+target forward (target-only: 1; sequential: E / (γc + v); pipelined:
+E / (max(v, (γ+1)c) + (1 - α^(γ+1)) γc), where E = (1 - α^(γ+1)) / (1 - α) and a prepared block is
+used with probability α^(γ+1)), the measured speedup over target-only on 1 thread, efficiency =
+speedup / bound, the pipelined hit rate, and the per-step coordination overhead p50 / p99 (step
+wall time minus the model forwards on its critical path). Every speculative run is checked token
+for token against the target-only run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from specserve.engine.model_runner import ModelRunner, RowInput
+from specserve.engine.proposers import DraftModelProposer
+from specserve.engine.scheduler import expected_tokens
+
+TARGET_SHAPE = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8,
+                    intermediate_size=1536, vocab_size=8192)
+DRAFT_WIDTHS = (256, 512)  # candidate draft shapes: these widths x 1..8 layers, chosen by measured cost
+_PROMPT_LEN = 24
+
+
+# -- models and workers (built inside the worker actors) -------------------------------------------
+def llama(dims: dict, seed: int) -> torch.nn.Module:
+    """A peaked random Llama (see specserve.bench.gpu.random_llama) of these dimensions, fp32, CPU."""
+    from specserve.bench import gpu
+
+    name = "overlap-" + "-".join(f"{k}{v}" for k, v in sorted(dims.items()))
+    gpu.SHAPES.setdefault(name, dims)
+    return gpu.random_llama(name, "cpu", torch.float32, seed, peaked=True)
+
+
+def draft_dims(width: int, layers: int) -> dict:
+    heads = width // 64
+    return dict(hidden_size=width, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+                intermediate_size=3 * width, vocab_size=TARGET_SHAPE["vocab_size"])
+
+
+class PlantingProposer(DraftModelProposer):
+    """The controlled-acceptance drafter of `bench gpu`, made exact for calls that draft from
+    speculative context (the pipelined loop's ahead calls): per request it tracks how many leading
+    positions of its cache hold the reference, and plants true tokens (with probability α per
+    position) only in a call whose whole context is the reference; any other call's drafts are
+    wrong, as a real drafter's would be useless there. Greedy rows only."""
+
+    def __init__(self, draft, alpha: float, vocab_size: int, seed: int, max_positions, execution) -> None:
+        import random
+
+        super().__init__(draft, vocab_size, max_positions, execution)
+        self.alpha = alpha
+        self.references: dict[str, list[int]] = {}
+        self.rng = random.Random(seed)
+        self._good: dict[str, int] = {}  # request id -> leading cached positions equal to its reference
+        self._chosen: torch.Tensor | None = None  # [B, G]
+
+    def free(self, request_id: str) -> None:
+        super().free(request_id)
+        self._good.pop(request_id, None)
+
+    def propose(self, rows, num_tokens, sampling, uniforms):
+        if not sampling.all_greedy:
+            raise ValueError("the planting drafter supports greedy rows only")
+        self.runner.check(rows)
+        self._chosen = torch.tensor([self._plant(r, num_tokens) for r in rows], dtype=torch.long)
+        return super().propose(rows, num_tokens, sampling, uniforms)
+
+    def _plant(self, row: RowInput, num_tokens: int) -> list[int]:
+        ref = self.references.get(row.request_id, [])
+        end = row.start + len(row.tokens)
+        good = min(self._good.get(row.request_id, 0), row.start)
+        if good == row.start and ref[row.start:end] == row.tokens:
+            good = end
+        chosen = []
+        for j in range(num_tokens):
+            true = ref[end + j] if good == end and end + j < len(ref) else None
+            if true is not None and self.rng.random() < self.alpha:
+                chosen.append(true)
+            else:
+                wrong = self.rng.randrange(self.vocab_size)
+                chosen.append(wrong if wrong != true else (wrong + 1) % self.vocab_size)
+        for j, token in enumerate(chosen[: num_tokens - 1]):  # the cache holds the first G-1 drafts
+            if good == end + j and end + j < len(ref) and token == ref[end + j]:
+                good += 1
+        self._good[row.request_id] = good
+        return chosen
+
+    def _static_inputs(self, staged, num_tokens, sampling, uniforms, flags):
+        buffers = super()._static_inputs(staged, num_tokens, sampling, uniforms, flags)
+        buffers["chosen"] = self._chosen.index_select(0, staged.sorted_to_caller.cpu())
+        return buffers
+
+    def _choose(self, logits, sampling, flags, inputs, j):
+        super()._choose(logits, sampling, flags, inputs, j)  # the real draft's own choice: computed (cost)
+        return inputs["chosen"][:, j], None
+
+
+def worker_classes(draft_layers: int, draft_width: int, alpha: float, seed: int):
+    """TargetWorker / DraftWorker subclasses that build the random pair (the config's sources are
+    ignored); the draft one plants tokens and takes the references."""
+    from specserve.engine import TargetVerifier
+    from specserve.serve.workers import DraftWorker, ModelInfo, TargetWorker, _Worker
+
+    class Target(TargetWorker):
+        def __init__(self, source, max_model_len, torch_threads=None, drafter=None, execution="auto"):
+            _Worker.__init__(self, torch_threads)
+            self.model = TargetVerifier(llama(TARGET_SHAPE, seed), max_model_len, execution)
+            self.info_ = ModelInfo(self.model.vocab_size, max_model_len, frozenset())
+            self.proposer = None
+
+    class Draft(DraftWorker):
+        def __init__(self, source, vocab_size, max_model_len, torch_threads=None, execution="auto"):
+            _Worker.__init__(self, torch_threads)
+            model = llama(draft_dims(draft_width, draft_layers), seed + 1)
+            self.model = PlantingProposer(model, alpha, vocab_size, seed, max_model_len, execution)
+
+        def set_references(self, references: dict[str, list[int]]) -> None:
+            self.model.references = references
+
+    return Target, Draft
+
+
+def coordinator_class(workers=None):
+    """The Coordinator's class as a plain Ray actor (no Serve), with a few bench-only methods."""
+    import ray
+
+    from specserve.serve.coordinator import Coordinator, GenerateRequest
+
+    class BenchCoordinator(Coordinator.func_or_class):
+        if workers is not None:
+            target_worker_class, draft_worker_class = workers
+
+        rejections = 0  # drafting steps of a row that did not accept all its drafts
+
+        def set_references(self, references: dict[str, list[int]]) -> None:
+            ray.get(self.draft_worker.set_references.remote(references))
+
+        def reset_stats(self) -> None:
+            super().reset_stats()
+            self.rejections = 0
+
+        def _record(self, record, plan, verdict) -> None:
+            super()._record(record, plan, verdict)
+            self.rejections += sum(g > 0 and a < g for g, a in zip(plan.num_draft.tolist(), verdict.num_accepted))
+
+        async def run(self, requests: list[GenerateRequest]) -> tuple[list[list[int]], float]:
+            """One request at a time -> (tokens per request, seconds)."""
+            began, outputs = time.perf_counter(), []
+            for request in requests:
+                tokens = []
+                async for item in self.generate(request):
+                    tokens += getattr(item, "token_ids", [])
+                    if type(item).__name__ in ("Rejected", "Failed"):
+                        raise RuntimeError(f"{request.request_id}: {item}")
+                outputs.append(tokens)
+            return outputs, time.perf_counter() - began
+
+        def measured(self) -> dict:
+            recs = list(self._records)
+            overhead = sorted(r.wall - r.forward for r in recs) or [0.0]
+            policy, totals = self.policy, self._totals
+            one = policy.target_cost.predict(1)
+            return dict(
+                steps=totals["steps"], drafted=totals["spec_decode_num_draft_tokens"],
+                accepted=totals["spec_decode_num_accepted_tokens"], rejections=self.rejections,
+                gamma_mean=statistics.fmean(r.positions for r in recs) if recs else 0.0,
+                c=policy.draft_cost.predict(1) / one if policy.draft_cost.ready else 0.0,
+                v={g: policy.target_cost.predict(g + 1) / one for g in range(1, self.max_gamma + 1)},
+                overhead_p50_ms=1e3 * overhead[len(overhead) // 2],
+                overhead_p99_ms=1e3 * overhead[min(int(0.99 * len(overhead)), len(overhead) - 1)],
+                prepared=totals.get("pipelined_prepared", 0), hits=totals.get("pipelined_hits", 0))
+
+    return ray.remote(num_cpus=0.1)(BenchCoordinator)
+
+
+# -- measurements ---------------------------------------------------------------------------------
+@dataclass
+class Row:
+    pair: str
+    mode: str  # target-only | target-only-2t | sequential | pipelined
+    gamma: float  # drafts per step (mean when adaptive)
+    adaptive: bool
+    alpha_planted: float | None
+    alpha: float  # measured: accepted / (accepted + rejections)
+    c: float
+    v: float
+    tokens: int
+    seconds: float
+    tokens_per_s: float
+    speedup: float  # over target-only on 1 thread, same pair
+    bound: float
+    efficiency: float
+    hit_rate: float | None
+    overhead_p50_ms: float
+    overhead_p99_ms: float
+    identical: bool
+
+
+def bound(mode: str, alpha: float, gamma: int, c: float, v: float) -> float:
+    if mode.startswith("target-only") or gamma == 0:
+        return 1.0
+    e = expected_tokens(alpha, gamma)
+    if mode == "sequential":
+        return e / (gamma * c + v)
+    hit = min(max(alpha, 0.0), 0.999) ** (gamma + 1)
+    return e / (max(v, (gamma + 1) * c) + (1 - hit) * gamma * c)
+
+
+def best_gamma(mode: str, alpha: float, c: float, v_of, max_gamma: int = 6) -> int:
+    return max(range(1, max_gamma + 1), key=lambda g: bound(mode, alpha, g, c, v_of(g)))
+
+
+def app_config(gamma: int, adaptive: bool, pipelined: bool, target_threads: int = 1, tiny: bool = False):
+    from specserve.config import AppConfig
+
+    source = {"kind": "tiny", "seed": 0, "layers": 2, "hidden_size": 64}
+    draft = {**source, "noise": 0.15, "noise_seed": 1}
+    return AppConfig.model_validate(dict(
+        served_model_name="bench", target=source, draft=draft if gamma > 0 else None,
+        speculation=dict(num_speculative_tokens=gamma, adaptive=adaptive, pipelined=pipelined, execution="eager"),
+        max_batch_size=4, max_model_len=1024 if not tiny else 512, request_timeout_s=600,
+        target_worker=dict(num_cpus=0.5, torch_threads=target_threads),
+        draft_worker=dict(num_cpus=0.5, torch_threads=1)))
+
+
+def calibrate_draft(c: float, seed: int) -> tuple[int, int, float]:
+    """(width, layers, measured c) of the candidate draft whose one-token forward is nearest c x the
+    target's, timed here on one thread."""
+    torch.set_num_threads(1)
+
+    def one_token(model) -> float:
+        timings = ModelRunner(model, 1024, "eager").time_forwards((1, 1, 1))
+        return min(t.seconds for t in timings)
+
+    target = one_token(llama(TARGET_SHAPE, seed))
+    best = None
+    for width in DRAFT_WIDTHS:
+        for layers in range(1, TARGET_SHAPE["num_hidden_layers"] + 1):
+            ratio = one_token(llama(draft_dims(width, layers), seed + 1)) / target
+            if best is None or abs(ratio - c) < abs(best[2] - c):
+                best = (width, layers, ratio)
+            if ratio > c:
+                break
+    return best
+
+
+def run_config(config, requests, workers=None, references=None) -> tuple[list[list[int]], float, dict]:
+    import ray
+
+    actor = coordinator_class(workers).remote(config)
+    try:
+        if references is not None:
+            ray.get(actor.set_references.remote(references))
+        ray.get(actor.run.remote(requests[:1]))  # warm-up: caches allocated, costs measured
+        ray.get(actor.reset_stats.remote())
+        outputs, seconds = ray.get(actor.run.remote(requests))
+        return outputs, seconds, ray.get(actor.measured.remote())
+    finally:
+        ray.kill(actor)  # its workers go with it (owned actors)
+
+
+def requests_for(prompts: list[list[int]], max_tokens: int):
+    from specserve.engine.sampling import SamplingParams
+    from specserve.serve.coordinator import GenerateRequest
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return [GenerateRequest(f"p{i}", p, params) for i, p in enumerate(prompts)]
+
+
+def measure_pair(pair: str, requests, workers, alpha: float | None, fixed: bool, bar) -> list[Row]:
+    """Target-only (1 and 2 threads), sequential and pipelined runs of one pair."""
+    tiny = workers is None
+    base_out, base_s, base_m = run_config(app_config(0, False, False, 1, tiny), requests, workers)
+    bar.update()
+    references = {r.request_id: r.prompt_token_ids + out for r, out in zip(requests, base_out)}
+    refs = None if tiny else references
+    tokens = sum(len(o) for o in base_out)
+    rows = [_row(pair, "target-only", 0, False, alpha, base_out, base_s, base_m, base_s, base_out, tokens)]
+    out2, s2, m2 = run_config(app_config(0, False, False, 2, tiny), requests, workers)
+    bar.update()
+    rows.append(_row(pair, "target-only-2t", 0, False, alpha, out2, s2, m2, base_s, base_out, tokens))
+    # c and v from a short sequential probe decide each mode's γ (fixed pairs); the low-α pair adapts
+    probe = run_config(app_config(4, False, False, 1, tiny), requests[:1], workers, refs)[2]
+    bar.update()
+    for mode in ("sequential", "pipelined"):
+        a = alpha if alpha is not None else _alpha(probe)
+        gamma = best_gamma(mode, a, probe["c"], lambda g: probe["v"].get(g, probe["v"][4]), 4) if fixed else 4
+        config = app_config(gamma, not fixed, mode == "pipelined", 1, tiny)
+        out, s, m = run_config(config, requests, workers, refs)
+        bar.update()
+        rows.append(_row(pair, mode, gamma, not fixed, alpha, out, s, m, base_s, base_out, tokens))
+    return rows
+
+
+def _alpha(m: dict) -> float:
+    """Acceptance per draft under the geometric model (MLE), from a run's totals."""
+    trials = m["accepted"] + m["rejections"]
+    return m["accepted"] / trials if trials else 0.0
+
+
+def _row(pair, mode, gamma, adaptive, alpha, out, seconds, m, base_seconds, base_out, tokens) -> Row:
+    g = m["gamma_mean"] if adaptive else gamma
+    a = _alpha(m) if gamma else 0.0
+    v = m["v"].get(max(int(round(g)), 1), 1.0) if gamma else 1.0
+    b = bound(mode, alpha if alpha is not None else a, int(round(g)), m["c"], v)
+    speedup = base_seconds / seconds
+    hit = m["hits"] / m["prepared"] if m["prepared"] else None
+    return Row(pair, mode, round(g, 2), adaptive, alpha, round(a, 3), round(m["c"], 3), round(v, 3), tokens,
+               round(seconds, 3), round(tokens / seconds, 1), round(speedup, 3), round(b, 3),
+               round(speedup / b, 3), None if hit is None else round(hit, 3), round(m["overhead_p50_ms"], 2),
+               round(m["overhead_p99_ms"], 2), out == base_out)
+
+
+def print_table(rows: list[Row]) -> None:
+    head = ("pair", "mode", "γ", "α", "c", "v", "tok/s", "speedup", "bound", "eff", "hit", "ovh p50", "p99", "same")
+    print(" | ".join(head))
+    for r in rows:
+        hit = "" if r.hit_rate is None else f"{r.hit_rate:.2f}"
+        print(" | ".join(str(x) for x in (
+            r.pair, r.mode, r.gamma, r.alpha, r.c, r.v, r.tokens_per_s, r.speedup, r.bound, r.efficiency, hit,
+            r.overhead_p50_ms, r.overhead_p99_ms, r.identical)))
+
+
+def start_ray(attempts: int = 4) -> None:
+    """A local Ray on 2 CPUs, loopback only; retried, because Ray gives a raylet 30 s to register,
+    which a busy machine can miss."""
+    import ray
+
+    for attempt in range(attempts):
+        try:
+            ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
+                     namespace="specserve-bench")
+            return
+        except Exception:
+            ray.shutdown()
+            if attempt + 1 == attempts:
+                raise
+            time.sleep(10)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="specserve bench overlap", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="bench-results/overlap.json")
+    parser.add_argument("--tokens", type=int, default=96, help="new tokens per request")
+    parser.add_argument("--prompts", type=int, default=3, help="requests per run (one at a time)")
+    parser.add_argument("--quick", action="store_true", help="only α 0.8, c 0.5 and the tiny pair")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    pairs = [(0.8, 0.5)] if args.quick else [(0.6, 0.2), (0.6, 0.5), (0.8, 0.2), (0.8, 0.5)]
+    generator = torch.Generator().manual_seed(args.seed)
+    prompts = [torch.randint(0, TARGET_SHAPE["vocab_size"], (_PROMPT_LEN,), generator=generator).tolist()
+               for _ in range(args.prompts)]
+    tiny_prompts = [[(7 * i + 3 * j) % 200 + 32 for j in range(_PROMPT_LEN)] for i in range(args.prompts)]
+    calibration = {c: calibrate_draft(c, args.seed) for c in sorted({c for _, c in pairs} | {0.5})}
+    start_ray()
+    rows: list[Row] = []
+    runs = 5 * (len(pairs) + 2)
+    try:
+        with tqdm(total=runs, desc="overlap", unit="run") as bar:
+            for alpha, c in [*pairs, (0.3, 0.5)]:
+                width, layers, _ = calibration[c]
+                workers = worker_classes(layers, width, alpha, args.seed)
+                rows += measure_pair(f"α{alpha} c{c}", requests_for(prompts, args.tokens), workers, alpha,
+                                     alpha >= 0.6, bar)
+            rows += measure_pair("tiny", requests_for(tiny_prompts, args.tokens), None, None, True, bar)
+    finally:
+        ray.shutdown()
+    print_table(rows)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "bench": "overlap", "machine": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
+        "tokens_per_request": args.tokens, "requests": args.prompts,
+        "draft_shapes": {str(c): {"width": w, "layers": n, "c_calibrated": round(r, 3)}
+                         for c, (w, n, r) in calibration.items()},
+        "rows": [asdict(r) for r in rows]}, indent=1))
+    print(f"wrote {out}")
+    return 0 if all(r.identical for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,42 @@
+"""specserve bench overlap: its planting drafter is exact and its bounds are the cost models'."""
+import pytest
+import torch
+
+from models import tiny_llama
+from specserve.bench.overlap import PlantingProposer, bound
+from specserve.engine import RowInput
+from specserve.engine.sampling import BatchSampling, SamplingParams
+
+GREEDY = BatchSampling.from_params([SamplingParams(temperature=0.0)])
+
+
+def test_bounds():
+    # sequential: E / (γc + v); pipelined: E / (max(v, (γ+1)c) + (1 - α^(γ+1)) γc)
+    assert bound("sequential", 0.8, 2, 0.5, 1.0) == pytest.approx(2.44 / 2.0)
+    assert bound("pipelined", 0.8, 1, 0.5, 1.0) == pytest.approx(1.8 / (1.0 + 0.36 * 0.5))
+    assert bound("target-only", 0.8, 0, 0.5, 1.0) == 1.0
+
+
+def test_planting_drafter_plants_only_on_the_reference():
+    vocab = 64
+    proposer = PlantingProposer(tiny_llama(1, vocab=vocab), 0.7, vocab, seed=0, max_positions=None,
+                                execution="eager")
+    reference = torch.randint(0, vocab, (400,), generator=torch.Generator().manual_seed(0)).tolist()
+    proposer.references = {"r": reference}
+    planted = 0
+    for start in range(8, 300, 4):  # on the reference: drafts j = reference[end + j] with probability α
+        drafts = proposer.propose([RowInput("r", 0, reference[:start])], 4, GREEDY, None).tokens[0].tolist()
+        planted += sum(d == t for d, t in zip(drafts, reference[start:start + 4]))
+        proposer.free("r")
+    assert 0.6 < planted / (4 * len(range(8, 300, 4))) < 0.8
+    # a context that left the reference (a speculative token that was wrong): nothing is planted
+    wrong = (reference[20] + 1) % vocab
+    proposer.propose([RowInput("r", 0, reference[:20])], 3, GREEDY, None)
+    drafts = proposer.propose([RowInput("r", 20, [wrong])], 4, GREEDY, None).tokens[0].tolist()
+    assert all(d != t for d, t in zip(drafts, reference[21:25]))
+    # rolled back onto the reference, it plants again
+    hits = 0
+    for _ in range(40):
+        drafts = proposer.propose([RowInput("r", 20, [reference[20]])], 1, GREEDY, None).tokens[0].tolist()
+        hits += drafts[0] == reference[21]
+    assert hits > 15

@@ -1,0 +1,239 @@
+"""Pipelined speculation (speculation.pipelined, specserve.serve.pipeline) is lossless and draws the
+sequential loop's random numbers.
+
+The real Coordinator runs in this process (no Ray): its worker actors are the real TargetWorker /
+DraftWorker classes behind a stand-in whose `.remote()` runs the method at once and returns an
+awaitable, so the coordinator's loop, admission, cache-miss protocol and pipeline run unchanged.
+(That the two calls really overlap, and recovery from killed workers, is for the Serve tests and
+`specserve bench overlap`.)
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import uuid
+
+import pytest
+import torch
+
+from models import hf_greedy, tiny_llama
+from specserve.config import AppConfig
+from specserve.engine import SamplingParams
+from specserve.engine.scheduler import AcceptanceEstimate, OverlappedPolicy, SpeculationPolicy
+from specserve.engine.model_runner import ForwardTiming
+
+TINY = {"kind": "tiny", "seed": 0, "layers": 2, "hidden_size": 64}
+
+
+class _Done:
+    """What `.remote()` returns here: an awaitable holding the method's result (or its error)."""
+
+    def __init__(self, fn, args, kwargs) -> None:
+        try:
+            self.value, self.error = fn(*args, **kwargs), None
+        except Exception as err:  # raised when awaited, as Ray would
+            self.value, self.error = None, err
+
+    def __await__(self):
+        if False:
+            yield
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+class _Method:
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def remote(self, *args, **kwargs) -> _Done:
+        return _Done(self.fn, args, kwargs)
+
+
+class LocalActor:
+    """A worker object whose methods are called as `actor.method.remote(...)`."""
+
+    def __init__(self, obj) -> None:
+        self._obj = obj
+
+    def __getattr__(self, name: str) -> _Method:
+        return _Method(getattr(self._obj, name))
+
+
+class _NoMetrics:
+    def __getattr__(self, name):
+        return None
+
+    def inc(self, *args, **kwargs) -> None:
+        pass
+
+    def set(self, *args, **kwargs) -> None:
+        pass
+
+    def observe(self, *args, **kwargs) -> None:
+        pass
+
+
+@pytest.fixture
+def local_coordinator(monkeypatch):
+    """config -> a Coordinator instance whose workers run in this process (models from the
+    config's sources, or given as {"target": module, "draft": module})."""
+    import specserve.serve.coordinator as coordinator
+    import specserve.serve.workers as workers
+    from specserve.engine import DraftModelProposer, TargetVerifier
+
+    models: dict = {}
+
+    def actor(cls, resources, bundle, name):
+        def build(*args, **kwargs):
+            if not models:
+                return LocalActor(cls(*args, **kwargs))
+            obj = cls.__new__(cls)
+            if issubclass(cls, workers.TargetWorker):
+                obj.model = TargetVerifier(models["target"], args[1])
+                obj.info_ = workers.ModelInfo(obj.model.vocab_size, None, frozenset())
+                obj.proposer = None
+            else:
+                obj.model = DraftModelProposer(models["draft"], args[1], args[2])
+            return LocalActor(obj)
+
+        return type("ActorClass", (), {"remote": staticmethod(build)})
+
+    monkeypatch.setattr(coordinator, "_actor", actor)
+    monkeypatch.setattr(coordinator.ray, "get", lambda ref: ref.value if isinstance(ref, _Done) else ref)
+    monkeypatch.setattr(coordinator, "CoordinatorMetrics", lambda name: _NoMetrics())
+    monkeypatch.setattr(workers, "_assigned_gpus", lambda: [])
+
+    def make(config: AppConfig, given: dict | None = None):
+        models.clear()
+        models.update(given or {})
+        return coordinator.Coordinator.func_or_class(config)
+
+    return make
+
+
+def config(pipelined: bool, gamma: int = 4, adaptive: bool = False, **kw) -> AppConfig:
+    return AppConfig.model_validate(dict(
+        served_model_name="tiny", target=TINY, draft={**TINY, "noise": 0.15, "noise_seed": 1},
+        speculation=dict(num_speculative_tokens=gamma, adaptive=adaptive, pipelined=pipelined, execution="eager"),
+        max_model_len=256, **kw))
+
+
+def generate(coordinator, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
+    """Every request at once through the coordinator's own loop -> tokens per request."""
+    from specserve.serve.coordinator import Delta, GenerateRequest
+
+    async def one(prompt, p) -> list[int]:
+        tokens = []
+        async for item in coordinator.generate(GenerateRequest(uuid.uuid4().hex, prompt, p)):
+            assert type(item).__name__ in ("Accepted", "Delta"), item
+            if isinstance(item, Delta):
+                tokens += item.token_ids
+        return tokens
+
+    async def run():
+        try:
+            return await asyncio.gather(*(one(pr, p) for pr, p in zip(prompts, params)))
+        finally:
+            coordinator._loop_task.cancel()
+
+    return asyncio.run(run())
+
+
+NUM_SEQUENCES = 8_000
+PROMPTS = [[72, 101, 108, 108, 111], [84, 104, 101, 32, 113, 117, 105, 99, 107], [97],
+           list(range(48, 58)) * 3]
+
+
+def test_pipelined_greedy_is_the_targets_greedy(local_coordinator):
+    coordinator = local_coordinator(config(pipelined=True))
+    assert coordinator.pipeline is not None and isinstance(coordinator.policy, OverlappedPolicy)
+    lengths = [24, 17, 30, 9]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    # one at a time (every step can use a prepared block) and all together
+    alone = [generate(coordinator, [p], [sp])[0] for p, sp in zip(PROMPTS, params)]
+    together = generate(coordinator, PROMPTS, params)
+    target = coordinator.target._obj.model.runner.model
+    expected = [hf_greedy(target, p, n) for p, n in zip(PROMPTS, lengths)]
+    assert alone == expected and together == expected
+    totals = coordinator._totals
+    assert totals["pipelined_hits"] > 0 and totals["pipelined_prepared"] > totals["pipelined_hits"]
+    assert asyncio.run(coordinator.num_cached()) == {"target": 0, "draft": 0}
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.5, top_k=3, top_p=0.9)])
+def test_pipelined_seeded_sampling_draws_the_sequential_numbers(local_coordinator, sampling):
+    """The same seeds give the same tokens as the sequential loop: a prepared block used on a hit
+    drew exactly the numbers the sequential plan would, and a discarded one put them back. (At
+    temperature 1 the tiny models' distributions are flat: the bonus guess is rarely right, so
+    nearly every prepared block is discarded; with top-k 3 many are used.)"""
+    params = [SamplingParams(max_tokens=40, seed=10 + i, ignore_eos=True, **sampling) for i in range(len(PROMPTS))]
+    sequential = generate(local_coordinator(config(pipelined=False, gamma=2)), PROMPTS, params)
+    coordinator = local_coordinator(config(pipelined=True, gamma=2))
+    alone = [generate(coordinator, [p], [sp])[0] for p, sp in zip(PROMPTS, params)]
+    totals = coordinator._totals
+    assert totals["pipelined_prepared"] > 20
+    assert totals["pipelined_hits"] > (2 if "top_k" in sampling else -1)
+    together = generate(coordinator, PROMPTS, params)
+    assert alone == sequential and together == sequential
+
+
+def test_pipelined_sampling_follows_the_targets_distribution(local_coordinator):
+    """γ 1 and 4 tokens per request, so that the third token often comes from a block prepared
+    during the first verify: its marginal, like the second's, is the target's exact one (chi-square)."""
+    from test_sampling_distribution import PROMPT, VOCAB, chi_square_pvalue, exact_marginals
+
+    small = dict(vocab=VOCAB, init_range=0.3, layers=1, hidden=16)
+    target, draft = tiny_llama(0, **small), tiny_llama(0, **small)
+    with torch.no_grad():  # a draft close to the target: most blocks are accepted, some rejected
+        generator = torch.Generator().manual_seed(1)
+        for w in draft.parameters():
+            w.add_(0.1 * w.std() * torch.randn(w.shape, generator=generator))
+    plain = SamplingParams(max_tokens=4, temperature=0.6, ignore_eos=True)
+    num = NUM_SEQUENCES
+    coordinator = local_coordinator(config(pipelined=True, gamma=1, max_batch_size=num, max_queued_requests=num),
+                                    {"target": target, "draft": draft})
+    outs = generate(coordinator, [PROMPT] * num, [plain] * num)
+    second = collections.Counter(o[1] for o in outs)
+    third = collections.Counter(o[2] for o in outs)
+    assert coordinator._totals["pipelined_hits"] > 0.1 * num  # the prepared path is exercised (~0.2)
+    exact2, exact3 = exact_marginals(target, plain)
+    count = lambda c: torch.tensor([c[v] for v in range(VOCAB)], dtype=torch.float64)  # noqa: E731
+    assert chi_square_pvalue(count(second), exact2) > 1e-3
+    assert chi_square_pvalue(count(third), exact3) > 1e-3
+
+
+def test_pipelined_requires_a_draft_model():
+    with pytest.raises(ValueError, match="pipelined needs a separate draft model"):
+        AppConfig.model_validate(dict(served_model_name="t", target=TINY, drafter={"kind": "prompt_lookup"},
+                                      speculation=dict(pipelined=True)))
+
+
+def _policy(cls, draft_s: float, target_s: float, verify_growth: float = 0.0):
+    policy = cls(4, adaptive=True)
+    policy.observe_costs("draft", [ForwardTiming(n, draft_s) for n in range(1, 9)])
+    policy.observe_costs("target", [ForwardTiming(n, target_s * (1 + verify_growth * (n - 1))) for n in range(1, 33)])
+    return policy
+
+
+def test_overlapped_policy_prices_a_step_at_the_slower_side():
+    policy = _policy(OverlappedPolicy, 0.5, 1.0)
+    policy.observe_guesses(8, 8)
+    # α 0.9, γ 2, c 0.5: max(1, 3 x 0.5) + (1 - 0.9^2 x β) x 1, below the sequential 1 + 2 x 0.5
+    assert policy.overlapped_time(1, 2, [0.9]) < policy.step_time(1, 2)
+    assert policy.overlapped_time(1, 2, [0.9]) >= 1.5
+    assert policy.overlap_pays([0.9], 2)
+    # at a large batch a whole-batch hit never happens: preparing only delays the fresh drafts
+    assert not policy.overlap_pays([0.9] * 64, 4)
+
+
+def test_overlapped_policy_drafts_longer_than_sequential_where_overlap_pays_and_never_where_drafting_loses():
+    overlapped, sequential = _policy(OverlappedPolicy, 0.2, 1.0), _policy(SpeculationPolicy, 0.2, 1.0)
+    for policy in (overlapped, sequential):
+        for _ in range(50):
+            policy.observe_acceptance(AcceptanceEstimate(), 4, 4)
+    overlapped.observe_guesses(40, 50)
+    assert overlapped.best_gamma([0.95]) >= sequential.best_gamma([0.95]) >= 1
+    # a draft as slow as the target, with poor acceptance: γ 0 in both models
+    for policy in (_policy(OverlappedPolicy, 1.0, 1.0), _policy(SpeculationPolicy, 1.0, 1.0)):
+        assert policy.best_gamma([0.1, 0.1]) == 0
