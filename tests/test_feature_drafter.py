@@ -66,7 +66,8 @@ def head_dir(tmp_path_factory):
     rows = training_rows(model, [p + hf_greedy(model, p, 32) for p in train], prompt_len=0)
     torch.manual_seed(0)
     head = init_head(model, choose_draft_vocab(rows, 64, target_vocab_size(model), reserved=0))
-    settings = TrainSettings(time_budget=6.0, batch_tokens=512, lr=3e-3, warmup_steps=5, checkpoint_every=1e9)
+    settings = TrainSettings(max_steps=200, max_epochs=100, batch_tokens=512, lr=3e-3, warmup_steps=5,
+                             checkpoint_every=1e9)  # by steps: the same head on a loaded machine
     out = tmp_path_factory.mktemp("head")
     train_head(head, rows, settings, out / "checkpoint.pt")
     save_feature_head(head, out, store_lm_head=False)

@@ -41,6 +41,8 @@ class TrainSettings:
     regress_weight: float = 1.0  # smooth-L1 to the next feature, for feedback="fc" heads
     checkpoint_every: float = 180.0  # seconds
     seed: int = 0
+    max_steps: int | None = None  # when set, the schedule's length in optimiser steps instead of seconds
+                                  # (the same head on a loaded machine as on an idle one)
 
 
 def choose_draft_vocab(rows: list[dict], k: int, vocab: int, reserved: int = 17) -> torch.Tensor:
@@ -172,8 +174,16 @@ def head_loss(head: FeatureHead, feats, next_feats, tokens, labels, weight, sett
 
 
 # -- the loop -----------------------------------------------------------------------------------
+def _progress(state: dict, settings: TrainSettings) -> float:
+    """How far through the schedule training is, 0..1: by steps when max_steps is set, else by time."""
+    if settings.max_steps:
+        return state["step"] / settings.max_steps
+    return state["elapsed"] / settings.time_budget
+
+
 def train_head(head: FeatureHead, rows: list[dict], settings: TrainSettings, checkpoint: Path) -> dict:
-    """Train in place for settings.time_budget seconds (resuming `checkpoint` when present)."""
+    """Train in place for settings.time_budget seconds, or settings.max_steps optimiser steps when
+    set (resuming `checkpoint` when present)."""
     vocab = head.cfg.vocab_size
     inv_map = torch.full((vocab,), -1, dtype=torch.long)
     token_map = head.draft_token_map.cpu()
@@ -191,12 +201,12 @@ def train_head(head: FeatureHead, rows: list[dict], settings: TrainSettings, che
     last_save = time.perf_counter()
     agree_avg = state.get("top1")
     batches: list = []
-    while state["elapsed"] < settings.time_budget and state["epoch"] < settings.max_epochs:
+    while _progress(state, settings) < 1.0 and state["epoch"] < settings.max_epochs:
         batches = make_batches(rows, settings.batch_tokens, random.Random(settings.seed + state["epoch"]))
-        while state["batch"] < len(batches) and state["elapsed"] < settings.time_budget:
+        while state["batch"] < len(batches) and _progress(state, settings) < 1.0:
             began = time.perf_counter()
             lr = settings.lr * min(1.0, (state["step"] + 1) / settings.warmup_steps) * max(
-                0.1, 1.0 - state["elapsed"] / settings.time_budget)
+                0.1, 1.0 - _progress(state, settings))
             for group in opt.param_groups:
                 group["lr"] = lr
             loss, agree = head_loss(head, *collate(batches[state["batch"]], inv_map, settings.prompt_weight),
