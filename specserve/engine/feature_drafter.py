@@ -26,7 +26,6 @@ over the same positions overwrites them, as it does the target's KV cache).
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .model_runner import CacheMiss, ForwardTiming, ModelRunner, RowInput
-from .proposers import DraftModelProposer, Proposal, decoder_layers
+from .proposers import DraftModelProposer, Proposal, decoder_layers, hold_tokens
 from .sampling import BatchSampling
 
 FEEDBACK_KINDS = ("direct", "fc")  # how a draft's own output becomes the next position's feature
@@ -482,13 +481,8 @@ class FeatureDrafterProposer(DraftModelProposer):
         """Hold rows' tokens (prompt chunks). The head's own cache of them waits for the target's
         features (written by the target's prefill forwards) and is caught up by the next propose:
         one forward of the head's single layer, a small fraction of the target's prefill."""
+        hold_tokens(self._tokens, rows, self.valid_length)
         for row in rows:
-            if row.start > self.valid_length(row.request_id):
-                raise CacheMiss(row.request_id, self.valid_length(row.request_id), row.start)
-        for row in rows:
-            seq = self._tokens.setdefault(row.request_id, [])
-            del seq[row.start :]
-            seq.extend(row.tokens)
             self._exact[row.request_id] = min(self._exact.get(row.request_id, 0), row.start - 1)
         return ()
 

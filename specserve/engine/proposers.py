@@ -303,13 +303,7 @@ class PromptLookupProposer:
 
     def prefill(self, rows: list[RowInput]) -> Sequence[ForwardTiming]:
         """Hold rows' tokens (prompt chunks): no model, nothing to compute."""
-        for row in rows:  # check every row before touching any
-            if row.start > self.valid_length(row.request_id):
-                raise CacheMiss(row.request_id, self.valid_length(row.request_id), row.start)
-        for row in rows:
-            seq = self._tokens.setdefault(row.request_id, [])
-            del seq[row.start :]
-            seq.extend(row.tokens)
+        hold_tokens(self._tokens, rows, self.valid_length)
         return ()
 
     def propose(
@@ -421,3 +415,15 @@ class PromptLookupSpec:
 def target_vocab_size(model: torch.nn.Module) -> int:
     """V: the size of the target's output head (what the verifier uses)."""
     return int(model.get_output_embeddings().weight.shape[0])
+
+
+def hold_tokens(store: dict[str, list[int]], rows: list[RowInput], valid_length) -> None:
+    """A model-free drafter's prefill: every row checked first (CacheMiss past what is held, so
+    nothing changes on a miss), then each request's tokens kept from the row's start on."""
+    for row in rows:
+        if row.start > valid_length(row.request_id):
+            raise CacheMiss(row.request_id, valid_length(row.request_id), row.start)
+    for row in rows:
+        seq = store.setdefault(row.request_id, [])
+        del seq[row.start :]
+        seq.extend(row.tokens)
