@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from models import hf_greedy, perturbed, tiny_llama
+from models import hf_greedy, perturbed
 from specserve import SamplingParams, SpeculativeEngine
 from specserve.engine import CacheMiss, ModelRunner, RowInput
 from specserve.engine.rejection import greedy_accept, rejection_sample

@@ -35,7 +35,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from specserve.models.smollm2 import (

@@ -47,7 +47,6 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from specserve.config import AppConfig, Resources
 from specserve.engine import RowInput
-from specserve.engine.proposers import Proposal
 from specserve.engine.sampling import SamplingParams
 from specserve.engine.scheduler import OverlappedPolicy, SpeculationPolicy, TokenCost
 from specserve.engine.step import (
