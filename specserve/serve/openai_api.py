@@ -16,8 +16,11 @@ the configured γ).
 Responses carry a `speculation` object (draft tokens, accepted tokens, steps) next to `usage`.
 
 Operations: an optional Bearer key (config `api_key`, else env SPECSERVE_API_KEY) guards every route
-but /health, /openapi.json included (401 without it); a full coordinator queue is a 429 with Retry-After; a coordinator
-replica lost mid-request is a 503 (or, once a stream has started, an SSE error event then [DONE]).
+but /health and /live, /openapi.json included (401 without it); a full coordinator queue is a 429 with Retry-After; a
+coordinator replica lost mid-request is continued on another one from the tokens already delivered
+(continuation.py, at most `max_resumes` times; then a 503, or once a stream has started, an SSE
+error event then [DONE]). /health is readiness (200 once a coordinator replica, warm, answers);
+/live is liveness (this process answers).
 Prompts and outputs are never logged.
 
 `OpenAIServer` is the plain class (routes on the module-level FastAPI `app`); `OpenAIIngress` is
@@ -46,6 +49,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from specserve.config import AppConfig
 from specserve.engine.sampling import SamplingParams
 
+from .continuation import Continuation, EngineLost
 from .coordinator import Accepted, Delta, Failed, GenerateRequest, Rejected
 from .front_door import (Door, FrontDoor, KeyLimits, OpenAIError, check_unicode, is_loopback, parse_keys,
                          token_floor)
@@ -61,6 +65,7 @@ def _error_response(err: OpenAIError) -> JSONResponse:
 
 RETRY_AFTER_S = 1  # what a 429 (full queue) or 503 (engine lost / unavailable) tells clients to wait
 SHED_WINDOW_S = 0.2  # after a coordinator's queue_full, new requests are refused here for this long
+READY_TIMEOUT_S = 2.0  # /health: a coordinator replica must answer within this
 
 
 def overloaded(message: str) -> OpenAIError:
@@ -195,19 +200,6 @@ class _StreamFailed(RuntimeError):
         self.error = error
 
 
-class _Generation:
-    """The coordinator stream of one request; close() cancels it unless it ran to its end."""
-
-    def __init__(self, stream) -> None:
-        self.stream = stream
-        self.finished = False
-
-    def close(self) -> None:
-        if not self.finished:
-            self.finished = True
-            self.stream.cancel()
-
-
 @dataclass
 class _Format:
     """OpenAI response bodies for one request (completion or chat; whole or SSE chunks)."""
@@ -216,7 +208,7 @@ class _Format:
     model: str
     chat: bool
     prompt_tokens: int
-    gen: _Generation
+    gen: Continuation
 
     def __post_init__(self) -> None:
         self.created = int(time.time())
@@ -351,7 +343,36 @@ class OpenAIServer:
     # -- routes (the FrontDoor middleware has checked the key, the per-key limits and the body size) --
     @app.get("/health")
     async def health(self) -> dict:
+        """Readiness: 200 only when a request sent now would be served at once: a coordinator
+        replica answers within READY_TIMEOUT_S (it answers only once its constructor ran, i.e. its
+        workers loaded their models and ran forwards), and what /v1/models needs is known. Else a
+        503 `not_ready` with Retry-After (the ingress itself is up: see /live)."""
+        try:
+            if self._info is None:
+                self._info = await asyncio.wait_for(self._call(self.coordinator.info), READY_TIMEOUT_S)
+            else:
+                await asyncio.wait_for(self._call(self.coordinator.ready), READY_TIMEOUT_S)
+        except Exception as err:  # no coordinator replica yet (or none left), or a timeout
+            raise OpenAIError(503, f"not ready: no engine replica answered within {READY_TIMEOUT_S:g} s "
+                                   f"({type(err).__name__})", None, "not_ready", "server_error",
+                              {"Retry-After": str(RETRY_AFTER_S)}) from err
         return {"status": "ok"}
+
+    @app.get("/live")
+    async def live(self) -> dict:
+        """Liveness: this ingress process answers (cheap: no call to the engine)."""
+        return {"status": "ok"}
+
+    @staticmethod
+    async def _call(method):
+        """method.remote() awaited, cancelled if the caller gives up (a timeout)."""
+        response = method.remote()
+        try:
+            return await response
+        except asyncio.CancelledError:
+            if hasattr(response, "cancel"):  # a DeploymentResponse (a plain coroutine in tests)
+                response.cancel()
+            raise
 
     @app.get("/v1/models")
     async def models(self) -> dict:
@@ -485,14 +506,17 @@ class OpenAIServer:
         if time.monotonic() < self._shed_until:  # a burst: the surplus gets its 429 without a round trip
             raise overloaded("the server is overloaded; retry later")
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        stream = self.coordinator.options(stream=True).generate.remote(
-            GenerateRequest(rid, prompt_ids, params, body.num_speculative_tokens))
-        gen = _Generation(stream)
+        request = GenerateRequest(rid, prompt_ids, params, body.num_speculative_tokens)
+        gen = Continuation(self._submit, request, self.config.max_resumes,
+                           time.monotonic() + self.config.request_timeout_s)
         try:
-            first = await stream.__anext__()  # Accepted | Rejected: validation errors before any SSE
+            first = await gen.start()  # Accepted | Rejected: validation errors before any SSE
         except BackPressureError as err:  # Serve's own queue in front of the coordinators is full
             gen.close()
             raise overloaded("the server is overloaded; retry later") from err
+        except EngineLost as err:
+            gen.close()
+            raise unavailable(f"{err}; retry it") from err
         except Exception as err:
             gen.close()
             raise unavailable(f"the engine is unavailable: {type(err).__name__}") from err
@@ -520,14 +544,20 @@ class OpenAIServer:
         except _StreamFailed as err:
             raise err.error from err
 
-    async def _pieces(self, gen: "_Generation", prompt_ids: list[int], stops: list[str],
+    def _submit(self, request: GenerateRequest):
+        """Send a request (or its continuation) to a coordinator replica: a stream of its messages."""
+        return self.coordinator.options(stream=True).generate.remote(request)
+
+    async def _pieces(self, gen: Continuation, prompt_ids: list[int], stops: list[str],
                       key: int) -> AsyncIterator[Piece]:
         """Coordinator Deltas -> text pieces. Cancels the coordinator stream if it ends early
         (stop string, client gone), which aborts the request and frees its caches. The detokenizer
-        decodes a window of a few tokens per delta (text.py), cheap enough for the event loop."""
+        decodes a window of a few tokens per delta (text.py), cheap enough for the event loop; it
+        and the stop-string state live here, so a continuation on another replica (`gen`) goes on
+        with them as if nothing happened."""
         detok, stopper = IncrementalDetokenizer(self.tokenizer, prompt_ids), StopStrings(stops)
         token_ids: list[int] = []
-        stream = _guarded(gen.stream)
+        stream = _guarded(gen)
         try:
             async for item in stream:
                 if isinstance(item, Failed):
@@ -575,15 +605,17 @@ def _warn_if_public() -> None:
                        "can reach it can use the model (set SPECSERVE_API_KEY)", host)
 
 
-async def _guarded(stream) -> AsyncIterator:
-    """The coordinator stream, with a lost replica (its process died: Serve restarts it, but the
-    request's state died with it) turned into a clear, retryable 503 error."""
+async def _guarded(gen: Continuation) -> AsyncIterator:
+    """The request's Deltas (a lost replica is continued on another one inside `gen`), with what
+    cannot be continued turned into a clear, retryable 503 error."""
     try:
-        async for item in stream:
+        async for item in gen.items():
             yield item
+    except EngineLost as err:
+        raise _StreamFailed(unavailable(f"{err}; the request did not complete, retry it")) from err
     except Exception as err:
         raise _StreamFailed(unavailable(
-            f"the engine replica serving this request was lost ({type(err).__name__}); the request did not "
+            f"the engine failed while serving this request ({type(err).__name__}); the request did not "
             "complete, retry it")) from err
 
 
