@@ -53,8 +53,10 @@ class Continuation:
     """The coordinator stream(s) of one request. `submit(GenerateRequest)` returns a streaming
     handle response (an async iterator with cancel())."""
 
-    def __init__(self, submit: Callable, request: GenerateRequest, max_resumes: int, deadline: float) -> None:
+    def __init__(self, submit: Callable, request: GenerateRequest, max_resumes: int, deadline: float,
+                 counts: dict[str, int] | None = None) -> None:
         self._submit = submit
+        self.counts = counts if counts is not None else {}  # "continuations", "given_up": the ingress's totals
         self.request = request
         self.max_resumes = max_resumes
         self.deadline = deadline  # time.monotonic(): no continuation starts waiting beyond it
@@ -125,11 +127,13 @@ class Continuation:
         self._cancel_quietly()
         self.losses += 1
         if self.losses > self.max_resumes:
+            self.counts["given_up"] = self.counts.get("given_up", 0) + 1
             raise EngineLost(f"the engine replica serving this request was lost ({type(err).__name__}) and "
                              f"{self.max_resumes} continuations did not complete it") from err
         logger.warning("request %s: engine replica lost (%s) after %d tokens; continuing it on another replica "
                        "(%d/%d)", self.request.request_id, type(err).__name__, len(self.token_ids), self.losses,
                        self.max_resumes)
+        self.counts["continuations"] = self.counts.get("continuations", 0) + 1
         self._base = self._totals
         await asyncio.sleep(BACKOFF_S[min(self.losses - 1, len(BACKOFF_S) - 1)])
 
@@ -145,6 +149,7 @@ class Continuation:
             if isinstance(first, Accepted):
                 return
             self._cancel_quietly()
+            self.counts["given_up"] = self.counts.get("given_up", 0) + 1
             raise EngineLost(f"no engine replica took the request over ({first.code}: {first.message})")
 
     def _record(self, delta: Delta) -> Delta:

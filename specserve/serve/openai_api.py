@@ -316,6 +316,8 @@ class OpenAIServer:
         self.tokenizer = load_tokenizer(config)
         self._info: dict | None = None
         self._shed_until = 0.0  # after a full coordinator queue: refuse at once until then (monotonic s)
+        # requests continued on another coordinator replica after losing theirs, and given up on
+        self.continuations = {"continuations": 0, "given_up": 0}
         front = config.front_door
         keys = parse_keys(config.api_key, os.environ.get("SPECSERVE_API_KEY"))
         if front.require_api_key and not keys:
@@ -384,8 +386,10 @@ class OpenAIServer:
 
     @app.get("/v1/stats")
     async def stats(self) -> dict:
-        """Step timings of the coordinator replica the router picks (one replica: the whole picture)."""
-        return await self.coordinator.stats.remote()
+        """Step timings of the coordinator replica the router picks (one replica: the whole picture),
+        and this ingress replica's continuations (`ingress`)."""
+        stats = await self.coordinator.stats.remote()
+        return {**stats, "ingress": dict(self.continuations)}
 
     @app.post("/v1/stats/reset")
     async def reset_stats(self) -> dict:
@@ -508,7 +512,7 @@ class OpenAIServer:
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         request = GenerateRequest(rid, prompt_ids, params, body.num_speculative_tokens)
         gen = Continuation(self._submit, request, self.config.max_resumes,
-                           time.monotonic() + self.config.request_timeout_s)
+                           time.monotonic() + self.config.request_timeout_s, self.continuations)
         try:
             first = await gen.start()  # Accepted | Rejected: validation errors before any SSE
         except BackPressureError as err:  # Serve's own queue in front of the coordinators is full
