@@ -4,6 +4,7 @@
     specserve bench http [--url ...] [...]                           HTTP benchmark (specserve.bench.http)
     specserve bench engine [...]                                      in-process benchmark (specserve.bench.engine)
     specserve bench ingress [--url ...]                              one huge request vs small ones (specserve.bench.ingress)
+    specserve bench soak [--streams 500]                             500 streams, a coordinator replica killed (specserve.bench.soak)
 
 A subcommand is one entry in COMMANDS (name -> help, add_arguments, run); a benchmark is one entry
 in BENCHES (name -> module with `main(argv)`).
@@ -107,6 +108,7 @@ BENCHES = {  # name -> module with `main(argv: list[str]) -> int`; its own argpa
     "gpu": "specserve.bench.gpu",
     "overload": "specserve.bench.overload",
     "ingress": "specserve.bench.ingress",
+    "soak": "specserve.bench.soak",
 }
 
 
