@@ -387,9 +387,15 @@ def test_lost_replica_is_continued_with_identical_output(client, fake, stop):
     if not stop:  # 2 deltas on the lost replica, then 3 on the next: totals add up
         assert whole["speculation"] == {"num_draft_tokens": 4 * 2 + 4 * 3, "num_accepted_tokens": 2 * 2 + 2 * 3,
                                         "num_steps": 5}
-    text, chunks = _stream_text(client, "/v1/completions", body)
+    text, chunks = _stream_text(client, "/v1/completions", {**body, "return_token_ids": True})
     assert text == clean_stream == clean["choices"][0]["text"]
     assert chunks[-1]["usage"] == clean["usage"]
+    fake.mode = "ok"
+    clean_ids = client.post("/v1/completions", json={**body, "return_token_ids": True}).json()["choices"][0]["token_ids"]
+    # streamed ids (each chunk: the ids new since the previous one) add up to the whole's, exactly
+    assert [t for c in chunks if c["choices"] for t in c["choices"][0]["token_ids"]] == clean_ids
+    if not stop:
+        assert len(clean_ids) == 14
 
 
 def test_utf8_character_split_by_a_lost_replica_is_whole(client, fake):

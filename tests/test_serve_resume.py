@@ -3,8 +3,9 @@
 A second application of the tiny models beside the session's one (conftest.py's `server`: one Ray
 start for every serve test file), with 2 coordinator replicas. Concurrent greedy streams run while
 one replica's actor is killed (`ray.kill`), or while `serve.run` redeploys the app with a changed
-config (every replica replaced): every stream completes with no error event, its text equals the
-target's own greedy output, and its usage is the original request's.
+config (every replica replaced): every stream completes with no error event, its token ids (each
+chunk's `token_ids`) equal the target's own greedy output, so does its text, and its usage is the
+original request's.
 
 Run: pytest -m serve tests/test_serve_resume.py
 """
@@ -42,14 +43,18 @@ def two_replicas(server):
 
 @pytest.fixture(scope="module")
 def references():
-    """Each prompt's greedy continuation by the target alone, as text (what the server must send)."""
+    """Each prompt's greedy continuation by the target alone: (token ids, their text)."""
     from specserve.config import load_app_config
     from specserve.models.loading import load_target
     from specserve.models.tiny import byte_tokenizer
 
     tok = byte_tokenizer()
     target = load_target(load_app_config(tiny_app_spec()["args"]).target)
-    return {p: tok.decode(hf_greedy(target, tok(p).input_ids, MAX_NEW), skip_special_tokens=True) for p in PROMPTS}
+    out = {}
+    for p in PROMPTS:
+        ids = hf_greedy(target, tok(p).input_ids, MAX_NEW)
+        out[p] = ids, tok.decode(ids, skip_special_tokens=True)
+    return out
 
 
 class Streams:
@@ -62,8 +67,8 @@ class Streams:
 
     def _one(self, i: int) -> dict:
         body = {"model": MODEL, "prompt": PROMPTS[i], "max_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True,
-                "stream": True, "stream_options": {"include_usage": True}}
-        texts, errors, usage, done = [], [], None, False
+                "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+        texts, ids, errors, usage, done = [], [], [], None, False
         with httpx.Client(base_url=self.base_url, timeout=120) as client:
             with client.stream("POST", "/v1/completions", json=body) as r:
                 status = r.status_code
@@ -81,9 +86,10 @@ class Streams:
                         usage = event["usage"]
                     else:
                         texts.append(event["choices"][0]["text"])
+                        ids += event["choices"][0]["token_ids"]
                         self.chunks[i] += 1
-        return {"prompt": PROMPTS[i], "status": status, "text": "".join(texts), "errors": errors, "usage": usage,
-                "done": done}
+        return {"prompt": PROMPTS[i], "status": status, "text": "".join(texts), "ids": ids, "errors": errors,
+                "usage": usage, "done": done}
 
     def run(self, while_running) -> list[dict]:
         """Start every stream, call while_running() once each has its first chunks, collect."""
@@ -97,7 +103,10 @@ class Streams:
 def _check(results: list[dict], references: dict) -> None:
     for r in results:
         assert r["status"] == 200 and r["done"] and not r["errors"], r
-        assert r["text"] == references[r["prompt"]], r["prompt"]
+        ids, text = references[r["prompt"]]
+        assert r["ids"] == ids, r["prompt"]  # no token lost or duplicated
+        if "\ufffd" not in text:  # (how invalid UTF-8 bytes split into chunks can change their text)
+            assert r["text"] == text, r["prompt"]
         assert r["usage"]["completion_tokens"] == MAX_NEW, r["usage"]
 
 

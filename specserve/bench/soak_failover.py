@@ -7,7 +7,8 @@ Starts a local Ray bound to 127.0.0.1 (2 CPUs unless --num-cpus), deploys config
 gets 429s), sends --streams streaming completions at once (a few dozen distinct prompts, greedy,
 ignore_eos), and `ray.kill`s one coordinator replica's actor once --kill-at of every expected token
 has arrived. Each stream is checked against its reference, the target's own greedy output computed
-in this process: a stream whose text differs lost or duplicated tokens. A 429 (back-pressure) is
+in this process: a stream whose token ids (`return_token_ids`, per chunk) differ lost or duplicated
+tokens (its text is compared too, and a difference counted apart). A 429 (back-pressure) is
 retried after its Retry-After and counted apart. Bounded: no stream outlives --timeout-s.
 
 Prints progress every few seconds, then a table: requests ok / failed / wrong, continuations,
@@ -39,17 +40,20 @@ class Stream:
     sent: float = 0.0
     arrivals: list[float] = field(default_factory=list)  # one per text chunk
     text: str = ""
+    token_ids: list[int] = field(default_factory=list)  # as streamed (each chunk's new ids)
     usage: dict | None = None
     outcome: str = "pending"  # ok | wrong | error kinds
     retries_429: int = 0
+    text_differs: bool = False  # right ids, but the streamed text is not their one-shot decode
 
 
 def prompts(n_distinct: int) -> list[str]:
     return [f"{PROMPT_STEMS[i % len(PROMPT_STEMS)]} #{i}" for i in range(n_distinct)]
 
 
-def references(config_args: dict, texts: list[str], max_tokens: int) -> dict[str, str]:
-    """Each prompt's greedy continuation by the target alone (HF generate, no speculation), as text."""
+def references(config_args: dict, texts: list[str], max_tokens: int) -> tuple[dict[str, list[int]], dict[str, str]]:
+    """Each prompt's greedy continuation by the target alone (HF generate, no speculation): token
+    ids, and their text decoded at once."""
     import torch
 
     from specserve.config import load_app_config
@@ -63,13 +67,13 @@ def references(config_args: dict, texts: list[str], max_tokens: int) -> dict[str
             ids = torch.tensor([tok(text).input_ids])
             gen = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
                                   min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
-            out[text] = tok.decode(gen[0, ids.shape[1]:].tolist(), skip_special_tokens=True)
-    return out
+            out[text] = gen[0, ids.shape[1]:].tolist()
+    return out, {p: tok.decode(ids, skip_special_tokens=True) for p, ids in out.items()}
 
 
 async def one_stream(client: httpx.AsyncClient, model: str, s: Stream, max_tokens: int, deadline: float) -> None:
     body = {"model": model, "prompt": s.prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+            "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
     try:
         async with asyncio.timeout(max(deadline - time.monotonic(), 0.1)):
             while True:
@@ -109,6 +113,7 @@ async def _read_events(r: httpx.Response, s: Stream) -> str:
         elif event.get("choices"):
             s.arrivals.append(time.monotonic())
             s.text += event["choices"][0]["text"]
+            s.token_ids += event["choices"][0]["token_ids"]
     return "complete" if done and s.usage is not None else "incomplete_stream"
 
 
@@ -169,7 +174,7 @@ async def killer(streams: list[Stream], max_tokens: int, kill_at: float, app: st
 
     expected = len(streams) * max_tokens
     while True:
-        got = sum(len(s.text) for s in streams)  # the tiny byte tokenizer: ~1 character a token
+        got = sum(len(s.token_ids) for s in streams)
         if got >= kill_at * expected:
             break
         if all(s.outcome != "pending" for s in streams):
@@ -186,7 +191,7 @@ async def killer(streams: list[Stream], max_tokens: int, kill_at: float, app: st
           f"({log['in_flight']} streams in flight)", flush=True)
 
 
-async def drive(url: str, model: str, app: str, args, refs: dict[str, str]) -> dict:
+async def drive(url: str, model: str, app: str, args, refs: dict[str, list[int]], ref_texts: dict[str, str]) -> dict:
     texts = list(refs)
     streams = [Stream(texts[i % len(texts)]) for i in range(args.streams)]
     limits = httpx.Limits(max_connections=args.streams + 16, max_keepalive_connections=args.streams + 16)
@@ -207,8 +212,9 @@ async def drive(url: str, model: str, app: str, args, refs: dict[str, str]) -> d
         memory_after = {"ray_processes_rss_mb": ray_rss_mb(), "replicas": await replica_memory(client)}
     for s in streams:
         if s.outcome == "complete":
-            good = s.text == refs[s.prompt] and s.usage["completion_tokens"] == args.max_tokens
+            good = s.token_ids == refs[s.prompt] and s.usage["completion_tokens"] == args.max_tokens
             s.outcome = "ok" if good else "wrong"
+            s.text_differs = s.text != ref_texts[s.prompt]
     report = summarize(streams, args, wall, kill_log, memory_before, memory_after,
                        {k: ingress_after.get(k, 0) - ingress_before.get(k, 0) for k in ingress_after})
     for w in report["wrong_streams"]:
@@ -226,12 +232,13 @@ def summarize(streams, args, wall, kill_log, memory_before, memory_after, ingres
         "streams": args.streams, "max_tokens": args.max_tokens, "replicas": args.replicas, "wall_s": round(wall, 1),
         "requests_ok": outcomes.get("ok", 0), "requests_wrong": outcomes.get("wrong", 0),
         "requests_failed": sum(v for k, v in outcomes.items() if k not in ("ok", "wrong")),
+        "ok_but_text_differs": sum(s.outcome == "ok" and s.text_differs for s in streams),
         "outcomes": outcomes, "retries_429": sum(s.retries_429 for s in streams), "kill": kill_log,
         "ingress_continuations": ingress, "ttft_p50_ms": _ms(_pct(ttft, 50)), "ttft_p99_ms": _ms(_pct(ttft, 99)),
         "itl_p50_ms": _ms(_pct(gaps, 50)), "itl_p99_ms": _ms(_pct(gaps, 99)), "max_gap_ms": _ms(max(gaps, default=None)),
         "output_tokens_per_s": round(sum((s.usage or {}).get("completion_tokens", 0) for s in streams) / wall, 1),
         "memory_before": memory_before, "memory_after": memory_after,
-        "wrong_streams": [{"prompt": s.prompt, "got": s.text, "usage": s.usage} for s in streams
+        "wrong_streams": [{"prompt": s.prompt, "got": s.token_ids, "usage": s.usage} for s in streams
                           if s.outcome == "wrong"][:20],
     }
 
@@ -265,7 +272,7 @@ def run(args) -> dict:
 
     spec_args = app_args(args)
     print(f"references: greedy output of {args.prompts} prompts x {args.max_tokens} tokens (target alone)", flush=True)
-    refs = references(spec_args, prompts(args.prompts), args.max_tokens)
+    refs, ref_texts = references(spec_args, prompts(args.prompts), args.max_tokens)
     port = free_port()
     ray.init(num_cpus=args.num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
              namespace="specserve-soak")
@@ -279,7 +286,7 @@ def run(args) -> dict:
             time.sleep(0.5)
         print(f"deployed {app} ({args.replicas} coordinator replicas) in {time.monotonic() - began:.0f} s; "
               f"{args.streams} streams of {args.max_tokens} tokens", flush=True)
-        return asyncio.run(drive(f"http://127.0.0.1:{port}", spec_args["served_model_name"], app, args, refs))
+        return asyncio.run(drive(f"http://127.0.0.1:{port}", spec_args["served_model_name"], app, args, refs, ref_texts))
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -293,6 +300,7 @@ def print_report(r: dict) -> None:
           f"{r['output_tokens_per_s']} output tok/s")
     rows = [("requests ok", r["requests_ok"]), ("requests failed", r["requests_failed"]),
             ("streams wrong (lost / duplicated tokens)", r["requests_wrong"]),
+            ("right ids, text not their one-shot decode", r["ok_but_text_differs"]),
             ("continuations on another replica", r["ingress_continuations"].get("continuations")),
             ("given up (no replica left)", r["ingress_continuations"].get("given_up")),
             ("429s retried", r["retries_429"]),

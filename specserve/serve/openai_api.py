@@ -11,7 +11,8 @@ text that cannot fit the context by its character count alone is refused before 
 every list a client controls has a limit (`front_door.*`).
 
 Extensions beyond OpenAI's fields: `top_k` (0 or -1 = off), `ignore_eos`, `return_token_ids`
-(non-streaming), and `num_speculative_tokens` (a per-request cap on γ, 0 = no speculation; at most
+(the generated ids in the choice; streaming: each chunk's choice carries the ids new since the previous
+chunk), and `num_speculative_tokens` (a per-request cap on γ, 0 = no speculation; at most
 the configured γ).
 Responses carry a `speculation` object (draft tokens, accepted tokens, steps) next to `usage`.
 
@@ -102,7 +103,8 @@ class _SamplingRequest(BaseModel):
     # extensions
     ignore_eos: bool = False
     num_speculative_tokens: int | None = Field(None, ge=0)
-    return_token_ids: bool = False  # non-streaming: the generated token ids ride along in the choice
+    # the generated token ids ride along in the choice (streaming: the ids new since the last chunk)
+    return_token_ids: bool = False
 
     def unsupported(self) -> list[tuple[str, str]]:
         """(param, why) for every option set to something this server does not do."""
@@ -246,13 +248,17 @@ class _Format:
         body["speculation"] = last.speculation
         return body
 
-    async def sse(self, pieces: AsyncIterator[Piece], include_usage: bool) -> AsyncIterator[str]:
-        first, last = True, None
+    async def sse(self, pieces: AsyncIterator[Piece], include_usage: bool,
+                  return_token_ids: bool = False) -> AsyncIterator[str]:
+        first, last, sent_ids = True, None, 0
         try:
             async for piece in pieces:
                 last = piece
                 if piece.text or piece.finish_reason or first:
                     chunk = self._envelope([self._choice(piece.text, piece.finish_reason, first, True)], True)
+                    if return_token_ids:
+                        chunk["choices"][0]["token_ids"] = piece.token_ids[sent_ids:]
+                        sent_ids = len(piece.token_ids)
                     if piece.finish_reason is not None:
                         chunk["speculation"] = piece.speculation
                     yield _sse(chunk)
@@ -542,7 +548,7 @@ class OpenAIServer:
         fmt = _Format(rid, self.config.served_model_name, chat, first.num_prompt_tokens, gen)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(fmt.sse(pieces, usage), media_type="text/event-stream")
+            return StreamingResponse(fmt.sse(pieces, usage, body.return_token_ids), media_type="text/event-stream")
         try:
             return await fmt.whole(pieces, body.return_token_ids)
         except _StreamFailed as err:
