@@ -27,6 +27,10 @@ otherwise is retried row by row, so that only the requests it really fails on ge
 (a generic message with an error id; the exception goes to the log under that id).
 `check_health` fails after `deadlines.health_misses` unanswered probes in a row, and Serve
 replaces the whole group.
+
+A lost replica's requests are continued by the ingress on another one (serve/continuation.py): a
+`GenerateRequest.resume` carries the tokens already delivered (and a seeded request's random
+stream, from `Delta.rng_state`); `_continue` makes them the new Sequence's output.
 """
 from __future__ import annotations
 
