@@ -82,3 +82,61 @@ def test_seeded_continuation_without_the_state_draws_fresh_numbers(models):
 def test_a_continuation_that_cannot_be_one_is_refused(generated, why):
     with pytest.raises(InvalidPrompt, match=why):
         _continue(_seq(0, PARAMS[0]), Resume(generated), vocab_size=259)
+
+
+class _Stream:
+    """A handle stream stand-in: yields `items`, then raises `then` (or hangs when then == "hang")."""
+
+    def __init__(self, items, then=None) -> None:
+        self.items, self.then, self.cancelled = list(items), then, False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        import asyncio
+
+        if self.items:
+            return self.items.pop(0)
+        if self.then == "hang":
+            await asyncio.sleep(3600)
+        if self.then is not None:
+            raise self.then
+        raise StopAsyncIteration
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+def test_no_replica_taking_over_before_the_deadline_is_engine_lost():
+    """The replica dies after 2 tokens and no other answers: the continuation gives up at the
+    request's deadline (EngineLost, which the ingress sends as 503 / an SSE error), not never."""
+    import asyncio
+    import time
+
+    from ray.exceptions import ActorDiedError
+
+    from specserve.serve.continuation import Continuation, EngineLost
+    from specserve.serve.coordinator import Accepted, Delta, GenerateRequest
+
+    sent, streams = [], [_Stream([Accepted(4), Delta([7, 8], None, 4, 2, 1)], ActorDiedError()), _Stream([], "hang")]
+
+    def submit(request):
+        sent.append(request)
+        return streams[len(sent) - 1]
+
+    async def run():
+        cont = Continuation(submit, GenerateRequest("r", [1, 2, 3, 4], PARAMS[0]), max_resumes=3,
+                            deadline=time.monotonic() + 0.5, counts={})
+        assert isinstance(await cont.start(), Accepted)
+        got = []
+        with pytest.raises(EngineLost, match="before its deadline"):
+            async for delta in cont.items():
+                got.append(delta.token_ids)
+        return cont, got
+
+    began = time.monotonic()
+    cont, got = asyncio.run(run())
+    assert time.monotonic() - began < 2.0 and got == [[7, 8]]
+    assert sent[1].resume.generated == (7, 8) and sent[1].request_id == "r.1" and streams[0].cancelled
+    assert cont.counts == {"continuations": 1, "given_up": 1} and streams[1].cancelled

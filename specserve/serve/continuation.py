@@ -28,7 +28,7 @@ import time
 from typing import AsyncIterator, Callable
 
 from ray.exceptions import NodeDiedError, ObjectLostError, RayActorError, WorkerCrashedError
-from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 
 from .coordinator import Accepted, Delta, Failed, GenerateRequest, Rejected, Resume
 
@@ -120,6 +120,8 @@ class Continuation:
         try:
             return await asyncio.wait_for(self.stream.__anext__(), timeout=max(left, 0.0))
         except asyncio.TimeoutError:
+            self._cancel_quietly()
+            self.counts["given_up"] = self.counts.get("given_up", 0) + 1
             raise EngineLost("no engine replica took the request over before its deadline") from None
 
     async def _lost(self, err: BaseException) -> None:
@@ -143,7 +145,7 @@ class Continuation:
             self.stream = self._submit(self._attempt_request())
             try:
                 first = await self._first()
-            except LOST as err:
+            except (*LOST, BackPressureError) as err:  # (Serve's queue full: try again, as bounded)
                 await self._lost(err)
                 continue
             if isinstance(first, Accepted):
