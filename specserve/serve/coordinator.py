@@ -211,7 +211,10 @@ class Coordinator:
         self._queues[rid] = queue
         # a continuation's first token is not a time to first token
         self._timing[rid] = [arrival, arrival if request.resume else None]
-        self.admission.waiting.append(seq)
+        if request.resume is None:
+            self.admission.waiting.append(seq)
+        else:  # a continuation arrived before everything waiting here, and its client is mid-stream
+            self.admission.waiting.appendleft(seq)
         if request.resume is None:
             self.metrics.inc(self.metrics.prompt_tokens, len(seq.prompt))
         self._wake.set()
