@@ -140,3 +140,17 @@ def test_no_replica_taking_over_before_the_deadline_is_engine_lost():
     assert time.monotonic() - began < 2.0 and got == [[7, 8]]
     assert sent[1].resume.generated == (7, 8) and sent[1].request_id == "r.1" and streams[0].cancelled
     assert cont.counts == {"continuations": 1, "given_up": 1} and streams[1].cancelled
+
+
+def test_mid_stream_continuations_wait_ahead_of_new_requests_in_arrival_order():
+    from specserve.serve.admission import Admission
+    from specserve.serve.coordinator import Coordinator
+
+    coordinator = object.__new__(Coordinator.func_or_class)
+    coordinator.admission = Admission(1, None, GAMMA)
+    for rid, generated in [("new1", ()), ("cont1", (5, 6)), ("new2", ()), ("none1", ()), ("cont2", (7,))]:
+        seq = new_sequence(rid, [1, 2], PARAMS[0], vocab_size=259, max_model_len=MAX_LEN, eos_token_ids=frozenset())
+        if generated:
+            _continue(seq, Resume(generated), vocab_size=259)
+        coordinator._enqueue(seq)
+    assert [s.request_id for s in coordinator.admission.waiting] == ["cont1", "cont2", "new1", "new2", "none1"]

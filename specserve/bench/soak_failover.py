@@ -236,6 +236,7 @@ def summarize(streams, args, wall, kill_log, memory_before, memory_after, ingres
         "outcomes": outcomes, "retries_429": sum(s.retries_429 for s in streams), "kill": kill_log,
         "ingress_continuations": ingress, "ttft_p50_ms": _ms(_pct(ttft, 50)), "ttft_p99_ms": _ms(_pct(ttft, 99)),
         "itl_p50_ms": _ms(_pct(gaps, 50)), "itl_p99_ms": _ms(_pct(gaps, 99)), "max_gap_ms": _ms(max(gaps, default=None)),
+        "streams_with_a_gap_over_5s": sum(any(b - a > 5.0 for a, b in zip(s.arrivals, s.arrivals[1:])) for s in streams),
         "output_tokens_per_s": round(sum((s.usage or {}).get("completion_tokens", 0) for s in streams) / wall, 1),
         "memory_before": memory_before, "memory_after": memory_after,
         "wrong_streams": [{"prompt": s.prompt, "got": s.token_ids, "usage": s.usage} for s in streams
@@ -307,6 +308,7 @@ def print_report(r: dict) -> None:
             ("TTFT p50 / p99 (ms)", f"{r['ttft_p50_ms']} / {r['ttft_p99_ms']}"),
             ("ITL p50 / p99 (ms, between chunks)", f"{r['itl_p50_ms']} / {r['itl_p99_ms']}"),
             ("longest gap in any stream (ms)", r["max_gap_ms"]),
+            ("streams with a gap over 5 s", r["streams_with_a_gap_over_5s"]),
             ("RSS of Ray processes before / after (MB)",
              f"{r['memory_before']['ray_processes_rss_mb']} / {r['memory_after']['ray_processes_rss_mb']}")]
     width = max(len(k) for k, _ in rows)

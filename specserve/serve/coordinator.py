@@ -211,10 +211,7 @@ class Coordinator:
         self._queues[rid] = queue
         # a continuation's first token is not a time to first token
         self._timing[rid] = [arrival, arrival if request.resume else None]
-        if request.resume is None:
-            self.admission.waiting.append(seq)
-        else:  # a continuation arrived before everything waiting here, and its client is mid-stream
-            self.admission.waiting.appendleft(seq)
+        self._enqueue(seq)
         if request.resume is None:
             self.metrics.inc(self.metrics.prompt_tokens, len(seq.prompt))
         self._wake.set()
@@ -239,6 +236,18 @@ class Coordinator:
             if not finished:
                 self._aborted.add(rid)
                 self._wake.set()
+
+    def _enqueue(self, seq: Sequence) -> None:
+        """New requests wait FIFO; a continuation that already has output (its client is
+        mid-stream) goes ahead of them, behind the ones like it that already wait."""
+        waiting = self.admission.waiting
+        if not seq.output:
+            waiting.append(seq)
+            return
+        ahead = 0
+        while ahead < len(waiting) and waiting[ahead].output:
+            ahead += 1
+        waiting.insert(ahead, seq)
 
     def _check_new(self, request: GenerateRequest) -> Sequence | Rejected:
         """A new request as a Sequence, or why it is refused (before anything is allocated)."""
