@@ -128,19 +128,22 @@ def _ms(seconds: float | None) -> float | None:
 
 
 def ray_rss_mb() -> float:
-    """Resident memory of every Ray process on this machine (raylet, GCS, proxy, replicas, workers)."""
+    """Resident memory of this run's Ray processes (raylet, GCS, proxy, replicas, workers: the
+    processes whose command line names this Ray session, and their descendants; other clusters on
+    the machine are not counted)."""
     import psutil
+    import ray
 
-    total = 0
-    for proc in psutil.process_iter(["name", "cmdline", "memory_info"]):
+    session = ray._private.worker._global_node.session_name
+    procs: dict[int, int] = {}  # pid -> rss: the session's daemons and every process they started
+    for proc in psutil.process_iter(["cmdline"]):
         try:
-            cmd = " ".join(proc.info["cmdline"] or [])
-            if proc.info["memory_info"] and ("ray::" in cmd or "/ray/" in cmd or (proc.info["name"] or "").startswith(
-                    ("raylet", "gcs_server", "ray::"))):
-                total += proc.info["memory_info"].rss
+            if session in " ".join(proc.info["cmdline"] or []):
+                for p in [proc, *proc.children(recursive=True)]:
+                    procs[p.pid] = p.memory_info().rss
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
-    return round(total / 2**20, 1)
+    return round(sum(procs.values()) / 2**20, 1)
 
 
 async def replica_memory(client: httpx.AsyncClient, reads: int = 8) -> dict[str, dict[str, float]]:
