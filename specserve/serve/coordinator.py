@@ -189,7 +189,7 @@ class Coordinator:
         return {"max_model_len": self.max_model_len, "vocab_size": self.vocab_size,
                 "num_speculative_tokens": self.max_gamma}
 
-    def ready(self) -> bool:
+    async def ready(self) -> bool:
         """Readiness, for the ingress's /health: a replica answers only once its constructor ran,
         i.e. both workers loaded their models and ran forwards (`time_forwards`): a request sent now
         is served at once. (Answered on the event loop, never behind a worker call.)"""

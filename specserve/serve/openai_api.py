@@ -67,6 +67,7 @@ def _error_response(err: OpenAIError) -> JSONResponse:
 RETRY_AFTER_S = 1  # what a 429 (full queue) or 503 (engine lost / unavailable) tells clients to wait
 SHED_WINDOW_S = 0.2  # after a coordinator's queue_full, new requests are refused here for this long
 READY_TIMEOUT_S = 2.0  # /health: a coordinator replica must answer within this
+READY_FRESH_S = 5.0  # ... unless one answered a request within this (a busy engine is a ready one)
 
 
 def overloaded(message: str) -> OpenAIError:
@@ -324,6 +325,7 @@ class OpenAIServer:
         self._shed_until = 0.0  # after a full coordinator queue: refuse at once until then (monotonic s)
         # requests continued on another coordinator replica after losing theirs, and given up on
         self.continuations = {"continuations": 0, "given_up": 0}
+        self._engine_answered = float("-inf")  # when a coordinator last answered a request (monotonic s)
         front = config.front_door
         keys = parse_keys(config.api_key, os.environ.get("SPECSERVE_API_KEY"))
         if front.require_api_key and not keys:
@@ -354,7 +356,10 @@ class OpenAIServer:
         """Readiness: 200 only when a request sent now would be served at once: a coordinator
         replica answers within READY_TIMEOUT_S (it answers only once its constructor ran, i.e. its
         workers loaded their models and ran forwards), and what /v1/models needs is known. Else a
-        503 `not_ready` with Retry-After (the ingress itself is up: see /live)."""
+        503 `not_ready` with Retry-After (the ingress itself is up: see /live). While requests are
+        being answered (within READY_FRESH_S) that is proof enough: no probe queues behind a burst."""
+        if self._info is not None and time.monotonic() - self._engine_answered < READY_FRESH_S:
+            return {"status": "ok"}
         try:
             if self._info is None:
                 self._info = await asyncio.wait_for(self._call(self.coordinator.info), READY_TIMEOUT_S)
@@ -521,6 +526,7 @@ class OpenAIServer:
                            time.monotonic() + self.config.request_timeout_s, self.continuations)
         try:
             first = await gen.start()  # Accepted | Rejected: validation errors before any SSE
+            self._engine_answered = time.monotonic()
         except BackPressureError as err:  # Serve's own queue in front of the coordinators is full
             gen.close()
             raise overloaded("the server is overloaded; retry later") from err
@@ -570,6 +576,7 @@ class OpenAIServer:
         stream = _guarded(gen)
         try:
             async for item in stream:
+                self._engine_answered = time.monotonic()
                 if isinstance(item, Failed):
                     gen.finished = True
                     status = 504 if item.code == "request_timeout" else 500
