@@ -346,6 +346,7 @@ class OpenAIServer:
         if self._info is None:
             try:
                 self._info = await self.coordinator.info.remote()
+                self._engine_answered = time.monotonic()
             except Exception as err:  # no coordinator replica reachable (yet)
                 raise unavailable(f"the engine is unavailable: {type(err).__name__}") from err
         return self._info
@@ -365,6 +366,7 @@ class OpenAIServer:
                 self._info = await asyncio.wait_for(self._call(self.coordinator.info), READY_TIMEOUT_S)
             else:
                 await asyncio.wait_for(self._call(self.coordinator.ready), READY_TIMEOUT_S)
+            self._engine_answered = time.monotonic()
         except Exception as err:  # no coordinator replica yet (or none left), or a timeout
             raise OpenAIError(503, f"not ready: no engine replica answered within {READY_TIMEOUT_S:g} s "
                                    f"({type(err).__name__})", None, "not_ready", "server_error",
