@@ -354,14 +354,17 @@ class OpenAIServer:
     # -- routes (the FrontDoor middleware has checked the key, the per-key limits and the body size) --
     @app.get("/health")
     async def health(self) -> dict:
-        """Readiness: 200 only when a request sent now would be served at once: a coordinator
-        replica answers within READY_TIMEOUT_S (it answers only once its constructor ran, i.e. its
-        workers loaded their models and ran forwards), and what /v1/models needs is known. Else a
-        503 `not_ready` with Retry-After (the ingress itself is up: see /live). While requests are
-        being answered (within READY_FRESH_S) that is proof enough: no probe queues behind a burst."""
+        """Readiness: 200 only when a request sent now would be served at once, i.e. a coordinator
+        replica's constructor (which loads both models and runs forwards) has returned. Evidence,
+        cheapest first: a coordinator answered within READY_FRESH_S; Serve's controller counts a
+        coordinator replica RUNNING; a coordinator answers a probe within READY_TIMEOUT_S. Else a
+        503 `not_ready` with Retry-After (the ingress itself is up: see /live). Neither of the
+        first two queues behind a burst of requests."""
         if self._info is not None and time.monotonic() - self._engine_answered < READY_FRESH_S:
             return {"status": "ok"}
         try:
+            if await self._serve_reports_running():
+                return {"status": "ok"}
             if self._info is None:
                 self._info = await asyncio.wait_for(self._call(self.coordinator.info), READY_TIMEOUT_S)
             else:
@@ -372,6 +375,23 @@ class OpenAIServer:
                                    f"({type(err).__name__})", None, "not_ready", "server_error",
                               {"Retry-After": str(RETRY_AFTER_S)}) from err
         return {"status": "ok"}
+
+    async def _serve_reports_running(self) -> bool:
+        """Whether Serve's controller counts a coordinator replica RUNNING (its constructor, which
+        loads both models and runs forwards, returned): asked of the controller, so it never
+        queues behind generation requests. False where there is no controller (in process)."""
+        def ask() -> bool:
+            import ray
+
+            if not ray.is_initialized():
+                return False
+            app = serve.status().applications[self.coordinator.app_name]
+            return app.deployments[self.coordinator.deployment_name].replica_states.get("RUNNING", 0) > 0
+
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(ask), READY_TIMEOUT_S)
+        except Exception:  # no controller, an unknown app, a slow answer: the probe decides
+            return False
 
     @app.get("/live")
     async def live(self) -> dict:
