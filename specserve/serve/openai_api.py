@@ -326,6 +326,7 @@ class OpenAIServer:
         # requests continued on another coordinator replica after losing theirs, and given up on
         self.continuations = {"continuations": 0, "given_up": 0}
         self._engine_answered = float("-inf")  # when a coordinator last answered a request (monotonic s)
+        self._readiness_asked = float("-inf")  # when traffic last made us ask the controller (monotonic s)
         front = config.front_door
         keys = parse_keys(config.api_key, os.environ.get("SPECSERVE_API_KEY"))
         if front.require_api_key and not keys:
@@ -360,7 +361,7 @@ class OpenAIServer:
         coordinator replica RUNNING; a coordinator answers a probe within READY_TIMEOUT_S. Else a
         503 `not_ready` with Retry-After (the ingress itself is up: see /live). Neither of the
         first two queues behind a burst of requests."""
-        if self._info is not None and time.monotonic() - self._engine_answered < READY_FRESH_S:
+        if time.monotonic() - self._engine_answered < READY_FRESH_S:
             return {"status": "ok"}
         try:
             if await self._serve_reports_running():
@@ -375,6 +376,20 @@ class OpenAIServer:
                                    f"({type(err).__name__})", None, "not_ready", "server_error",
                               {"Retry-After": str(RETRY_AFTER_S)}) from err
         return {"status": "ok"}
+
+    def _refresh_readiness(self) -> None:
+        """On traffic, at most every READY_FRESH_S: ask Serve's controller in the background, so that
+        /health during a burst finds fresh evidence instead of waiting behind the burst."""
+        now = time.monotonic()
+        if now - self._readiness_asked < READY_FRESH_S:
+            return
+        self._readiness_asked = now
+
+        async def ask() -> None:
+            if await self._serve_reports_running():
+                self._engine_answered = max(self._engine_answered, time.monotonic())
+
+        asyncio.get_running_loop().create_task(ask())
 
     async def _serve_reports_running(self) -> bool:
         """Whether Serve's controller counts a coordinator replica RUNNING (its constructor, which
@@ -506,6 +521,7 @@ class OpenAIServer:
         return room
 
     def _check(self, body: _SamplingRequest) -> None:
+        self._refresh_readiness()
         if body.model != self.config.served_model_name:
             raise OpenAIError(404, f"model {body.model!r} does not exist; this server serves "
                                    f"{self.config.served_model_name!r}", "model", "model_not_found")
