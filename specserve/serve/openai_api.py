@@ -68,6 +68,7 @@ RETRY_AFTER_S = 1  # what a 429 (full queue) or 503 (engine lost / unavailable) 
 SHED_WINDOW_S = 0.2  # after a coordinator's queue_full, new requests are refused here for this long
 READY_TIMEOUT_S = 2.0  # /health: a coordinator replica must answer within this
 READY_FRESH_S = 5.0  # ... unless one answered a request within this (a busy engine is a ready one)
+READY_CONTROLLER_TIMEOUT_S = 10.0  # ... or Serve's controller (never behind a burst) counts one RUNNING
 
 
 def overloaded(message: str) -> OpenAIError:
@@ -327,6 +328,7 @@ class OpenAIServer:
         self.continuations = {"continuations": 0, "given_up": 0}
         self._engine_answered = float("-inf")  # when a coordinator last answered a request (monotonic s)
         self._readiness_asked = float("-inf")  # when traffic last made us ask the controller (monotonic s)
+        self._ready_pool = ThreadPoolExecutor(1, thread_name_prefix="specserve-ready")  # never starved by others
         front = config.front_door
         keys = parse_keys(config.api_key, os.environ.get("SPECSERVE_API_KEY"))
         if front.require_api_key and not keys:
@@ -404,7 +406,8 @@ class OpenAIServer:
             return app.deployments[self.coordinator.deployment_name].replica_states.get("RUNNING", 0) > 0
 
         try:
-            return await asyncio.wait_for(asyncio.to_thread(ask), READY_TIMEOUT_S)
+            running = asyncio.get_running_loop().run_in_executor(self._ready_pool, ask)
+            return await asyncio.wait_for(running, READY_CONTROLLER_TIMEOUT_S)
         except Exception:  # no controller, an unknown app, a slow answer: the probe decides
             return False
 
