@@ -5,6 +5,7 @@
     specserve bench engine [...]                                      in-process benchmark (specserve.bench.engine)
     specserve bench ingress [--url ...]                              one huge request vs small ones (specserve.bench.ingress)
     specserve bench overlap [...]                                     pipelined vs sequential speculation on Ray (specserve.bench.overlap)
+    specserve bench soak [--streams 500]                             500 streams, a coordinator replica killed (specserve.bench.soak)
 
 A subcommand is one entry in COMMANDS (name -> help, add_arguments, run); a benchmark is one entry
 in BENCHES (name -> module with `main(argv)`).
@@ -110,6 +111,7 @@ BENCHES = {  # name -> module with `main(argv: list[str]) -> int`; its own argpa
     "ingress": "specserve.bench.ingress",
     "prefill": "specserve.bench.prefill",
     "overlap": "specserve.bench.overlap",
+    "soak": "specserve.bench.soak",
 }
 
 

@@ -4,6 +4,7 @@
       served_model_name, max_batch_size, max_model_len
       max_queued_requests, max_cached_tokens   overload: bounded waiting queue, KV-cache allocation budget
       request_timeout_s, deadlines             how long a request and each worker call may take
+      max_resumes                              continuations of a request after its replica is lost
       api_key                                  optional Bearer key(s) (or env SPECSERVE_API_KEY)
       front_door:       FrontDoorConfig  (ingress threads, body / list limits, per-key limits)
       target / draft:   ModelSource  (tiny | smollm2 | hf)
@@ -287,6 +288,10 @@ class AppConfig(_Strict):
     # Per request, arrival to last token: a request still unfinished after this fails with a 504
     # (the Serve proxy's http_options.request_timeout_s should be a little longer).
     request_timeout_s: float = Field(600.0, gt=0)
+    # When the coordinator replica running a request is lost (dies, or is replaced), the ingress
+    # continues it on another replica from the tokens already delivered, at most this many times
+    # per request (0: never; the client gets a 503, or an SSE error event once streaming).
+    max_resumes: int = Field(3, ge=0)
     deadlines: Deadlines = Deadlines()
     # Bearer key (or keys) every route but /health requires (None: the environment's
     # SPECSERVE_API_KEY, comma-separated keys, if set, else no authentication). Prefer the

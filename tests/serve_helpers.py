@@ -24,6 +24,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+METRICS_PORT = free_port()  # Ray's Prometheus endpoint of the session's cluster (conftest.py's `server`)
+
+
 def start_local_serve(port: int, metrics_port: int | None = None) -> str:
     """Ray on 2 CPUs bound to 127.0.0.1, Serve's proxy on 127.0.0.1:port, the tiny app deployed.
     With metrics_port, Ray's Prometheus endpoint is http://127.0.0.1:metrics_port/metrics, flushed
@@ -148,3 +151,18 @@ def inject_fault(app_name: str, method: str, kind: str, count: int) -> Path:
     path = Path(os.environ["SPECSERVE_FAULTS_DIR"]) / f"{app_name}.{method}"
     path.write_text(f"{kind} {count}")
     return path
+
+
+def replica_actors(app_name: str, deployment: str = "Coordinator") -> list:
+    """Handles of the live Serve replica actors of one deployment of an application."""
+    import ray
+
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["namespace"] == "serve" and f"{app_name}#{deployment}#" in a["name"]]
+    handles = []
+    for name in names:
+        try:
+            handles.append(ray.get_actor(name, namespace="serve"))
+        except ValueError:  # died between listing and lookup
+            pass
+    return handles

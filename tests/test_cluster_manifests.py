@@ -45,3 +45,20 @@ def test_cluster_launcher_config_validates_against_ray_schema():
     app = load_app_config(load("configs/gpu-70b.yaml")["applications"][0]["args"])
     assert app.target_worker.num_gpus + app.draft_worker.num_gpus <= gpus
 
+
+
+def test_serving_pods_are_ready_only_when_the_app_would_serve():
+    """The worker pods' readiness probe asks the app's /health (readiness: a warm coordinator
+    answers) on the Serve port, which the front door lets through without the API key that this
+    config requires; liveness is left to KubeRay's raylet check (never the model)."""
+    from specserve.serve.front_door import FrontDoor
+
+    service = load("cluster/rayservice.yaml")
+    port = yaml.safe_load(service["spec"]["serveConfigV2"])["http_options"]["port"]
+    for group in service["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
+        container = group["template"]["spec"]["containers"][0]
+        command = " ".join(container["readinessProbe"]["exec"]["command"])
+        assert f"http://localhost:{port}/health" in command and "local_raylet_healthz" in command
+        assert container["readinessProbe"]["timeoutSeconds"] > 4  # the wget timeouts fit inside it
+        assert "/health" not in json.dumps(container.get("livenessProbe", {}))
+    assert {"/health", "/live"} <= FrontDoor.OPEN_PATHS

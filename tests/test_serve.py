@@ -17,8 +17,8 @@ import httpx
 import pytest
 
 from models import hf_greedy
-from serve_helpers import (cache_counts, coordinator_replicas, deploy_app, free_port, inject_fault, metric, scrape,
-                           start_local_serve, stop_local_serve, tiny_app_spec, wait_for, worker_actors)
+from serve_helpers import (METRICS_PORT, cache_counts, coordinator_replicas, deploy_app, inject_fault, metric, scrape,
+                           tiny_app_spec, wait_for, worker_actors)
 
 pytestmark = [pytest.mark.serve, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 MODEL = "tiny"
@@ -26,15 +26,8 @@ MAX_NEW = 24
 PROMPTS = ["Hello", "The quick brown fox", "a", "Speculative decoding is lossless.", "0123456789" * 3,
            "héllo wörld → ok"]
 
-
-METRICS_PORT = free_port()
-
-
-@pytest.fixture(scope="session")
-def server():
-    url = start_local_serve(free_port(), metrics_port=METRICS_PORT)
-    yield url
-    stop_local_serve()
+# the session's one Ray + Serve start (the `server` fixture) is in conftest.py: every serve test
+# file shares it
 
 
 @pytest.fixture(scope="session")

@@ -52,13 +52,18 @@ class FakeStream:
 class FakeCoordinator:
     """Admission exactly as the real coordinator checks it; output: the prompt's tokens, cycled.
 
-    mode: "ok" | "queue_full" (every request refused as the full queue is) | "lost" (the replica
-    dies after `lost_after` deltas: the stream raises like a dead actor's does)."""
+    mode: "ok" | "queue_full" (every request refused as the full queue is) | "lost" (every replica
+    dies after `lost_after` deltas: the stream raises like a dead actor's does) | "lost_once" (only
+    the first submission's does). A continuation (`request.resume`) goes on from its generated
+    tokens, as the real coordinator does; `requests` keeps what was submitted."""
 
     def __init__(self, max_model_len: int = 512, vocab_size: int = 259) -> None:
         self.max_model_len, self.vocab_size = max_model_len, vocab_size
         self.mode, self.lost_after = "ok", 2
+        self.requests: list = []
+        self.wrap = 128  # output token ids: the prompt's, modulo this (256: any byte, UTF-8 included)
         self.info = _Call(self._info)
+        self.ready = _Call(self._ready)
         self.stats = _Call(self._stats)
         self.reset_stats = _Call(self._stats)
         self.generate = _Call(lambda request: FakeStream(self._generate(request)))
@@ -72,12 +77,16 @@ class FakeCoordinator:
     async def _stats(self) -> dict:
         return {"running": 0, "waiting": 0}
 
+    async def _ready(self) -> bool:
+        return True
+
     async def _generate(self, request):
         from ray.exceptions import ActorDiedError
 
         from specserve.engine.step import ContextLengthExceeded, InvalidPrompt, new_sequence
         from specserve.serve.coordinator import Accepted, Delta, Rejected
 
+        self.requests.append(request)
         if self.mode == "queue_full":
             yield Rejected("the server is overloaded (4 requests waiting); retry later", "queue_full")
             return
@@ -91,12 +100,13 @@ class FakeCoordinator:
             return
         yield Accepted(len(seq.prompt))
         n, step = seq.params.max_tokens, 0
-        produced = 0
+        produced = len(request.resume.generated) if request.resume else 0
+        dies = self.mode == "lost" or (self.mode == "lost_once" and request.resume is None)
         while produced < n:
-            if self.mode == "lost" and step == self.lost_after:
+            if dies and step == self.lost_after:
                 raise ActorDiedError()
             k = min(3, n - produced)
-            tokens = [seq.prompt[(produced + i) % len(seq.prompt)] % 128 for i in range(k)]
+            tokens = [seq.prompt[(produced + i) % len(seq.prompt)] % self.wrap for i in range(k)]
             produced += k
             step += 1
             yield Delta(tokens, "length" if produced >= n else None, 4 * step, 2 * step, step)
@@ -318,13 +328,18 @@ def test_queue_full_is_429_with_retry_after(client, fake):
         assert int(r.headers["retry-after"]) >= 1
 
 
-def test_lost_replica_is_503_or_sse_error_then_done(client, fake):
+def test_replica_lost_every_time_is_503_or_sse_error_then_done(client, fake):
+    """Every replica dies mid-request: after max_resumes continuations (3 by default) the client
+    gets a clear error; a stream keeps the tokens it already had."""
     fake.mode = "lost"
     body = {"model": MODEL, "prompt": "hello there", "max_tokens": 30}
+    fake.requests.clear()
     r = client.post("/v1/completions", json=body)
     err = _error(r, 503)
     assert err["code"] == "engine_unavailable" and err["type"] == "server_error" and "retry" in err["message"]
     assert r.headers["retry-after"] == "1"
+    assert len(fake.requests) == 4  # the request and 3 continuations, each 6 tokens further on
+    assert [len(q.resume.generated) if q.resume else 0 for q in fake.requests] == [0, 6, 12, 18]
     with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
         assert r.status_code == 200  # the stream had started: the error arrives as an event
         events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
@@ -333,6 +348,99 @@ def test_lost_replica_is_503_or_sse_error_then_done(client, fake):
     assert error["code"] == "engine_unavailable" and error["type"] == "server_error"
     chunks = [json.loads(e) for e in events[:-2]]
     assert chunks and all("choices" in c for c in chunks)  # tokens before the loss were delivered
+
+
+def _stream_text(client, path: str, body: dict) -> tuple[str, list[dict]]:
+    with client.stream("POST", path, json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200
+        events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all("error" not in c for c in chunks), chunks
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    return text, chunks
+
+
+@pytest.mark.parametrize("stop", [None, "straddle"])
+def test_lost_replica_is_continued_with_identical_output(client, fake, stop):
+    """The replica dies after 6 tokens: the request goes on elsewhere from those 6 (the
+    continuation carries them, the same parameters and another request id), and the client sees
+    the undisturbed output: no gap, no duplicate, no error; usage as the original request's;
+    speculation totals over both replicas. A stop string whose match starts before the loss and
+    ends after it still cuts the text."""
+    body = {"model": MODEL, "prompt": "abcdefghijklmnop", "max_tokens": 14, "temperature": 0.7, "seed": 3}
+    fake.mode = "ok"
+    clean = client.post("/v1/completions", json=body).json()
+    if stop:
+        body["stop"] = clean["choices"][0]["text"][5:8]  # tokens 5 (before the loss) to 7 (after)
+        clean = client.post("/v1/completions", json=body).json()
+        assert clean["choices"][0]["finish_reason"] == "stop" and len(clean["choices"][0]["text"]) == 5
+    clean_stream, _ = _stream_text(client, "/v1/completions", body)
+    fake.mode = "lost_once"
+    fake.requests.clear()
+    whole = client.post("/v1/completions", json=body).json()
+    assert whole["choices"] == clean["choices"] and whole["usage"] == clean["usage"]
+    first, again = fake.requests
+    assert again.resume.generated == tuple(ord(c) for c in "abcdef")
+    assert again.request_id == f"{first.request_id}.1" and again.params == first.params
+    assert again.prompt_token_ids == first.prompt_token_ids
+    if not stop:  # 2 deltas on the lost replica, then 3 on the next: totals add up
+        assert whole["speculation"] == {"num_draft_tokens": 4 * 2 + 4 * 3, "num_accepted_tokens": 2 * 2 + 2 * 3,
+                                        "num_steps": 5}
+    text, chunks = _stream_text(client, "/v1/completions", {**body, "return_token_ids": True})
+    assert text == clean_stream == clean["choices"][0]["text"]
+    assert chunks[-1]["usage"] == clean["usage"]
+    fake.mode = "ok"
+    clean_ids = client.post("/v1/completions", json={**body, "return_token_ids": True}).json()["choices"][0]["token_ids"]
+    # streamed ids (each chunk: the ids new since the previous one) add up to the whole's, exactly
+    assert [t for c in chunks if c["choices"] for t in c["choices"][0]["token_ids"]] == clean_ids
+    if not stop:
+        assert len(clean_ids) == 14
+
+
+def test_utf8_character_split_by_a_lost_replica_is_whole(client, fake):
+    """A 2-byte character whose first byte came from the lost replica and second from the next:
+    the ingress's incremental detokenizer holds the first byte across the continuation."""
+    prompt = list("abcde".encode()) + list("é".encode()) + list("xyz".encode())  # é: tokens 5 and 6
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 9, "temperature": 0.0}
+    fake.wrap = 256
+    try:
+        fake.mode = "lost_once"
+        text, _ = _stream_text(client, "/v1/completions", body)
+    finally:
+        fake.wrap = 128
+    assert text == "abcdeéxy"
+
+
+def test_health_is_readiness_and_live_is_liveness(fake, monkeypatch):
+    """/health answers 200 only while a coordinator replica answers in time (503 `not_ready`
+    otherwise); /live never asks the engine. Neither needs the API key."""
+    from starlette.testclient import TestClient
+
+    from specserve.serve import openai_api
+    from specserve.serve.openai_api import app
+
+    monkeypatch.setenv("SPECSERVE_API_KEY", "k")
+    _server(fake, monkeypatch)
+    monkeypatch.setattr(openai_api, "READY_TIMEOUT_S", 0.2)
+    with TestClient(app, raise_server_exceptions=False) as c:
+        assert c.get("/health").json() == {"status": "ok"} and c.get("/live").json() == {"status": "ok"}
+
+        async def stuck():
+            await asyncio.sleep(5)
+
+        monkeypatch.setattr(fake, "ready", _Call(stuck))
+        # an engine that just answered (a probe, a request) is ready without a probe: none queues
+        # behind a burst
+        assert c.get("/health").status_code == 200
+        done = c.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2},
+                      headers={"Authorization": "Bearer k"})
+        assert done.status_code == 200 and c.get("/health").status_code == 200
+        monkeypatch.setattr(openai_api, "READY_FRESH_S", 0.0)  # quiet since: the probe decides
+        r = c.get("/health")
+        assert _error(r, 503)["code"] == "not_ready" and r.headers["retry-after"] == "1"
+        assert c.get("/live").status_code == 200
+        assert c.get("/v1/models").status_code == 401  # the other routes still need the key
 
 
 # -- no prompts or outputs in the logs ---------------------------------------------------------------------

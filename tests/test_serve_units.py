@@ -71,6 +71,28 @@ def test_incremental_detokenizer_never_splits_a_character():
     assert all("\ufffd" not in p for p in pieces)
 
 
+def test_incremental_text_does_not_depend_on_how_tokens_are_chunked():
+    """Invalid UTF-8 and skipped special tokens (a tiny random model makes plenty): whatever
+    chunks the ids arrive in (coordinator steps, merged deltas, a continuation on another
+    replica), the streamed text is the same: the one-shot decode of the output."""
+    import random
+
+    tok = byte_tokenizer()
+    for trial in range(150):
+        rng = random.Random(trial)
+        prompt = [rng.randrange(32, 127) for _ in range(rng.randint(1, 6))]
+        output = [rng.choice([rng.randrange(0, 256), rng.randrange(128, 256), 256, rng.randrange(32, 127)])
+                  for _ in range(rng.randint(1, 60))]
+        want = tok.decode(output, skip_special_tokens=True)
+        for seed in range(6):
+            chunks, detok, i, text = random.Random(seed), IncrementalDetokenizer(tok, prompt), 0, ""
+            while i < len(output):
+                k = chunks.randint(1, 9)
+                text += detok.push(output[i : i + k])
+                i += k
+            assert text + detok.flush() == want, (prompt, output, seed)
+
+
 def test_stop_strings_hold_back_and_cut():
     stops = StopStrings(["END", "xyz"])
     out = [stops.feed(t, False) for t in ["abc E", "N", "D tail"]]

@@ -1,8 +1,17 @@
-"""Soak test: N concurrent streaming clients for M minutes against a running app.
+"""Soak tests: many concurrent streams, bounded in time, loopback only.
 
-    python -m specserve.bench.soak --url http://127.0.0.1:8000 --clients 100 --minutes 10
+Two modes (`specserve bench soak ...` = `python -m specserve.bench.soak ...`):
 
-Each client loops: a streaming completion (a prompt from a small set, max_tokens drawn from
+    specserve bench soak [--streams 500] [--max-tokens 48] [--replicas 2] [--kill-at 0.3]
+        Replica loss (specserve.bench.soak_failover): a local Ray on 127.0.0.1 serving
+        configs/tiny.yaml with 2 coordinator replicas, N streams at once, one replica killed
+        mid-run; each stream checked against the target's greedy output (lost / duplicated
+        tokens), TTFT / ITL percentiles, memory before and after.
+
+    specserve bench soak --url http://127.0.0.1:8000 --clients 100 --minutes 10
+        Against a running app: N clients loop for M minutes (below).
+
+With --url, each client loops: a streaming completion (a prompt from a small set, max_tokens drawn from
 [8, --max-tokens], greedy or sampled), read to `[DONE]`; a 429 (the server's full queue: intended
 back-pressure) waits Retry-After and is counted apart from errors. Every --sample-every seconds the
 tool reads `/v1/stats` a few times (each read lands on one coordinator replica) for the resident
@@ -200,18 +209,39 @@ def print_report(r: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m specserve.bench.soak", description=__doc__.splitlines()[0])
-    p.add_argument("--url", default="http://127.0.0.1:8000")
-    p.add_argument("--clients", type=int, default=100)
-    p.add_argument("--minutes", type=float, default=10.0)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--model", default=None, help="default: the first of /v1/models")
-    p.add_argument("--sample-every", type=float, default=15.0, help="seconds between memory samples")
-    p.add_argument("--request-timeout", type=float, default=120.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=Path("bench-results/soak.json"))
-    p.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --url")
+    p = argparse.ArgumentParser(prog="specserve bench soak", description=__doc__.splitlines()[0])
+    p.add_argument("--url", default=None, help="soak a running app there (default: the replica-loss soak on a "
+                                               "local Ray of its own)")
+    p.add_argument("--max-tokens", type=int, default=None, help="per request (default: 48; with --url: at most 64)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="JSON report (default: bench-results/soak_failover.json; with --url: bench-results/soak.json)")
+    p.add_argument("--request-timeout", type=float, default=120.0, help="--url: per request")
+    loss = p.add_argument_group("replica-loss soak (no --url)")
+    loss.add_argument("--streams", type=int, default=500, help="concurrent streams, one request each")
+    loss.add_argument("--replicas", type=int, default=2, help="coordinator replicas (one is killed)")
+    loss.add_argument("--kill-at", type=float, default=0.3, help="kill once this share of the tokens arrived")
+    loss.add_argument("--prompts", type=int, default=40, help="distinct prompts (each with its greedy reference)")
+    loss.add_argument("--num-cpus", type=int, default=2, help="CPUs of the local Ray")
+    loss.add_argument("--timeout-s", type=float, default=600.0, help="the whole run's bound")
+    loss.add_argument("--progress-every", type=float, default=5.0, help="seconds between progress lines")
+    running = p.add_argument_group("against a running app (--url)")
+    running.add_argument("--clients", type=int, default=100)
+    running.add_argument("--minutes", type=float, default=10.0)
+    running.add_argument("--model", default=None, help="default: the first of /v1/models")
+    running.add_argument("--sample-every", type=float, default=15.0, help="seconds between memory samples")
+    running.add_argument("--seed", type=int, default=0)
+    running.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --url")
     args = p.parse_args(argv)
+    if args.url is None:
+        from specserve.bench import soak_failover
+
+        if args.replicas < 2:
+            p.error("--replicas must be >= 2: one of them is killed")
+        args.max_tokens = args.max_tokens or 48
+        args.out = args.out or Path("bench-results/soak_failover.json")
+        return soak_failover.main(args)
+    args.max_tokens = args.max_tokens or 64
+    args.out = args.out or Path("bench-results/soak.json")
     host = urlparse(args.url).hostname
     if host not in ("127.0.0.1", "localhost", "::1") and not args.allow_remote:
         p.error(f"--url {args.url} is not loopback; pass --allow-remote to load another host on purpose")

@@ -28,6 +28,10 @@ otherwise is retried row by row, so that only the requests it really fails on ge
 (a generic message with an error id; the exception goes to the log under that id).
 `check_health` fails after `deadlines.health_misses` unanswered probes in a row, and Serve
 replaces the whole group.
+
+A lost replica's requests are continued by the ingress on another one (serve/continuation.py): a
+`GenerateRequest.resume` carries the tokens already delivered (and a seeded request's random
+stream, from `Delta.rng_state`); `_continue` makes them the new Sequence's output.
 """
 from __future__ import annotations
 
@@ -41,6 +45,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 import ray
+import torch
 from ray import serve
 from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -67,11 +72,20 @@ _CALL_ATTEMPTS = 4
 
 # -- messages between ingress and coordinator ------------------------------------------------------
 @dataclass(frozen=True)
+class Resume:
+    """A request continued here after the replica that ran it was lost (see serve/continuation.py)."""
+
+    generated: tuple[int, ...]  # output tokens already generated and delivered (count toward max_tokens)
+    rng_state: bytes | None = None  # the request's random stream after them (seeded sampling; Delta.rng_state)
+
+
+@dataclass(frozen=True)
 class GenerateRequest:
     request_id: str
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams  # as first sent: max_tokens counts the generated tokens of a `resume` too
     num_speculative_tokens: int | None = None  # per-request cap on γ (<= the configured one)
+    resume: Resume | None = None  # a continuation: never refused as queue_full (it is not new load)
 
 
 @dataclass(frozen=True)
@@ -92,6 +106,9 @@ class Delta:
     num_draft_tokens: int  # running totals for the request
     num_accepted_tokens: int
     num_steps: int
+    # seeded sampling only: the request's generator state after these tokens, so that a
+    # continuation on another replica draws the numbers this one would have drawn
+    rng_state: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -178,6 +195,12 @@ class Coordinator:
         return {"max_model_len": self.max_model_len, "vocab_size": self.vocab_size,
                 "num_speculative_tokens": self.max_gamma}
 
+    async def ready(self) -> bool:
+        """Readiness, for the ingress's /health: a replica answers only once its constructor ran,
+        i.e. both workers loaded their models and ran forwards (`time_forwards`): a request sent now
+        is served at once. (Answered on the event loop, never behind a worker call.)"""
+        return True
+
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Accepted | Rejected | Delta | Failed]:
         """Stream: Accepted (or Rejected, then end), then Deltas until one has a finish_reason, or a
         Failed (an engine error, or the request's deadline passed).
@@ -192,9 +215,11 @@ class Coordinator:
         seq, rid = seq_or_rejection, request.request_id
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = queue
-        self._timing[rid] = [arrival, None]
-        self.admission.waiting.append(seq)
-        self.metrics.inc(self.metrics.prompt_tokens, len(seq.prompt))
+        # a continuation's first token is not a time to first token
+        self._timing[rid] = [arrival, arrival if request.resume else None]
+        self._enqueue(seq)
+        if request.resume is None:
+            self.metrics.inc(self.metrics.prompt_tokens, len(seq.prompt))
         self._wake.set()
         finished = False
         deadline = arrival + self.config.request_timeout_s
@@ -218,6 +243,18 @@ class Coordinator:
                 self._aborted.add(rid)
                 self._wake.set()
 
+    def _enqueue(self, seq: Sequence) -> None:
+        """New requests wait FIFO; a continuation that already has output (its client is
+        mid-stream) goes ahead of them, behind the ones like it that already wait."""
+        waiting = self.admission.waiting
+        if not seq.output:
+            waiting.append(seq)
+            return
+        ahead = 0
+        while ahead < len(waiting) and waiting[ahead].output:
+            ahead += 1
+        waiting.insert(ahead, seq)
+
     def _check_new(self, request: GenerateRequest) -> Sequence | Rejected:
         """A new request as a Sequence, or why it is refused (before anything is allocated)."""
         rid = request.request_id
@@ -227,6 +264,8 @@ class Coordinator:
             seq = new_sequence(rid, request.prompt_token_ids, request.params, vocab_size=self.vocab_size,
                                max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids,
                                max_gamma=request.num_speculative_tokens)
+            if request.resume is not None:
+                _continue(seq, request.resume, self.vocab_size)
         except (InvalidPrompt, ContextLengthExceeded) as err:
             code = "context_length_exceeded" if isinstance(err, ContextLengthExceeded) else "invalid_prompt"
             return Rejected(str(err), code)
@@ -236,7 +275,7 @@ class Coordinator:
                             "context_length_exceeded")
         self._admit()  # (so that `waiting` counts only requests that really must wait)
         waiting = len(self.admission.waiting)
-        if waiting >= self.config.max_queued_requests and not self.admission.fits_now(seq):
+        if waiting >= self.config.max_queued_requests and request.resume is None and not self.admission.fits_now(seq):
             self._totals["rejected_queue_full"] += 1
             self.metrics.inc(self.metrics.request_rejected, 1, reason="queue_full")
             return Rejected(f"the server is overloaded ({waiting} requests waiting); retry later", "queue_full")
@@ -615,8 +654,9 @@ class Coordinator:
             queue = self._queues.get(out.request_id)
             if queue is not None:
                 m = seq.metrics
+                rng = seq.generator.get_state().numpy().tobytes() if seq.reproducible else None
                 queue.put_nowait(Delta(out.new_token_ids, out.finish_reason, m.num_draft_tokens,
-                                       m.num_accepted_tokens, m.num_steps))
+                                       m.num_accepted_tokens, m.num_steps, rng))
             if out.finish_reason is not None:
                 done.append(out.request_id)
         self._release(done)
@@ -689,7 +729,27 @@ def _merge(items: list) -> Delta | Failed:
         return failed[0]
     last = items[-1]
     tokens = [t for d in items for t in d.token_ids]
-    return Delta(tokens, last.finish_reason, last.num_draft_tokens, last.num_accepted_tokens, last.num_steps)
+    return Delta(tokens, last.finish_reason, last.num_draft_tokens, last.num_accepted_tokens, last.num_steps,
+                 last.rng_state)
+
+
+def _continue(seq: Sequence, resume: Resume, vocab_size: int) -> None:
+    """Make a new Sequence the continuation of a request: its delivered tokens become its output
+    (the caches prefill prompt + output at its first step), and its random stream goes on where
+    the lost replica's stopped. Raises InvalidPrompt for tokens that cannot be a continuation."""
+    generated = [int(t) for t in resume.generated]
+    if generated and (min(generated) < 0 or max(generated) >= vocab_size):
+        raise InvalidPrompt(f"generated token ids must lie in [0, {vocab_size})")
+    if len(generated) >= seq.params.max_tokens:
+        raise InvalidPrompt(f"{len(generated)} tokens already generated leave nothing of max_tokens "
+                            f"({seq.params.max_tokens}) to continue")
+    seq.output.extend(generated)
+    if resume.rng_state is not None:
+        seq.generator.set_state(torch.frombuffer(bytearray(resume.rng_state), dtype=torch.uint8))
+    elif generated and seq.params.seed is not None:
+        # without the state, the seed's stream would replay the numbers that drew the tokens
+        # already there: fresh numbers keep the continuation a valid sample
+        seq.generator.seed()
 
 
 def _predict(cost: TokenCost, tokens: int) -> float:

@@ -1,7 +1,7 @@
 """The ingress's front door: what runs before a route sees a request, and the cheap bounds it uses.
 
     FrontDoor (pure ASGI middleware), in this order, before any byte of the body is read:
-      1. /health passes untouched (load balancers, probes)
+      1. /health and /live pass untouched (load balancers, probes)
       2. the API key (401), on every other route, /openapi.json and unknown paths included
       3. per-key limits (429 + Retry-After): concurrent requests, tokens per minute (KeyLimits)
       4. the body limit (413): Content-Length, then the bytes of a chunked body as they arrive;
@@ -153,7 +153,7 @@ class FrontDoor:
     """Pure ASGI middleware (see the module docstring). `door()` returns the serving replica's Door;
     the key index rides to the routes in scope[KEY_SCOPE]."""
 
-    OPEN_PATHS = frozenset({"/health"})
+    OPEN_PATHS = frozenset({"/health", "/live"})  # readiness and liveness: for load balancers and probes
     KEY_SCOPE = "specserve.api_key"
 
     def __init__(self, app, door: Callable[[], Door]) -> None:

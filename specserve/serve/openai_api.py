@@ -11,13 +11,17 @@ text that cannot fit the context by its character count alone is refused before 
 every list a client controls has a limit (`front_door.*`).
 
 Extensions beyond OpenAI's fields: `top_k` (0 or -1 = off), `ignore_eos`, `return_token_ids`
-(non-streaming), and `num_speculative_tokens` (a per-request cap on γ, 0 = no speculation; at most
+(the generated ids in the choice; streaming: each chunk's choice carries the ids new since the previous
+chunk), and `num_speculative_tokens` (a per-request cap on γ, 0 = no speculation; at most
 the configured γ).
 Responses carry a `speculation` object (draft tokens, accepted tokens, steps) next to `usage`.
 
 Operations: an optional Bearer key (config `api_key`, else env SPECSERVE_API_KEY) guards every route
-but /health, /openapi.json included (401 without it); a full coordinator queue is a 429 with Retry-After; a coordinator
-replica lost mid-request is a 503 (or, once a stream has started, an SSE error event then [DONE]).
+but /health and /live, /openapi.json included (401 without it); a full coordinator queue is a 429 with Retry-After; a
+coordinator replica lost mid-request is continued on another one from the tokens already delivered
+(continuation.py, at most `max_resumes` times; then a 503, or once a stream has started, an SSE
+error event then [DONE]). /health is readiness (200 once a coordinator replica, warm, answers);
+/live is liveness (this process answers).
 Prompts and outputs are never logged.
 
 `OpenAIServer` is the plain class (routes on the module-level FastAPI `app`); `OpenAIIngress` is
@@ -46,6 +50,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from specserve.config import AppConfig
 from specserve.engine.sampling import SamplingParams
 
+from .continuation import Continuation, EngineLost
 from .coordinator import Accepted, Delta, Failed, GenerateRequest, Rejected
 from .front_door import (Door, FrontDoor, KeyLimits, OpenAIError, check_unicode, is_loopback, parse_keys,
                          token_floor)
@@ -61,6 +66,9 @@ def _error_response(err: OpenAIError) -> JSONResponse:
 
 RETRY_AFTER_S = 1  # what a 429 (full queue) or 503 (engine lost / unavailable) tells clients to wait
 SHED_WINDOW_S = 0.2  # after a coordinator's queue_full, new requests are refused here for this long
+READY_TIMEOUT_S = 2.0  # /health: a coordinator replica must answer within this
+READY_FRESH_S = 5.0  # ... unless one answered a request within this (a busy engine is a ready one)
+READY_CONTROLLER_TIMEOUT_S = 10.0  # ... or Serve's controller (never behind a burst) counts one RUNNING
 
 
 def overloaded(message: str) -> OpenAIError:
@@ -97,7 +105,8 @@ class _SamplingRequest(BaseModel):
     # extensions
     ignore_eos: bool = False
     num_speculative_tokens: int | None = Field(None, ge=0)
-    return_token_ids: bool = False  # non-streaming: the generated token ids ride along in the choice
+    # the generated token ids ride along in the choice (streaming: the ids new since the last chunk)
+    return_token_ids: bool = False
 
     def unsupported(self) -> list[tuple[str, str]]:
         """(param, why) for every option set to something this server does not do."""
@@ -195,19 +204,6 @@ class _StreamFailed(RuntimeError):
         self.error = error
 
 
-class _Generation:
-    """The coordinator stream of one request; close() cancels it unless it ran to its end."""
-
-    def __init__(self, stream) -> None:
-        self.stream = stream
-        self.finished = False
-
-    def close(self) -> None:
-        if not self.finished:
-            self.finished = True
-            self.stream.cancel()
-
-
 @dataclass
 class _Format:
     """OpenAI response bodies for one request (completion or chat; whole or SSE chunks)."""
@@ -216,7 +212,7 @@ class _Format:
     model: str
     chat: bool
     prompt_tokens: int
-    gen: _Generation
+    gen: Continuation
 
     def __post_init__(self) -> None:
         self.created = int(time.time())
@@ -254,13 +250,17 @@ class _Format:
         body["speculation"] = last.speculation
         return body
 
-    async def sse(self, pieces: AsyncIterator[Piece], include_usage: bool) -> AsyncIterator[str]:
-        first, last = True, None
+    async def sse(self, pieces: AsyncIterator[Piece], include_usage: bool,
+                  return_token_ids: bool = False) -> AsyncIterator[str]:
+        first, last, sent_ids = True, None, 0
         try:
             async for piece in pieces:
                 last = piece
                 if piece.text or piece.finish_reason or first:
                     chunk = self._envelope([self._choice(piece.text, piece.finish_reason, first, True)], True)
+                    if return_token_ids:
+                        chunk["choices"][0]["token_ids"] = piece.token_ids[sent_ids:]
+                        sent_ids = len(piece.token_ids)
                     if piece.finish_reason is not None:
                         chunk["speculation"] = piece.speculation
                     yield _sse(chunk)
@@ -324,6 +324,11 @@ class OpenAIServer:
         self.tokenizer = load_tokenizer(config)
         self._info: dict | None = None
         self._shed_until = 0.0  # after a full coordinator queue: refuse at once until then (monotonic s)
+        # requests continued on another coordinator replica after losing theirs, and given up on
+        self.continuations = {"continuations": 0, "given_up": 0}
+        self._engine_answered = float("-inf")  # when a coordinator last answered a request (monotonic s)
+        self._readiness_asked = float("-inf")  # when traffic last made us ask the controller (monotonic s)
+        self._ready_pool = ThreadPoolExecutor(1, thread_name_prefix="specserve-ready")  # never starved by others
         front = config.front_door
         keys = parse_keys(config.api_key, os.environ.get("SPECSERVE_API_KEY"))
         if front.require_api_key and not keys:
@@ -344,6 +349,7 @@ class OpenAIServer:
         if self._info is None:
             try:
                 self._info = await self.coordinator.info.remote()
+                self._engine_answered = time.monotonic()
             except Exception as err:  # no coordinator replica reachable (yet)
                 raise unavailable(f"the engine is unavailable: {type(err).__name__}") from err
         return self._info
@@ -351,7 +357,75 @@ class OpenAIServer:
     # -- routes (the FrontDoor middleware has checked the key, the per-key limits and the body size) --
     @app.get("/health")
     async def health(self) -> dict:
+        """Readiness: 200 only when a request sent now would be served at once, i.e. a coordinator
+        replica's constructor (which loads both models and runs forwards) has returned. Evidence,
+        cheapest first: a coordinator answered within READY_FRESH_S; Serve's controller counts a
+        coordinator replica RUNNING; a coordinator answers a probe within READY_TIMEOUT_S. Else a
+        503 `not_ready` with Retry-After (the ingress itself is up: see /live). Neither of the
+        first two queues behind a burst of requests."""
+        if time.monotonic() - self._engine_answered < READY_FRESH_S:
+            return {"status": "ok"}
+        try:
+            if await self._serve_reports_running():
+                return {"status": "ok"}
+            if self._info is None:
+                self._info = await asyncio.wait_for(self._call(self.coordinator.info), READY_TIMEOUT_S)
+            else:
+                await asyncio.wait_for(self._call(self.coordinator.ready), READY_TIMEOUT_S)
+            self._engine_answered = time.monotonic()
+        except Exception as err:  # no coordinator replica yet (or none left), or a timeout
+            raise OpenAIError(503, f"not ready: no engine replica answered within {READY_TIMEOUT_S:g} s "
+                                   f"({type(err).__name__})", None, "not_ready", "server_error",
+                              {"Retry-After": str(RETRY_AFTER_S)}) from err
         return {"status": "ok"}
+
+    def _refresh_readiness(self) -> None:
+        """On traffic, at most every READY_FRESH_S: ask Serve's controller in the background, so that
+        /health during a burst finds fresh evidence instead of waiting behind the burst."""
+        now = time.monotonic()
+        if now - self._readiness_asked < READY_FRESH_S:
+            return
+        self._readiness_asked = now
+
+        async def ask() -> None:
+            if await self._serve_reports_running():
+                self._engine_answered = max(self._engine_answered, time.monotonic())
+
+        asyncio.get_running_loop().create_task(ask())
+
+    async def _serve_reports_running(self) -> bool:
+        """Whether Serve's controller counts a coordinator replica RUNNING (its constructor, which
+        loads both models and runs forwards, returned): asked of the controller, so it never
+        queues behind generation requests. False where there is no controller (in process)."""
+        def ask() -> bool:
+            import ray
+
+            if not ray.is_initialized():
+                return False
+            app = serve.status().applications[self.coordinator.app_name]
+            return app.deployments[self.coordinator.deployment_name].replica_states.get("RUNNING", 0) > 0
+
+        try:
+            running = asyncio.get_running_loop().run_in_executor(self._ready_pool, ask)
+            return await asyncio.wait_for(running, READY_CONTROLLER_TIMEOUT_S)
+        except Exception:  # no controller, an unknown app, a slow answer: the probe decides
+            return False
+
+    @app.get("/live")
+    async def live(self) -> dict:
+        """Liveness: this ingress process answers (cheap: no call to the engine)."""
+        return {"status": "ok"}
+
+    @staticmethod
+    async def _call(method):
+        """method.remote() awaited, cancelled if the caller gives up (a timeout)."""
+        response = method.remote()
+        try:
+            return await response
+        except asyncio.CancelledError:
+            if hasattr(response, "cancel"):  # a DeploymentResponse (a plain coroutine in tests)
+                response.cancel()
+            raise
 
     @app.get("/v1/models")
     async def models(self) -> dict:
@@ -363,8 +437,10 @@ class OpenAIServer:
 
     @app.get("/v1/stats")
     async def stats(self) -> dict:
-        """Step timings of the coordinator replica the router picks (one replica: the whole picture)."""
-        return await self.coordinator.stats.remote()
+        """Step timings of the coordinator replica the router picks (one replica: the whole picture),
+        and this ingress replica's continuations (`ingress`)."""
+        stats = await self.coordinator.stats.remote()
+        return {**stats, "ingress": dict(self.continuations)}
 
     @app.post("/v1/stats/reset")
     async def reset_stats(self) -> dict:
@@ -448,6 +524,7 @@ class OpenAIServer:
         return room
 
     def _check(self, body: _SamplingRequest) -> None:
+        self._refresh_readiness()
         if body.model != self.config.served_model_name:
             raise OpenAIError(404, f"model {body.model!r} does not exist; this server serves "
                                    f"{self.config.served_model_name!r}", "model", "model_not_found")
@@ -485,14 +562,18 @@ class OpenAIServer:
         if time.monotonic() < self._shed_until:  # a burst: the surplus gets its 429 without a round trip
             raise overloaded("the server is overloaded; retry later")
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        stream = self.coordinator.options(stream=True).generate.remote(
-            GenerateRequest(rid, prompt_ids, params, body.num_speculative_tokens))
-        gen = _Generation(stream)
+        request = GenerateRequest(rid, prompt_ids, params, body.num_speculative_tokens)
+        gen = Continuation(self._submit, request, self.config.max_resumes,
+                           time.monotonic() + self.config.request_timeout_s, self.continuations)
         try:
-            first = await stream.__anext__()  # Accepted | Rejected: validation errors before any SSE
+            first = await gen.start()  # Accepted | Rejected: validation errors before any SSE
+            self._engine_answered = time.monotonic()
         except BackPressureError as err:  # Serve's own queue in front of the coordinators is full
             gen.close()
             raise overloaded("the server is overloaded; retry later") from err
+        except EngineLost as err:
+            gen.close()
+            raise unavailable(f"{err}; retry it") from err
         except Exception as err:
             gen.close()
             raise unavailable(f"the engine is unavailable: {type(err).__name__}") from err
@@ -514,22 +595,29 @@ class OpenAIServer:
         fmt = _Format(rid, self.config.served_model_name, chat, first.num_prompt_tokens, gen)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(fmt.sse(pieces, usage), media_type="text/event-stream")
+            return StreamingResponse(fmt.sse(pieces, usage, body.return_token_ids), media_type="text/event-stream")
         try:
             return await fmt.whole(pieces, body.return_token_ids)
         except _StreamFailed as err:
             raise err.error from err
 
-    async def _pieces(self, gen: "_Generation", prompt_ids: list[int], stops: list[str],
+    def _submit(self, request: GenerateRequest):
+        """Send a request (or its continuation) to a coordinator replica: a stream of its messages."""
+        return self.coordinator.options(stream=True).generate.remote(request)
+
+    async def _pieces(self, gen: Continuation, prompt_ids: list[int], stops: list[str],
                       key: int) -> AsyncIterator[Piece]:
         """Coordinator Deltas -> text pieces. Cancels the coordinator stream if it ends early
         (stop string, client gone), which aborts the request and frees its caches. The detokenizer
-        decodes a window of a few tokens per delta (text.py), cheap enough for the event loop."""
+        decodes a window of a few tokens per delta (text.py), cheap enough for the event loop; it
+        and the stop-string state live here, so a continuation on another replica (`gen`) goes on
+        with them as if nothing happened."""
         detok, stopper = IncrementalDetokenizer(self.tokenizer, prompt_ids), StopStrings(stops)
         token_ids: list[int] = []
-        stream = _guarded(gen.stream)
+        stream = _guarded(gen)
         try:
             async for item in stream:
+                self._engine_answered = time.monotonic()
                 if isinstance(item, Failed):
                     gen.finished = True
                     status = 504 if item.code == "request_timeout" else 500
@@ -575,15 +663,17 @@ def _warn_if_public() -> None:
                        "can reach it can use the model (set SPECSERVE_API_KEY)", host)
 
 
-async def _guarded(stream) -> AsyncIterator:
-    """The coordinator stream, with a lost replica (its process died: Serve restarts it, but the
-    request's state died with it) turned into a clear, retryable 503 error."""
+async def _guarded(gen: Continuation) -> AsyncIterator:
+    """The request's Deltas (a lost replica is continued on another one inside `gen`), with what
+    cannot be continued turned into a clear, retryable 503 error."""
     try:
-        async for item in stream:
+        async for item in gen.items():
             yield item
+    except EngineLost as err:
+        raise _StreamFailed(unavailable(f"{err}; the request did not complete, retry it")) from err
     except Exception as err:
         raise _StreamFailed(unavailable(
-            f"the engine replica serving this request was lost ({type(err).__name__}); the request did not "
+            f"the engine failed while serving this request ({type(err).__name__}); the request did not "
             "complete, retry it")) from err
 
 

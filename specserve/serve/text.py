@@ -7,6 +7,10 @@ _CONTEXT = 4  # prompt tokens decoded in front of the output, so leading-space r
 # outlives this many tokens is real (the model produced invalid bytes): emit it, so the window,
 # decoded on every push, stays a few tokens long whatever the model generates.
 _MAX_PENDING = 8
+# ... and then emitted only up to a cut with at least this many text-bearing tokens after it (skipped
+# special tokens do not count): a UTF-8 character has at most 4 bytes, so the bytes before the cut
+# cannot combine with tokens still to come (whatever chunks the tokens arrive in, the text is the same).
+_HOLD = 3
 
 
 class IncrementalDetokenizer:
@@ -27,10 +31,34 @@ class IncrementalDetokenizer:
         seen = self._decode(self.ids[self.prefix : self.read])
         text = self._decode(self.ids[self.prefix :])
         waiting = len(text) <= len(seen) or text.endswith("\ufffd")
-        if waiting and len(self.ids) - self.read < _MAX_PENDING:
+        if not waiting:
+            self.prefix, self.read = self.read, len(self.ids)
+            return text[len(seen) :]
+        if len(self.ids) - self.read < _MAX_PENDING:
+            return ""
+        return self._emit_settled(seen, text)
+
+    def _emit_settled(self, seen: str, text: str) -> str:
+        """Many tokens pending while the text still ends in U+FFFD (the model produced invalid
+        bytes): emit up to the last cut, _HOLD text-bearing tokens or more before the end, whose text
+        the whole window's text starts with (so later tokens cannot change it); with none, wait,
+        and past 4 x _MAX_PENDING tokens emit all of it (the window stays bounded)."""
+        for cut in range(self._latest_cut(), self.read, -1):
+            head = self._decode(self.ids[self.prefix : cut])
+            if text.startswith(head) and head.startswith(seen):
+                self.prefix, self.read = self.read, cut
+                return head[len(seen) :]
+        if len(self.ids) - self.read < 4 * _MAX_PENDING:  # (mostly skipped special tokens so far)
             return ""
         self.prefix, self.read = self.read, len(self.ids)
         return text[len(seen) :]
+
+    def _latest_cut(self) -> int:
+        held, cut = 0, len(self.ids)
+        while cut > self.read and held < _HOLD:
+            cut -= 1
+            held += self._decode(self.ids[cut : cut + 1]) != ""
+        return cut
 
     def flush(self) -> str:
         """Whatever is left at the end of the request (an unfinished character included)."""
