@@ -12,7 +12,6 @@ Run: pytest -m serve tests/test_serve_resume.py
 from __future__ import annotations
 
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
