@@ -68,6 +68,33 @@ def test_continuation_on_a_fresh_replica_equals_the_undisturbed_run(models, lost
     assert [len(s.output) for s in continued] == [p.max_tokens for p in PARAMS]
 
 
+def test_a_continuation_is_prefilled_in_chunks(models):
+    """A continuation's prompt + delivered tokens enter the new replica's caches a chunk per step
+    (not as one forward in its first step), and the output is still the undisturbed run's."""
+    from specserve.engine.step import prefill_step
+
+    chunk = 4
+    undisturbed = [list(s.output) for s in _run(models, [_seq(i, p) for i, p in enumerate(PARAMS)])]
+    lost = _run(models, [_seq(i, p) for i, p in enumerate(PARAMS)], steps=3)
+    continued = [_seq(i, p) for i, p in enumerate(PARAMS)]
+    for seq, old in zip(continued, lost):
+        _continue(seq, Resume(tuple(old.output), old.generator.get_state().numpy().tobytes()
+                              if old.reproducible else None), vocab_size=259)
+    verifier, proposer, policy = _replica(models)
+    live, waited = list(continued), {s.request_id: 0 for s in continued}
+    while live:
+        ready = prefill_step(live, proposer, verifier, chunk)
+        for s in live:
+            waited[s.request_id] += s not in ready
+        if ready:
+            speculative_step(ready, proposer, verifier, policy)
+        live = [s for s in live if s.finish_reason is None]
+    # the first request (FIFO) gets whole chunks: ceil((tokens - 1) / chunk) - 1 steps before its first
+    first = lost[0].num_tokens - 1
+    assert waited["r0"] == -(-first // chunk) - 1 and first > chunk
+    assert [list(s.output) for s in continued] == undisturbed
+
+
 def test_seeded_continuation_without_the_state_draws_fresh_numbers(models):
     """No state: the seed's stream must not replay the numbers that drew the tokens already there
     (the continuation would correlate with its own prefix); it gets a fresh stream instead."""

@@ -145,15 +145,16 @@ class StepPlan:
 # into each model's cache a chunk per step, in forwards of its own beside the step, so that a long
 # prompt costs every running stream one bounded forward per step instead of one long stall.
 def prefill_end(seq: Sequence) -> int:
-    """Positions each model must cache before the request's first step: its prompt minus the last token."""
-    return len(seq.prompt) - 1
+    """Positions each model must cache before the request's first step: all its tokens but the
+    last (the prompt, and for a continuation the tokens delivered before it moved replicas)."""
+    return seq.num_tokens - 1
 
 
 def prefilling(seq: Sequence, with_draft: bool) -> bool:
-    """Whether the request still waits for its prompt to be cached (target, and draft when
-    with_draft) before it can step. Only before its first token: a draft lagging behind a running
+    """Whether the request still waits for its tokens to be cached (target, and draft when
+    with_draft) before it can step. Only before its first step: a draft lagging behind a running
     request (steps without drafts) is caught up by the next propose, as before."""
-    if seq.output:
+    if seq.metrics.num_steps:
         return False
     end = prefill_end(seq)
     return seq.target_len < end or (with_draft and seq.draft_len < end)
@@ -168,7 +169,7 @@ def prefill_rows(seqs: list[Sequence], mark: str, budget: int) -> list[RowInput]
     width = 0
     for s in seqs:
         start, end = getattr(s, mark), prefill_end(s)
-        if s.output or start >= end:
+        if s.metrics.num_steps or start >= end:
             continue
         if not rows:
             width = min(end - start, budget)
