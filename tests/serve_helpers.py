@@ -1,6 +1,7 @@
 """Helpers for the Ray Serve tests: start the tiny app on a local Ray, look at its worker actors."""
 from __future__ import annotations
 
+import json
 import os
 import socket
 import tempfile
@@ -166,3 +167,11 @@ def replica_actors(app_name: str, deployment: str = "Coordinator") -> list:
         except ValueError:  # died between listing and lookup
             pass
     return handles
+
+
+def sse_events_iter(response):
+    """The events of an SSE response (httpx, streaming): each `data:` payload parsed, "[DONE]" as is."""
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            payload = line[len("data: "):]
+            yield payload if payload == "[DONE]" else json.loads(payload)

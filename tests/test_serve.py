@@ -18,7 +18,7 @@ import pytest
 
 from models import hf_greedy
 from serve_helpers import (METRICS_PORT, cache_counts, coordinator_replicas, deploy_app, inject_fault, metric, scrape,
-                           tiny_app_spec, wait_for, worker_actors)
+                           sse_events_iter, tiny_app_spec, wait_for, worker_actors)
 
 pytestmark = [pytest.mark.serve, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 MODEL = "tiny"
@@ -294,13 +294,6 @@ def test_killed_worker_restarts_and_output_is_unchanged(server, http, kind):
         assert wait_for(lambda: http.get("/v1/stats").json()["draft_available"], timeout=30)
         assert complete(http, "speculating again")["speculation"]["num_draft_tokens"] > 0
     assert wait_for(lambda: all(c == 0 for c in cache_counts()), timeout=30), cache_counts()
-
-
-def sse_events_iter(response):
-    for line in response.iter_lines():
-        if line.startswith("data: "):
-            payload = line[len("data: "):]
-            yield payload if payload == "[DONE]" else json.loads(payload)
 
 
 # -- metrics through Ray's Prometheus endpoint add up against the responses -------------------------------

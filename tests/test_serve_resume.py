@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from models import hf_greedy
-from serve_helpers import coordinator_replicas, deploy_app, replica_actors, tiny_app_spec, wait_for
+from serve_helpers import coordinator_replicas, deploy_app, replica_actors, sse_events_iter, tiny_app_spec, wait_for
 
 pytestmark = [pytest.mark.serve, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 APP, ROUTE, MODEL = "specserve-resume", "/resume", "tiny-resume"
@@ -71,15 +71,10 @@ class Streams:
         with httpx.Client(base_url=self.base_url, timeout=120) as client:
             with client.stream("POST", "/v1/completions", json=body) as r:
                 status = r.status_code
-                for line in r.iter_lines():
-                    if not line.startswith("data: "):
-                        continue
-                    payload = line[len("data: "):]
-                    if payload == "[DONE]":
+                for event in sse_events_iter(r):
+                    if event == "[DONE]":
                         done = True
-                        continue
-                    event = httpx.Response(200, content=payload).json()
-                    if "error" in event:
+                    elif "error" in event:
                         errors.append(event["error"])
                     elif event.get("usage"):
                         usage = event["usage"]
