@@ -219,12 +219,17 @@ def generate_shards(model, tokenizer, records: list[PromptRecord], out_dir: Path
             rows = label_batch(model, capture, [p + a for p, a in zip(prompts, answers)])
             for row, p in zip(rows, prompts):
                 row["prompt_len"] = len(p)
-            tmp = path.with_suffix(".tmp")
-            torch.save(rows, tmp)
-            tmp.rename(path)
+            _save_shard(rows, path)
     finally:
         capture.remove()
     return shards
+
+
+def _save_shard(rows: list[dict], path: Path) -> None:
+    """Write a shard whole or not at all (a run stopped mid-write leaves no half shard to resume from)."""
+    tmp = path.with_suffix(".tmp")
+    torch.save(rows, tmp)
+    tmp.rename(path)
 
 
 def load_shards(paths: list[Path]) -> list[dict]:
@@ -257,9 +262,7 @@ def label_text(model, tokenizer, files: list[Path], out_dir: Path, chunk: int, b
                 rows += label_batch(model, capture, pieces[first : first + batch_size])
             for row in rows:
                 row["prompt_len"] = 0
-            tmp = shard.with_suffix(".tmp")
-            torch.save(rows, tmp)
-            tmp.rename(shard)
+            _save_shard(rows, shard)
     finally:
         capture.remove()
     return shards
