@@ -138,6 +138,12 @@ class SpeculationConfig(_Strict):
     # Draft block k+1 on the draft worker while the target verifies block k (specserve.serve.pipeline);
     # needs a separate draft model (draft:). Outputs are unchanged; off by default.
     pipelined: bool = False
+    # How the coordinator calls the workers in each step: plain actor calls, or one Ray Compiled
+    # Graph execution (the draft's proposal goes to the target directly; see specserve.serve.graph;
+    # it falls back to plain calls while broken). Opt-in for now: a replica's start-up and every
+    # rebuild cost a compile and a 1-2 s stall of the workers' ordinary calls (docs/serving.md).
+    # The pipelined loop uses plain calls.
+    transport: Literal["actor_calls", "compiled_graph"] = "actor_calls"
 
 
 _BUILTIN_RESOURCES = frozenset({"cpu", "gpu", "memory", "object_store_memory"})

@@ -89,6 +89,7 @@ def local_coordinator(monkeypatch):
             if not models:
                 return LocalActor(cls(*args, **kwargs))
             obj = cls.__new__(cls)
+            workers._Worker.__init__(obj, None)
             if issubclass(cls, workers.TargetWorker):
                 obj.model = TargetVerifier(models["target"], args[1])
                 obj.info_ = workers.ModelInfo(obj.model.vocab_size, None, frozenset())
@@ -115,7 +116,8 @@ def local_coordinator(monkeypatch):
 def config(pipelined: bool, gamma: int = 4, adaptive: bool = False, **kw) -> AppConfig:
     return AppConfig.model_validate(dict(
         served_model_name="tiny", target=TINY, draft={**TINY, "noise": 0.15, "noise_seed": 1},
-        speculation=dict(num_speculative_tokens=gamma, adaptive=adaptive, pipelined=pipelined, execution="eager"),
+        speculation=dict(num_speculative_tokens=gamma, adaptive=adaptive, pipelined=pipelined, execution="eager",
+                         transport="actor_calls"),  # no Ray here: plain calls on the stand-in actors
         max_model_len=256, **kw))
 
 

@@ -674,3 +674,67 @@ class TestPipelined:
         again = pipelined.post("/v1/completions", json={**body, "max_tokens": 24, "return_token_ids": True}).json()
         assert again["choices"][0]["token_ids"] == complete(http, body["prompt"])["choices"][0]["token_ids"]
         assert wait_for(lambda: all(c == 0 for c in cache_counts()), timeout=30), cache_counts()
+
+
+class TestCompiledGraph:
+    """An application of the tiny models whose steps run on a Ray Compiled Graph
+    (speculation.transport: compiled_graph): the same tokens as the plain-calls app, greedy and
+    seeded, through worker kills, after which the graph is rebuilt."""
+
+    APP = "specserve-graph"
+
+    @pytest.fixture(scope="class")
+    def graph_app(self, server):
+        from ray import serve
+
+        deploy_app(self.APP, "/graph", speculation={"num_speculative_tokens": 4, "adaptive": False,
+                                                    "transport": "compiled_graph"},
+                   coordinator={"resources": {"num_cpus": 0.1}, "autoscaling": {"min_replicas": 1, "max_replicas": 1}})
+        with httpx.Client(base_url=f"{server}/graph", timeout=120) as client:
+            yield client
+        serve.delete(self.APP)
+
+    def test_greedy_and_seeded_tokens_equal_the_plain_calls_app(self, http, graph_app):
+        for prompt, extra in [("Hello", {}), ("The quick brown fox", {"temperature": 0.8, "top_k": 4, "seed": 7})]:
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 40, "temperature": 0.0, "ignore_eos": True,
+                    "return_token_ids": True, **extra}
+            want = http.post("/v1/completions", json=body).json()["choices"][0]["token_ids"]
+            got = graph_app.post("/v1/completions", json=body).json()
+            assert got["choices"][0]["token_ids"] == want
+        stats = graph_app.get("/v1/stats").json()
+        assert stats["transport"] == "compiled_graph" and stats["graph_ready"], stats
+        assert stats["graph_steps"] == stats["steps"] > 0 and stats["spec_decode_num_draft_tokens"] > 0, stats
+
+    @pytest.mark.parametrize("kind", ["target", "draft"])
+    def test_killed_worker_breaks_the_graph_output_unchanged_then_rebuilt(self, http, graph_app, kind):
+        import ray
+
+        from specserve.serve.coordinator import WORKER_NAMESPACE
+
+        body = {"model": MODEL, "prompt": f"on the graph, then the {kind} dies", "max_tokens": 200,
+                "temperature": 0.0, "ignore_eos": True}
+        expected = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+        before = graph_app.get("/v1/stats").json()
+        texts = []
+        with graph_app.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            for i, event in enumerate(sse_events_iter(r)):
+                if i == 2:
+                    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                             if a["namespace"] == WORKER_NAMESPACE and a["name"].startswith(f"{self.APP}:")
+                             and a["name"].endswith(f":{kind}")]
+                    assert names
+                    for name in names:
+                        ray.kill(ray.get_actor(name, namespace=WORKER_NAMESPACE), no_restart=False)
+                if event != "[DONE]":
+                    assert "error" not in event, event
+                    texts.append(event["choices"][0]["text"])
+        assert "".join(texts) == expected
+        stats = graph_app.get("/v1/stats").json()
+        assert stats["graph_breaks"] > before["graph_breaks"], stats
+        # rebuilt once both workers answer and no request runs; then steps run on it again
+        assert wait_for(lambda: graph_app.get("/v1/stats").json()["graph_ready"], timeout=90), \
+            graph_app.get("/v1/stats").json()
+        steps = graph_app.get("/v1/stats").json()["graph_steps"]
+        again = graph_app.post("/v1/completions", json={**body, "max_tokens": 24, "return_token_ids": True}).json()
+        assert again["choices"][0]["token_ids"] == complete(http, body["prompt"])["choices"][0]["token_ids"]
+        assert graph_app.get("/v1/stats").json()["graph_steps"] > steps

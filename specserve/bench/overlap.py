@@ -6,10 +6,12 @@ Every configuration runs the coordinator's own step loop (`Coordinator`, as a pl
 HTTP) with a TargetWorker and a DraftWorker actor, each on one core (torch threads 1), one request
 at a time (batch 1), greedy:
 
-  target-only     γ = 0, the target worker alone on 1 thread (the unit of every bound), and on 2
-                  threads (the fair baseline: speculation uses both cores)
-  sequential      propose, then verify (today's loop)
-  pipelined       the draft drafts block k+1 while the target verifies block k (speculation.pipelined)
+  target-only       γ = 0, the target worker alone on 1 thread (the unit of every bound), and on 2
+                    threads (the fair baseline: speculation uses both cores)
+  sequential        propose, then verify, as one compiled-graph execution (the default transport)
+  sequential-calls  the same on plain actor calls (speculation.transport: actor_calls)
+  pipelined         the draft drafts block k+1 while the target verifies block k
+                    (speculation.pipelined; plain actor calls)
 
 Pairs: random-weight Llama shapes with a *controlled-acceptance drafter* (as in `bench gpu`: the
 draft runs its real forwards, so its cost is real, but proposes the target's true greedy token
@@ -22,9 +24,10 @@ token; target forward over γ+1 tokens / over 1), the bound of its cost model in
 target forward (target-only: 1; sequential: E / (γc + v); pipelined:
 E / (max(v, (γ+1)c) + (1 - α^(γ+1)) γc), where E = (1 - α^(γ+1)) / (1 - α) and a prepared block is
 used with probability α^(γ+1)), the measured speedup over target-only on 1 thread, efficiency =
-speedup / bound, the pipelined hit rate, and the per-step coordination overhead p50 / p99 (step
-wall time minus the model forwards on its critical path). Every speculative run is checked token
-for token against the target-only run.
+speedup / bound, the pipelined hit rate, the per-step overhead p50 / p99 (step wall time minus the
+model forwards on its critical path) and the coordination p50 / p99 (step wall time minus the time
+inside the worker methods: transport, serialisation and the coordinator's own planning). Every
+speculative run is checked token for token against the target-only run.
 """
 from __future__ import annotations
 
@@ -187,6 +190,7 @@ def coordinator_class(workers=None):
         def measured(self) -> dict:
             recs = list(self._records)
             overhead = sorted(r.wall - r.forward for r in recs) or [0.0]
+            transport = sorted(r.wall - r.in_workers for r in recs) or [0.0]
             policy, totals = self.policy, self._totals
             one = policy.target_cost.predict(1)
             return dict(
@@ -197,7 +201,10 @@ def coordinator_class(workers=None):
                 v={g: policy.target_cost.predict(g + 1) / one for g in range(1, self.max_gamma + 1)},
                 overhead_p50_ms=1e3 * overhead[len(overhead) // 2],
                 overhead_p99_ms=1e3 * overhead[min(int(0.99 * len(overhead)), len(overhead) - 1)],
-                prepared=totals.get("pipelined_prepared", 0), hits=totals.get("pipelined_hits", 0))
+                coordination_p50_ms=1e3 * transport[len(transport) // 2],
+                coordination_p99_ms=1e3 * transport[min(int(0.99 * len(transport)), len(transport) - 1)],
+                prepared=totals.get("pipelined_prepared", 0), hits=totals.get("pipelined_hits", 0),
+                transport="compiled_graph" if self.graph is not None else "actor_calls")
 
     return ray.remote(num_cpus=0.1)(BenchCoordinator)
 
@@ -220,8 +227,11 @@ class Row:
     bound: float
     efficiency: float
     hit_rate: float | None
-    overhead_p50_ms: float
+    overhead_p50_ms: float  # step wall time minus model forwards on its critical path
     overhead_p99_ms: float
+    coordination_p50_ms: float  # step wall time minus time inside the worker methods
+    coordination_p99_ms: float
+    transport: str  # compiled_graph | actor_calls
     identical: bool
 
 
@@ -229,7 +239,7 @@ def bound(mode: str, alpha: float, gamma: int, c: float, v: float) -> float:
     if mode.startswith("target-only") or gamma == 0:
         return 1.0
     e = expected_tokens(alpha, gamma)
-    if mode == "sequential":
+    if mode.startswith("sequential"):
         return e / (gamma * c + v)
     hit = min(max(alpha, 0.0), 0.999) ** (gamma + 1)
     return e / (max(v, (gamma + 1) * c) + (1 - hit) * gamma * c)
@@ -239,14 +249,16 @@ def best_gamma(mode: str, alpha: float, c: float, v_of, max_gamma: int = 6) -> i
     return max(range(1, max_gamma + 1), key=lambda g: bound(mode, alpha, g, c, v_of(g)))
 
 
-def app_config(gamma: int, adaptive: bool, pipelined: bool, target_threads: int = 1, tiny: bool = False):
+def app_config(gamma: int, adaptive: bool, pipelined: bool, target_threads: int = 1, tiny: bool = False,
+               transport: str = "compiled_graph"):
     from specserve.config import AppConfig
 
     source = {"kind": "tiny", "seed": 0, "layers": 2, "hidden_size": 64}
     draft = {**source, "noise": 0.15, "noise_seed": 1}
     return AppConfig.model_validate(dict(
         served_model_name="bench", target=source, draft=draft if gamma > 0 else None,
-        speculation=dict(num_speculative_tokens=gamma, adaptive=adaptive, pipelined=pipelined, execution="eager"),
+        speculation=dict(num_speculative_tokens=gamma, adaptive=adaptive, pipelined=pipelined, execution="eager",
+                         transport=transport),
         max_batch_size=4, max_model_len=1024 if not tiny else 512, request_timeout_s=600,
         target_worker=dict(num_cpus=0.5, torch_threads=target_threads),
         draft_worker=dict(num_cpus=0.5, torch_threads=1)))
@@ -311,10 +323,12 @@ def measure_pair(pair: str, requests, workers, alpha: float | None, fixed: bool,
     # c and v from a short sequential probe decide each mode's γ (fixed pairs); the low-α pair adapts
     probe = run_config(app_config(4, False, False, 1, tiny), requests[:1], workers, refs)[2]
     bar.update()
-    for mode in ("sequential", "pipelined"):
+    for mode in ("sequential", "sequential-calls", "pipelined"):
         a = alpha if alpha is not None else _alpha(probe)
-        gamma = best_gamma(mode, a, probe["c"], lambda g: probe["v"].get(g, probe["v"][4]), 4) if fixed else 4
-        config = app_config(gamma, not fixed, mode == "pipelined", 1, tiny)
+        kind = "pipelined" if mode == "pipelined" else "sequential"
+        gamma = best_gamma(kind, a, probe["c"], lambda g: probe["v"].get(g, probe["v"][4]), 4) if fixed else 4
+        transport = "actor_calls" if mode != "sequential" else "compiled_graph"  # pipelined: plain calls
+        config = app_config(gamma, not fixed, mode == "pipelined", 1, tiny, transport)
         out, s, m = run_config(config, requests, workers, refs)
         bar.update()
         rows.append(_row(pair, mode, gamma, not fixed, alpha, out, s, m, base_s, base_out, tokens))
@@ -337,17 +351,20 @@ def _row(pair, mode, gamma, adaptive, alpha, out, seconds, m, base_seconds, base
     return Row(pair, mode, round(g, 2), adaptive, alpha, round(a, 3), round(m["c"], 3), round(v, 3), tokens,
                round(seconds, 3), round(tokens / seconds, 1), round(speedup, 3), round(b, 3),
                round(speedup / b, 3), None if hit is None else round(hit, 3), round(m["overhead_p50_ms"], 2),
-               round(m["overhead_p99_ms"], 2), out == base_out)
+               round(m["overhead_p99_ms"], 2), round(m["coordination_p50_ms"], 2), round(m["coordination_p99_ms"], 2),
+               m["transport"], out == base_out)
 
 
 def print_table(rows: list[Row]) -> None:
-    head = ("pair", "mode", "γ", "α", "c", "v", "tok/s", "speedup", "bound", "eff", "hit", "ovh p50", "p99", "same")
+    head = ("pair", "mode", "transport", "γ", "α", "c", "v", "tok/s", "speedup", "bound", "eff", "hit", "ovh p50",
+            "p99", "coord p50", "p99", "same")
     print(" | ".join(head))
     for r in rows:
         hit = "" if r.hit_rate is None else f"{r.hit_rate:.2f}"
         print(" | ".join(str(x) for x in (
-            r.pair, r.mode, r.gamma, r.alpha, r.c, r.v, r.tokens_per_s, r.speedup, r.bound, r.efficiency, hit,
-            r.overhead_p50_ms, r.overhead_p99_ms, r.identical)))
+            r.pair, r.mode, r.transport, r.gamma, r.alpha, r.c, r.v, r.tokens_per_s, r.speedup, r.bound,
+            r.efficiency, hit, r.overhead_p50_ms, r.overhead_p99_ms, r.coordination_p50_ms, r.coordination_p99_ms,
+            r.identical)))
 
 
 def start_ray(attempts: int = 4) -> None:
@@ -387,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     calibration = {c: calibrate_draft(c, args.seed) for c in sorted({c for _, c in pairs} | {0.5})}
     start_ray()
     rows: list[Row] = []
-    runs = 5 * (len(pairs) + 2)
+    runs = 6 * (len(pairs) + 2)
     try:
         with tqdm(total=runs, desc="overlap", unit="run") as bar:
             for alpha, c in [*pairs, (0.3, 0.5)]:

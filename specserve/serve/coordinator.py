@@ -8,6 +8,10 @@ workers hold KV caches. An asyncio loop runs the engine's step protocol remotely
     await target.prefill + draft.prefill (new prompts' next chunks, both at once; chunked prefill)
     plan_step -> await draft.propose -> await target.verify -> apply_verdict -> policy.observe_*
 
+The propose -> verify pair is one Ray Compiled Graph execution by default (serve/graph.py: the
+proposal goes draft -> target directly; plain actor calls while the graph is broken, and with
+`speculation.transport: actor_calls`).
+
 Requests join (admission up to max_batch_size) and leave (finish, abort) between steps. The maths
 is the engine's (`specserve.engine.step`); this file only moves data and futures around.
 
@@ -61,6 +65,7 @@ from specserve.engine.step import (
 from specserve.engine.verifier import Verdict
 
 from .admission import Admission
+from .graph import DraftLate, StepCall, StepGraph
 from .metrics import CoordinatorMetrics
 from .pipeline import Pipeline
 from .workers import DraftWorker, Reply, TargetWorker
@@ -68,6 +73,9 @@ from .workers import DraftWorker, Reply, TargetWorker
 logger = logging.getLogger("specserve.coordinator")
 WORKER_NAMESPACE = "specserve"
 _CALL_ATTEMPTS = 4
+_GRAPH_KEEPER_PERIOD_S = 0.5  # how often a broken step graph is checked for a rebuild
+_GRAPH_REBUILD_BUSY_S = 30.0  # under traffic, plain calls at least this long before a rebuild
+_BUSY_PROBE_S = 0.2  # a draft worker that does not answer within this is still inside a method
 
 
 # -- messages between ingress and coordinator ------------------------------------------------------
@@ -177,7 +185,7 @@ class Coordinator:
         self._totals = {"spec_decode_num_draft_tokens": 0, "spec_decode_num_accepted_tokens": 0, "steps": 0,
                         "target_only_steps": 0, "rejected_queue_full": 0, "running_peak": 0,
                         "reserved_tokens_peak": 0, "worker_restarts": 0, "requests_failed": 0,
-                        "requests_timed_out": 0, "prefill_tokens": 0}
+                        "requests_timed_out": 0, "prefill_tokens": 0, "graph_steps": 0}
         # draft failure: target-only steps while the draft restarts
         self._draft_ok = self.draft is not None
         self._draft_watch: asyncio.Task | None = None
@@ -189,6 +197,19 @@ class Coordinator:
         self._timing: dict[str, list[float | None]] = {}
         # draft block k+1 while the target verifies block k (speculation.pipelined; needs a DraftWorker)
         self.pipeline = Pipeline(self) if config.speculation.pipelined and self.draft_worker is not None else None
+        # the step's two worker calls as one compiled-graph execution (serve/graph.py)
+        self.graph = None
+        self._graph_task: asyncio.Task | None = None
+        if config.speculation.transport == "compiled_graph" and self.pipeline is None:
+            self.graph = StepGraph(self.target, self.draft_worker)
+            self._build_graph_at_start()
+
+    def _build_graph_at_start(self) -> None:
+        """Compile the step graph now, so that no request pays for it (else the keeper retries)."""
+        try:
+            self.graph.build()
+        except Exception as err:
+            logger.warning("compiled graph build failed (%s: %s): plain actor calls meanwhile", type(err).__name__, err)
 
     # -- API (called through DeploymentHandles) ---------------------------------------------------
     def info(self) -> dict:
@@ -342,7 +363,10 @@ class Coordinator:
                "waiting": len(self.admission.waiting), **self._totals, "draft_available": self._draft_ok,
                "reserved_tokens": self.admission.allocated(), "max_cached_tokens": self.admission.budget,
                "max_queued_requests": self.config.max_queued_requests,
-               "kv_cache_usage_tokens": self._kv_usage(), "memory": await self.memory()}
+               "kv_cache_usage_tokens": self._kv_usage(), "memory": await self.memory(),
+               "transport": "compiled_graph" if self.graph is not None else "actor_calls"}
+        if self.graph is not None:
+            out.update(graph_ready=self.graph.ready, graph_builds=self.graph.builds, graph_breaks=self.graph.breaks)
         if recs:
             out.update({
                 "step_wall_p50_ms": 1e3 * statistics.median(r.wall for r in recs),
@@ -362,6 +386,8 @@ class Coordinator:
     def _ensure_loop(self) -> None:
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = asyncio.get_running_loop().create_task(self._loop())
+        if self.graph is not None and (self._graph_task is None or self._graph_task.done()):
+            self._graph_task = asyncio.get_running_loop().create_task(self._keep_graph())
 
     async def _loop(self) -> None:
         while True:
@@ -469,6 +495,13 @@ class Coordinator:
         if not self._draft_ok:
             policy = self._target_only
         plan = plan_step(seqs, policy)
+        if self._graph_ready():
+            outputs = await self._graph_step(plan, policy, began)
+            if outputs is not None:
+                return outputs
+            if not self._draft_ok:  # the draft was late in the graph: this step goes target-only
+                policy = self._target_only
+                plan = plan_step(seqs, policy)
         proposal, in_workers = empty_proposal(len(seqs)), 0.0
         if plan.num_positions > 0:
             try:
@@ -485,9 +518,7 @@ class Coordinator:
                 self._draft_lost(err)
                 policy = self._target_only
                 plan = plan_step(seqs, policy)
-        if policy is self._target_only and self.draft is not None:
-            self._totals["target_only_steps"] += 1
-            self.metrics.inc(self.metrics.target_only_steps, 1)
+        self._count_target_only(policy)
         reply = await self._call("target", self.target.verify, seqs, "target_len", lambda: (
             plan.target_rows(), proposal.tokens, proposal.probs, plan.num_draft, plan.sampling,
             plan.accept_uniforms, plan.final_uniforms))
@@ -495,6 +526,80 @@ class Coordinator:
         wall = time.perf_counter() - began
         self._record(StepRecord(wall, proposal.seconds + reply.result.seconds, in_workers + reply.seconds,
                                 len(seqs), plan.num_positions), plan, reply.result)
+        return outputs
+
+    def _count_target_only(self, policy: SpeculationPolicy) -> None:
+        if policy is self._target_only and self.draft is not None:
+            self._totals["target_only_steps"] += 1
+            self.metrics.inc(self.metrics.target_only_steps, 1)
+
+    def _graph_ready(self) -> bool:
+        """Whether this step runs on the compiled graph: configured, built, the draft side usable."""
+        graph = self.graph
+        return graph is not None and graph.ready and (self.draft_worker is None or self._draft_ok)
+
+    async def _keep_graph(self) -> None:
+        """Rebuild a broken step graph (on its own thread) once both workers answer again: while
+        no request has run for a keeper period (a build stalls the workers' ordinary calls for 1-2 s),
+        or under traffic after `_GRAPH_REBUILD_BUSY_S` seconds on plain calls."""
+        graph, idle_ticks, broken_ticks = self.graph, 0, 0
+        while True:
+            await asyncio.sleep(_GRAPH_KEEPER_PERIOD_S)
+            idle = not self.admission.running and not self.admission.waiting
+            idle_ticks = idle_ticks + 1 if idle else 0
+            broken_ticks = 0 if graph.ready else broken_ticks + 1
+            if graph.ready or not graph.may_rebuild() or (self.draft_worker is not None and not self._draft_ok):
+                continue
+            if idle_ticks < 2 and broken_ticks * _GRAPH_KEEPER_PERIOD_S < _GRAPH_REBUILD_BUSY_S:
+                continue
+            workers = [self.target] + ([self.draft_worker] if self.draft_worker is not None else [])
+            if not all(await asyncio.gather(*(self._answers(w, self.deadlines.health_probe_s) for w in workers))):
+                continue
+            try:
+                await graph.rebuild()
+            except Exception as err:
+                logger.warning("compiled graph build failed (%s: %s): plain actor calls meanwhile",
+                               type(err).__name__, err)
+
+    async def _draft_busy(self) -> bool:
+        """Whether the draft worker is still inside a method (its methods hold its lock, and so
+        does its probe): asked when a graph execution passes the draft's deadline."""
+        return not await self._answers(self.draft_worker, _BUSY_PROBE_S)
+
+    async def _graph_step(self, plan: StepPlan, policy: SpeculationPolicy, began: float) -> list[StepOutput] | None:
+        """The step as compiled-graph executions (again after cache misses, as `_call` does); None
+        when the graph cannot run it (a worker method raised, or the graph broke): the caller then
+        runs this very step on plain actor calls, whose recovery handles what went wrong."""
+        by_id = {s.request_id: s for s in plan.seqs}
+        for _ in range(_CALL_ATTEMPTS):
+            call = StepCall(plan.draft_rows(), plan.num_positions, plan.sampling, plan.draft_uniforms,
+                            plan.target_rows(), plan.num_draft, plan.accept_uniforms, plan.final_uniforms)
+            draft_timeout = self._deadline("draft", call.draft_rows, plan.num_positions) if plan.num_positions else 0.0
+            target_timeout = self._deadline("target", call.target_rows, plan.num_positions)
+            busy = self._draft_busy if self.draft_worker is not None and plan.num_positions else None
+            try:
+                reply = await self.graph.run(call, draft_timeout, target_timeout, busy)
+            except DraftLate as err:
+                self._draft_lost(err)
+                return None
+            except Exception as err:
+                logger.warning("compiled-graph step failed (%s): rerunning it on plain actor calls", type(err).__name__)
+                return None
+            for rid, valid in reply.draft_misses.items():
+                by_id[rid].draft_len = valid
+            for rid, valid in reply.target_misses.items():
+                by_id[rid].target_len = valid
+            if reply.verdict is not None:
+                break
+        else:
+            return None
+        self._count_target_only(policy)
+        self._totals["graph_steps"] += 1
+        outputs = finish_step(plan, reply.proposal, reply.verdict, policy, began)
+        wall = time.perf_counter() - began
+        self._record(StepRecord(wall, reply.proposal.seconds + reply.verdict.seconds,
+                                reply.draft_seconds + reply.target_seconds, len(plan.seqs), plan.num_positions),
+                     plan, reply.verdict)
         return outputs
 
     async def _call(self, side: str, method, seqs: list[Sequence], mark: str, make_args, retry: bool = True) -> Reply:
@@ -530,7 +635,7 @@ class Coordinator:
     def _deadline(self, side: str, rows: list[RowInput], extra=None) -> float:
         """Seconds a call may take: floor + multiple x the time the measured per-token costs predict
         for its tokens (prefill backlog included). extra: G drafts per row (verify: the draft tokens
-        [B, G]; propose: G); None for a prefill call (one forward over its rows, padded)."""
+        [B, G], or G; propose: G); None for a prefill call (one forward over its rows, padded)."""
         d = self.deadlines
         if extra is None:
             cost = self.policy.target_cost if side == "target" else self.policy.draft_cost
@@ -539,7 +644,7 @@ class Coordinator:
             return floor + d.multiple * _predict(cost, padded)
         backlog = sum(max(len(r.tokens) - 1, 0) for r in rows)
         if side == "target":
-            width = 1 + (extra.shape[1] if hasattr(extra, "shape") else 0)
+            width = 1 + (extra.shape[1] if hasattr(extra, "shape") else int(extra))
             predicted = _predict(self.policy.target_cost, backlog) + _predict(self.policy.target_cost, len(rows) * width)
             return d.target_floor_s + d.multiple * predicted
         steps = int(extra)
@@ -550,11 +655,13 @@ class Coordinator:
         """Kill a stuck target for Ray to restart it; its caches rebuild from our tokens."""
         logger.error("target worker %s: killing it for a restart", why)
         self._totals["worker_restarts"] += 1
+        self._discard_graph("target restart")
         ray.kill(self.target, no_restart=False)
         await self._until_ready(self.target)
 
     async def _until_ready(self, actor) -> None:
         """Wait until a (restarting) actor answers, up to deadlines.restart_timeout_s; then raise."""
+        self._discard_graph("a worker restarts")
         give_up = time.monotonic() + self.deadlines.restart_timeout_s
         delay = 0.1
         while True:
@@ -590,6 +697,8 @@ class Coordinator:
             logger.warning("draft worker failed (%s: %s): target-only steps until it answers again",
                            type(err).__name__, err)
         self._draft_ok = False
+        if self.draft_worker is not None:  # it may be dead: rebuild the graph once it answers again
+            self._discard_graph("draft failure")
         self.metrics.set(self.metrics.draft_available, 0.0)
         if self._draft_watch is None or self._draft_watch.done():
             self._draft_watch = asyncio.get_running_loop().create_task(self._watch_draft())
@@ -612,6 +721,10 @@ class Coordinator:
         logger.warning("draft worker back: speculation resumes")
         self._draft_ok = True
         self.metrics.set(self.metrics.draft_available, 1.0)
+
+    def _discard_graph(self, why: str) -> None:
+        if self.graph is not None:
+            self.graph.discard(why)
 
     def _record(self, record: StepRecord, plan: StepPlan, verdict: Verdict) -> None:
         self._records.append(record)

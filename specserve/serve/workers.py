@@ -13,7 +13,9 @@ coordinator kills the worker) or raise; "slow N" delays them 2 s. The count live
 """
 from __future__ import annotations
 
+import functools
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +26,10 @@ import torch
 from specserve.config import ColocatedDrafter, ModelSource
 from specserve.engine import CacheMiss, DraftModelProposer, Proposal, RowInput, TargetVerifier, Verdict
 from specserve.engine.engine import model_eos_ids
+from specserve.engine.step import empty_proposal
 from specserve.engine.sampling import BatchSampling
+
+from .graph import StepCall, StepReply, light, pack, unpack
 
 
 @dataclass(frozen=True)
@@ -44,8 +49,19 @@ class Reply:
 _FAULTS_DIR = os.environ.get("SPECSERVE_FAULTS_DIR")
 
 
+def _serialised(method):
+    """Run the method under the worker's lock: a compiled graph's loop (serve/graph.py) runs
+    beside the actor's ordinary calls, and both touch the same model and caches."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return locked
+
+
 class _Worker:
     def __init__(self, torch_threads: int | None) -> None:
+        self._lock = threading.RLock()
         if torch_threads:
             torch.set_num_threads(torch_threads)
 
@@ -75,6 +91,7 @@ class _Worker:
         valid = {r.request_id: holder.valid_length(r.request_id) for r in rows}
         return {r.request_id: valid[r.request_id] for r in rows if r.start > valid[r.request_id]}
 
+    @_serialised
     def _run(self, rows: list[RowInput], call, holder=None) -> Reply:
         """Run call() unless a row starts past what `holder` (default: this worker's model) caches."""
         began = time.perf_counter()
@@ -87,13 +104,16 @@ class _Worker:
             return Reply(None, time.perf_counter() - began, {miss.request_id: miss.valid_length})
         return Reply(result, time.perf_counter() - began)
 
+    @_serialised
     def free(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self.model.free(rid)
 
+    @_serialised
     def num_cached(self) -> int:
         return self.model.runner.num_cached()
 
+    @_serialised
     def ready(self) -> bool:
         return True
 
@@ -104,9 +124,21 @@ class _Worker:
         """This process's resident memory and the bytes its KV-cache storage holds (for stats / soak)."""
         return {"rss_bytes": _rss_bytes(), "kv_cache_bytes": self.model.runner.cache.memory_bytes()}
 
+    @_serialised
     def time_forwards(self) -> list:
         """ForwardTimings of a few dummy forwards, so the coordinator's γ policy starts measured."""
         return self.model.runner.time_forwards()
+
+    @_serialised
+    def graph_propose(self, packed: bytes) -> bytes:
+        """The draft side's node of the compiled step graph: StepCall -> Reply with this step's
+        drafts (none, at once, for a target-only step), both pickled (serve/graph.py)."""
+        return pack(self._propose_step(unpack(packed)))
+
+    def _propose_step(self, call: StepCall) -> Reply:
+        if call.num_positions == 0:
+            return Reply(empty_proposal(len(call.draft_rows)), 0.0)
+        return self.propose(call.draft_rows, call.num_positions, call.sampling, call.draft_uniforms)
 
     def node_id(self) -> str:
         """The Ray node this actor runs on (hex id), for placement checks."""
@@ -130,25 +162,30 @@ class TargetWorker(_Worker):
         if hasattr(self.proposer, "attach_target"):  # a feature drafter reads the target's hidden states
             self.proposer.attach_target(self.model.runner)
 
+    @_serialised
     def propose(
         self, rows: list[RowInput], num_tokens: int, sampling: BatchSampling, uniforms: torch.Tensor | None
     ) -> Reply:
         self._injected_fault("propose")
         return self._run(rows, lambda: self.proposer.propose(rows, num_tokens, sampling, uniforms), self.proposer)
 
+    @_serialised
     def proposer_prefill(self, rows: list[RowInput]) -> Reply:
         return self._run(rows, lambda: self.proposer.prefill(rows), self.proposer)
 
+    @_serialised
     def proposer_free(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self.proposer.free(rid)
 
+    @_serialised
     def proposer_num_cached(self) -> int:
         return self.proposer.num_cached()
 
     def proposer_max_positions(self) -> int | None:
         return self.proposer.max_positions
 
+    @_serialised
     def proposer_time_forwards(self) -> list:
         runner = getattr(self.proposer, "runner", None)
         return runner.time_forwards() if runner is not None else []
@@ -156,11 +193,13 @@ class TargetWorker(_Worker):
     def info(self) -> ModelInfo:
         return self.info_
 
+    @_serialised
     def prefill(self, rows: list[RowInput]) -> Reply:
         """Cache a step's prompt chunks (no logits); misses as for verify."""
         self._injected_fault("prefill")
         return self._run(rows, lambda: self.model.prefill(rows))
 
+    @_serialised
     def verify(
         self,
         rows: list[RowInput],
@@ -176,6 +215,31 @@ class TargetWorker(_Worker):
             rows, draft_tokens, draft_probs, num_draft, sampling, accept_uniforms, final_uniforms))
 
 
+    @_serialised
+    def graph_verify(self, drafted: bytes, packed: bytes) -> bytes:
+        """The target's node of the compiled step graph: (draft side's Reply, StepCall) ->
+        StepReply, all pickled. Verifies the proposal the draft side sent here directly (q
+        included) unless the draft side missed; the coordinator gets it back without q."""
+        return pack(self._verify_step(unpack(drafted), unpack(packed)))
+
+    @_serialised
+    def graph_step(self, packed: bytes) -> bytes:
+        """The one node of the step graph of a target worker that drafts for itself (colocated
+        drafter) or has no drafter: propose, then verify."""
+        call = unpack(packed)
+        return pack(self._verify_step(self._propose_step(call), call))
+
+    def _verify_step(self, drafted: Reply, call: StepCall) -> StepReply:
+        if not call.target_rows:  # the graph's warm-up execution
+            return StepReply(None, None, {}, {}, 0.0, 0.0)
+        if drafted.misses:
+            return StepReply(None, None, drafted.misses, {}, drafted.seconds, 0.0)
+        proposal = drafted.result
+        reply = self.verify(call.target_rows, proposal.tokens, proposal.probs, call.num_draft, call.sampling,
+                            call.accept_uniforms, call.final_uniforms)
+        return StepReply(light(proposal), reply.result, {}, reply.misses, drafted.seconds, reply.seconds)
+
+
 class DraftWorker(_Worker):
     def __init__(self, source: ModelSource, vocab_size: int, max_model_len: int | None,
                  torch_threads: int | None = None, execution: str = "auto") -> None:
@@ -187,12 +251,14 @@ class DraftWorker(_Worker):
     def max_positions(self) -> int | None:
         return self.model.runner.max_positions
 
+    @_serialised
     def propose(
         self, rows: list[RowInput], num_tokens: int, sampling: BatchSampling, uniforms: torch.Tensor | None
     ) -> Reply:
         self._injected_fault("propose")
         return self._run(rows, lambda: self.model.propose(rows, num_tokens, sampling, uniforms))
 
+    @_serialised
     def prefill(self, rows: list[RowInput]) -> Reply:
         """Cache a step's prompt chunks in the draft's slots (no logits); misses as for propose."""
         self._injected_fault("prefill")

@@ -1,0 +1,228 @@
+"""The step's worker calls on a Ray Compiled Graph (`speculation.transport: compiled_graph`).
+
+A plain actor call costs a task submission, a scheduling round and an object-store round trip
+each way (~1 ms on one node, far more on a loaded machine), and a speculative step makes two in
+a row. A compiled graph is built once per worker pair:
+
+    StepCall ──► draft.graph_propose ──(Reply: tokens [B, G], q [B, G, V])──► target.graph_verify ──► StepReply
+        └───────────────────────────────────────────────────────────────────────┘
+
+Each execution writes the step's inputs once into a shared-memory channel both workers read, the
+draft's proposal goes to the target through a channel of its own (q never reaches the
+coordinator), and the coordinator reads back the verdict with the drafts' token ids and timings
+only. Every message crosses as one pickled `bytes` (`pack` / `unpack`), its tensors as numpy
+arrays: measured on one node, a StepCall holding a few small tensors cost ~3.5 ms more per
+execution through the channels' own serialiser than pickled bytes, and torch's own pickling of a
+tensor ~0.5 ms a message more than numpy's. A drafter that lives in the target worker (layer skip, prompt lookup, feature head), or no
+drafter at all, makes a one-node graph (`target.graph_step`).
+
+What the graph does not change: the coordinator plans every step (`plan_step`) and applies every
+verdict; the workers answer cache misses instead of results, and the coordinator moves its marks
+back and executes again (the draft's and the target's writes are positional, so a repeated
+execution rewrites what the first wrote). Prefill chunks, `free`, probes and the pipelined loop
+keep plain actor calls (they are not the per-step hot path, or not yet).
+
+Failures: an exception raised inside a worker method comes back as the execution's result and
+leaves the graph usable. Anything else (a dead or restarted worker, a missed deadline: an
+execution cannot be cancelled, and the next one would read its late result) breaks the graph: it
+is torn down in the background, the step is rerun on plain actor calls (whose recovery kills,
+restarts and re-prefills as before), and the coordinator rebuilds the graph once both workers
+answer again. When an execution passes the draft's share of its deadline, the coordinator asks
+whether the draft is still inside a method; if so the draft is late, and the step goes
+target-only as with plain calls. The workers serialise their methods with a lock, since a
+compiled graph's loop runs beside the actor's ordinary calls (and a probe then tells a busy
+worker from an idle one).
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import io
+import logging
+import pickle
+import time
+from dataclasses import dataclass
+
+import torch
+
+from specserve.engine import Proposal, RowInput, Verdict
+from specserve.engine.sampling import BatchSampling
+
+logger = logging.getLogger("specserve.graph")
+_REBUILD_BACKOFF_S = (0.5, 2.0, 5.0, 15.0, 30.0)  # after the n-th failed build in a row
+_GRACE_S = 1.0
+_WARM_UP_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class StepCall:
+    """One speculative step's worker inputs (what `Coordinator._step` sends with plain calls)."""
+
+    draft_rows: list[RowInput]
+    num_positions: int  # G (0: a target-only step; the draft side returns at once)
+    sampling: BatchSampling
+    draft_uniforms: torch.Tensor | None  # [B, G]
+    target_rows: list[RowInput]
+    num_draft: torch.Tensor  # [B]
+    accept_uniforms: torch.Tensor | None  # [B, G]
+    final_uniforms: torch.Tensor | None  # [B]
+
+
+@dataclass(frozen=True)
+class StepReply:
+    """What an execution returns to the coordinator: the proposal without q (its token ids and
+    forward timings), the verdict, and each side's misses (a side with misses returns no result;
+    after draft misses the target does not run)."""
+
+    proposal: Proposal | None
+    verdict: Verdict | None
+    draft_misses: dict[str, int]
+    target_misses: dict[str, int]
+    draft_seconds: float  # wall time inside the draft side's method
+    target_seconds: float
+
+
+class _Pickler(pickle.Pickler):
+    """Tensors go as numpy arrays (host memory: a device tensor is copied to the host, as a
+    Proposal crossing processes always was); dtypes numpy lacks (bfloat16, ...) as their bits."""
+
+    def reducer_override(self, obj):
+        if not isinstance(obj, torch.Tensor):
+            return NotImplemented
+        host = obj.detach().cpu().contiguous()
+        try:
+            return torch.from_numpy, (host.numpy(),)
+        except TypeError:
+            return _from_bits, (host.view(_BITS[host.element_size()]).numpy(), host.dtype)
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _from_bits(bits, dtype: torch.dtype) -> torch.Tensor:
+    return torch.from_numpy(bits).view(dtype)
+
+
+def pack(message) -> bytes:
+    out = io.BytesIO()
+    _Pickler(out, protocol=pickle.HIGHEST_PROTOCOL).dump(message)
+    return out.getvalue()
+
+
+def unpack(data: bytes):
+    return pickle.loads(data)
+
+
+def light(proposal: Proposal) -> Proposal:
+    """A proposal without q (token ids and timings only): what goes back to the coordinator."""
+    return Proposal(proposal.tokens, None, proposal.forwards, proposal.deterministic)
+
+
+class DraftLate(TimeoutError):
+    """The draft side of an execution is still at work past its deadline."""
+
+
+class StepGraph:
+    """The compiled graph of one worker pair. `draft` is the DraftWorker actor, or None when the
+    target worker drafts for itself (or nothing drafts).
+
+    Every graph operation (compile, execute + wait, teardown) runs on one thread of its own, with
+    Ray's synchronous API: a compile blocks for a second or more (it sets the workers' loops up
+    with blocking calls), and on the coordinator's event loop that would stall every stream and
+    make pending deadlines fire late; one thread also keeps the graph's non-thread-safe calls in
+    order. A step pays one hand-off to that thread."""
+
+    def __init__(self, target, draft=None) -> None:
+        self.target, self.draft = target, draft
+        self._dag = None
+        self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="step-graph")
+        self._teardown: asyncio.Future | None = None
+        self._failures = 0  # failed builds in a row
+        self._next_try = 0.0  # time.monotonic() before which no rebuild is tried
+        self.builds = 0
+        self.breaks = 0
+
+    @property
+    def ready(self) -> bool:
+        return self._dag is not None
+
+    def build(self) -> None:
+        """Compile the graph and run one empty execution through it (blocking: at start-up, or
+        through `rebuild`). Right after a compile the first calls to the workers wait ~1-2 s
+        (measured on one node): that is paid here, not in a request's deadline."""
+        import ray
+        from ray.dag import InputNode
+
+        with InputNode() as call:
+            if self.draft is None:
+                out = self.target.graph_step.bind(call)
+            else:
+                out = self.target.graph_verify.bind(self.draft.graph_propose.bind(call), call)
+        dag = None
+        try:
+            dag = out.experimental_compile()
+            _execute(dag, pack(StepCall([], 0, None, None, [], None, None, None)), _WARM_UP_TIMEOUT_S)
+            ray.get([self.target.ready.remote()] + ([self.draft.ready.remote()] if self.draft is not None else []),
+                    timeout=_WARM_UP_TIMEOUT_S)
+        except Exception:
+            if dag is not None:
+                _teardown(dag)
+            self._failures += 1
+            self._next_try = time.monotonic() + _REBUILD_BACKOFF_S[min(self._failures, len(_REBUILD_BACKOFF_S)) - 1]
+            raise
+        self._dag = dag
+        self._failures = 0
+        self.builds += 1
+
+    async def rebuild(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(self._thread, self.build)
+
+    def may_rebuild(self) -> bool:
+        """Whether a rebuild may be tried now (not while the old graph is still being torn down,
+        and not before the back-off after a failed build)."""
+        done = self._teardown is None or self._teardown.done()
+        return self._dag is None and done and time.monotonic() >= self._next_try
+
+    async def run(self, call: StepCall, draft_timeout: float, target_timeout: float, draft_busy=None) -> StepReply:
+        """One execution within draft_timeout + target_timeout seconds. When `draft_busy` is given
+        and the draft's share has passed, it is asked whether the draft side is still at work:
+        then the draft is late (DraftLate). An exception raised by a worker method is re-raised
+        with the graph kept; any other failure breaks the graph, then re-raises."""
+        from ray.exceptions import RayTaskError
+
+        total = draft_timeout + target_timeout
+        work = asyncio.get_running_loop().run_in_executor(self._thread, _execute, self._dag, pack(call), total)
+        try:
+            if draft_busy is not None:
+                done, _ = await asyncio.wait({work}, timeout=draft_timeout)
+                if not done and await draft_busy():
+                    raise DraftLate(f"the draft side missed its {draft_timeout:.1f} s deadline")
+            # the thread's own wait ends at `total`; this one only guards against a stuck thread
+            return unpack(await asyncio.wait_for(asyncio.shield(work), timeout=total + _GRACE_S))
+        except RayTaskError:
+            raise
+        except BaseException as err:
+            self.discard(err)
+            raise
+
+    def discard(self, why: BaseException | str) -> None:
+        """Tear the graph down in the background, on the graph's thread (after the wait in
+        progress there, if any, has ended)."""
+        if self._dag is None:
+            return
+        dag, self._dag = self._dag, None
+        self.breaks += 1
+        logger.warning("compiled graph broken (%s): plain actor calls until it is rebuilt",
+                       why if isinstance(why, str) else type(why).__name__)
+        self._teardown = asyncio.get_running_loop().run_in_executor(self._thread, _teardown, dag)
+
+
+def _execute(dag, packed: bytes, timeout: float) -> bytes:
+    return dag.execute(packed).get(timeout=timeout)
+
+
+def _teardown(dag) -> None:
+    try:
+        dag.teardown()
+    except Exception as err:  # its actors may be dead already
+        logger.info("compiled graph teardown: %s", err)

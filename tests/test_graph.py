@@ -1,0 +1,167 @@
+"""The step on a compiled graph (speculation.transport: compiled_graph, specserve.serve.graph) is
+lossless and falls back to plain calls when it breaks.
+
+No Ray here: the Coordinator runs in this process with the real workers behind stand-in actors
+(test_pipeline's `local_coordinator`), and `InProcessGraph` executes the graph's worker nodes
+(`graph_propose` -> `graph_verify`, or `graph_step`) on those very objects, with the messages
+packed and unpacked as the channels carry them. That a real compiled graph runs, breaks with a
+killed worker and is rebuilt is for the Serve tests (tests/test_serve.py) and `bench overlap`.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from models import hf_greedy
+from specserve.config import AppConfig
+from specserve.engine import RowInput, SamplingParams
+from specserve.engine.sampling import BatchSampling
+from specserve.serve.graph import DraftLate, StepCall, pack, unpack
+from test_pipeline import PROMPTS, TINY, config, generate, local_coordinator  # noqa: F401 (a fixture)
+
+
+class InProcessGraph:
+    """StepGraph's interface, running the graph's worker nodes in this process; executions listed
+    in `fail_at` (1-based) break it as a dead channel would."""
+
+    def __init__(self, coordinator, fail_at=(), before=None, late_at=()) -> None:
+        self.target = coordinator.target._obj
+        self.draft = None if coordinator.draft_worker is None else coordinator.draft_worker._obj
+        self.fail_at = set(fail_at)
+        self.before = before or {}  # execution number -> a callable run just before it
+        self.late_at = set(late_at)  # executions whose draft side is late
+        self.ready, self.executions, self.builds, self.breaks = True, 0, 1, 0
+
+    async def run(self, call: StepCall, draft_timeout: float, target_timeout: float, draft_busy=None):
+        self.executions += 1
+        if self.executions in self.before:
+            self.before[self.executions]()
+        if self.executions in self.fail_at:
+            self.discard("injected")
+            raise RuntimeError("channel closed")
+        if self.executions in self.late_at:
+            self.discard("late")
+            raise DraftLate("the draft side missed its deadline")
+        packed = pack(call)
+        if self.draft is None:
+            return unpack(self.target.graph_step(packed))
+        return unpack(self.target.graph_verify(self.draft.graph_propose(packed), packed))
+
+    def discard(self, why) -> None:
+        if self.ready:
+            self.ready, self.breaks = False, self.breaks + 1
+
+    def may_rebuild(self) -> bool:
+        return not self.ready
+
+    async def rebuild(self) -> None:
+        self.ready, self.builds = True, self.builds + 1
+
+
+def on_graph(coordinator, **kw) -> InProcessGraph:
+    coordinator.graph = InProcessGraph(coordinator, **kw)
+    return coordinator.graph
+
+
+def test_messages_keep_every_tensor_exactly():
+    base = torch.randn(3, 5, generator=torch.Generator().manual_seed(0))
+    for t in [torch.arange(6), base, base[:, 1:4], base.bfloat16(), base.half(), torch.zeros(()),
+              torch.tensor([True, False]), base.clone().requires_grad_()]:
+        back = unpack(pack({"t": t}))["t"]
+        assert back.dtype == t.dtype and back.shape == t.shape and torch.equal(back, t.detach())
+    call = StepCall([RowInput("a", 3, [1, 2])], 2, BatchSampling.from_params([SamplingParams(temperature=0.7)]),
+                    torch.rand(1, 2), [RowInput("a", 2, [5])], torch.tensor([2]), torch.rand(1, 2), torch.rand(1))
+    back = unpack(pack(call))
+    assert back.draft_rows == call.draft_rows and torch.equal(back.draft_uniforms, call.draft_uniforms)
+    assert torch.equal(back.sampling.temperature, call.sampling.temperature)
+
+
+def test_greedy_on_the_graph_is_the_targets_greedy(local_coordinator):
+    coordinator = local_coordinator(config(pipelined=False))
+    graph = on_graph(coordinator)
+    lengths = [24, 17, 30, 9]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    outs = generate(coordinator, PROMPTS, params)
+    target = coordinator.target._obj.model.runner.model
+    assert outs == [hf_greedy(target, p, n) for p, n in zip(PROMPTS, lengths)]
+    totals = coordinator._totals
+    assert totals["graph_steps"] == totals["steps"] > 0 and graph.executions >= totals["steps"]
+    assert totals["spec_decode_num_accepted_tokens"] > 0  # the drafts crossed draft -> target
+    assert asyncio.run(coordinator.num_cached()) == {"target": 0, "draft": 0}
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.5, top_k=3, top_p=0.9)])
+def test_seeded_sampling_on_the_graph_draws_the_plain_calls_numbers(local_coordinator, sampling):
+    """q goes draft -> target inside the graph: the same seeds give the same tokens as plain calls
+    (whose sampling distribution tests/test_sampling_distribution.py checks)."""
+    params = [SamplingParams(max_tokens=30, seed=20 + i, ignore_eos=True, **sampling) for i in range(len(PROMPTS))]
+    plain = generate(local_coordinator(config(pipelined=False, gamma=3)), PROMPTS, params)
+    coordinator = local_coordinator(config(pipelined=False, gamma=3))
+    on_graph(coordinator)
+    assert generate(coordinator, PROMPTS, params) == plain
+    assert coordinator._totals["graph_steps"] == coordinator._totals["steps"]
+
+
+def test_a_broken_graph_reruns_the_step_on_plain_calls_and_is_rebuilt(local_coordinator, monkeypatch):
+    import specserve.serve.coordinator as module
+
+    monkeypatch.setattr(module, "_GRAPH_KEEPER_PERIOD_S", 0.0)  # check for a rebuild at every turn of the loop
+    monkeypatch.setattr(module, "_GRAPH_REBUILD_BUSY_S", 0.0)  # even under traffic
+    coordinator = local_coordinator(config(pipelined=False))
+    graph = on_graph(coordinator, fail_at=(3, 9))
+    params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True) for _ in PROMPTS]
+    outs = generate(coordinator, PROMPTS, params)
+    target = coordinator.target._obj.model.runner.model
+    assert outs == [hf_greedy(target, p, 20) for p in PROMPTS]
+    assert graph.breaks == 2 and graph.builds == 3  # each break rebuilt
+    totals = coordinator._totals
+    plain = totals["steps"] - totals["graph_steps"]
+    assert plain >= 2 and totals["graph_steps"] >= totals["steps"] // 2, totals  # a failed step reran on plain calls
+
+
+def test_a_late_draft_in_the_graph_makes_that_step_target_only(local_coordinator):
+    coordinator = local_coordinator(config(pipelined=False))
+    on_graph(coordinator, late_at=(4,))
+    params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True) for _ in PROMPTS]
+    outs = generate(coordinator, PROMPTS, params)
+    target = coordinator.target._obj.model.runner.model
+    assert outs == [hf_greedy(target, p, 20) for p in PROMPTS]
+    assert coordinator._totals["target_only_steps"] >= 1
+
+
+def test_a_draft_miss_on_the_graph_skips_the_target_and_resends(local_coordinator):
+    """A restarted draft (empty caches) answers its graph node with misses: the target does not
+    verify that execution, the marks move back and the next execution rebuilds the draft's cache."""
+    coordinator = local_coordinator(config(pipelined=False, gamma=3))
+    draft, target = coordinator.draft_worker._obj, coordinator.target._obj
+    verifies = []
+    verify = target.verify
+    target.verify = lambda *args: verifies.append(1) or verify(*args)
+
+    def restart_draft() -> None:
+        draft.model = type(draft.model)(draft.model.runner.model, coordinator.vocab_size, None, "eager")
+
+    graph = on_graph(coordinator, before={6: restart_draft})
+    params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)]
+    out = generate(coordinator, PROMPTS[:1], params)
+    assert out == [hf_greedy(target.model.runner.model, PROMPTS[0], 30)]
+    steps = coordinator._totals["steps"]
+    assert graph.executions == steps + 1 and len(verifies) == steps  # one execution missed, unverified
+
+
+def test_a_colocated_drafter_runs_as_one_graph_node(local_coordinator):
+    cfg = AppConfig.model_validate(dict(
+        served_model_name="tiny", target=TINY, drafter={"kind": "prompt_lookup"},
+        speculation=dict(num_speculative_tokens=4, adaptive=False, execution="eager", transport="actor_calls"),
+        max_model_len=256))
+    coordinator = local_coordinator(cfg)
+    graph = on_graph(coordinator)
+    assert graph.draft is None
+    prompt = [5, 6, 7, 8, 9] * 6  # repetitive: prompt lookup proposes, the target accepts some
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)]
+    out = generate(coordinator, [prompt], params)
+    target = coordinator.target._obj.model.runner.model
+    assert out == [hf_greedy(target, prompt, 24)]
+    assert coordinator._totals["graph_steps"] == coordinator._totals["steps"] > 0
