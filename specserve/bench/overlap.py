@@ -8,8 +8,8 @@ at a time (batch 1), greedy:
 
   target-only       γ = 0, the target worker alone on 1 thread (the unit of every bound), and on 2
                     threads (the fair baseline: speculation uses both cores)
-  sequential        propose, then verify, as one compiled-graph execution (the default transport)
-  sequential-calls  the same on plain actor calls (speculation.transport: actor_calls)
+  sequential        propose, then verify, as one compiled-graph execution (transport: compiled_graph)
+  sequential-calls  the same on plain actor calls (transport: actor_calls, the default)
   pipelined         the draft drafts block k+1 while the target verifies block k
                     (speculation.pipelined; plain actor calls)
 

@@ -8,9 +8,9 @@ workers hold KV caches. An asyncio loop runs the engine's step protocol remotely
     await target.prefill + draft.prefill (new prompts' next chunks, both at once; chunked prefill)
     plan_step -> await draft.propose -> await target.verify -> apply_verdict -> policy.observe_*
 
-The propose -> verify pair is one Ray Compiled Graph execution by default (serve/graph.py: the
-proposal goes draft -> target directly; plain actor calls while the graph is broken, and with
-`speculation.transport: actor_calls`).
+With `speculation.transport: compiled_graph` the propose -> verify pair is one Ray Compiled Graph
+execution (serve/graph.py: the proposal goes draft -> target directly; plain actor calls while
+the graph is broken).
 
 Requests join (admission up to max_batch_size) and leave (finish, abort) between steps. The maths
 is the engine's (`specserve.engine.step`); this file only moves data and futures around.
