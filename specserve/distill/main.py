@@ -56,6 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "any draft vocabulary) instead of the target's last layer")
     p.add_argument("--time-budget", type=float, default=1800.0, help="seconds of training")
     p.add_argument("--max-epochs", type=int, default=20)
+    p.add_argument("--answer-repeat", type=int, default=1,
+                   help="the target's answered sequences count this many times per epoch (text chunks once)")
     p.add_argument("--ttt-steps", type=int, default=2, help="training-time-test passes")
     p.add_argument("--batch-tokens", type=int, default=2048)
     p.add_argument("--lr", type=float, default=1e-3)
@@ -136,7 +138,8 @@ def run(args: argparse.Namespace) -> int:
     head.to(device=device, dtype=torch.float32)
     settings = TrainSettings(time_budget=args.time_budget, max_epochs=args.max_epochs, batch_tokens=args.batch_tokens,
                              lr=args.lr, ttt_steps=args.ttt_steps, seed=args.seed)
-    training = train_head(head, rows, settings, args.out / "checkpoint.pt")
+    answers = [r for r in rows if r["prompt_len"] > 0]
+    training = train_head(head, rows + answers * (args.answer_repeat - 1), settings, args.out / "checkpoint.pt")
     extra = {"training": training, "data": data, "target": args.model}
     save_feature_head(head.cpu(), args.out, store_lm_head=args.store_lm_head, extra=extra)
     print(f"wrote {args.out / 'config.json'} and {args.out / 'model.safetensors'}")
