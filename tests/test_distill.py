@@ -22,7 +22,8 @@ def test_distill_tiny_checkpoint(tmp_path):
     out = tmp_path / "head"
     args = ["distill", "--model", str(model_dir), "--out", str(out), "--no-default-prompts",
             "--prompts", str(prompts), "--text", str(text), "--max-new", "12", "--gen-batch", "4",
-            "--answer-repeat", "2", "--draft-vocab", "64", "--time-budget", "2", "--batch-tokens", "256", "--threads", "1",
+            "--answer-repeat", "2", "--draft-vocab", "64", "--time-budget", "2", "--batch-tokens", "256",
+            "--threads", "1",
             "--eval-per-category", "1", "--eval-tokens", "8", "--eval-gamma", "2"]
     assert main(args) == 0
     report = json.loads((out / "report.json").read_text())
