@@ -2,6 +2,8 @@
 a head a config can name, and a held-out report; a rerun resumes instead of starting over."""
 import json
 
+import pytest
+
 from specserve.cli import main
 from specserve.engine import SamplingParams, SpeculativeEngine
 from specserve.engine.feature_drafter import FeatureDrafterSpec
@@ -20,7 +22,8 @@ def test_distill_tiny_checkpoint(tmp_path):
     out = tmp_path / "head"
     args = ["distill", "--model", str(model_dir), "--out", str(out), "--no-default-prompts",
             "--prompts", str(prompts), "--text", str(text), "--max-new", "12", "--gen-batch", "4",
-            "--draft-vocab", "64", "--time-budget", "2", "--batch-tokens", "256", "--threads", "1",
+            "--answer-repeat", "2", "--draft-vocab", "64", "--time-budget", "2", "--batch-tokens", "256",
+            "--threads", "1",
             "--eval-per-category", "1", "--eval-tokens", "8", "--eval-gamma", "2"]
     assert main(args) == 0
     report = json.loads((out / "report.json").read_text())
@@ -43,3 +46,57 @@ def test_distill_tiny_checkpoint(tmp_path):
     assert main(args[:-8] + ["--eval-per-category", "0"]) == 0
     again = json.loads((out / "report.json").read_text())
     assert again["training"]["steps"] == report["training"]["steps"]
+
+
+def test_local_text_files_leave_out_held_out_code_and_text(tmp_path, monkeypatch):
+    import random
+
+    from specserve.distill import data
+    from specserve.distill.data import PromptRecord, local_text_files
+
+    stdlib, purelib = tmp_path / "lib", tmp_path / "site"
+    (purelib / "pkg-1.0.dist-info").mkdir(parents=True)
+    stdlib.mkdir()
+    body = "x = 1\n" * 60
+    (stdlib / "fine.py").write_text("def parse_args(argv):\n    return argv\n" + body)
+    (stdlib / "banned.py").write_text("def fibonacci(n):\n    return n\n" + body)
+    (purelib / "mod.py").write_text("class Stack :\n    pass\n" + body)
+    (purelib / "README.md").write_text("A guide to the package and its options. " * 10)
+    (purelib / "pkg-1.0.dist-info" / "METADATA").write_text("Name: pkg\n\nWhy is the sky blue? Answer in two "
+                                                            "sentences. " + "More words here. " * 20)
+    (stdlib / "tiny.py").write_text("y = 2\n")  # too short to teach anything
+    monkeypatch.setattr(data.sysconfig, "get_paths", lambda: {"stdlib": str(stdlib), "purelib": str(purelib)})
+    held = [PromptRecord('def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n', False),
+            PromptRecord("class Stack:\n    def __init__(self):\n", False),
+            PromptRecord("Why is the sky blue? Answer in two sentences.", True)]
+    files = local_text_files(random.Random(0), held)
+    assert sorted(p.name for p in files) == ["README.md", "fine.py"]
+    assert [p.suffix for p in files] == [".py", ".md"]  # code and prose alternate
+
+
+def test_label_text_caps_tokens_per_file_and_warm_start_keeps_layer(tmp_path):
+    import torch
+
+    from specserve.distill.data import label_text, load_shards
+    from specserve.distill.train import choose_draft_vocab, init_head, warm_start
+
+    model = tiny_llama(0, layers=2, hidden_size=32)
+    text = tmp_path / "a.txt"
+    text.write_text("abcdefgh" * 100)  # 800 byte tokens
+    rows = load_shards(label_text(model, byte_tokenizer(), [text], tmp_path / "d", chunk=64, batch_size=4,
+                                  max_tokens=200))
+    assert [len(r["ids"]) for r in rows] == [64, 64, 64]  # the 8-token tail is dropped
+    assert rows[0]["ids"].tolist() == list(b"abcdefgh" * 8)
+
+    vocab = model.get_output_embeddings().weight.shape[0]
+    source = init_head(model, choose_draft_vocab(rows, 64, vocab))
+    with torch.no_grad():
+        source.fc.weight.add_(1.0)
+    head = init_head(model, choose_draft_vocab(rows, 32, vocab))
+    warm_start(head, source)
+    assert torch.equal(head.fc.weight, source.fc.weight)
+    assert head.lm_head.weight.shape[0] == 32  # its own draft vocabulary's rows
+    assert torch.equal(head.lm_head.weight, model.get_output_embeddings().weight[head.draft_token_map])
+    wider = init_head(tiny_llama(0, layers=2, hidden_size=48), choose_draft_vocab(rows, 32, vocab))
+    with pytest.raises(ValueError, match="shaped differently"):
+        warm_start(wider, source)

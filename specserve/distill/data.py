@@ -19,6 +19,7 @@ import ast
 import hashlib
 import json
 import random
+import re
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,6 +118,36 @@ def without(records: list[PromptRecord], held_out: list[PromptRecord]) -> list[P
         return " ".join(text.lower().split())
     banned = {key(r.prompt) for r in held_out}
     return [r for r in records if key(r.prompt) not in banned]
+
+
+def local_text_files(rng: random.Random, held_out: list[PromptRecord]) -> list[Path]:
+    """Local files to read as plain text, code and prose alternating in a shuffled order: Python
+    sources of the standard library and of installed packages, and the packages' documentation
+    (.md, .rst, METADATA). Files that define a function or class named in a held-out code prompt,
+    or that contain a held-out prompt's text, are left out."""
+    stdlib, purelib = Path(sysconfig.get_paths()["stdlib"]), Path(sysconfig.get_paths()["purelib"])
+    code = [p for p in stdlib.rglob("*.py") if "site-packages" not in p.parts and "test" not in p.parts]
+    code += list(purelib.rglob("*.py"))
+    prose = [p for ext in ("*.md", "*.rst", "METADATA") for p in purelib.rglob(ext)]
+    names = {m for r in held_out if not r.chat for m in re.findall(r"(?:def|class)\s+(\w+)", r.prompt)}
+    names.discard("__init__")
+    defines = re.compile(r"(?:def|class)\s+(?:%s)\b" % "|".join(map(re.escape, sorted(names)))) if names else None
+    quotes = [" ".join(r.prompt.split())[:80] for r in held_out]
+
+    def allowed(path: Path) -> bool:
+        try:
+            text = path.read_text(errors="ignore")
+        except OSError:
+            return False
+        flat = " ".join(text.split())
+        return len(flat) > 200 and not (defines and defines.search(text)) and not any(q in flat for q in quotes)
+
+    out = []
+    for group in (code, prose):
+        group = sorted(set(group))
+        rng.shuffle(group)
+        out.append([p for p in group if allowed(p)])
+    return [p for pair in zip(*out) for p in pair] + out[0][len(out[1]):] + out[1][len(out[0]):]
 
 
 # -- target answers and features ---------------------------------------------------------------
@@ -241,21 +272,23 @@ def load_shards(paths: list[Path]) -> list[dict]:
 
 
 def label_text(model, tokenizer, files: list[Path], out_dir: Path, chunk: int, batch_size: int,
-               feature_layers: tuple[int, ...] = ()) -> list[Path]:
-    """Plain text read by the target as it is (no generation): chunks of `chunk` tokens, labelled
-    with the target's features and greedy choices; one shard per file."""
+               feature_layers: tuple[int, ...] = (), max_tokens: int | None = None) -> list[Path]:
+    """Plain text read by the target as it is (no generation): chunks of `chunk` tokens (of the
+    first `max_tokens` of each file when given), labelled with the target's features and greedy
+    choices; one shard per file."""
     out_dir.mkdir(parents=True, exist_ok=True)
     capture = FeatureCapture(model, feature_layers)
     shards = []
     try:
         for path in tqdm(files, desc="label text", unit="file"):
             text = Path(path).read_text(errors="ignore")
-            key = hashlib.sha1(json.dumps([text, chunk, list(feature_layers)]).encode()).hexdigest()[:16]
+            key = hashlib.sha1(json.dumps([text, chunk, list(feature_layers)] + ([max_tokens] if max_tokens else []))
+                               .encode()).hexdigest()[:16]
             shard = out_dir / f"text-{key}.pt"
             shards.append(shard)
             if shard.is_file():
                 continue
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"][:max_tokens]
             pieces = [ids[i : i + chunk] for i in range(0, len(ids), chunk) if len(ids[i : i + chunk]) > 8]
             rows = []
             for first in range(0, len(pieces), batch_size):

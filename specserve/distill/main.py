@@ -5,9 +5,9 @@
         --text docs/*.md --time-budget 7200
 
 1. data: the target answers the prompts (greedy; `--sampled T` adds a sampled pass), and reads
-   the `--text` files as they are; one forward per sequence keeps its features and greedy labels
-   (`specserve.distill.data`). Shards go to `--data-dir` (default OUT/data) as they finish; a rerun
-   skips the ones present.
+   the `--text` files (and `--local-text` N local sources and docs) as they are; one forward per
+   sequence keeps its features and greedy labels (`specserve.distill.data`). Shards go to
+   `--data-dir` (default OUT/data) as they finish; a rerun skips the ones present.
 2. train: a head shaped like one target layer, for `--time-budget` seconds
    (`specserve.distill.train`); a checkpoint every few minutes (OUT/checkpoint.pt), resumed by a
    rerun with the same OUT.
@@ -36,6 +36,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", nargs="*", default=[], type=Path,
                    help="prompt files: JSON lines {prompt, chat} or text, one chat prompt per line")
     p.add_argument("--text", nargs="*", default=[], type=Path, help="plain text files read by the target as they are")
+    p.add_argument("--local-text", type=int, default=0,
+                   help="also read this many local files as text: Python sources of the standard library and "
+                        "installed packages, and their docs (held-out prompts' code and text left out)")
+    p.add_argument("--local-text-tokens", type=int, default=768, help="tokens read from each --local-text file")
     p.add_argument("--no-default-prompts", action="store_true",
                    help="skip the built-in set (train_prompts.txt chat + stdlib code + doc summaries)")
     p.add_argument("--num-code", type=int, default=96, help="built-in code prompts")
@@ -47,8 +51,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-vocab", type=int, default=8192, help="K, the head's vocabulary (<= the target's)")
     p.add_argument("--eagle3-features", action="store_true",
                    help="fuse three decoder layers' outputs (EAGLE-3) instead of the final norm's")
+    p.add_argument("--init-from", default=None,
+                   help="start from this head's weights (a directory or a shipped head's name; same shapes, "
+                        "any draft vocabulary) instead of the target's last layer")
     p.add_argument("--time-budget", type=float, default=1800.0, help="seconds of training")
     p.add_argument("--max-epochs", type=int, default=20)
+    p.add_argument("--answer-repeat", type=int, default=1,
+                   help="the target's answered sequences count this many times per epoch (text chunks once)")
     p.add_argument("--ttt-steps", type=int, default=2, help="training-time-test passes")
     p.add_argument("--batch-tokens", type=int, default=2048)
     p.add_argument("--lr", type=float, default=1e-3)
@@ -77,7 +86,7 @@ def load_model(name: str, dtype: str, device_map: str | None = None):
 
 
 def collect_data(model, tokenizer, args, feature_layers) -> list[dict]:
-    from .data import generate_shards, label_text, load_shards, read_prompt_file, without
+    from .data import generate_shards, label_text, load_shards, local_text_files, read_prompt_file, without
     from .prompts import default_sets, held_out
 
     data_dir = args.data_dir or args.out / "data"
@@ -93,13 +102,18 @@ def collect_data(model, tokenizer, args, feature_layers) -> list[dict]:
                                       feature_layers=feature_layers, tag=f"{tag}-{kind}" if kind != "greedy" else tag)
     if args.text:
         shards += label_text(model, tokenizer, args.text, data_dir, args.text_chunk, args.gen_batch, feature_layers)
+    if args.local_text > 0:
+        files = local_text_files(random.Random(args.seed), held_out())[: args.local_text]
+        shards += label_text(model, tokenizer, files, data_dir, args.text_chunk, args.gen_batch, feature_layers,
+                             max_tokens=args.local_text_tokens)
     return load_shards(shards)
 
 
 def run(args: argparse.Namespace) -> int:
-    from specserve.engine.feature_drafter import eagle3_feature_layers, save_feature_head
+    from specserve.engine.feature_drafter import (eagle3_feature_layers, load_feature_head, resolve_head_path,
+                                                  save_feature_head)
 
-    from .train import TrainSettings, choose_draft_vocab, describe, init_head, train_head
+    from .train import TrainSettings, choose_draft_vocab, describe, init_head, train_head, warm_start
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -118,11 +132,14 @@ def run(args: argparse.Namespace) -> int:
     vocab = int(model.get_output_embeddings().weight.shape[0])
     torch.manual_seed(args.seed)
     head = init_head(model, choose_draft_vocab(rows, args.draft_vocab, vocab), layers)
+    if args.init_from:
+        warm_start(head, load_feature_head(resolve_head_path(args.init_from), model))
     device = args.train_device or ("cuda" if torch.cuda.is_available() else "cpu")
     head.to(device=device, dtype=torch.float32)
     settings = TrainSettings(time_budget=args.time_budget, max_epochs=args.max_epochs, batch_tokens=args.batch_tokens,
                              lr=args.lr, ttt_steps=args.ttt_steps, seed=args.seed)
-    training = train_head(head, rows, settings, args.out / "checkpoint.pt")
+    answers = [r for r in rows if r["prompt_len"] > 0]
+    training = train_head(head, rows + answers * (args.answer_repeat - 1), settings, args.out / "checkpoint.pt")
     extra = {"training": training, "data": data, "target": args.model}
     save_feature_head(head.cpu(), args.out, store_lm_head=args.store_lm_head, extra=extra)
     print(f"wrote {args.out / 'config.json'} and {args.out / 'model.safetensors'}")

@@ -85,6 +85,17 @@ def init_head(target: torch.nn.Module, k_map: torch.Tensor, feature_layers=(), f
     return head
 
 
+def warm_start(head: FeatureHead, source: FeatureHead) -> None:
+    """Copy a trained head's layer, fc and norm into `head` (whose draft vocabulary may differ: its
+    output head stays the target's rows of its own ids)."""
+    state = {k: v for k, v in source.state_dict().items() if k != "lm_head.weight"}
+    mine = head.state_dict()
+    wrong = [k for k, v in state.items() if k not in mine or mine[k].shape != v.shape]
+    if wrong:
+        raise ValueError(f"cannot start from a head shaped differently: {wrong}")
+    head.load_state_dict(state, strict=False)
+
+
 # -- batches ------------------------------------------------------------------------------------
 def make_batches(rows: list[dict], batch_tokens: int, rng: random.Random) -> list[list[dict]]:
     rows = sorted(rows, key=lambda r: len(r["ids"]))
