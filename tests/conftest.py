@@ -24,3 +24,11 @@ def server():
     url = start_local_serve(free_port(), metrics_port=METRICS_PORT)
     yield url
     stop_local_serve()
+
+
+@pytest.fixture
+def local_coordinator(monkeypatch):
+    """config -> a Coordinator running in this process with its real workers (tests/local_actors.py)."""
+    from local_actors import patch_coordinator
+
+    return patch_coordinator(monkeypatch)

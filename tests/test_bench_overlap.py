@@ -40,3 +40,17 @@ def test_planting_drafter_plants_only_on_the_reference():
         drafts = proposer.propose([RowInput("r", 20, [reference[20]])], 1, GREEDY, None).tokens[0].tolist()
         hits += drafts[0] == reference[21]
     assert hits > 15
+
+
+def test_planting_drafter_plants_after_a_chunked_prefill():
+    """With chunked prefill the prompt reaches the draft through `prefill`, not `propose`: its
+    chunks count as reference-holding positions, so the first propose after them plants."""
+    vocab = 64
+    proposer = PlantingProposer(tiny_llama(1, vocab=vocab), 1.0, vocab, seed=0, max_positions=None,
+                                execution="eager")
+    reference = torch.randint(0, vocab, (200,), generator=torch.Generator().manual_seed(1)).tolist()
+    proposer.references = {"r": reference}
+    proposer.prefill([RowInput("r", 0, reference[:10])])
+    proposer.prefill([RowInput("r", 10, reference[10:23])])
+    drafts = proposer.propose([RowInput("r", 23, [reference[23]])], 4, GREEDY, None).tokens[0].tolist()
+    assert drafts == reference[24:28]

@@ -19,7 +19,7 @@ from specserve.config import AppConfig
 from specserve.engine import RowInput, SamplingParams
 from specserve.engine.sampling import BatchSampling
 from specserve.serve.graph import DraftLate, StepCall, pack, unpack
-from test_pipeline import PROMPTS, TINY, config, generate, local_coordinator  # noqa: F401 (a fixture)
+from test_pipeline import PROMPTS, TINY, config, generate
 
 
 class InProcessGraph:

@@ -648,27 +648,10 @@ class TestPipelined:
 
     @pytest.mark.parametrize("kind", ["target", "draft"])
     def test_killed_worker_during_a_pipelined_run_changes_nothing(self, http, pipelined, kind):
-        import ray
-
-        from specserve.serve.coordinator import WORKER_NAMESPACE
-
         body = {"model": MODEL, "prompt": f"pipelined, then the {kind} dies", "max_tokens": 200,
                 "temperature": 0.0, "ignore_eos": True}
         expected = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
-        texts = []
-        with pipelined.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
-            for i, event in enumerate(sse_events_iter(r)):
-                if i == 2:
-                    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                             if a["namespace"] == WORKER_NAMESPACE and a["name"].startswith(f"{self.APP}:")
-                             and a["name"].endswith(f":{kind}")]
-                    assert names
-                    for name in names:
-                        ray.kill(ray.get_actor(name, namespace=WORKER_NAMESPACE), no_restart=False)
-                if event != "[DONE]":
-                    assert "error" not in event, event
-                    texts.append(event["choices"][0]["text"])
-        assert "".join(texts) == expected
+        assert stream_killing_workers(pipelined, body, self.APP, kind) == expected
         # the restarted worker serves pipelined steps again, and nothing stays cached
         assert wait_for(lambda: pipelined.get("/v1/stats").json()["draft_available"], timeout=60)
         again = pipelined.post("/v1/completions", json={**body, "max_tokens": 24, "return_token_ids": True}).json()
@@ -707,28 +690,11 @@ class TestCompiledGraph:
 
     @pytest.mark.parametrize("kind", ["target", "draft"])
     def test_killed_worker_breaks_the_graph_output_unchanged_then_rebuilt(self, http, graph_app, kind):
-        import ray
-
-        from specserve.serve.coordinator import WORKER_NAMESPACE
-
         body = {"model": MODEL, "prompt": f"on the graph, then the {kind} dies", "max_tokens": 200,
                 "temperature": 0.0, "ignore_eos": True}
         expected = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
         before = graph_app.get("/v1/stats").json()
-        texts = []
-        with graph_app.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
-            for i, event in enumerate(sse_events_iter(r)):
-                if i == 2:
-                    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                             if a["namespace"] == WORKER_NAMESPACE and a["name"].startswith(f"{self.APP}:")
-                             and a["name"].endswith(f":{kind}")]
-                    assert names
-                    for name in names:
-                        ray.kill(ray.get_actor(name, namespace=WORKER_NAMESPACE), no_restart=False)
-                if event != "[DONE]":
-                    assert "error" not in event, event
-                    texts.append(event["choices"][0]["text"])
-        assert "".join(texts) == expected
+        assert stream_killing_workers(graph_app, body, self.APP, kind) == expected
         stats = graph_app.get("/v1/stats").json()
         assert stats["graph_breaks"] > before["graph_breaks"], stats
         # rebuilt once both workers answer and no request runs; then steps run on it again
@@ -738,3 +704,26 @@ class TestCompiledGraph:
         again = graph_app.post("/v1/completions", json={**body, "max_tokens": 24, "return_token_ids": True}).json()
         assert again["choices"][0]["token_ids"] == complete(http, body["prompt"])["choices"][0]["token_ids"]
         assert graph_app.get("/v1/stats").json()["graph_steps"] > steps
+
+
+def stream_killing_workers(client, body: dict, app: str, kind: str) -> str:
+    """Stream a completion from `client`, killing the app's `kind` worker actors ("target" or
+    "draft", for Ray to restart) at the third event -> the streamed text (no error events)."""
+    import ray
+
+    from specserve.serve.coordinator import WORKER_NAMESPACE
+
+    texts = []
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        for i, event in enumerate(sse_events_iter(r)):
+            if i == 2:
+                names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                         if a["namespace"] == WORKER_NAMESPACE and a["name"].startswith(f"{app}:")
+                         and a["name"].endswith(f":{kind}")]
+                assert names
+                for name in names:
+                    ray.kill(ray.get_actor(name, namespace=WORKER_NAMESPACE), no_restart=False)
+            if event != "[DONE]":
+                assert "error" not in event, event
+                texts.append(event["choices"][0]["text"])
+    return "".join(texts)

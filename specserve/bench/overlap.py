@@ -97,12 +97,23 @@ class PlantingProposer(DraftModelProposer):
         self._chosen = torch.tensor([self._plant(r, num_tokens) for r in rows], dtype=torch.long)
         return super().propose(rows, num_tokens, sampling, uniforms)
 
-    def _plant(self, row: RowInput, num_tokens: int) -> list[int]:
+    def prefill(self, rows):
+        """Prompt chunks (chunked prefill) extend the reference-holding prefix like any row."""
+        for row in rows:
+            self._good[row.request_id] = self._extend(row)
+        return super().prefill(rows)
+
+    def _extend(self, row: RowInput) -> int:
+        """Leading cached positions equal to the reference once `row` is cached."""
         ref = self.references.get(row.request_id, [])
         end = row.start + len(row.tokens)
         good = min(self._good.get(row.request_id, 0), row.start)
-        if good == row.start and ref[row.start:end] == row.tokens:
-            good = end
+        return end if good == row.start and ref[row.start:end] == row.tokens else good
+
+    def _plant(self, row: RowInput, num_tokens: int) -> list[int]:
+        ref = self.references.get(row.request_id, [])
+        end = row.start + len(row.tokens)
+        good = self._extend(row)
         chosen = []
         for j in range(num_tokens):
             true = ref[end + j] if good == end and end + j < len(ref) else None
