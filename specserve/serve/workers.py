@@ -214,7 +214,6 @@ class TargetWorker(_Worker):
         return self._run(rows, lambda: self.model.verify(
             rows, draft_tokens, draft_probs, num_draft, sampling, accept_uniforms, final_uniforms))
 
-
     @_serialised
     def graph_verify(self, drafted: bytes, packed: bytes) -> bytes:
         """The target's node of the compiled step graph: (draft side's Reply, StepCall) ->
