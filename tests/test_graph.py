@@ -10,6 +10,7 @@ killed worker and is rebuilt is for the Serve tests (tests/test_serve.py) and `b
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import pytest
 import torch
@@ -102,6 +103,34 @@ def test_seeded_sampling_on_the_graph_draws_the_plain_calls_numbers(local_coordi
     on_graph(coordinator)
     assert generate(coordinator, PROMPTS, params) == plain
     assert coordinator._totals["graph_steps"] == coordinator._totals["steps"]
+
+
+def _alternate_preparing(coordinator) -> None:
+    """Make the pipelined loop prepare the next block in two steps of every three (the cost test
+    `overlap_pays` decides it; a step that prepares none is a sequential one)."""
+    turns = itertools.cycle([True, True, False])
+    coordinator.policy.overlap_pays = lambda alphas, gamma: gamma > 0 and next(turns)
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.5, top_k=3, top_p=0.9)])
+def test_pipelined_steps_that_prepare_nothing_run_on_the_graph_losslessly(local_coordinator, sampling):
+    """Pipelined with a graph: steps that prepare run on plain calls, the others on the graph; the
+    same tokens as the sequential loop on plain calls (greedy: the target's own greedy)."""
+    params = [SamplingParams(max_tokens=30, seed=40 + i, ignore_eos=True, **sampling) for i in range(len(PROMPTS))]
+    sequential = generate(local_coordinator(config(pipelined=False, gamma=2)), PROMPTS, params)
+    coordinator = local_coordinator(config(pipelined=True, gamma=2))
+    graph = on_graph(coordinator)
+    _alternate_preparing(coordinator)
+    alone = [generate(coordinator, [p], [sp])[0] for p, sp in zip(PROMPTS, params)]
+    together = generate(coordinator, PROMPTS, params)
+    assert alone == sequential and together == sequential
+    if not sampling["temperature"]:
+        target = coordinator.target._obj.model.runner.model
+        assert sequential == [hf_greedy(target, p, 30) for p in PROMPTS]
+    totals = coordinator._totals
+    assert totals["graph_steps"] > 0 and graph.executions == totals["graph_steps"]
+    assert totals["pipelined_prepared"] > 0 and totals["pipelined_hits"] > 0, totals
+    assert totals["steps"] > totals["graph_steps"]  # the preparing steps stayed on plain calls
 
 
 def test_a_broken_graph_reruns_the_step_on_plain_calls_and_is_rebuilt(local_coordinator, monkeypatch):

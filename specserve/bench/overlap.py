@@ -11,7 +11,8 @@ at a time (batch 1), greedy:
   sequential        propose, then verify, as one compiled-graph execution (transport: compiled_graph)
   sequential-calls  the same on plain actor calls (transport: actor_calls, the default)
   pipelined         the draft drafts block k+1 while the target verifies block k
-                    (speculation.pipelined; plain actor calls)
+                    (speculation.pipelined: steps that prepare use plain actor calls, steps
+                    that prepare nothing run on the compiled graph)
 
 Pairs: random-weight Llama shapes with a *controlled-acceptance drafter* (as in `bench gpu`: the
 draft runs its real forwards, so its cost is real, but proposes the target's true greedy token
@@ -338,7 +339,7 @@ def measure_pair(pair: str, requests, workers, alpha: float | None, fixed: bool,
         a = alpha if alpha is not None else _alpha(probe)
         kind = "pipelined" if mode == "pipelined" else "sequential"
         gamma = best_gamma(kind, a, probe["c"], lambda g: probe["v"].get(g, probe["v"][4]), 4) if fixed else 4
-        transport = "actor_calls" if mode != "sequential" else "compiled_graph"  # pipelined: plain calls
+        transport = "actor_calls" if mode == "sequential-calls" else "compiled_graph"
         config = app_config(gamma, not fixed, mode == "pipelined", 1, tiny, transport)
         out, s, m = run_config(config, requests, workers, refs)
         bar.update()

@@ -200,7 +200,7 @@ class Coordinator:
         # the step's two worker calls as one compiled-graph execution (serve/graph.py)
         self.graph = None
         self._graph_task: asyncio.Task | None = None
-        if config.speculation.transport == "compiled_graph" and self.pipeline is None:
+        if config.speculation.transport == "compiled_graph":
             self.graph = StepGraph(self.target, self.draft_worker)
             self._build_graph_at_start()
 

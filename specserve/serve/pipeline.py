@@ -31,9 +31,14 @@ is not worth it (at large batches some row nearly always misses; then a step is 
 one). A failing draft (dead, hung, raising) during either call degrades to target-only steps
 through the coordinator's own recovery, exactly as in the sequential loop.
 
+A step that would prepare nothing (no prepared block in hand, and γ 0 or overlap not paying) is a
+sequential step: with `transport: compiled_graph` it runs as one graph execution (`host._graph_step`),
+so that a pipelined replica whose policy turned drafting off costs what a sequential one does. Steps
+that prepare use plain actor calls (the verify and the ahead call at once).
+
 The coordinator keeps the truth, the deadlines, the cache-miss protocol and the records: this class
-only calls `host._call`, `host._deadline`, `host._draft_lost`, `host._adopt_late_draft` and
-`host._record` (the `Coordinator`'s own methods).
+only calls `host._call`, `host._deadline`, `host._draft_lost`, `host._adopt_late_draft`,
+`host._graph_ready`, `host._graph_step` and `host._record` (the `Coordinator`'s own methods).
 """
 from __future__ import annotations
 
@@ -101,6 +106,10 @@ class Pipeline:
         fresh_seqs = [seqs[i] for i in fresh_rows]
         fresh, fresh_seconds = (), 0.0
         fresh_plan = plan_step(fresh_seqs, policy) if fresh_seqs else None
+        if prepared is None and fresh_plan is not None and host._graph_ready() and not self._prepares(fresh_plan):
+            outputs = await host._graph_step(fresh_plan, policy, began)  # a sequential step: on the graph
+            if outputs is not None or not host._draft_ok:
+                return outputs  # None: the draft was late there; the coordinator re-plans target-only
         fresh_proposal = empty_proposal(len(fresh_seqs))
         if fresh_plan is not None and fresh_plan.num_positions > 0:
             try:
@@ -151,13 +160,18 @@ class Pipeline:
             _restore(prepared.plan.seqs, prepared.states)
 
     # -- preparing the next block -----------------------------------------------------------------
+    def _prepares(self, plan: StepPlan) -> bool:
+        """Whether a step of this plan would prepare the next block (`_launch`'s cost test): a step
+        that would not (γ 0, or overlap does not pay) is simply a sequential step."""
+        alphas = [self.policy.alpha(s.acceptance) for s in plan.seqs]
+        return plan.num_positions > 0 and self.policy.overlap_pays(alphas, plan.num_positions)
+
     def _launch(self, plan: StepPlan, proposal: Proposal, widths: list[int]) -> Ahead | None:
         """Plan block k+1 for the rows as they would be after a full acceptance of block k and send
         the ahead call; None when nothing is worth preparing. widths: drafts each row's own propose
         made (its cache holds its tokens plus width - 1 of them)."""
         seqs, width = plan.seqs, plan.num_positions
-        alphas = [self.policy.alpha(s.acceptance) for s in seqs]
-        if width == 0 or not self.policy.overlap_pays(alphas, width):
+        if not self._prepares(plan):
             return None
         if any(w == 0 and s.draft_len < s.num_tokens - 1 for s, w in zip(seqs, widths)):
             return None  # a row the draft lags on: the ahead call could not start from its last token
