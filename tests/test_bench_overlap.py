@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from models import tiny_llama
-from specserve.bench.overlap import PlantingProposer, bound
+from specserve.bench.overlap import PlantingProposer, bound, next_layers
 from specserve.engine import RowInput
 from specserve.engine.sampling import BatchSampling, SamplingParams
 
@@ -15,6 +15,15 @@ def test_bounds():
     assert bound("sequential", 0.8, 2, 0.5, 1.0) == pytest.approx(2.44 / 2.0)
     assert bound("pipelined", 0.8, 1, 0.5, 1.0) == pytest.approx(1.8 / (1.0 + 0.36 * 0.5))
     assert bound("target-only", 0.8, 0, 0.5, 1.0) == 1.0
+
+
+def test_draft_depth_moves_towards_the_wanted_cost():
+    assert next_layers(3, 0.5, 0.52, 8) is None  # within 10%
+    assert next_layers(3, 0.5, 0.75, 8) == 2  # too dear: shallower (by the ratio, at least one layer)
+    assert next_layers(4, 0.5, 0.25, 8) == 8  # too cheap: deeper
+    assert next_layers(2, 0.2, 0.25, 8) == 1
+    assert next_layers(1, 0.2, 0.4, 8) is None  # cannot get shallower
+    assert next_layers(8, 0.5, 0.3, 8) is None  # nor deeper
 
 
 def test_planting_drafter_plants_only_on_the_reference():

@@ -17,7 +17,8 @@ at a time (batch 1), greedy:
 Pairs: random-weight Llama shapes with a *controlled-acceptance drafter* (as in `bench gpu`: the
 draft runs its real forwards, so its cost is real, but proposes the target's true greedy token
 with probability α, known from the target-only run), with the draft's depth chosen so that its
-forward costs c of the target's, for α in {0.6, 0.8} x c in {0.2, 0.5} and a low α (adaptive γ:
+forward costs c of the target's (first timed in this process, then corrected by up to two more
+probe runs until c as the workers measure it in the run is within 10%), for α in {0.6, 0.8} x c in {0.2, 0.5} and a low α (adaptive γ:
 speculation should switch itself off); and the tiny pair of configs/tiny.yaml (its own drafter).
 
 Per row: γ, α (planted and measured), c and v measured in the run (draft / target forward at one
@@ -320,8 +321,44 @@ def requests_for(prompts: list[list[int]], max_tokens: int):
     return [GenerateRequest(f"p{i}", p, params) for i, p in enumerate(prompts)]
 
 
-def measure_pair(pair: str, requests, workers, alpha: float | None, fixed: bool, bar) -> list[Row]:
-    """Target-only (1 and 2 threads), sequential and pipelined runs of one pair."""
+def next_layers(layers: int, c_wanted: float, c_measured: float, max_layers: int) -> int | None:
+    """The draft depth to try after a probe measured c_measured at `layers` (a forward costs a fixed
+    part plus a part per layer; the fixed part is unknown, so scale the depth and step at least one
+    layer), or None when the probe is within 10% of c_wanted or the depth cannot move that way."""
+    if abs(c_measured - c_wanted) <= 0.1 * c_wanted:
+        return None
+    scaled = round(layers * c_wanted / max(c_measured, 1e-9))
+    step = max(1, abs(scaled - layers)) * (1 if c_measured < c_wanted else -1)
+    nxt = min(max(layers + step, 1), max_layers)
+    return None if nxt == layers else nxt
+
+
+def probe_pair(requests, workers, refs, tiny: bool, c_wanted: float | None, shape, planting, bar, tries: int = 3):
+    """A short sequential γ 4 run whose measured c and v choose each mode's γ. For a planted pair
+    the draft's depth is corrected until c, as the workers measure it in this very set-up (their
+    own threads, Ray beside them), is within 10% of the c asked for: a forward timed alone in this
+    process costs a different share. planting: (α, seed) of the planted pair.
+    -> (the probe's measurements, workers, (width, layers))."""
+    for attempt in range(tries):
+        probe = run_config(app_config(4, False, False, 1, tiny), requests[:1], workers, refs)[2]
+        bar.update()
+        if c_wanted is None or attempt + 1 == tries:
+            return probe, workers, shape
+        width, layers = shape
+        nxt = next_layers(layers, c_wanted, probe["c"], TARGET_SHAPE["num_hidden_layers"])
+        if nxt is None:
+            return probe, workers, shape
+        shape = (width, nxt)
+        workers = worker_classes(nxt, width, *planting)
+        bar.total += 1  # one more probe
+        bar.refresh()
+    return probe, workers, shape
+
+
+def measure_pair(pair: str, requests, workers, alpha: float | None, fixed: bool, bar,
+                 c_wanted: float | None = None, shape: tuple[int, int] | None = None, seed: int = 0):
+    """Target-only (1 and 2 threads), sequential and pipelined runs of one pair.
+    -> (rows, the draft's (width, layers) after the in-run calibration)."""
     tiny = workers is None
     base_out, base_s, base_m = run_config(app_config(0, False, False, 1, tiny), requests, workers)
     bar.update()
@@ -333,8 +370,7 @@ def measure_pair(pair: str, requests, workers, alpha: float | None, fixed: bool,
     bar.update()
     rows.append(_row(pair, "target-only-2t", 0, False, alpha, out2, s2, m2, base_s, base_out, tokens))
     # c and v from a short sequential probe decide each mode's γ (fixed pairs); the low-α pair adapts
-    probe = run_config(app_config(4, False, False, 1, tiny), requests[:1], workers, refs)[2]
-    bar.update()
+    probe, workers, shape = probe_pair(requests, workers, refs, tiny, c_wanted, shape, (alpha, seed), bar)
     for mode in ("sequential", "sequential-calls", "pipelined"):
         a = alpha if alpha is not None else _alpha(probe)
         kind = "pipelined" if mode == "pipelined" else "sequential"
@@ -344,7 +380,7 @@ def measure_pair(pair: str, requests, workers, alpha: float | None, fixed: bool,
         out, s, m = run_config(config, requests, workers, refs)
         bar.update()
         rows.append(_row(pair, mode, gamma, not fixed, alpha, out, s, m, base_s, base_out, tokens))
-    return rows
+    return rows, shape
 
 
 def _alpha(m: dict) -> float:
@@ -416,15 +452,18 @@ def main(argv: list[str] | None = None) -> int:
     calibration = {c: calibrate_draft(c, args.seed) for c in sorted({c for _, c in pairs} | {0.5})}
     start_ray()
     rows: list[Row] = []
+    used: dict[str, tuple[int, int]] = {}  # pair -> the draft's (width, layers) after the in-run calibration
     runs = 6 * (len(pairs) + 2)
     try:
         with tqdm(total=runs, desc="overlap", unit="run") as bar:
             for alpha, c in [*pairs, (0.3, 0.5)]:
                 width, layers, _ = calibration[c]
                 workers = worker_classes(layers, width, alpha, args.seed)
-                rows += measure_pair(f"α{alpha} c{c}", requests_for(prompts, args.tokens), workers, alpha,
-                                     alpha >= 0.6, bar)
-            rows += measure_pair("tiny", requests_for(tiny_prompts, args.tokens), None, None, True, bar)
+                pair_rows, used[f"α{alpha} c{c}"] = measure_pair(
+                    f"α{alpha} c{c}", requests_for(prompts, args.tokens), workers, alpha, alpha >= 0.6, bar,
+                    c, (width, layers), args.seed)
+                rows += pair_rows
+            rows += measure_pair("tiny", requests_for(tiny_prompts, args.tokens), None, None, True, bar)[0]
     finally:
         ray.shutdown()
     print_table(rows)
@@ -435,6 +474,7 @@ def main(argv: list[str] | None = None) -> int:
         "tokens_per_request": args.tokens, "requests": args.prompts,
         "draft_shapes": {str(c): {"width": w, "layers": n, "c_calibrated": round(r, 3)}
                          for c, (w, n, r) in calibration.items()},
+        "draft_shapes_used": {pair: {"width": w, "layers": n} for pair, (w, n) in used.items()},
         "rows": [asdict(r) for r in rows]}, indent=1))
     print(f"wrote {out}")
     return 0 if all(r.identical for r in rows) else 1
