@@ -1,6 +1,7 @@
 """Helpers for the Ray Serve tests: start the tiny app on a local Ray, look at its worker actors."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -64,6 +65,21 @@ def deploy_app(name: str, route_prefix: str, **overrides) -> None:
     from specserve.serve.app import build_app
 
     serve.run(build_app({**tiny_app_spec()["args"], **overrides}), name=name, route_prefix=route_prefix)
+
+
+@contextlib.contextmanager
+def app_client(server: str, name: str, route_prefix: str, timeout: float = 120, **overrides):
+    """Deploy another application of the tiny models (`deploy_app`), yield an HTTP client on its
+    route, and delete it afterwards, whatever happened."""
+    import httpx
+    from ray import serve
+
+    deploy_app(name, route_prefix, **overrides)
+    try:
+        with httpx.Client(base_url=f"{server}{route_prefix}", timeout=timeout) as client:
+            yield client
+    finally:
+        serve.delete(name)
 
 
 def scrape(metrics_port: int) -> dict[tuple[str, frozenset], float]:

@@ -17,11 +17,12 @@ import httpx
 import pytest
 
 from models import hf_greedy
-from serve_helpers import (METRICS_PORT, cache_counts, coordinator_replicas, deploy_app, inject_fault, metric, scrape,
-                           sse_events_iter, tiny_app_spec, wait_for, worker_actors)
+from serve_helpers import (METRICS_PORT, app_client, cache_counts, coordinator_replicas, deploy_app, inject_fault,
+                           metric, scrape, sse_events_iter, tiny_app_spec, wait_for, worker_actors)
 
 pytestmark = [pytest.mark.serve, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 MODEL = "tiny"
+ONE_REPLICA = {"resources": {"num_cpus": 0.1}, "autoscaling": {"min_replicas": 1, "max_replicas": 1}}
 MAX_NEW = 24
 PROMPTS = ["Hello", "The quick brown fox", "a", "Speculative decoding is lossless.", "0123456789" * 3,
            "héllo wörld → ok"]
@@ -383,12 +384,8 @@ class TestLimits:
 
     @pytest.fixture(scope="class")
     def limited(self, server):
-        from ray import serve
-
-        deploy_app("specserve-limits", "/limits", **LIMITS)
-        with httpx.Client(base_url=f"{server}/limits", timeout=120) as client:
+        with app_client(server, "specserve-limits", "/limits", **LIMITS) as client:
             yield client
-        serve.delete("specserve-limits")
 
     @staticmethod
     def _body(prompt: str, max_tokens: int = 100) -> dict:
@@ -450,12 +447,8 @@ class TestFaults:
 
     @pytest.fixture(scope="class")
     def faulty(self, server):
-        from ray import serve
-
-        deploy_app(self.APP, "/faults", **FAULTS)
-        with httpx.Client(base_url=f"{server}/faults", timeout=60) as client:
+        with app_client(server, self.APP, "/faults", timeout=60, **FAULTS) as client:
             yield client
-        serve.delete(self.APP)
 
     @staticmethod
     def _body(prompt: str, max_tokens: int) -> dict:
@@ -601,23 +594,16 @@ def test_autoscaling_adds_and_removes_a_group(server):
                                      {"kind": "layer_skip", "skip_layers": [1]}])
 def test_colocated_drafter_is_lossless_over_http(http, server, drafter):
     """A drafter that lives inside the target worker (no draft worker, no draft bundle)."""
-    from ray import serve
-
-    name = f"specserve-{drafter['kind']}"
-    deploy_app(name, f"/{drafter['kind']}", draft=None, drafter=drafter,
-               speculation={"num_speculative_tokens": 3, "adaptive": False})
     prompts = ["abcabcabcabc", "the cat sat on the mat, the cat sat on"]
     expected = [complete(http, p, max_tokens=24)["choices"][0]["token_ids"] for p in prompts]
-    try:
-        with httpx.Client(base_url=f"{server}/{drafter['kind']}", timeout=120) as client:
-            for prompt, want in zip(prompts, expected):
-                body = {"model": "tiny", "prompt": prompt, "max_tokens": 24, "temperature": 0.0,
-                        "ignore_eos": True, "return_token_ids": True}
-                got = client.post("/v1/completions", json=body).json()
-                assert got["choices"][0]["token_ids"] == want
-                assert got["speculation"]["num_draft_tokens"] > 0
-    finally:
-        serve.delete(name)
+    with app_client(server, f"specserve-{drafter['kind']}", f"/{drafter['kind']}", draft=None, drafter=drafter,
+                    speculation={"num_speculative_tokens": 3, "adaptive": False}) as client:
+        for prompt, want in zip(prompts, expected):
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 24, "temperature": 0.0,
+                    "ignore_eos": True, "return_token_ids": True}
+            got = client.post("/v1/completions", json=body).json()
+            assert got["choices"][0]["token_ids"] == want
+            assert got["speculation"]["num_draft_tokens"] > 0
 
 
 # -- pipelined speculation (speculation.pipelined) -------------------------------------------------
@@ -630,14 +616,10 @@ class TestPipelined:
 
     @pytest.fixture(scope="class")
     def pipelined(self, server):
-        from ray import serve
-
-        deploy_app(self.APP, "/pipelined", speculation={"num_speculative_tokens": 4, "adaptive": False,
-                                                        "pipelined": True},
-                   coordinator={"resources": {"num_cpus": 0.1}, "autoscaling": {"min_replicas": 1, "max_replicas": 1}})
-        with httpx.Client(base_url=f"{server}/pipelined", timeout=120) as client:
+        with app_client(server, self.APP, "/pipelined", speculation={"num_speculative_tokens": 4, "adaptive": False,
+                                                                     "pipelined": True},
+                        coordinator=ONE_REPLICA) as client:
             yield client
-        serve.delete(self.APP)
 
     def test_greedy_and_seeded_tokens_equal_the_sequential_apps(self, http, pipelined):
         for prompt, extra in [("Hello", {}), ("The quick brown fox", {"temperature": 0.8, "top_k": 4, "seed": 7})]:
@@ -670,14 +652,10 @@ class TestCompiledGraph:
 
     @pytest.fixture(scope="class")
     def graph_app(self, server):
-        from ray import serve
-
-        deploy_app(self.APP, "/graph", speculation={"num_speculative_tokens": 4, "adaptive": False,
-                                                    "transport": "compiled_graph"},
-                   coordinator={"resources": {"num_cpus": 0.1}, "autoscaling": {"min_replicas": 1, "max_replicas": 1}})
-        with httpx.Client(base_url=f"{server}/graph", timeout=120) as client:
+        with app_client(server, self.APP, "/graph", speculation={"num_speculative_tokens": 4, "adaptive": False,
+                                                                 "transport": "compiled_graph"},
+                        coordinator=ONE_REPLICA) as client:
             yield client
-        serve.delete(self.APP)
 
     def test_greedy_and_seeded_tokens_equal_the_plain_calls_app(self, http, graph_app):
         for prompt, extra in [("Hello", {}), ("The quick brown fox", {"temperature": 0.8, "top_k": 4, "seed": 7})]:

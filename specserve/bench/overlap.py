@@ -29,7 +29,8 @@ used with probability α^(γ+1)), the measured speedup over target-only on 1 thr
 speedup / bound, the pipelined hit rate, the per-step overhead p50 / p99 (step wall time minus the
 model forwards on its critical path) and the coordination p50 / p99 (step wall time minus the time
 inside the worker methods: transport, serialisation and the coordinator's own planning). Every
-speculative run is checked token for token against the target-only run.
+speculative run is checked token for token against the target-only run. Last, the transport floor:
+the same transports between two actors that only echo a step-sized message.
 """
 from __future__ import annotations
 
@@ -415,6 +416,50 @@ def print_table(rows: list[Row]) -> None:
             r.identical)))
 
 
+def transport_floor(executions: int = 500) -> dict[str, dict[str, float]]:
+    """What the transports cost with nothing around them: two actors whose methods return their
+    input at once, a 2 KB message (a step's size), as a one-node graph, a two-node graph
+    (draft -> target) and a plain actor call. -> {transport: {"p50_ms", "p99_ms"}}."""
+    import ray
+    from ray.dag import InputNode
+
+    @ray.remote(num_cpus=0.1)
+    class Echo:
+        def one(self, x):
+            return x
+
+        def two(self, x, y):
+            return y
+
+    draft, target = Echo.remote(), Echo.remote()
+    message, floor = b"x" * 2048, {}
+
+    def timed(name: str, once) -> None:
+        for _ in range(50):
+            once()
+        seconds = []
+        for _ in range(executions):
+            began = time.perf_counter()
+            once()
+            seconds.append(time.perf_counter() - began)
+        seconds.sort()
+        floor[name] = {"p50_ms": round(1e3 * seconds[len(seconds) // 2], 3),
+                       "p99_ms": round(1e3 * seconds[int(0.99 * len(seconds))], 3)}
+
+    for name in ("graph one node", "graph two nodes"):
+        with InputNode() as call:
+            out = target.one.bind(call) if name == "graph one node" else target.two.bind(draft.one.bind(call), call)
+        dag = out.experimental_compile()
+        try:
+            timed(name, lambda: dag.execute(message).get())
+        finally:
+            dag.teardown()
+    timed("actor call", lambda: ray.get(target.one.remote(message)))
+    for actor in (draft, target):
+        ray.kill(actor)
+    return floor
+
+
 def start_ray(attempts: int = 4) -> None:
     """A local Ray on 2 CPUs, loopback only; retried, because Ray gives a raylet 30 s to register,
     which a busy machine can miss."""
@@ -464,9 +509,12 @@ def main(argv: list[str] | None = None) -> int:
                     c, (width, layers), args.seed)
                 rows += pair_rows
             rows += measure_pair("tiny", requests_for(tiny_prompts, args.tokens), None, None, True, bar)[0]
+        floor = transport_floor()
     finally:
         ray.shutdown()
     print_table(rows)
+    print("transport floor (echo actors, 2 KB): " + "; ".join(
+        f"{name} p50 {t['p50_ms']} ms, p99 {t['p99_ms']} ms" for name, t in floor.items()))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
@@ -475,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
         "draft_shapes": {str(c): {"width": w, "layers": n, "c_calibrated": round(r, 3)}
                          for c, (w, n, r) in calibration.items()},
         "draft_shapes_used": {pair: {"width": w, "layers": n} for pair, (w, n) in used.items()},
-        "rows": [asdict(r) for r in rows]}, indent=1))
+        "transport_floor": floor, "rows": [asdict(r) for r in rows]}, indent=1))
     print(f"wrote {out}")
     return 0 if all(r.identical for r in rows) else 1
 
