@@ -18,8 +18,9 @@ Pairs: random-weight Llama shapes with a *controlled-acceptance drafter* (as in 
 draft runs its real forwards, so its cost is real, but proposes the target's true greedy token
 with probability α, known from the target-only run), with the draft's depth chosen so that its
 forward costs c of the target's (first timed in this process, then corrected by up to two more
-probe runs until c as the workers measure it in the run is within 10%), for α in {0.6, 0.8} x c in {0.2, 0.5} and a low α (adaptive γ:
-speculation should switch itself off); and the tiny pair of configs/tiny.yaml (its own drafter).
+probe runs until c as the workers measure it in the run is within 10%), for α in {0.6, 0.8} x c
+in {0.2, 0.5} and a low α (adaptive γ: speculation should switch itself off); and the tiny pair of
+configs/tiny.yaml (its own drafter).
 
 Per row: γ, α (planted and measured), c and v measured in the run (draft / target forward at one
 token; target forward over γ+1 tokens / over 1), the bound of its cost model in units of one
