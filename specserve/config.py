@@ -142,7 +142,7 @@ class SpeculationConfig(_Strict):
     # Graph execution (the draft's proposal goes to the target directly; see specserve.serve.graph;
     # it falls back to plain calls while broken). Opt-in for now: a replica's start-up and every
     # rebuild cost a compile and a 1-2 s stall of the workers' ordinary calls (docs/serving.md).
-    # With pipelined, the steps that prepare a block use plain calls; the others run on the graph.
+    # With pipelined, the draft drafts the next block on the graph too, beside the verify.
     transport: Literal["actor_calls", "compiled_graph"] = "actor_calls"
 
 

@@ -19,7 +19,7 @@ from models import hf_greedy
 from specserve.config import AppConfig
 from specserve.engine import RowInput, SamplingParams
 from specserve.engine.sampling import BatchSampling
-from specserve.serve.graph import DraftLate, StepCall, pack, unpack
+from specserve.serve.graph import DraftLate, StepCall, pack, step_reply, unpack
 from test_pipeline import PROMPTS, TINY, config, generate
 
 
@@ -27,19 +27,23 @@ class InProcessGraph:
     """StepGraph's interface, running the graph's worker nodes in this process; executions listed
     in `fail_at` (1-based) break it as a dead channel would."""
 
-    def __init__(self, coordinator, fail_at=(), before=None, late_at=()) -> None:
+    def __init__(self, coordinator, fail_at=(), before=None, late_at=(), fail_blocks: int = 0) -> None:
         self.target = coordinator.target._obj
         self.draft = None if coordinator.draft_worker is None else coordinator.draft_worker._obj
         self.fail_at = set(fail_at)
         self.before = before or {}  # execution number -> a callable run just before it
         self.late_at = set(late_at)  # executions whose draft side is late
+        self.fail_blocks = fail_blocks  # break the first this many executions that carry a prepared block
         self.ready, self.executions, self.builds, self.breaks = True, 0, 1, 0
+        self.ahead = coordinator.pipeline is not None and self.draft is not None  # as StepGraph builds it
 
-    async def run(self, call: StepCall, draft_timeout: float, target_timeout: float, draft_busy=None):
+    async def run(self, call: StepCall, draft_timeout: float, target_timeout: float, draft_busy=None,
+                  ahead_timeout: float = 0.0):
         self.executions += 1
         if self.executions in self.before:
             self.before[self.executions]()
-        if self.executions in self.fail_at:
+        if self.executions in self.fail_at or (call.block is not None and self.fail_blocks > 0):
+            self.fail_blocks -= call.block is not None
             self.discard("injected")
             raise RuntimeError("channel closed")
         if self.executions in self.late_at:
@@ -47,8 +51,12 @@ class InProcessGraph:
             raise DraftLate("the draft side missed its deadline")
         packed = pack(call)
         if self.draft is None:
-            return unpack(self.target.graph_step(packed))
-        return unpack(self.target.graph_verify(self.draft.graph_propose(packed), packed))
+            return step_reply(self.target.graph_step(packed))
+        drafted = self.draft.graph_propose(packed)
+        verdict = self.target.graph_verify(drafted, packed)
+        if not self.ahead:
+            return step_reply(verdict)
+        return step_reply([verdict, self.draft.graph_ahead(drafted)])  # the ahead node runs after the propose
 
     def discard(self, why) -> None:
         if self.ready:
@@ -112,14 +120,20 @@ def _alternate_preparing(coordinator) -> None:
     coordinator.policy.overlap_pays = lambda alphas, gamma: gamma > 0 and next(turns)
 
 
-@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.5, top_k=3, top_p=0.9)])
-def test_pipelined_steps_that_prepare_nothing_run_on_the_graph_losslessly(local_coordinator, sampling):
-    """Pipelined with a graph: steps that prepare run on plain calls, the others on the graph; the
-    same tokens as the sequential loop on plain calls (greedy: the target's own greedy)."""
+SEEDED_TOP_K = dict(temperature=0.5, top_k=3, top_p=0.9)  # peaked: many bonus guesses right, many blocks used
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), SEEDED_TOP_K])
+def test_pipelined_on_the_graph_draws_the_sequential_numbers(local_coordinator, sampling):
+    """Pipelined on the graph: the draft side assembles block k from its prepared drafts (q kept
+    there) and fresh ones, and drafts the ahead call beside the verify; steps that prepare nothing
+    are sequential graph steps. The same tokens as the sequential loop on plain calls (greedy: the
+    target's own greedy), one request at a time and all together."""
     params = [SamplingParams(max_tokens=30, seed=40 + i, ignore_eos=True, **sampling) for i in range(len(PROMPTS))]
     sequential = generate(local_coordinator(config(pipelined=False, gamma=2)), PROMPTS, params)
     coordinator = local_coordinator(config(pipelined=True, gamma=2))
     graph = on_graph(coordinator)
+    assert graph.ahead
     _alternate_preparing(coordinator)
     alone = [generate(coordinator, [p], [sp])[0] for p, sp in zip(PROMPTS, params)]
     together = generate(coordinator, PROMPTS, params)
@@ -128,9 +142,28 @@ def test_pipelined_steps_that_prepare_nothing_run_on_the_graph_losslessly(local_
         target = coordinator.target._obj.model.runner.model
         assert sequential == [hf_greedy(target, p, 30) for p in PROMPTS]
     totals = coordinator._totals
-    assert totals["graph_steps"] > 0 and graph.executions == totals["graph_steps"]
+    assert totals["graph_steps"] == totals["steps"] == graph.executions
     assert totals["pipelined_prepared"] > 0 and totals["pipelined_hits"] > 0, totals
-    assert totals["steps"] > totals["graph_steps"]  # the preparing steps stayed on plain calls
+    assert totals["pipelined_steps"] < totals["steps"]  # some steps prepared nothing: sequential ones
+    assert len(coordinator.draft_worker._obj._aheads) <= 2
+
+
+def test_a_broken_pipelined_graph_step_gives_its_numbers_back(local_coordinator, monkeypatch):
+    """A pipelined graph step that breaks (a prepared block in hand) reruns on plain calls with the
+    very numbers it had drawn: seeded tokens stay the sequential loop's, and the graph is rebuilt."""
+    import specserve.serve.coordinator as module
+
+    monkeypatch.setattr(module, "_GRAPH_KEEPER_PERIOD_S", 0.0)
+    monkeypatch.setattr(module, "_GRAPH_REBUILD_BUSY_S", 0.0)
+    sampling = dict(temperature=1.0, top_k=3)  # flat enough that other numbers give other tokens
+    params = [SamplingParams(max_tokens=30, seed=60 + i, ignore_eos=True, **sampling) for i in range(len(PROMPTS))]
+    sequential = generate(local_coordinator(config(pipelined=False, gamma=2)), PROMPTS, params)
+    coordinator = local_coordinator(config(pipelined=True, gamma=2))
+    graph = on_graph(coordinator, fail_at=(4,), fail_blocks=3)
+    assert generate(coordinator, PROMPTS, params) == sequential
+    assert graph.breaks == 4 and graph.builds == 5 and graph.fail_blocks == 0  # each break rebuilt
+    totals = coordinator._totals
+    assert totals["steps"] > totals["graph_steps"] > totals["steps"] // 2, totals  # broken steps reran on plain calls
 
 
 def test_a_broken_graph_reruns_the_step_on_plain_calls_and_is_rebuilt(local_coordinator, monkeypatch):
@@ -160,10 +193,11 @@ def test_a_late_draft_in_the_graph_makes_that_step_target_only(local_coordinator
     assert coordinator._totals["target_only_steps"] >= 1
 
 
-def test_a_draft_miss_on_the_graph_skips_the_target_and_resends(local_coordinator):
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_a_draft_miss_on_the_graph_skips_the_target_and_resends(local_coordinator, pipelined):
     """A restarted draft (empty caches) answers its graph node with misses: the target does not
     verify that execution, the marks move back and the next execution rebuilds the draft's cache."""
-    coordinator = local_coordinator(config(pipelined=False, gamma=3))
+    coordinator = local_coordinator(config(pipelined=pipelined, gamma=3))
     draft, target = coordinator.draft_worker._obj, coordinator.target._obj
     verifies = []
     verify = target.verify

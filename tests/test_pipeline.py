@@ -75,6 +75,34 @@ def test_pipelined_greedy_is_the_targets_greedy(local_coordinator):
     assert asyncio.run(coordinator.num_cached()) == {"target": 0, "draft": 0}
 
 
+def test_a_discarded_prepared_block_leaves_no_draft_mark_past_the_rows_tokens(local_coordinator, monkeypatch):
+    """The draft's cache holds a prepared block's first drafts past each matched row's tokens, and
+    the row's draft mark says so; a block thrown away instead of verified (a target-only retry,
+    the draft lost) must take the mark back, or the next propose would start past the row's own
+    tokens with nothing to feed."""
+    from specserve.serve.pipeline import Pipeline
+
+    coordinator = local_coordinator(config(pipelined=True))
+    marks = []
+    settle = Pipeline._settle_reply
+
+    def settle_then_discard(self, *args, **kwargs):
+        result = settle(self, *args, **kwargs)
+        if self._prepared is not None:
+            owners = [self._prepared.owners[b] for b in self._prepared.rows.values()]
+            self.discard()
+            marks.extend(s.draft_len <= s.num_tokens - 1 for s in owners)
+        return result
+
+    monkeypatch.setattr(Pipeline, "_settle_reply", settle_then_discard)
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)]
+    out = generate(coordinator, PROMPTS[:1], params)
+    target = coordinator.target._obj.model.runner.model
+    assert out == [hf_greedy(target, PROMPTS[0], 24)]
+    assert marks and all(marks) and coordinator._draft_ok
+    assert coordinator._totals["pipelined_hits"] == 0 and coordinator._totals["pipelined_prepared"] > 0
+
+
 @pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.5, top_k=3, top_p=0.9)])
 def test_pipelined_seeded_sampling_draws_the_sequential_numbers(local_coordinator, sampling):
     """The same seeds give the same tokens as the sequential loop: a prepared block used on a hit

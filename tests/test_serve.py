@@ -608,17 +608,19 @@ def test_colocated_drafter_is_lossless_over_http(http, server, drafter):
 
 # -- pipelined speculation (speculation.pipelined) -------------------------------------------------
 class TestPipelined:
-    """An application of the tiny models whose coordinator drafts block k+1 while the target
-    verifies block k: same tokens as the sequential app, greedy and seeded (same γ: a seeded
-    request's random stream depends on it), through worker kills."""
+    """Applications of the tiny models whose coordinator drafts block k+1 while the target
+    verifies block k, on plain actor calls and on the compiled graph (three nodes: the ahead call
+    runs on the draft beside the verify): same tokens as the sequential app, greedy and seeded
+    (same γ: a seeded request's random stream depends on it), through worker kills, after which a
+    broken graph is rebuilt."""
 
-    APP = "specserve-pipelined"
-
-    @pytest.fixture(scope="class")
-    def pipelined(self, server):
-        with app_client(server, self.APP, "/pipelined", speculation={"num_speculative_tokens": 4, "adaptive": False,
-                                                                     "pipelined": True},
-                        coordinator=ONE_REPLICA) as client:
+    @pytest.fixture(scope="class", params=["actor_calls", "compiled_graph"])
+    def pipelined(self, request, server):
+        transport = request.param
+        name = "specserve-pipelined" + ("-graph" if transport == "compiled_graph" else "")
+        speculation = {"num_speculative_tokens": 4, "adaptive": False, "pipelined": True, "transport": transport}
+        with app_client(server, name, "/" + name, speculation=speculation, coordinator=ONE_REPLICA) as client:
+            client.app = name
             yield client
 
     def test_greedy_and_seeded_tokens_equal_the_sequential_apps(self, http, pipelined):
@@ -628,18 +630,27 @@ class TestPipelined:
             want = http.post("/v1/completions", json=body).json()["choices"][0]["token_ids"]
             assert pipelined.post("/v1/completions", json=body).json()["choices"][0]["token_ids"] == want
         stats = pipelined.get("/v1/stats").json()
-        assert stats["pipelined_hits"] > 0 and stats["pipelined_prepared"] > 0
+        assert stats["pipelined_hits"] > 0 and stats["pipelined_prepared"] > 0, stats
+        if stats["transport"] == "compiled_graph":
+            assert stats["graph_ready"] and stats["graph_steps"] == stats["steps"], stats
 
     @pytest.mark.parametrize("kind", ["target", "draft"])
     def test_killed_worker_during_a_pipelined_run_changes_nothing(self, http, pipelined, kind):
         body = {"model": MODEL, "prompt": f"pipelined, then the {kind} dies", "max_tokens": 200,
                 "temperature": 0.0, "ignore_eos": True}
         expected = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
-        assert stream_killing_workers(pipelined, body, self.APP, kind) == expected
-        # the restarted worker serves pipelined steps again, and nothing stays cached
-        assert wait_for(lambda: pipelined.get("/v1/stats").json()["draft_available"], timeout=60)
+        assert stream_killing_workers(pipelined, body, pipelined.app, kind) == expected
+        # the restarted worker serves pipelined steps again (on a rebuilt graph), and nothing stays cached
+        on_graph = pipelined.get("/v1/stats").json()["transport"] == "compiled_graph"
+        assert wait_for(lambda: (stats := pipelined.get("/v1/stats").json())["draft_available"]
+                        and (stats.get("graph_ready") or not on_graph), timeout=90), pipelined.get("/v1/stats").json()
+        before = pipelined.get("/v1/stats").json()
         again = pipelined.post("/v1/completions", json={**body, "max_tokens": 24, "return_token_ids": True}).json()
         assert again["choices"][0]["token_ids"] == complete(http, body["prompt"])["choices"][0]["token_ids"]
+        after = pipelined.get("/v1/stats").json()
+        assert after["pipelined_steps"] > before["pipelined_steps"], after
+        if on_graph:
+            assert after["graph_breaks"] > 0 and after["graph_steps"] > before["graph_steps"], after
         assert wait_for(lambda: all(c == 0 for c in cache_counts()), timeout=30), cache_counts()
 
 

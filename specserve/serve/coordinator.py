@@ -65,7 +65,7 @@ from specserve.engine.step import (
 from specserve.engine.verifier import Verdict
 
 from .admission import Admission
-from .graph import DraftLate, StepCall, StepGraph
+from .graph import DraftLate, StepCall, StepGraph, StepReply
 from .metrics import CoordinatorMetrics
 from .pipeline import Pipeline
 from .workers import DraftWorker, Reply, TargetWorker
@@ -201,7 +201,7 @@ class Coordinator:
         self.graph = None
         self._graph_task: asyncio.Task | None = None
         if config.speculation.transport == "compiled_graph":
-            self.graph = StepGraph(self.target, self.draft_worker)
+            self.graph = StepGraph(self.target, self.draft_worker, ahead=self.pipeline is not None)
             self._build_graph_at_start()
 
     def _build_graph_at_start(self) -> None:
@@ -562,23 +562,44 @@ class Coordinator:
                                type(err).__name__, err)
 
     async def _draft_busy(self) -> bool:
-        """Whether the draft worker is still inside a method (its methods hold its lock, and so
-        does its probe): asked when a graph execution passes the draft's deadline."""
-        return not await self._answers(self.draft_worker, _BUSY_PROBE_S)
+        """Whether the draft worker is still in its graph_propose (waiting for its lock included),
+        or does not answer: asked when a graph execution passes the draft's deadline."""
+        try:
+            return await asyncio.wait_for(asyncio.ensure_future(self.draft_worker.proposing.remote()), _BUSY_PROBE_S)
+        except Exception:
+            return True
 
     async def _graph_step(self, plan: StepPlan, policy: SpeculationPolicy, began: float) -> list[StepOutput] | None:
-        """The step as compiled-graph executions (again after cache misses, as `_call` does); None
-        when the graph cannot run it (a worker method raised, or the graph broke): the caller then
-        runs this very step on plain actor calls, whose recovery handles what went wrong."""
-        by_id = {s.request_id: s for s in plan.seqs}
+        """The step as compiled-graph executions; None when the graph cannot run it (see
+        `_graph_execute`): the caller then runs this very step on plain actor calls."""
+        reply = await self._graph_execute(plan.seqs, lambda: StepCall(
+            plan.draft_rows(), plan.num_positions, plan.sampling, plan.draft_uniforms, plan.target_rows(),
+            plan.num_draft, plan.accept_uniforms, plan.final_uniforms), plan.num_positions)
+        if reply is None:
+            return None
+        self._count_target_only(policy)
+        self._totals["graph_steps"] += 1
+        outputs = finish_step(plan, reply.proposal, reply.verdict, policy, began)
+        wall = time.perf_counter() - began
+        self._record(StepRecord(wall, reply.proposal.seconds + reply.verdict.seconds,
+                                reply.draft_seconds + reply.target_seconds, len(plan.seqs), plan.num_positions),
+                     plan, reply.verdict)
+        return outputs
+
+    async def _graph_execute(self, seqs: list[Sequence], make_call, width: int,
+                             ahead_timeout: float = 0.0) -> StepReply | None:
+        """Execute make_call()'s StepCall on the graph, again after cache misses (whose marks it
+        moves back, as `_call` does); width: G of the verified block. None when the graph cannot
+        run it (a worker method raised, the graph broke, or the draft was late: then the draft is
+        out), and the caller's recovery takes over."""
+        by_id = {s.request_id: s for s in seqs}
         for _ in range(_CALL_ATTEMPTS):
-            call = StepCall(plan.draft_rows(), plan.num_positions, plan.sampling, plan.draft_uniforms,
-                            plan.target_rows(), plan.num_draft, plan.accept_uniforms, plan.final_uniforms)
-            draft_timeout = self._deadline("draft", call.draft_rows, plan.num_positions) if plan.num_positions else 0.0
-            target_timeout = self._deadline("target", call.target_rows, plan.num_positions)
-            busy = self._draft_busy if self.draft_worker is not None and plan.num_positions else None
+            call = make_call()
+            draft_timeout = self._deadline("draft", call.draft_rows, call.num_positions) if call.num_positions else 0.0
+            target_timeout = self._deadline("target", call.target_rows, width)
+            busy = self._draft_busy if self.draft_worker is not None and call.num_positions else None
             try:
-                reply = await self.graph.run(call, draft_timeout, target_timeout, busy)
+                reply = await self.graph.run(call, draft_timeout, target_timeout, busy, ahead_timeout)
             except DraftLate as err:
                 self._draft_lost(err)
                 return None
@@ -590,17 +611,8 @@ class Coordinator:
             for rid, valid in reply.target_misses.items():
                 by_id[rid].target_len = valid
             if reply.verdict is not None:
-                break
-        else:
-            return None
-        self._count_target_only(policy)
-        self._totals["graph_steps"] += 1
-        outputs = finish_step(plan, reply.proposal, reply.verdict, policy, began)
-        wall = time.perf_counter() - began
-        self._record(StepRecord(wall, reply.proposal.seconds + reply.verdict.seconds,
-                                reply.draft_seconds + reply.target_seconds, len(plan.seqs), plan.num_positions),
-                     plan, reply.verdict)
-        return outputs
+                return reply
+        return None
 
     async def _call(self, side: str, method, seqs: list[Sequence], mark: str, make_args, retry: bool = True) -> Reply:
         """Call a worker ("target" or "draft") within a deadline sized to the call's tokens; on cache

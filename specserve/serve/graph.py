@@ -6,6 +6,11 @@ a row. A compiled graph is built once per worker pair:
 
     StepCall ──► draft.graph_propose ──(Reply: tokens [B, G], q [B, G, V])──► target.graph_verify ──► StepReply
         └───────────────────────────────────────────────────────────────────────┘
+    (pipelined:)        └──► draft.graph_ahead ──(Reply without q)──────────────────────────────► its ahead
+
+The pipelined loop's graph has the third node: right after block k went to the target, the draft
+drafts the step's AheadCall (block k+1) while the target verifies, keeps it with its q for the next
+step's `Block`, and returns its token ids (serve/pipeline.py).
 
 Each execution writes the step's inputs once into a shared-memory channel both workers read, the
 draft's proposal goes to the target through a channel of its own (q never reaches the
@@ -19,8 +24,8 @@ drafter at all, makes a one-node graph (`target.graph_step`).
 What the graph does not change: the coordinator plans every step (`plan_step`) and applies every
 verdict; the workers answer cache misses instead of results, and the coordinator moves its marks
 back and executes again (the draft's and the target's writes are positional, so a repeated
-execution rewrites what the first wrote). Prefill chunks, `free`, probes and the pipelined loop
-keep plain actor calls (they are not the per-step hot path, or not yet).
+execution rewrites what the first wrote). Prefill chunks, `free` and probes keep plain actor calls
+(they are not the per-step hot path).
 
 Failures: an exception raised inside a worker method comes back as the execution's result and
 leaves the graph usable. Anything else (a dead or restarted worker, a missed deadline: an
@@ -28,7 +33,8 @@ execution cannot be cancelled, and the next one would read its late result) brea
 is torn down in the background, the step is rerun on plain actor calls (whose recovery kills,
 restarts and re-prefills as before), and the coordinator rebuilds the graph once both workers
 answer again. When an execution passes the draft's share of its deadline, the coordinator asks
-whether the draft is still inside a method; if so the draft is late, and the step goes
+whether the draft is still in graph_propose (`DraftWorker.proposing`, which takes no lock: an
+ahead call may rightly outlast that share); if so the draft is late, and the step goes
 target-only as with plain calls. The workers serialise their methods with a lock, since a
 compiled graph's loop runs beside the actor's ordinary calls (and a probe then tells a busy
 worker from an idle one).
@@ -37,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import io
 import logging
 import pickle
@@ -55,8 +62,36 @@ _WARM_UP_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
+class Block:
+    """How the draft side assembles a pipelined step's block k: some rows take their drafts from
+    a block it prepared during the last execution, the others from this execution's propose."""
+
+    prepared_id: int  # the AheadCall whose drafts the prepared rows take
+    rows: list[int | None]  # per row of the step: its row in that prepared block; None: fresh (in order)
+    width: int  # G of the assembled block
+
+
+@dataclass(frozen=True)
+class AheadCall:
+    """The pipelined loop's ahead call (serve/pipeline.py), sent with the execution that verifies
+    block k: the draft side drafts it right after block k, while the target verifies. Its rows'
+    token is the row's last draft of block k, which only the draft side knows when the call is
+    planned: a row with g_b > 0 carries a placeholder there."""
+
+    ahead_id: int
+    rows: list[RowInput]  # from each row's last token once block k is accepted whole
+    num_draft: list[int]  # [B] g_b of block k
+    stop_ids: list[frozenset[int]]  # per row: a row whose block k holds one finishes; then no ahead
+    num_tokens: int  # G' + 1: the bonus guess, then block k+1
+    sampling: BatchSampling
+    uniforms: torch.Tensor | None  # [B, G' + 1]
+
+
+@dataclass(frozen=True)
 class StepCall:
-    """One speculative step's worker inputs (what `Coordinator._step` sends with plain calls)."""
+    """One speculative step's worker inputs (what `Coordinator._step` sends with plain calls). A
+    pipelined step adds `block` (the draft rows are then only the fresh ones, with
+    `draft_sampling`) and/or `ahead`."""
 
     draft_rows: list[RowInput]
     num_positions: int  # G (0: a target-only step; the draft side returns at once)
@@ -66,6 +101,9 @@ class StepCall:
     num_draft: torch.Tensor  # [B]
     accept_uniforms: torch.Tensor | None  # [B, G]
     final_uniforms: torch.Tensor | None  # [B]
+    block: Block | None = None
+    draft_sampling: BatchSampling | None = None  # of the draft rows, when not `sampling`'s rows
+    ahead: AheadCall | None = None
 
 
 @dataclass(frozen=True)
@@ -80,6 +118,7 @@ class StepReply:
     target_misses: dict[str, int]
     draft_seconds: float  # wall time inside the draft side's method
     target_seconds: float
+    ahead: object | None = None  # the ahead call's Reply (its proposal without q), when one was sent
 
 
 class _Pickler(pickle.Pickler):
@@ -132,8 +171,9 @@ class StepGraph:
     make pending deadlines fire late; one thread also keeps the graph's non-thread-safe calls in
     order. A step pays one hand-off to that thread."""
 
-    def __init__(self, target, draft=None) -> None:
+    def __init__(self, target, draft=None, ahead: bool = False) -> None:
         self.target, self.draft = target, draft
+        self.ahead = ahead and draft is not None  # a third node, draft.graph_ahead (the pipelined loop)
         self._dag = None
         self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="step-graph")
         self._teardown: asyncio.Future | None = None
@@ -151,13 +191,16 @@ class StepGraph:
         through `rebuild`). Right after a compile the first calls to the workers wait ~1-2 s
         (measured on one node): that is paid here, not in a request's deadline."""
         import ray
-        from ray.dag import InputNode
+        from ray.dag import InputNode, MultiOutputNode
 
         with InputNode() as call:
             if self.draft is None:
                 out = self.target.graph_step.bind(call)
             else:
-                out = self.target.graph_verify.bind(self.draft.graph_propose.bind(call), call)
+                drafted = self.draft.graph_propose.bind(call)
+                out = self.target.graph_verify.bind(drafted, call)
+                if self.ahead:  # bound to block k, so the draft runs it after graph_propose, beside the verify
+                    out = MultiOutputNode([out, self.draft.graph_ahead.bind(drafted)])
         dag = None
         try:
             dag = out.experimental_compile()
@@ -183,14 +226,16 @@ class StepGraph:
         done = self._teardown is None or self._teardown.done()
         return self._dag is None and done and time.monotonic() >= self._next_try
 
-    async def run(self, call: StepCall, draft_timeout: float, target_timeout: float, draft_busy=None) -> StepReply:
-        """One execution within draft_timeout + target_timeout seconds. When `draft_busy` is given
-        and the draft's share has passed, it is asked whether the draft side is still at work:
-        then the draft is late (DraftLate). An exception raised by a worker method is re-raised
-        with the graph kept; any other failure breaks the graph, then re-raises."""
+    async def run(self, call: StepCall, draft_timeout: float, target_timeout: float, draft_busy=None,
+                  ahead_timeout: float = 0.0) -> StepReply:
+        """One execution within draft_timeout + max(target_timeout, ahead_timeout) seconds (the
+        ahead call runs beside the verify). When `draft_busy` is given and the draft's share has
+        passed, it is asked whether the draft side is still proposing: then the draft is late
+        (DraftLate). An exception raised by a worker method is re-raised with the graph kept; any
+        other failure breaks the graph, then re-raises."""
         from ray.exceptions import RayTaskError
 
-        total = draft_timeout + target_timeout
+        total = draft_timeout + max(target_timeout, ahead_timeout)
         work = asyncio.get_running_loop().run_in_executor(self._thread, _execute, self._dag, pack(call), total)
         try:
             if draft_busy is not None:
@@ -198,7 +243,7 @@ class StepGraph:
                 if not done and await draft_busy():
                     raise DraftLate(f"the draft side missed its {draft_timeout:.1f} s deadline")
             # the thread's own wait ends at `total`; this one only guards against a stuck thread
-            return unpack(await asyncio.wait_for(asyncio.shield(work), timeout=total + _GRACE_S))
+            return step_reply(await asyncio.wait_for(asyncio.shield(work), timeout=total + _GRACE_S))
         except RayTaskError:
             raise
         except BaseException as err:
@@ -215,6 +260,14 @@ class StepGraph:
         logger.warning("compiled graph broken (%s): plain actor calls until it is rebuilt",
                        why if isinstance(why, str) else type(why).__name__)
         self._teardown = asyncio.get_running_loop().run_in_executor(self._thread, _teardown, dag)
+
+
+def step_reply(out: bytes | list[bytes]) -> StepReply:
+    """An execution's output: the target's StepReply, with the ahead node's Reply when the graph has one."""
+    if isinstance(out, bytes):
+        return unpack(out)
+    reply, ahead = out
+    return dataclasses.replace(unpack(reply), ahead=unpack(ahead))
 
 
 def _execute(dag, packed: bytes, timeout: float) -> bytes:

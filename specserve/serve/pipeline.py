@@ -13,9 +13,11 @@ draft block k+1 from, *if* the row accepts all of block k and its bonus equals t
 A row's prepared block is used only when that holds for it and the row is still running at the
 length it assumed: then its block k+1 is verified at once in the next step. Rows without one (a
 rejection, a wrong guess, a new request) are drafted afresh in one propose over just them, and the
-step verifies both kinds together (`_combine`). The draft's cache marks are those the verdict sets
-anyway (`apply_verdict` keeps only accepted tokens), so a fresh propose simply rewrites what the
-ahead call wrote (a positional cache: rollback = a shorter length).
+step verifies both kinds together (`_combine_plan`, `combine_drafts`). The draft's cache marks are
+those the verdict sets anyway (`apply_verdict` keeps only accepted tokens), so a fresh propose simply
+rewrites what the ahead call wrote (a positional cache: rollback = a shorter length). A prepared
+block thrown away instead of verified takes its rows' marks back before their last token
+(`_unprepare`).
 
 Lossless, and the same tokens as the sequential loop: block k+1's random numbers are drawn from each
 request's own generator when the ahead call is planned, by the same `plan_step` over the rows as
@@ -31,19 +33,29 @@ is not worth it (at large batches some row nearly always misses; then a step is 
 one). A failing draft (dead, hung, raising) during either call degrades to target-only steps
 through the coordinator's own recovery, exactly as in the sequential loop.
 
-A step that would prepare nothing (no prepared block in hand, and γ 0 or overlap not paying) is a
-sequential step: with `transport: compiled_graph` it runs as one graph execution (`host._graph_step`),
-so that a pipelined replica whose policy turned drafting off costs what a sequential one does. Steps
-that prepare use plain actor calls (the verify and the ahead call at once).
+Two transports. On plain actor calls (`step`) the coordinator sends the fresh propose, then the
+verify and the ahead call at once, and block k's q passes through it. On the compiled graph
+(`transport: compiled_graph`, `_step_on_graph`) a step is one execution of a three-node graph
+(serve/graph.py): `draft.graph_propose` assembles block k from the prepared drafts it holds (q
+included, under the ahead call's id) and a propose over the fresh rows, and sends it to
+`target.graph_verify`; then `draft.graph_ahead` drafts the ahead call beside the verify. The
+coordinator plans the ahead call's random numbers before the execution (`plan_step` needs no token
+values; the draft side puts each row's last draft in and skips the call when block k holds a stop
+token) and gets back token ids only. A step that prepares nothing (no prepared block in hand, and
+γ 0 or overlap not paying) is the coordinator's sequential graph step, so a pipelined replica whose
+policy turned drafting off costs what a sequential one does. When the graph cannot run a step, every
+number the step drew goes back first: the sequential step that reruns it draws the same ones.
 
 The coordinator keeps the truth, the deadlines, the cache-miss protocol and the records: this class
 only calls `host._call`, `host._deadline`, `host._draft_lost`, `host._adopt_late_draft`,
-`host._graph_ready`, `host._graph_step` and `host._record` (the `Coordinator`'s own methods).
+`host._graph_ready`, `host._graph_step`, `host._graph_execute` and `host._record` (the
+`Coordinator`'s own methods).
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -56,20 +68,30 @@ from specserve.engine.scheduler import OverlappedPolicy
 from specserve.engine.step import Sequence, StepOutput, StepPlan, apply_verdict, empty_proposal, plan_step
 from specserve.engine.verifier import Verdict
 
+from .graph import AheadCall, Block, StepCall
+
 GUESS_UNIFORM = 0.5  # the uniform the bonus guess is drawn with (sampled rows); see the module docstring
 _UNKNOWN = -1  # placeholder for the bonus token in the optimistic rows (only counted, never sent)
 
 
 @dataclass
 class Ahead:
-    """An ahead call in flight: block k+1 planned for the optimistic rows, and what it assumed."""
+    """An ahead call: block k+1 planned for the optimistic rows, and what it assumed."""
 
     plan: StepPlan  # over the optimistic copies of the rows (their generators are the real ones)
-    future: asyncio.Future  # -> Reply with a Proposal [B, G'+1]: guess, then block k+1's drafts
+    rows: list[RowInput]  # from each row's last token once block k is accepted whole
+    uniforms: torch.Tensor | None  # [B, G'+1]: the guess's, then block k+1's
     num_tokens: list[int]  # [B] each row's token count once block k is accepted whole (bonus included)
     states: dict[int, torch.Tensor]  # row -> its generator's state before block k+1's draws
-    launched: float  # perf_counter() at submission
+    launched: float  # perf_counter() at planning
     deadline: float  # seconds it may take
+    ahead_id: int  # names its drafts on the draft side (compiled graph)
+    future: asyncio.Future | None = None  # plain calls: -> Reply with a Proposal [B, G'+1]: guess, then block k+1
+
+    def call(self, num_draft: list[int]) -> AheadCall:
+        """The AheadCall a graph execution carries (rows with g_b > 0 hold a placeholder token)."""
+        return AheadCall(self.ahead_id, self.rows, num_draft, [s.stop_ids for s in self.plan.seqs],
+                         self.plan.num_positions + 1, self.plan.sampling, self.uniforms)
 
 
 @dataclass
@@ -82,6 +104,8 @@ class Prepared:
     rows: dict[str, int]  # request id -> its row, for the rows whose verdict matched
     num_tokens: list[int]  # [B] token count each row must still have for its block to apply
     states: dict[int, torch.Tensor]  # row -> generator state before its draws (matched rows only)
+    owners: list[Sequence]  # [B] the rows themselves (the plan's are optimistic copies)
+    ahead_id: int | None = None  # graph: the draft side holds tokens and q under this id (probs None here)
 
 
 class Pipeline:
@@ -89,6 +113,7 @@ class Pipeline:
         self.host = host  # the Coordinator
         self.policy: OverlappedPolicy = host.policy
         self._prepared: Prepared | None = None
+        self._ahead_ids = itertools.count(1)
         for key in ("pipelined_steps", "pipelined_prepared", "pipelined_hits"):
             host._totals.setdefault(key, 0)
 
@@ -100,16 +125,16 @@ class Pipeline:
         if policy is not host.policy or not host._draft_ok:
             self.discard()
             return None
+        if host._graph_ready():
+            return await self._step_on_graph(seqs, policy)
+        if self._prepared is not None and self._prepared.ahead_id is not None:
+            self.discard()  # prepared on the graph: its q is on the draft side
         began = time.perf_counter()
         prepared, used = self._take(seqs)  # used[i]: seqs[i]'s row in the prepared block, or None
         fresh_rows = [i for i, row in enumerate(used) if row is None]
         fresh_seqs = [seqs[i] for i in fresh_rows]
         fresh, fresh_seconds = (), 0.0
         fresh_plan = plan_step(fresh_seqs, policy) if fresh_seqs else None
-        if prepared is None and fresh_plan is not None and host._graph_ready() and not self._prepares(fresh_plan):
-            outputs = await host._graph_step(fresh_plan, policy, began)  # a sequential step: on the graph
-            if outputs is not None or not host._draft_ok:
-                return outputs  # None: the draft was late there; the coordinator re-plans target-only
         fresh_proposal = empty_proposal(len(fresh_seqs))
         if fresh_plan is not None and fresh_plan.num_positions > 0:
             try:
@@ -118,7 +143,7 @@ class Pipeline:
                     fresh_plan.draft_uniforms), retry=False)
             except Exception as err:
                 if prepared is not None:
-                    _restore(prepared.plan.seqs, prepared.states)
+                    _unprepare(prepared)
                 self._draft_failed(fresh_seqs, err)
                 return None  # the coordinator re-plans this step target-only
             fresh_proposal, fresh, fresh_seconds = reply.result, reply.result.forwards, reply.seconds
@@ -126,7 +151,10 @@ class Pipeline:
             plan, proposal, widths = fresh_plan, fresh_proposal, [fresh_plan.num_positions] * len(seqs)
         else:
             host._totals["pipelined_hits"] += len(seqs) - len(fresh_rows)
-            plan, proposal, widths = _combine(seqs, used, prepared, fresh_plan, fresh_proposal)
+            plan, widths = _combine_plan(seqs, used, prepared.plan, fresh_plan)
+            tokens, probs = combine_drafts(used, plan.num_positions, (prepared.tokens, prepared.probs),
+                                           (fresh_proposal.tokens, fresh_proposal.probs))
+            proposal = Proposal(tokens, probs)
         ahead = self._launch(plan, proposal, widths)
         try:
             reply = await host._call("target", host.target.verify, seqs, "target_len", lambda: (
@@ -136,92 +164,173 @@ class Pipeline:
             self._abandon(ahead)
             raise
         verdict: Verdict = reply.result
+        outputs = self._apply(plan, proposal, verdict, widths)
+        ahead_forwards, ahead_seconds = await self._settle(ahead, plan, verdict)
+        self._account(began, plan, verdict, fresh, ahead_forwards, fresh_seconds + max(reply.seconds, ahead_seconds))
+        return outputs
+
+    async def _step_on_graph(self, seqs: list[Sequence], policy) -> list[StepOutput] | None:
+        """The pipelined step as one compiled-graph execution: the draft side assembles block k
+        (the prepared rows' drafts, held there with their q, and a propose over the fresh rows),
+        sends it to the target, then drafts the ahead call while the target verifies. A step that
+        prepares nothing is the coordinator's sequential graph step. None when the graph could not
+        run the step: every draw it made is given back first, so the sequential step that follows
+        draws the very same numbers."""
+        host = self.host
+        if self._prepared is not None and self._prepared.ahead_id is None:
+            self.discard()  # prepared on plain calls: its q is here, not on the draft side
+        began = time.perf_counter()
+        prepared, used = self._take(seqs)
+        saved = {b: s.generator.get_state() for b, s in enumerate(seqs) if not s.params.greedy}
+        fresh_seqs = [s for s, row in zip(seqs, used) if row is None]
+        fresh_plan = plan_step(fresh_seqs, policy) if fresh_seqs else None
+        if prepared is None and not self._prepares(fresh_plan):
+            outputs = await host._graph_step(fresh_plan, policy, began)  # a sequential step
+            if outputs is None:
+                _restore(seqs, saved)
+            return outputs
+        block = None
+        if prepared is None:
+            plan, widths = fresh_plan, [fresh_plan.num_positions] * len(seqs)
+        else:
+            plan, widths = _combine_plan(seqs, used, prepared.plan, fresh_plan)
+            block = Block(prepared.ahead_id, used, plan.num_positions)
+        ahead = self._plan_ahead(plan, widths)
+        draft = fresh_plan  # the rows the draft side proposes for (None: every row was prepared)
+
+        def make_call() -> StepCall:
+            return StepCall(
+                draft.draft_rows() if draft else [], draft.num_positions if draft else 0, plan.sampling,
+                draft.draft_uniforms if draft else None, plan.target_rows(), plan.num_draft, plan.accept_uniforms,
+                plan.final_uniforms, block, draft.sampling if block is not None and draft else None,
+                None if ahead is None else ahead.call(plan.num_draft.tolist()))
+
+        reply = await host._graph_execute(seqs, make_call, plan.num_positions, ahead.deadline if ahead else 0.0)
+        if reply is None:
+            _restore(seqs, saved)  # this step's fresh and ahead draws
+            if prepared is not None:
+                _unprepare(prepared)  # block k's draws, made when it was prepared, and its draft marks
+            return None
+        if prepared is not None:
+            host._totals["pipelined_hits"] += len(seqs) - len(fresh_seqs)
+        host._totals["graph_steps"] += 1
+        outputs = self._apply(plan, reply.proposal, reply.verdict, widths)
+        ahead_forwards, ahead_seconds = self._settle_reply(ahead, plan, reply.verdict, reply.ahead, held_here=False)
+        self._account(began, plan, reply.verdict, reply.proposal.forwards, ahead_forwards,
+                      reply.draft_seconds + max(reply.target_seconds, ahead_seconds))
+        return outputs
+
+    def _apply(self, plan: StepPlan, proposal: Proposal, verdict: Verdict, widths: list[int]) -> list[StepOutput]:
+        """Apply the verdict; each row's draft mark covers only what its own propose cached."""
+        seqs = plan.seqs
         before = [(s.num_tokens, s.draft_len) for s in seqs]
         outputs = apply_verdict(plan, proposal, verdict)
         for s, (n, held), width in zip(seqs, before, widths):  # what each row's own propose left cached
             s.draft_len = held if width == 0 else min(s.draft_len, n + width - 1)
         for s, g, a in zip(seqs, plan.num_draft.tolist(), verdict.num_accepted):
-            policy.observe_acceptance(s.acceptance, a, g)
-        ahead_forwards, ahead_seconds = await self._settle(ahead, plan, proposal, verdict)
-        wall = time.perf_counter() - began
-        policy.observe_overlapped_step(wall, fresh, ahead_forwards, verdict.forwards)
-        host._totals["pipelined_steps"] += 1
-        forward = sum(f.seconds for f in fresh) + max(verdict.seconds, sum(f.seconds for f in ahead_forwards))
-        from .coordinator import StepRecord
-
-        host._record(StepRecord(wall, forward, fresh_seconds + max(reply.seconds, ahead_seconds), len(seqs),
-                                plan.num_positions), plan, verdict)
+            self.policy.observe_acceptance(s.acceptance, a, g)
         return outputs
 
+    def _account(self, began: float, plan: StepPlan, verdict: Verdict, fresh, ahead_forwards,
+                 in_workers: float) -> None:
+        """The policy's costs and the coordinator's step record. fresh / ahead_forwards: the
+        draft's forwards before the verify and beside it."""
+        from .coordinator import StepRecord
+
+        host = self.host
+        wall = time.perf_counter() - began
+        self.policy.observe_overlapped_step(wall, fresh, ahead_forwards, verdict.forwards)
+        host._totals["pipelined_steps"] += 1
+        forward = sum(f.seconds for f in fresh) + max(verdict.seconds, sum(f.seconds for f in ahead_forwards))
+        host._record(StepRecord(wall, forward, in_workers, len(plan.seqs), plan.num_positions), plan, verdict)
+
     def discard(self) -> None:
-        """Throw the prepared block away (its rows' generators go back to before its draws)."""
+        """Throw the prepared block away (see `_unprepare`)."""
         prepared, self._prepared = self._prepared, None
         if prepared is not None:
-            _restore(prepared.plan.seqs, prepared.states)
+            _unprepare(prepared)
 
     # -- preparing the next block -----------------------------------------------------------------
-    def _prepares(self, plan: StepPlan) -> bool:
-        """Whether a step of this plan would prepare the next block (`_launch`'s cost test): a step
-        that would not (γ 0, or overlap does not pay) is simply a sequential step."""
+    def _prepares(self, plan: StepPlan | None) -> bool:
+        """Whether a step of this plan would prepare the next block (`_plan_ahead`'s cost test): a
+        step that would not (γ 0, or overlap does not pay) is simply a sequential step."""
+        if plan is None:
+            return False
         alphas = [self.policy.alpha(s.acceptance) for s in plan.seqs]
         return plan.num_positions > 0 and self.policy.overlap_pays(alphas, plan.num_positions)
 
-    def _launch(self, plan: StepPlan, proposal: Proposal, widths: list[int]) -> Ahead | None:
-        """Plan block k+1 for the rows as they would be after a full acceptance of block k and send
-        the ahead call; None when nothing is worth preparing. widths: drafts each row's own propose
-        made (its cache holds its tokens plus width - 1 of them)."""
-        seqs, width = plan.seqs, plan.num_positions
+    def _plan_ahead(self, plan: StepPlan, widths: list[int], drafts: list[list[int]] | None = None) -> Ahead | None:
+        """Plan block k+1 for the rows as they would be after a full acceptance of block k; None
+        when nothing is worth preparing. widths: drafts each row's own propose made (its cache
+        holds its tokens plus width - 1 of them). drafts: block k's [B][G] when known here (plain
+        calls); on the graph the draft side puts each row's last draft in and checks stop tokens."""
+        seqs = plan.seqs
         if not self._prepares(plan):
             return None
         if any(w == 0 and s.draft_len < s.num_tokens - 1 for s, w in zip(seqs, widths)):
             return None  # a row the draft lags on: the ahead call could not start from its last token
         num_draft = plan.num_draft.tolist()
-        drafts = proposal.tokens.tolist()  # [B][G] host ints (the reply came over the wire)
-        optimistic = []
-        for s, g, row in zip(seqs, num_draft, drafts):
-            gained = row[:g]
+        optimistic, rows = [], []
+        for b, (s, g) in enumerate(zip(seqs, num_draft)):
+            gained = drafts[b][:g] if drafts is not None else [_UNKNOWN] * g
             if any(t in s.stop_ids for t in gained) or s.remaining <= g + 1:
                 return None  # a row finishes with this block: its next block will never be verified
             n = s.num_tokens + g + 1
             optimistic.append(dataclasses.replace(s, output=s.output + gained + [_UNKNOWN], draft_len=n - 1,
                                                   metrics=s.metrics, acceptance=s.acceptance))
+            last = gained[-1] if g else s.tokens[-1]  # the row's last token if all of block k is accepted
+            rows.append(RowInput(s.request_id, s.num_tokens + g - 1, [last]))
         states = {b: s.generator.get_state() for b, s in enumerate(seqs) if not s.params.greedy}
         ahead_plan = plan_step(optimistic, self.policy)
         if ahead_plan.num_positions == 0:
             _restore(seqs, states)
             return None
-        rows = []
-        for s, g, row in zip(seqs, num_draft, drafts):
-            start = s.num_tokens + g - 1  # the row's last token if all of block k is accepted
-            rows.append(RowInput(s.request_id, start, (s.tokens + row[:g])[start:]))
         uniforms = None
         if ahead_plan.draft_uniforms is not None:
             guess = torch.full((len(seqs), 1), GUESS_UNIFORM)
             uniforms = torch.cat([guess, ahead_plan.draft_uniforms], dim=1)  # [B, G'+1]
-        host = self.host
-        num_tokens = ahead_plan.num_positions + 1
-        ref = host.draft.propose.remote(rows, num_tokens, ahead_plan.sampling, uniforms)
         self.host._totals["pipelined_prepared"] += 1
-        return Ahead(ahead_plan, asyncio.ensure_future(ref), [s.num_tokens for s in optimistic], states,
-                     time.perf_counter(), host._deadline("draft", rows, num_tokens))
+        deadline = self.host._deadline("draft", rows, ahead_plan.num_positions + 1)
+        return Ahead(ahead_plan, rows, uniforms, [s.num_tokens for s in optimistic], states, time.perf_counter(),
+                     deadline, next(self._ahead_ids))
 
-    async def _settle(self, ahead: Ahead | None, plan: StepPlan, proposal: Proposal, verdict: Verdict):
-        """Wait for the ahead call; keep its block when every row accepted all of block k and the
-        bonus equals the guess. -> (its forwards, its seconds in the worker)."""
+    def _launch(self, plan: StepPlan, proposal: Proposal, widths: list[int]) -> Ahead | None:
+        """Plan block k+1 and send the ahead call on a plain actor call."""
+        ahead = self._plan_ahead(plan, widths, proposal.tokens.tolist())  # [B][G] host ints (from the wire)
+        if ahead is not None:
+            ref = self.host.draft.propose.remote(ahead.rows, ahead.plan.num_positions + 1, ahead.plan.sampling,
+                                                 ahead.uniforms)
+            ahead.future = asyncio.ensure_future(ref)
+        return ahead
+
+    async def _settle(self, ahead: Ahead | None, plan: StepPlan, verdict: Verdict):
+        """Wait for a plain-call ahead call, then `_settle_reply`. -> (its forwards, its seconds in the worker)."""
         if ahead is None:
             return (), 0.0
-        host, seqs = self.host, plan.seqs
         left = ahead.deadline - (time.perf_counter() - ahead.launched)
         try:
             reply = await asyncio.wait_for(ahead.future, timeout=max(left, 0.0))
         except Exception as err:  # timed out, died, raised
-            _restore(seqs, ahead.states)
+            _restore(plan.seqs, ahead.states)
             if isinstance(err, asyncio.TimeoutError):
                 from .coordinator import WorkerTimeout
 
                 err = WorkerTimeout(f"draft worker missed its {ahead.deadline:.1f} s deadline (ahead call)")
-            host._draft_lost(err)
+            self.host._draft_lost(err)
             return (), 0.0
+        return self._settle_reply(ahead, plan, verdict, reply, held_here=True)
+
+    def _settle_reply(self, ahead: Ahead | None, plan: StepPlan, verdict: Verdict, reply, held_here: bool):
+        """Keep the ahead call's block when every row accepted all of block k and the bonus equals
+        the guess. reply: its Reply (None, or one without result or misses: no ahead was drafted).
+        held_here: its q came back here (plain calls), else the draft side holds it under the
+        ahead's id. -> (its forwards, its seconds in the worker)."""
+        if ahead is None:
+            return (), 0.0
+        seqs = plan.seqs
+        if reply is None or (reply.result is None and not reply.misses):
+            _restore(seqs, ahead.states)
+            return (), 0.0 if reply is None else reply.seconds
         if reply.misses:  # a restarted draft: its marks move back, the next propose rebuilds
             by_id = {s.request_id: s for s in seqs}
             for rid, valid in reply.misses.items():
@@ -245,7 +354,8 @@ class Pipeline:
             self._prepared = Prepared(
                 ahead.plan, tokens[:, 1:], None if probs is None else probs[:, 1:],
                 {s.request_id: b for b, (s, m) in enumerate(zip(seqs, matched)) if m}, list(ahead.num_tokens),
-                {b: state for b, state in ahead.states.items() if matched[b]})
+                {b: state for b, state in ahead.states.items() if matched[b]}, list(seqs),
+                None if held_here else ahead.ahead_id)
         return reply.result.forwards, reply.seconds
 
     def _take(self, seqs: list[Sequence]) -> tuple[Prepared | None, list[int | None]]:
@@ -257,7 +367,7 @@ class Pipeline:
         used = [prepared.rows.get(s.request_id) for s in seqs]
         used = [b if b is not None and s.num_tokens == prepared.num_tokens[b] else None for b, s in zip(used, seqs)]
         taken = set(u for u in used if u is not None)
-        _restore(prepared.plan.seqs, {b: st for b, st in prepared.states.items() if b not in taken})
+        _unprepare(prepared, [b for b in prepared.rows.values() if b not in taken])
         return (prepared if taken else None), used
 
     def _abandon(self, ahead: Ahead | None) -> None:
@@ -275,42 +385,69 @@ class Pipeline:
         self.host._draft_lost(err)
 
 
-def _combine(seqs: list[Sequence], used: list[int | None], prepared: Prepared, fresh_plan: StepPlan | None,
-             fresh: Proposal) -> tuple[StepPlan, Proposal, list[int]]:
-    """One step's plan and drafts for rows from the prepared block (used[i] = its row there) and
-    freshly drafted rows (the others, in order): width G = the wider of the two, each row's drafts
-    and uniforms in its own first columns (the rule ignores positions past a row's g_b).
-    -> (plan, proposal, each row's own width)."""
-    ahead = prepared.plan
-    parts = [(ahead, prepared.tokens, prepared.probs)]
-    if fresh_plan is not None:
-        parts.append((fresh_plan, fresh.tokens, fresh.probs))
-    width = max(p.num_positions for p, _, _ in parts)
-    where, count = [], 0  # per row: (part, its row in that part)
-    for row in used:
-        where.append((0, row) if row is not None else (1, count))
-        count += row is None
+def _combine_plan(seqs: list[Sequence], used: list[int | None], ahead: StepPlan,
+                  fresh_plan: StepPlan | None) -> tuple[StepPlan, list[int]]:
+    """One step's plan for rows from the prepared block (used[i] = its row in the ahead plan) and
+    freshly drafted rows (the others, in order): width G = the wider of the two, each row's
+    uniforms in its own first columns (the rule ignores positions past a row's g_b).
+    -> (plan, each row's own width)."""
+    parts = [ahead] + ([fresh_plan] if fresh_plan is not None else [])
+    width = max(p.num_positions for p in parts)
     sampling = BatchSampling.from_params([s.params for s in seqs])
     batch = len(seqs)
-    tokens = torch.zeros(batch, width, dtype=torch.long)  # [B, G]
     num_draft = torch.zeros(batch, dtype=torch.long)  # [B]
-    vocab = next((q.shape[-1] for _, _, q in parts if q is not None), 0)
-    probs = None if sampling.all_greedy else torch.zeros(batch, width, vocab)  # [B, G, V]
     accept = None if sampling.all_greedy else torch.zeros(batch, width)  # [B, G]
     final = None if sampling.all_greedy else torch.zeros(batch)  # [B]
     widths = []
-    for b, (part, row) in enumerate(where):
-        plan, drafts, q = parts[part]
+    for b, (part, row) in enumerate(_sources(used)):
+        plan = parts[part]
         g = plan.num_positions
         widths.append(g)
-        tokens[b, :g] = drafts[row, :g]
         num_draft[b] = plan.num_draft[row]
-        if probs is not None and plan.accept_uniforms is not None:
+        if accept is not None and plan.accept_uniforms is not None:
             accept[b, :g], final[b] = plan.accept_uniforms[row], plan.final_uniforms[row]
-            if q is not None:
-                probs[b, :g] = q[row, :g]
-    step = StepPlan(list(seqs), width, num_draft, sampling, None, accept, final)
-    return step, Proposal(tokens, probs), widths
+    return StepPlan(list(seqs), width, num_draft, sampling, None, accept, final), widths
+
+
+def combine_drafts(used: list[int | None], width: int, prepared: tuple, fresh: tuple):
+    """Block k's drafts for rows from a prepared block (used[i] = its row there) and freshly drafted
+    rows (the others, in order), each row's in its own first columns; prepared / fresh: (tokens
+    [B', G'], q [B', G', V] or None). Run where the drafts are: the coordinator on plain calls, the
+    draft worker on the compiled graph. -> (tokens [B, G], q [B, G, V] or None when no part has q)."""
+    parts = [prepared, fresh]
+    vocab = next((q.shape[-1] for _, q in parts if q is not None), 0)
+    batch = len(used)
+    tokens = torch.zeros(batch, width, dtype=torch.long)  # [B, G]
+    probs = torch.zeros(batch, width, vocab) if vocab else None  # [B, G, V]
+    for b, (part, row) in enumerate(_sources(used)):
+        drafts, q = parts[part]
+        g = drafts.shape[1]
+        tokens[b, :g] = drafts[row, :g]
+        if probs is not None and q is not None:
+            probs[b, :g] = q[row, :g]
+    return tokens, probs
+
+
+def _sources(used: list[int | None]) -> list[tuple[int, int]]:
+    """Per row: (0, its row in the prepared block) or (1, its row among the fresh ones)."""
+    where, count = [], 0
+    for row in used:
+        where.append((0, row) if row is not None else (1, count))
+        count += row is None
+    return where
+
+
+def _unprepare(prepared: Prepared, rows: list[int] | None = None) -> None:
+    """Rows (default: all) of a prepared block that will not be verified: their generators go back
+    to before its draws, and their draft marks back to before their last token (the draft's cache
+    holds the block's first drafts past it, which only the block's own verify may keep; a propose
+    starts from at least one token)."""
+    rows = list(prepared.rows.values()) if rows is None else rows
+    _restore(prepared.plan.seqs, {b: prepared.states[b] for b in rows if b in prepared.states})
+    for b in rows:
+        s = prepared.owners[b]
+        if s.num_tokens == prepared.num_tokens[b]:
+            s.draft_len = min(s.draft_len, s.num_tokens - 1)
 
 
 def _restore(seqs: list[Sequence], states: dict[int, torch.Tensor]) -> None:

@@ -29,7 +29,8 @@ from specserve.engine.engine import model_eos_ids
 from specserve.engine.step import empty_proposal
 from specserve.engine.sampling import BatchSampling
 
-from .graph import StepCall, StepReply, light, pack, unpack
+from .graph import Block, StepCall, StepReply, light, pack, unpack
+from .pipeline import combine_drafts
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,10 @@ def _serialised(method):
 class _Worker:
     def __init__(self, torch_threads: int | None) -> None:
         self._lock = threading.RLock()
+        # the draft side of a compiled step graph (DraftWorker.graph_propose / graph_ahead)
+        self._proposing = False  # inside graph_propose (waiting for the lock included)
+        self._step: tuple[StepCall, Proposal | None] | None = None  # the last graph_propose: call, block k
+        self._aheads: dict[int, Proposal] = {}  # ahead id -> its proposal [B, G'+1] (q included); the last two
         if torch_threads:
             torch.set_num_threads(torch_threads)
 
@@ -129,16 +134,11 @@ class _Worker:
         """ForwardTimings of a few dummy forwards, so the coordinator's γ policy starts measured."""
         return self.model.runner.time_forwards()
 
-    @_serialised
-    def graph_propose(self, packed: bytes) -> bytes:
-        """The draft side's node of the compiled step graph: StepCall -> Reply with this step's
-        drafts (none, at once, for a target-only step), both pickled (serve/graph.py)."""
-        return pack(self._propose_step(unpack(packed)))
-
     def _propose_step(self, call: StepCall) -> Reply:
         if call.num_positions == 0:
             return Reply(empty_proposal(len(call.draft_rows)), 0.0)
-        return self.propose(call.draft_rows, call.num_positions, call.sampling, call.draft_uniforms)
+        sampling = call.sampling if call.draft_sampling is None else call.draft_sampling
+        return self.propose(call.draft_rows, call.num_positions, sampling, call.draft_uniforms)
 
     def node_id(self) -> str:
         """The Ray node this actor runs on (hex id), for placement checks."""
@@ -246,6 +246,60 @@ class DraftWorker(_Worker):
         from specserve.models.loading import load_draft
 
         self.model = DraftModelProposer(load_draft(source, _assigned_gpus()), vocab_size, max_model_len, execution)
+
+    def proposing(self) -> bool:
+        """Whether graph_propose is running (the coordinator's late-draft probe; takes no lock, so
+        it answers while an ahead call, which may rightly outlast the draft's deadline, runs)."""
+        return self._proposing
+
+    def graph_propose(self, packed: bytes) -> bytes:
+        """The draft side's first node of the compiled step graph: StepCall -> Reply with block k
+        (none, at once, for a target-only step), both pickled (serve/graph.py). A pipelined step's
+        block is assembled from the rows' prepared drafts and this call's fresh ones."""
+        self._proposing = True
+        try:
+            with self._lock:
+                call = unpack(packed)
+                reply = self._propose_step(call)
+                if reply.result is not None and call.block is not None:
+                    reply = Reply(self._assemble(call.block, reply.result), reply.seconds)
+                self._step = (call, reply.result)
+                return pack(reply)
+        finally:
+            self._proposing = False
+
+    def _assemble(self, block: Block, fresh: Proposal) -> Proposal:
+        prepared = self._aheads.get(block.prepared_id)
+        if prepared is None:
+            raise RuntimeError(f"prepared block {block.prepared_id} is not held here")
+        probs = None if prepared.probs is None else prepared.probs[:, 1:]
+        tokens, probs = combine_drafts(block.rows, block.width, (prepared.tokens[:, 1:], probs),
+                                       (fresh.tokens, fresh.probs))
+        return Proposal(tokens, probs, fresh.forwards)
+
+    @_serialised
+    def graph_ahead(self, drafted: bytes) -> bytes:
+        """The draft side's second node (pipelined graphs): after block k went to the target, draft
+        the step's AheadCall from block k's last drafts, keep it (q included) for the next step's
+        block, and return it without q. None when there is no ahead call (or block k missed); a
+        Reply without result or misses when a row's block k holds a stop token (no ahead then)."""
+        call, block = self._step or (None, None)
+        self._step = None
+        if call is None or call.ahead is None or block is None:
+            return pack(None)
+        ahead, drafts = call.ahead, block.tokens.tolist()  # [B][G]
+        rows = []
+        for row, g, stops, own in zip(ahead.rows, ahead.num_draft, ahead.stop_ids, drafts):
+            if any(t in stops for t in own[:g]):
+                return pack(Reply(None, 0.0))
+            rows.append(row if g == 0 else RowInput(row.request_id, row.start, [own[g - 1]]))
+        reply = self.propose(rows, ahead.num_tokens, ahead.sampling, ahead.uniforms)
+        if reply.result is None:
+            return pack(reply)
+        self._aheads[ahead.ahead_id] = reply.result
+        for old in sorted(self._aheads)[:-2]:
+            del self._aheads[old]
+        return pack(Reply(light(reply.result), reply.seconds))
 
     def max_positions(self) -> int | None:
         return self.model.runner.max_positions
