@@ -270,8 +270,12 @@ def step_reply(out: bytes | list[bytes]) -> StepReply:
     return dataclasses.replace(unpack(reply), ahead=unpack(ahead))
 
 
-def _execute(dag, packed: bytes, timeout: float) -> bytes:
-    return dag.execute(packed).get(timeout=timeout)
+def _execute(dag, packed: bytes, timeout: float) -> bytes | list[bytes]:
+    refs = dag.execute(packed)
+    if not isinstance(refs, list):
+        return refs.get(timeout=timeout)
+    ends = time.monotonic() + timeout  # a graph with several outputs: one ref each, one deadline for all
+    return [ref.get(timeout=max(ends - time.monotonic(), 0.0)) for ref in refs]
 
 
 def _teardown(dag) -> None:
