@@ -279,28 +279,3 @@ def test_shipped_configs_bind_loopback_or_require_a_key(path):
         for app in spec["applications"]:
             assert load_app_config(app["args"]).front_door.require_api_key, app["name"]
 
-
-def test_gauges_are_recorded_only_when_their_value_changes(monkeypatch):
-    import specserve.serve.metrics as metrics
-
-    recorded = []
-
-    class Gauge:
-        def __init__(self, name, **kw):
-            self.name = name
-
-        def set(self, value, tags):
-            recorded.append((self.name, value, tags.get("worker")))
-
-    monkeypatch.setattr(metrics, "Gauge", Gauge)
-    m = metrics.CoordinatorMetrics("tiny")
-    for value in (3, 3, 4, 4, 3):
-        m.set(m.running, value)
-    m.set(m.kv_usage, 10, worker="target")
-    m.set(m.kv_usage, 10, worker="draft")  # another series: recorded
-    m.set(m.kv_usage, 10, worker="target")
-    m.set(m.waiting, 3)  # another gauge with the running gauge's value: recorded
-    running, usage, waiting = (metrics.PREFIX + n for n in ("num_requests_running", "kv_cache_usage_tokens",
-                                                            "num_requests_waiting"))
-    assert recorded == [(running, 3, None), (running, 4, None), (running, 3, None), (usage, 10, "target"),
-                        (usage, 10, "draft"), (waiting, 3, None)]
