@@ -11,8 +11,7 @@ at a time (batch 1), greedy:
   sequential        propose, then verify, as one compiled-graph execution (transport: compiled_graph)
   sequential-calls  the same on plain actor calls (transport: actor_calls, the default)
   pipelined         the draft drafts block k+1 while the target verifies block k
-                    (speculation.pipelined: steps that prepare use plain actor calls, steps
-                    that prepare nothing run on the compiled graph)
+                    (speculation.pipelined, on the compiled graph)
 
 Pairs: random-weight Llama shapes with a *controlled-acceptance drafter* (as in `bench gpu`: the
 draft runs its real forwards, so its cost is real, but proposes the target's true greedy token
@@ -167,6 +166,12 @@ def worker_classes(draft_layers: int, draft_width: int, alpha: float, seed: int)
     return Target, Draft
 
 
+def p50_p99_ms(seconds: list[float]) -> tuple[float, float]:
+    """(p50, p99) of these durations, in milliseconds; (0, 0) when there are none."""
+    ordered = sorted(seconds) or [0.0]
+    return 1e3 * ordered[len(ordered) // 2], 1e3 * ordered[min(int(0.99 * len(ordered)), len(ordered) - 1)]
+
+
 def coordinator_class(workers=None):
     """The Coordinator's class as a plain Ray actor (no Serve), with a few bench-only methods."""
     import ray
@@ -204,8 +209,8 @@ def coordinator_class(workers=None):
 
         def measured(self) -> dict:
             recs = list(self._records)
-            overhead = sorted(r.wall - r.forward for r in recs) or [0.0]
-            transport = sorted(r.wall - r.in_workers for r in recs) or [0.0]
+            overhead = p50_p99_ms([r.wall - r.forward for r in recs])
+            transport = p50_p99_ms([r.wall - r.in_workers for r in recs])
             policy, totals = self.policy, self._totals
             one = policy.target_cost.predict(1)
             return dict(
@@ -214,10 +219,8 @@ def coordinator_class(workers=None):
                 gamma_mean=statistics.fmean(r.positions for r in recs) if recs else 0.0,
                 c=policy.draft_cost.predict(1) / one if policy.draft_cost.ready else 0.0,
                 v={g: policy.target_cost.predict(g + 1) / one for g in range(1, self.max_gamma + 1)},
-                overhead_p50_ms=1e3 * overhead[len(overhead) // 2],
-                overhead_p99_ms=1e3 * overhead[min(int(0.99 * len(overhead)), len(overhead) - 1)],
-                coordination_p50_ms=1e3 * transport[len(transport) // 2],
-                coordination_p99_ms=1e3 * transport[min(int(0.99 * len(transport)), len(transport) - 1)],
+                overhead_p50_ms=overhead[0], overhead_p99_ms=overhead[1],
+                coordination_p50_ms=transport[0], coordination_p99_ms=transport[1],
                 prepared=totals.get("pipelined_prepared", 0), hits=totals.get("pipelined_hits", 0),
                 transport="compiled_graph" if self.graph is not None else "actor_calls")
 
@@ -341,20 +344,19 @@ def probe_pair(requests, workers, refs, tiny: bool, c_wanted: float | None, shap
     own threads, Ray beside them), is within 10% of the c asked for: a forward timed alone in this
     process costs a different share. planting: (α, seed) of the planted pair.
     -> (the probe's measurements, workers, (width, layers))."""
-    for attempt in range(tries):
+    while True:
         probe = run_config(app_config(4, False, False, 1, tiny), requests[:1], workers, refs)[2]
         bar.update()
-        if c_wanted is None or attempt + 1 == tries:
-            return probe, workers, shape
+        tries -= 1
         width, layers = shape
-        nxt = next_layers(layers, c_wanted, probe["c"], TARGET_SHAPE["num_hidden_layers"])
+        nxt = None if c_wanted is None or tries == 0 else next_layers(
+            layers, c_wanted, probe["c"], TARGET_SHAPE["num_hidden_layers"])
         if nxt is None:
             return probe, workers, shape
         shape = (width, nxt)
         workers = worker_classes(nxt, width, *planting)
         bar.total += 1  # one more probe
         bar.refresh()
-    return probe, workers, shape
 
 
 def measure_pair(pair: str, requests, workers, alpha: float | None, fixed: bool, bar,
@@ -443,9 +445,8 @@ def transport_floor(executions: int = 500) -> dict[str, dict[str, float]]:
             began = time.perf_counter()
             once()
             seconds.append(time.perf_counter() - began)
-        seconds.sort()
-        floor[name] = {"p50_ms": round(1e3 * seconds[len(seconds) // 2], 3),
-                       "p99_ms": round(1e3 * seconds[int(0.99 * len(seconds))], 3)}
+        p50, p99 = p50_p99_ms(seconds)
+        floor[name] = {"p50_ms": round(p50, 3), "p99_ms": round(p99, 3)}
 
     for name in ("graph one node", "graph two nodes"):
         with InputNode() as call:

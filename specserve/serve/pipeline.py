@@ -147,11 +147,10 @@ class Pipeline:
                 self._draft_failed(fresh_seqs, err)
                 return None  # the coordinator re-plans this step target-only
             fresh_proposal, fresh, fresh_seconds = reply.result, reply.result.forwards, reply.seconds
-        if prepared is None:
-            plan, proposal, widths = fresh_plan, fresh_proposal, [fresh_plan.num_positions] * len(seqs)
-        else:
+        plan, widths = _combine_plan(seqs, used, prepared, fresh_plan)
+        proposal = fresh_proposal
+        if prepared is not None:
             host._totals["pipelined_hits"] += len(seqs) - len(fresh_rows)
-            plan, widths = _combine_plan(seqs, used, prepared.plan, fresh_plan)
             tokens, probs = combine_drafts(used, plan.num_positions, (prepared.tokens, prepared.probs),
                                            (fresh_proposal.tokens, fresh_proposal.probs))
             proposal = Proposal(tokens, probs)
@@ -189,12 +188,8 @@ class Pipeline:
             if outputs is None:
                 _restore(seqs, saved)
             return outputs
-        block = None
-        if prepared is None:
-            plan, widths = fresh_plan, [fresh_plan.num_positions] * len(seqs)
-        else:
-            plan, widths = _combine_plan(seqs, used, prepared.plan, fresh_plan)
-            block = Block(prepared.ahead_id, used, plan.num_positions)
+        plan, widths = _combine_plan(seqs, used, prepared, fresh_plan)
+        block = None if prepared is None else Block(prepared.ahead_id, used, plan.num_positions)
         ahead = self._plan_ahead(plan, widths)
         draft = fresh_plan  # the rows the draft side proposes for (None: every row was prepared)
 
@@ -385,13 +380,15 @@ class Pipeline:
         self.host._draft_lost(err)
 
 
-def _combine_plan(seqs: list[Sequence], used: list[int | None], ahead: StepPlan,
+def _combine_plan(seqs: list[Sequence], used: list[int | None], prepared: Prepared | None,
                   fresh_plan: StepPlan | None) -> tuple[StepPlan, list[int]]:
-    """One step's plan for rows from the prepared block (used[i] = its row in the ahead plan) and
+    """One step's plan for rows from the prepared block (used[i] = its row in its ahead plan) and
     freshly drafted rows (the others, in order): width G = the wider of the two, each row's
-    uniforms in its own first columns (the rule ignores positions past a row's g_b).
-    -> (plan, each row's own width)."""
-    parts = [ahead] + ([fresh_plan] if fresh_plan is not None else [])
+    uniforms in its own first columns (the rule ignores positions past a row's g_b). Without a
+    prepared block, the fresh plan itself. -> (plan, each row's own width)."""
+    if prepared is None:
+        return fresh_plan, [fresh_plan.num_positions] * len(seqs)
+    parts = [prepared.plan] + ([fresh_plan] if fresh_plan is not None else [])
     width = max(p.num_positions for p in parts)
     sampling = BatchSampling.from_params([s.params for s in seqs])
     batch = len(seqs)

@@ -281,7 +281,8 @@ class DraftWorker(_Worker):
     def graph_ahead(self, drafted: bytes) -> bytes:
         """The draft side's second node (pipelined graphs): after block k went to the target, draft
         the step's AheadCall from block k's last drafts, keep it (q included) for the next step's
-        block, and return it without q. None when there is no ahead call (or block k missed); a
+        block, and return it without q. `drafted` (graph_propose's output) only orders this node
+        after it; block k and its call are the ones graph_propose kept, not unpickled again. None when there is no ahead call (or block k missed); a
         Reply without result or misses when a row's block k holds a stop token (no ahead then)."""
         call, block = self._step or (None, None)
         self._step = None
