@@ -100,3 +100,99 @@ def test_label_text_caps_tokens_per_file_and_warm_start_keeps_layer(tmp_path):
     wider = init_head(tiny_llama(0, layers=2, hidden_size=48), choose_draft_vocab(rows, 32, vocab))
     with pytest.raises(ValueError, match="shaped differently"):
         warm_start(wider, source)
+
+
+def test_eagle3_head_trains_on_the_answers_of_an_earlier_run(tmp_path, monkeypatch):
+    """A fused-layer (EAGLE-3) head distils from the answers a final-norm run already generated
+    (only the features are made anew), trains with its soft labels from the final norm, feeds its
+    own output back directly, and drafts losslessly."""
+    import torch
+
+    from specserve.distill import data
+
+    model_dir = tmp_path / "model"
+    model = tiny_llama(0, layers=6, hidden_size=32)
+    model.save_pretrained(model_dir)
+    byte_tokenizer().save_pretrained(model_dir)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(f"Say something about {i}." for i in range(6)) + "\n")
+    common = ["distill", "--model", str(model_dir), "--no-default-prompts", "--prompts", str(prompts),
+              "--data-dir", str(tmp_path / "data"), "--max-new", "10", "--gen-batch", "3", "--label-tokens", "64",
+              "--draft-vocab", "64", "--batch-tokens", "256", "--threads", "1", "--eval-per-category", "0"]
+    assert main(common + ["--out", str(tmp_path / "plain"), "--data-only"]) == 0
+    answers = sorted(p.name for p in (tmp_path / "data").glob("answers-*.pt"))
+    assert len(answers) == 2  # one per batch of three prompts
+
+    def no_generation(*args, **kwargs):
+        raise AssertionError("the answers were generated again")
+
+    monkeypatch.setattr(data, "answer_batch", no_generation)
+    out = tmp_path / "fused"
+    assert main(common + ["--out", str(out), "--eagle3-features", "--time-budget", "30", "--ttt-steps", "3"]) == 0
+    assert sorted(p.name for p in (tmp_path / "data").glob("answers-*.pt")) == answers
+    config = json.loads((out / "config.json").read_text())
+    assert config["specserve"]["feature_layers"] == [1, 2, 2] and config["specserve"]["feedback"] == "direct"
+    assert config["specserve"]["training"]["steps"] > 0
+
+    shard = next(p for p in (tmp_path / "data").glob("file-prompts-*.pt") if torch.load(p)[0]["features"].shape[1] == 96)
+    row = torch.load(shard)[0]
+    assert row["final"].shape == (len(row["ids"]), 32)  # the teacher's input beside the fused features
+
+    engine = SpeculativeEngine(model, drafter=FeatureDrafterSpec(str(out)), num_speculative_tokens=3, adaptive=False)
+    prompt = list(b"tell me more")
+    got = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0))[0].token_ids
+    alone = SpeculativeEngine(model, num_speculative_tokens=0).generate(
+        [prompt], SamplingParams(max_tokens=12, temperature=0.0))[0].token_ids
+    assert got == alone
+
+
+def test_labelling_in_bounded_groups_equals_one_forward():
+    import torch
+
+    from specserve.distill.data import FeatureCapture, label_batch
+
+    model = tiny_llama(0, layers=2, hidden_size=32)
+    seqs = [list(range(5, 5 + n)) for n in (7, 30, 12, 3, 25)]
+    capture = FeatureCapture(model)
+    try:
+        whole = label_batch(model, capture, seqs, max_tokens=10_000)
+        grouped = label_batch(model, capture, seqs, max_tokens=40)  # 30 x 2 > 40: groups of one or two
+    finally:
+        capture.remove()
+    assert [len(r["ids"]) for r in grouped] == [7, 30, 12, 3, 25]
+    for a, b in zip(whole, grouped):
+        assert torch.equal(a["ids"], b["ids"]) and torch.equal(a["argmax"], b["argmax"])
+        torch.testing.assert_close(a["features"], b["features"], atol=2e-3, rtol=2e-3)
+
+
+def test_self_instruct_keeps_whole_new_prompts_only(tmp_path, monkeypatch):
+    """The target's own prompts: a cut-off one, a repeat, a too-short one and one overlapping a
+    held-out prompt are dropped; the rest are saved and read back on a rerun."""
+    from specserve.distill import data
+    from specserve.distill.data import PromptRecord, self_instruct_prompts
+
+    tok = byte_tokenizer()
+    template = tok.apply_chat_template([{"role": "user", "content": "\x00PROMPT\x00"}], tokenize=False,
+                                       add_generation_prompt=True)
+    end = tok(template.split("\x00PROMPT\x00")[1], add_special_tokens=False)["input_ids"][0]
+    written = ["How do tides work on the open ocean?", "Explain why the sky is blue at noon and red at dusk",
+               "How do tides work on the open ocean?", "Hi", "Name three rivers in Europe, please."]
+    calls = []
+
+    def fake_answers(model, tokenizer, prompts, max_new, temperature, eos_ids=None):
+        calls.append(len(prompts))
+        assert end in eos_ids and temperature == 0.9
+        out = [list(w.encode()) + [end] for w in written]
+        out[-1] = out[-1][:-1]  # cut off by max_new: not a whole prompt
+        return out[: len(prompts)]
+
+    monkeypatch.setattr(data, "answer_batch", fake_answers)
+    held = [PromptRecord("Why is the sky blue at noon and red at dusk? Answer in two sentences.", True)]
+    path = tmp_path / "self.jsonl"
+    got = self_instruct_prompts(None, tok, 10, seed=0, batch_size=5, held_out=held, path=path)
+    prompts = [r.prompt for r in got]
+    assert len(prompts) == 1 and prompts[0].endswith("How do tides work on the open ocean?")
+    assert all(r.chat for r in got)
+    assert len(calls) == 4 * (10 // 5 + 1)  # it keeps asking, within its bound, for more
+    again = self_instruct_prompts(None, tok, 10, seed=0, batch_size=5, held_out=held, path=path)
+    assert again == got and len(calls) == 12  # read back, nothing generated

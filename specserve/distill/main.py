@@ -4,10 +4,12 @@
     specserve distill --model /models/my-llama --out heads/my-llama --prompts my_prompts.jsonl \\
         --text docs/*.md --time-budget 7200
 
-1. data: the target answers the prompts (greedy; `--sampled T` adds a sampled pass), and reads
-   the `--text` files (and `--local-text` N local sources and docs) as they are; one forward per
-   sequence keeps its features and greedy labels (`specserve.distill.data`). Shards go to
-   `--data-dir` (default OUT/data) as they finish; a rerun skips the ones present.
+1. data: the target answers the prompts (greedy; `--sampled T` adds a sampled pass), including
+   `--self-instruct N` prompts it writes itself, and reads the `--text` files (and `--local-text` N
+   local sources and docs) as they are; one forward per sequence keeps its features and greedy
+   labels (`specserve.distill.data`). Shards go to `--data-dir` (default OUT/data) as they finish;
+   a rerun skips the ones present, and a head with other feature layers reuses the answers.
+   `--data-only` stops here.
 2. train: a head shaped like one target layer, for `--time-budget` seconds
    (`specserve.distill.train`); a checkpoint every few minutes (OUT/checkpoint.pt), resumed by a
    rerun with the same OUT.
@@ -42,11 +44,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--local-text-tokens", type=int, default=768, help="tokens read from each --local-text file")
     p.add_argument("--no-default-prompts", action="store_true",
                    help="skip the built-in set (train_prompts.txt chat + stdlib code + doc summaries)")
+    p.add_argument("--self-instruct", type=int, default=0,
+                   help="chat prompts the target writes itself (sampled from its chat template's user turn), "
+                        "then answers; those overlapping a held-out prompt are dropped")
+    p.add_argument("--self-instruct-temperature", type=float, default=0.9)
     p.add_argument("--num-code", type=int, default=96, help="built-in code prompts")
     p.add_argument("--num-summary", type=int, default=96, help="built-in summarise prompts")
     p.add_argument("--max-new", type=int, default=96, help="answer tokens per prompt")
     p.add_argument("--sampled", type=float, default=0.0, help="also a sampled pass at this temperature (0: none)")
     p.add_argument("--gen-batch", type=int, default=16)
+    p.add_argument("--label-tokens", type=int, default=8192,
+                   help="padded tokens per labelling forward (bounds its [rows, width, vocab] logits)")
+    p.add_argument("--data-only", action="store_true", help="make the data shards and stop (no training)")
     p.add_argument("--text-chunk", type=int, default=256, help="tokens per --text sequence")
     p.add_argument("--draft-vocab", type=int, default=8192, help="K, the head's vocabulary (<= the target's)")
     p.add_argument("--eagle3-features", action="store_true",
@@ -69,43 +78,60 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device-map", default=None,
                    help="HF device_map for the target (e.g. 'auto': shard over the visible GPUs)")
+    p.add_argument("--device", default=None,
+                   help="where the target runs without --device-map (default: cuda if available, else cpu)")
     p.add_argument("--train-device", default=None, help="where the head trains (default: cuda if available, else cpu)")
     p.add_argument("--seed", type=int, default=0)
 
 
-def load_model(name: str, dtype: str, device_map: str | None = None):
+def load_model(name: str, dtype: str, device_map: str | None = None, device: str | None = None):
+    """(model, tokenizer): on `device_map`'s devices when given, else on `device` (default: cuda if
+    available)."""
     if name == "smollm2":
         from specserve.models.smollm2 import load_smollm2_target
 
-        return load_smollm2_target(dtype=getattr(torch, dtype))
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+        model, tokenizer = load_smollm2_target(dtype=getattr(torch, dtype))
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(name, dtype=getattr(torch, dtype), local_files_only=True,
-                                                 attn_implementation="sdpa", device_map=device_map)
-    return model.eval(), AutoTokenizer.from_pretrained(name, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=getattr(torch, dtype), local_files_only=True,
+                                                     attn_implementation="sdpa", device_map=device_map).eval()
+        tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=True)
+    if device_map is None:
+        model.to(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    return model, tokenizer
 
 
 def collect_data(model, tokenizer, args, feature_layers) -> list[dict]:
-    from .data import generate_shards, label_text, load_shards, local_text_files, read_prompt_file, without
+    from .data import (generate_shards, label_text, load_shards, local_text_files, read_prompt_file,
+                       self_instruct_prompts, without)
     from .prompts import default_sets, held_out
 
     data_dir = args.data_dir or args.out / "data"
     sets = {} if args.no_default_prompts else default_sets(args.seed, args.num_code, args.num_summary)
     for path in args.prompts:
         sets[f"file-{path.stem}"] = without(read_prompt_file(path), held_out())
+    if args.self_instruct > 0:
+        sets["self"] = self_instruct_prompts(
+            model, tokenizer, args.self_instruct, seed=args.seed, batch_size=args.gen_batch,
+            temperature=args.self_instruct_temperature, held_out=held_out(),
+            path=data_dir / f"self-instruct-{args.seed}-{args.self_instruct_temperature}.jsonl")
+        print(f"self-instruct: {len(sets['self'])} prompts")
     shards = []
     passes = [("greedy", 0.0)] + ([("sampled", args.sampled)] if args.sampled > 0 else [])
     for tag, records in sets.items():
         for kind, temperature in passes:
             shards += generate_shards(model, tokenizer, records, data_dir, max_new=args.max_new,
                                       temperature=temperature, batch_size=args.gen_batch, seed=args.seed,
-                                      feature_layers=feature_layers, tag=f"{tag}-{kind}" if kind != "greedy" else tag)
+                                      feature_layers=feature_layers, tag=f"{tag}-{kind}" if kind != "greedy" else tag,
+                                      label_tokens=args.label_tokens)
     if args.text:
-        shards += label_text(model, tokenizer, args.text, data_dir, args.text_chunk, args.gen_batch, feature_layers)
+        shards += label_text(model, tokenizer, args.text, data_dir, args.text_chunk, args.gen_batch, feature_layers,
+                             label_tokens=args.label_tokens)
     if args.local_text > 0:
         files = local_text_files(random.Random(args.seed), held_out())[: args.local_text]
         shards += label_text(model, tokenizer, files, data_dir, args.text_chunk, args.gen_batch, feature_layers,
-                             max_tokens=args.local_text_tokens)
+                             max_tokens=args.local_text_tokens, label_tokens=args.label_tokens)
     return load_shards(shards)
 
 
@@ -120,10 +146,13 @@ def run(args: argparse.Namespace) -> int:
     random.seed(args.seed)
     torch.manual_seed(args.seed)
     began = time.time()
-    model, tokenizer = load_model(args.model, args.dtype, args.device_map)
+    model, tokenizer = load_model(args.model, args.dtype, args.device_map, args.device)
     model.requires_grad_(False)
     layers = eagle3_feature_layers(model.config.num_hidden_layers) if args.eagle3_features else ()
     rows = collect_data(model, tokenizer, args, layers)
+    if args.data_only:
+        print(f"data: {describe(rows)}")
+        return 0
     if not rows:
         print("no training data (give --prompts / --text, or drop --no-default-prompts)", file=sys.stderr)
         return 2

@@ -56,10 +56,14 @@ def choose_draft_vocab(rows: list[dict], k: int, vocab: int, reserved: int = 17)
     return score.topk(min(k, vocab)).indices.sort().values  # [K]
 
 
-def init_head(target: torch.nn.Module, k_map: torch.Tensor, feature_layers=(), feedback: str = "fc") -> FeatureHead:
+def init_head(target: torch.nn.Module, k_map: torch.Tensor, feature_layers=(), feedback: str | None = None
+              ) -> FeatureHead:
     """A new head shaped like a target layer: the last decoder layer's weights in the half of the
     attention input that reads the feature, its MLP and norms; fc the identity (when square);
-    lm_head the target's output rows of the draft vocabulary (frozen while training)."""
+    lm_head the target's output rows of the draft vocabulary (frozen while training). Feedback:
+    "fc" for final-norm features (a draft's normed output stands in for the next one), "direct"
+    for fused layers (EAGLE-3: fc's input is wider than a draft's output)."""
+    feedback = feedback or ("direct" if feature_layers else "fc")
     cfg = head_config_for(target, len(k_map), tuple(feature_layers), feedback)
     head = FeatureHead(cfg, target.get_input_embeddings(), k_map)
     _, layers = decoder_layers(target)
@@ -112,10 +116,13 @@ def make_batches(rows: list[dict], batch_tokens: int, rng: random.Random) -> lis
 
 
 def collate(batch: list[dict], inv_map: torch.Tensor, prompt_weight: float):
-    """-> feats [B, T, F] (f_0..f_{T-1}), next_feats [B, T, F], tokens [B, T] (x_1..x_T),
-    labels [B, T] draft ids (-1: not in the draft vocabulary), weight [B, T]; T = longest - 1."""
+    """-> feats [B, T, F] (f_0..f_{T-1}), next_final [B, T, H] (the final norm's output at
+    1..T: the teacher's input), tokens [B, T] (x_1..x_T), labels [B, T] draft ids (-1: not in the
+    draft vocabulary), weight [B, T]; T = longest - 1."""
     width = max(len(r["ids"]) for r in batch) - 1
     size = batch[0]["features"].shape[1]
+    key = "final" if "final" in batch[0] else "features"
+    final = torch.zeros(len(batch), width + 1, batch[0][key].shape[1])
     feats = torch.zeros(len(batch), width + 1, size)
     tokens = torch.zeros(len(batch), width, dtype=torch.long)
     labels = torch.full((len(batch), width), -1, dtype=torch.long)
@@ -123,12 +130,13 @@ def collate(batch: list[dict], inv_map: torch.Tensor, prompt_weight: float):
     for b, r in enumerate(batch):
         n = len(r["ids"]) - 1  # pairs of this sequence
         feats[b, : n + 1] = r["features"].float()
+        final[b, : n + 1] = r[key].float()
         tokens[b, :n] = r["ids"][1:].long()
         labels[b, :n] = inv_map[r["argmax"][1:].long()]
         w = torch.ones(n)
         w[: max(r["prompt_len"] - 2, 0)] = prompt_weight  # label of pair t is token t+2
         weight[b, :n] = w
-    return feats[:, :-1], feats[:, 1:], tokens, labels, weight
+    return feats[:, :-1], final[:, 1:], tokens, labels, weight
 
 
 # -- the loss -----------------------------------------------------------------------------------
@@ -141,18 +149,20 @@ def pass_mask(width: int, step: int, device: torch.device | str = "cpu") -> torc
     return torch.cat(blocks, dim=1)
 
 
-def head_loss(head: FeatureHead, feats, next_feats, tokens, labels, weight, settings: TrainSettings):
-    """Mean loss over the passes of training-time test, and pass 1's top-1 agreement."""
+def head_loss(head: FeatureHead, feats, next_final, tokens, labels, weight, settings: TrainSettings):
+    """Mean loss over the passes of training-time test, and pass 1's top-1 agreement. next_final
+    [B, T, H] is the target's final norm output one position on: its distribution is the soft label
+    and, for feedback="fc" heads (whose features are that output), the regression target."""
     layer = head.midlayer
     attn = layer.self_attn
     device = head.fc.weight.device
-    feats, next_feats, tokens, labels, weight = (x.to(device) for x in (feats, next_feats, tokens, labels, weight))
+    feats, next_final, tokens, labels, weight = (x.to(device) for x in (feats, next_final, tokens, labels, weight))
     batch, width = tokens.shape
     embed = head.get_input_embeddings()
     embeds = embed(tokens.to(embed.weight.device)).detach().to(device, torch.float32)  # [B, T, H]
     cos, sin = head.rotary(torch.arange(width, device=device)[None].expand(batch, width), embeds.dtype)
     with torch.no_grad():
-        teacher = F.softmax(next_feats @ head.lm_head.weight.T, dim=-1)  # [B, T, K]
+        teacher = F.softmax(next_final @ head.lm_head.weight.T, dim=-1)  # [B, T, K]
     keys, values = [], []
     fed = None
     total, agree = 0.0, None
@@ -176,7 +186,7 @@ def head_loss(head: FeatureHead, feats, next_feats, tokens, labels, weight, sett
         soft = -(teacher * logp).sum(-1)
         loss = hard + soft
         if head.cfg.feedback == "fc":
-            loss = loss + settings.regress_weight * F.smooth_l1_loss(normed, next_feats, reduction="none").mean(-1)
+            loss = loss + settings.regress_weight * F.smooth_l1_loss(normed, next_final, reduction="none").mean(-1)
         total = total + (loss * w).sum() / w.sum().clamp(min=1) * (0.8 ** (step - 1))
         if step == 1:
             hit = (logp.argmax(-1) == labels) & (labels >= 0)
