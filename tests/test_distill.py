@@ -138,6 +138,12 @@ def test_eagle3_head_trains_on_the_answers_of_an_earlier_run(tmp_path, monkeypat
     row = torch.load(shard)[0]
     assert row["final"].shape == (len(row["ids"]), 32)  # the teacher's input beside the fused features
 
+    # With no prompts of its own, --all-shards trains on what the data dir holds for its layers.
+    alone = [a for a in common if a not in ("--prompts", str(prompts))]
+    assert main(alone + ["--out", str(tmp_path / "again"), "--all-shards", "--time-budget", "2"]) == 0
+    assert json.loads((tmp_path / "again" / "report.json").read_text())["data"]["sequences"] == 6
+    assert main(alone + ["--out", str(tmp_path / "none"), "--time-budget", "2"]) == 2  # no data at all
+
     engine = SpeculativeEngine(model, drafter=FeatureDrafterSpec(str(out)), num_speculative_tokens=3, adaptive=False)
     prompt = list(b"tell me more")
     got = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0))[0].token_ids

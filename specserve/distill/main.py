@@ -56,6 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--label-tokens", type=int, default=8192,
                    help="padded tokens per labelling forward (bounds its [rows, width, vocab] logits)")
     p.add_argument("--data-only", action="store_true", help="make the data shards and stop (no training)")
+    p.add_argument("--all-shards", action="store_true",
+                   help="also train on every other features shard in the data dir that fits this head "
+                        "(earlier runs' prompts, seeds or passes)")
     p.add_argument("--text-chunk", type=int, default=256, help="tokens per --text sequence")
     p.add_argument("--draft-vocab", type=int, default=8192, help="K, the head's vocabulary (<= the target's)")
     p.add_argument("--eagle3-features", action="store_true",
@@ -132,7 +135,12 @@ def collect_data(model, tokenizer, args, feature_layers) -> list[dict]:
         files = local_text_files(random.Random(args.seed), held_out())[: args.local_text]
         shards += label_text(model, tokenizer, files, data_dir, args.text_chunk, args.gen_batch, feature_layers,
                              max_tokens=args.local_text_tokens, label_tokens=args.label_tokens)
-    return load_shards(shards)
+    if not args.all_shards:
+        return load_shards(shards)
+    shards += sorted(p for p in data_dir.glob("*.pt") if not p.name.startswith("answers-") and p not in set(shards))
+    width = model.config.hidden_size * max(len(feature_layers), 1)
+    return [r for r in load_shards(shards)  # a shard made for a head with other feature layers is skipped
+            if r["features"].shape[1] == width and ("final" in r) == bool(feature_layers)]
 
 
 def run(args: argparse.Namespace) -> int:
