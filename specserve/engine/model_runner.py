@@ -29,6 +29,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from . import attention, cpu_linear
 from .kv_cache import SlotKVCache, capacity_for
 
 # Batch sizes a forward is padded up to: every power of two up to 8 (small batches are weight-bound
@@ -185,6 +186,13 @@ class ModelRunner:
         # batches padded up to BATCH_BUCKETS (fixed shapes to compile or capture); not in eager
         # mode, where a padded row costs a real row's compute on a CPU
         self.pad_batches = self.execution != "eager"
+        # GQA under a mask without a per-head copy of the cache (engine/attention.py); measured and
+        # tested on CPUs, where HF's path costs most (a GPU keeps HF's until measured there)
+        self.grouped_attention = self.device.type == "cpu"
+        # linears over a few rows through the fastest measured GEMM call (engine/cpu_linear.py)
+        self.linear_kernels = self.device.type == "cpu" and self.execution == "eager"
+        if self.linear_kernels:
+            cpu_linear.install(model)
         self.last_hidden: torch.Tensor | None = None
         limit = getattr(model.config, "max_position_embeddings", None)
         self.max_positions = min(p for p in (max_positions, limit) if p) if (max_positions or limit) else None
@@ -411,15 +419,16 @@ class ModelRunner:
             positions = positions.clamp(max=self.max_positions - 1)
         self.cache.bind(write_slots, positions, read_slots if gather else None)
         extra = {"output_hidden_states": True} if self.keep_hidden else {}
-        out = self.model(
-            input_ids=ids,
-            position_ids=positions,
-            attention_mask=self._mask(positions, key_length),
-            past_key_values=self.cache,
-            use_cache=True,
-            logits_to_keep={"last": width, "all": width, "none": 1}[logits],
-            **extra,
-        )
+        with attention.selected(self.model, self.grouped_attention), cpu_linear.selected(self.linear_kernels):
+            out = self.model(
+                input_ids=ids,
+                position_ids=positions,
+                attention_mask=self._mask(positions, key_length),
+                past_key_values=self.cache,
+                use_cache=True,
+                logits_to_keep={"last": width, "all": width, "none": 1}[logits],
+                **extra,
+            )
         hidden = out.hidden_states[-1] if self.keep_hidden else None
         if logits == "none":
             return None, hidden
