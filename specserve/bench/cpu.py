@@ -1,0 +1,173 @@
+"""CPU kernels benchmark: the engine with its CPU forward kernels on and off, side by side.
+
+    python -m specserve.bench.cpu [--threads 2] [--per-category 4] [--out bench-results/cpu.json]
+
+On the offline SmolLM2-135M-Instruct pair (engine/cpu_linear.py and engine/attention.py):
+
+1. Forward cost by width: one forward of Q tokens (after 64 of context) for the target, the draft
+   model and the feature head, kernels off and on, interleaved, best of `--reps`; v(Q) = cost(Q) /
+   cost(1) is what a verify of γ = Q-1 drafts costs in forwards.
+2. End to end: greedy batch-1 generation of the held-out prompts (chat, code, summarise), target
+   alone and with the draft model or the feature head (adaptive γ), each with the kernels off and
+   on; prompts interleaved across the six engines so that load drifts hit all of them alike. Every
+   output is checked against the target alone with the kernels off.
+
+Prints both tables and writes JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from specserve.bench.prompt_sets import GENERAL, by_category, encode, load_records
+from specserve.engine import RowInput, SamplingParams, SpeculativeEngine
+from specserve.engine.feature_drafter import FeatureDrafterSpec
+from specserve.engine.model_runner import ModelRunner
+
+WIDTHS = (1, 2, 3, 4, 5, 8)
+
+
+def set_kernels(runner: ModelRunner, on: bool) -> None:
+    runner.grouped_attention = runner.linear_kernels = on and runner.device.type == "cpu"
+
+
+def engine_runners(engine: SpeculativeEngine) -> list[ModelRunner]:
+    runners = [engine.verifier.runner]
+    inner = getattr(engine.proposer, "runner", None)
+    return runners + ([inner] if isinstance(inner, ModelRunner) else [])
+
+
+def forward_costs(runner: ModelRunner, reps: int) -> dict[str, dict[int, float]]:
+    """{"off"/"on": {Q: best seconds}} for one model, the two interleaved."""
+    context = list(range(100, 164))
+    best = {mode: {q: float("inf") for q in WIDTHS} for mode in ("off", "on")}
+    runner.forward([RowInput("__cpu__", 0, context)], logits="none")
+    for _ in range(reps):
+        for q in WIDTHS:
+            for mode in ("off", "on"):
+                set_kernels(runner, mode == "on")
+                began = time.perf_counter()
+                runner.forward([RowInput("__cpu__", len(context), list(range(200, 200 + q)))], logits="all")
+                best[mode][q] = min(best[mode][q], time.perf_counter() - began)
+    runner.free("__cpu__")
+    set_kernels(runner, True)
+    return best
+
+
+def build_engines(target, draft, head: str | None, gamma: int) -> dict[tuple[str, str], SpeculativeEngine]:
+    """{(method, "off"/"on"): engine}, each calibrated with its own kernels."""
+    makers = {"target-only": lambda: SpeculativeEngine(target, num_speculative_tokens=0)}
+    if draft is not None:
+        makers["draft model"] = lambda: SpeculativeEngine(target, draft, num_speculative_tokens=gamma)
+    if head:
+        makers["feature head"] = lambda: SpeculativeEngine(target, drafter=FeatureDrafterSpec(head),
+                                                           num_speculative_tokens=gamma)
+    engines = {}
+    for method, make in makers.items():
+        for mode in ("off", "on"):
+            engine = make()
+            for runner in engine_runners(engine):
+                set_kernels(runner, mode == "on")
+            if method != "target-only":
+                engine.calibrate()
+            engines[method, mode] = engine
+    return engines
+
+
+def end_to_end(engines, prompts: dict[str, list[list[int]]], max_new: int) -> list[dict]:
+    params = SamplingParams(max_tokens=max_new, temperature=0.0)
+    rows = []
+    total = sum(map(len, prompts.values())) * len(engines)
+    with tqdm(total=total, desc="generate", unit="run") as bar:
+        for category, items in prompts.items():
+            acc = {key: {"tokens": 0, "seconds": 0.0, "drafted": 0, "accepted": 0, "outputs": []} for key in engines}
+            for prompt in items:
+                for key, engine in engines.items():
+                    began = time.perf_counter()
+                    out = engine.generate([prompt], params)[0]
+                    a = acc[key]
+                    a["seconds"] += time.perf_counter() - began
+                    a["tokens"] += len(out.token_ids)
+                    a["drafted"] += out.metrics.num_draft_tokens
+                    a["accepted"] += out.metrics.num_accepted_tokens
+                    a["outputs"].append(out.token_ids)
+                    bar.update(1)
+            reference = acc["target-only", "off"]
+            for (method, mode), a in acc.items():
+                rows.append({"category": category, "method": method, "kernels": mode,
+                             "tok_s": a["tokens"] / a["seconds"],
+                             "alpha": a["accepted"] / a["drafted"] if a["drafted"] else None,
+                             "draft_tokens": a["drafted"], "identical": a["outputs"] == reference["outputs"],
+                             "speedup_vs_off": a["tokens"] / a["seconds"] / (reference["tokens"] / reference["seconds"])})
+            base_on = next(r for r in rows if r["category"] == category and r["method"] == "target-only"
+                           and r["kernels"] == "on")
+            for r in rows:
+                if r["category"] == category:
+                    r["speedup_vs_on"] = r["tok_s"] / base_on["tok_s"]
+    return rows
+
+
+def cost_table(costs: dict[str, dict]) -> str:
+    head = f"{'model':<14}{'kernels':<9}" + "".join(f"{f'Q={q} ms':>10}" for q in WIDTHS) + "".join(
+        f"{f'v({q})':>7}" for q in WIDTHS[1:])
+    lines = [head, "-" * len(head)]
+    for model, by_mode in costs.items():
+        for mode, best in by_mode.items():
+            lines.append(f"{model:<14}{mode:<9}" + "".join(f"{best[q] * 1e3:>10.1f}" for q in WIDTHS)
+                         + "".join(f"{best[q] / best[1]:>7.2f}" for q in WIDTHS[1:]))
+    return "\n".join(lines)
+
+
+def e2e_table(rows: list[dict]) -> str:
+    head = (f"{'category':<11}{'method':<14}{'kernels':<9}{'tok/s':>7}{'α':>7}{'drafts':>8}"
+            f"{'vs target off':>15}{'vs target on':>14}{'same':>6}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        alpha = f"{r['alpha']:>7.3f}" if r["alpha"] is not None else f"{'-':>7}"
+        lines.append(f"{r['category']:<11}{r['method']:<14}{r['kernels']:<9}{r['tok_s']:>7.1f}{alpha}"
+                     f"{r['draft_tokens']:>8}{r['speedup_vs_off']:>15.2f}{r['speedup_vs_on']:>14.2f}"
+                     f"{'yes' if r['identical'] else 'NO':>6}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--per-category", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--gamma", type=int, default=4, help="most drafts per step (adaptive below it)")
+    parser.add_argument("--feature-head", default="smollm2-eagle", help="a head directory or shipped name ('' = none)")
+    parser.add_argument("--reps", type=int, default=6, help="forwards per width and mode (best kept)")
+    parser.add_argument("--out", default="bench-results/cpu.json")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from specserve.models.smollm2 import load_smollm2_draft, load_smollm2_target
+
+    target, tokenizer = load_smollm2_target()
+    draft = load_smollm2_draft(target)
+    engines = build_engines(target, draft, args.feature_head or None, args.gamma)
+    costs = {method: forward_costs(engine_runners(engines[method, "on"])[-1], args.reps)
+             for method in ("target-only", "draft model", "feature head") if (method, "on") in engines}
+    print(cost_table(costs))
+    prompts = {category: [encode(tokenizer, r) for r in records[: args.per_category]]
+               for category, records in by_category(load_records(GENERAL)).items()}
+    rows = end_to_end(engines, prompts, args.max_new_tokens)
+    print(e2e_table(rows))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report = {"threads": torch.get_num_threads(), "widths": list(WIDTHS), "end_to_end": rows,
+              "forward_seconds": {m: {mode: {str(q): s for q, s in b.items()} for mode, b in d.items()}
+                                  for m, d in costs.items()}}
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
