@@ -10,8 +10,9 @@ the weight once: 5.4 ms for two rows, 7.1 ms for four.
 
 Which call is fastest depends on the shape, the row count and the machine, so each model's linear
 shapes are timed once, on the model's own weights (every layer's, in order, so they stream from
-memory as in a forward), for 1..MAX_ROWS rows and each kernel in KERNELS; the fastest is kept per
-(shape, rows) unless it beats `F.linear` by less than 3%. `ModelRunner` turns the choice on for its
+memory as in a forward), for each row count of ROW_BUCKETS and each kernel in KERNELS; the fastest
+is kept per (shape, bucket) unless it beats `F.linear` by less than 3%, and a row count between
+buckets takes the next bucket's choice (a batch of verifies: 8 rows of γ+1 tokens). `ModelRunner` turns the choice on for its
 own forwards only (`selected`); any other caller of the model gets `F.linear`. Weights smaller than
 MIN_WEIGHT elements keep `F.linear` (nothing to win, and timing noise would pick at random).
 Every kernel computes the same products; only the order of additions inside a dot product may
@@ -25,7 +26,8 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-MAX_ROWS = 8
+ROW_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 64)
+MAX_ROWS = ROW_BUCKETS[-1]
 MIN_WEIGHT = 1 << 16
 _MARGIN = 0.97
 _ACTIVE = [0]  # > 0 while a runner's forward is inside `selected`
@@ -42,14 +44,18 @@ def _mm(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.mm(weight, x2.t()).t().contiguous()
 
 
-def _mm_even(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`_mm` over an even number of rows (the last row repeated), the extra one dropped."""
-    if x2.shape[0] % 2 == 0:
+def _mm_pad(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`_mm` over a padded row count (up to even at 8 rows or fewer, else up to a multiple of 8:
+    the last row repeated), the extra rows dropped."""
+    rows = x2.shape[0]
+    padded = rows + rows % 2 if rows <= 8 else -(-rows // 8) * 8
+    if padded == rows:
         return _mm(x2, weight)
-    return _mm(torch.cat([x2, x2[-1:]]), weight)[:-1]
+    return _mm(torch.cat([x2, x2[-1:].expand(padded - rows, -1)]), weight)[:rows]
 
 
-KERNELS = {"linear": _linear, "mm": _mm, "mm_even": _mm_even}
+KERNELS = {"linear": _linear, "mm": _mm, "mm_pad": _mm_pad}
+_BUCKET_OF = [next(i for i, b in enumerate(ROW_BUCKETS) if b >= n) for n in range(MAX_ROWS + 1)]  # rows -> bucket
 
 
 class _Dispatch:
@@ -57,14 +63,17 @@ class _Dispatch:
 
     def __init__(self, module: torch.nn.Linear, choices: tuple[str, ...]) -> None:
         self.module = module
-        self.choices = choices  # kernel name for 1..MAX_ROWS rows
+        self.choices = choices  # kernel name per row bucket (ROW_BUCKETS)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self.module.weight, self.module.bias
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if not _ACTIVE[0] or not 0 < rows <= MAX_ROWS or self.choices[rows - 1] == "linear":
+        if not _ACTIVE[0] or not 0 < rows <= MAX_ROWS:
             return F.linear(x, weight, bias)
-        out = KERNELS[self.choices[rows - 1]](x.reshape(rows, x.shape[-1]), weight)  # [rows, O]
+        kernel = self.choices[_BUCKET_OF[rows]]
+        if kernel == "linear":
+            return F.linear(x, weight, bias)
+        out = KERNELS[kernel](x.reshape(rows, x.shape[-1]), weight)  # [rows, O]
         if bias is not None:
             out = out + bias
         return out.reshape(*x.shape[:-1], weight.shape[0])
@@ -85,8 +94,8 @@ def _time(kernel, weights: list[torch.Tensor], x2: torch.Tensor) -> float:
 
 @torch.no_grad()
 def plan(model: torch.nn.Module, reps: int = 2) -> dict[tuple[int, int], tuple[str, ...]]:
-    """{(out, in): kernel name for 1..MAX_ROWS rows}, timed on `model`'s own weights (once per
-    process for the same shapes and thread count)."""
+    """{(out, in): kernel name per row bucket}, timed on `model`'s own weights (once per process
+    for the same shapes and thread count)."""
     groups: dict[tuple[int, int], list[torch.Tensor]] = {}
     for m in _eligible(model):
         groups.setdefault(tuple(m.weight.shape), []).append(m.weight)
@@ -96,7 +105,7 @@ def plan(model: torch.nn.Module, reps: int = 2) -> dict[tuple[int, int], tuple[s
     chosen = {}
     for shape, weights in groups.items():
         names = []
-        for rows in range(1, MAX_ROWS + 1):
+        for rows in ROW_BUCKETS:
             x2 = torch.randn(rows, shape[1])
             best = {name: min(_time(k, weights, x2) for _ in range(reps)) for name, k in KERNELS.items()}
             fastest = min(best, key=best.get)
