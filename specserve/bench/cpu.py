@@ -59,17 +59,19 @@ def forward_costs(runner: ModelRunner, reps: int) -> dict[str, dict[int, float]]
     return best
 
 
-def build_engines(target, draft, head: str | None, gamma: int) -> dict[tuple[str, str], SpeculativeEngine]:
+def build_engines(target, draft, heads: list[str], gamma: int, modes=("off", "on")
+                  ) -> dict[tuple[str, str], SpeculativeEngine]:
     """{(method, "off"/"on"): engine}, each calibrated with its own kernels."""
     makers = {"target-only": lambda: SpeculativeEngine(target, num_speculative_tokens=0)}
     if draft is not None:
         makers["draft model"] = lambda: SpeculativeEngine(target, draft, num_speculative_tokens=gamma)
-    if head:
-        makers["feature head"] = lambda: SpeculativeEngine(target, drafter=FeatureDrafterSpec(head),
+    for i, head in enumerate(heads):
+        name = "feature head" if i == 0 else f"head {Path(head).name}"
+        makers[name] = lambda head=head: SpeculativeEngine(target, drafter=FeatureDrafterSpec(head),
                                                            num_speculative_tokens=gamma)
     engines = {}
     for method, make in makers.items():
-        for mode in ("off", "on"):
+        for mode in modes:
             engine = make()
             for runner in engine_runners(engine):
                 set_kernels(runner, mode == "on")
@@ -97,15 +99,15 @@ def end_to_end(engines, prompts: dict[str, list[list[int]]], max_new: int) -> li
                     a["accepted"] += out.metrics.num_accepted_tokens
                     a["outputs"].append(out.token_ids)
                     bar.update(1)
-            reference = acc["target-only", "off"]
+            reference = acc["target-only", "off" if ("target-only", "off") in acc else "on"]
             for (method, mode), a in acc.items():
                 rows.append({"category": category, "method": method, "kernels": mode,
                              "tok_s": a["tokens"] / a["seconds"],
                              "alpha": a["accepted"] / a["drafted"] if a["drafted"] else None,
                              "draft_tokens": a["drafted"], "identical": a["outputs"] == reference["outputs"],
                              "speedup_vs_off": a["tokens"] / a["seconds"] / (reference["tokens"] / reference["seconds"])})
-            base_on = next(r for r in rows if r["category"] == category and r["method"] == "target-only"
-                           and r["kernels"] == "on")
+            bases = {r["kernels"]: r for r in rows if r["category"] == category and r["method"] == "target-only"}
+            base_on = bases.get("on") or bases["off"]
             for r in rows:
                 if r["category"] == category:
                     r["speedup_vs_on"] = r["tok_s"] / base_on["tok_s"]
@@ -113,23 +115,23 @@ def end_to_end(engines, prompts: dict[str, list[list[int]]], max_new: int) -> li
 
 
 def cost_table(costs: dict[str, dict]) -> str:
-    head = f"{'model':<14}{'kernels':<9}" + "".join(f"{f'Q={q} ms':>10}" for q in WIDTHS) + "".join(
+    head = f"{'model':<22}{'kernels':<9}" + "".join(f"{f'Q={q} ms':>10}" for q in WIDTHS) + "".join(
         f"{f'v({q})':>7}" for q in WIDTHS[1:])
     lines = [head, "-" * len(head)]
     for model, by_mode in costs.items():
         for mode, best in by_mode.items():
-            lines.append(f"{model:<14}{mode:<9}" + "".join(f"{best[q] * 1e3:>10.1f}" for q in WIDTHS)
+            lines.append(f"{model:<22}{mode:<9}" + "".join(f"{best[q] * 1e3:>10.1f}" for q in WIDTHS)
                          + "".join(f"{best[q] / best[1]:>7.2f}" for q in WIDTHS[1:]))
     return "\n".join(lines)
 
 
 def e2e_table(rows: list[dict]) -> str:
-    head = (f"{'category':<11}{'method':<14}{'kernels':<9}{'tok/s':>7}{'α':>7}{'drafts':>8}"
+    head = (f"{'category':<11}{'method':<22}{'kernels':<9}{'tok/s':>7}{'α':>7}{'drafts':>8}"
             f"{'vs target off':>15}{'vs target on':>14}{'same':>6}")
     lines = [head, "-" * len(head)]
     for r in rows:
         alpha = f"{r['alpha']:>7.3f}" if r["alpha"] is not None else f"{'-':>7}"
-        lines.append(f"{r['category']:<11}{r['method']:<14}{r['kernels']:<9}{r['tok_s']:>7.1f}{alpha}"
+        lines.append(f"{r['category']:<11}{r['method']:<22}{r['kernels']:<9}{r['tok_s']:>7.1f}{alpha}"
                      f"{r['draft_tokens']:>8}{r['speedup_vs_off']:>15.2f}{r['speedup_vs_on']:>14.2f}"
                      f"{'yes' if r['identical'] else 'NO':>6}")
     return "\n".join(lines)
@@ -141,7 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--per-category", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--gamma", type=int, default=4, help="most drafts per step (adaptive below it)")
-    parser.add_argument("--feature-head", default="smollm2-eagle", help="a head directory or shipped name ('' = none)")
+    parser.add_argument("--feature-head", nargs="*", default=["smollm2-eagle"],
+                        help="head directories or shipped names (none: no head rows); the first is 'feature head'")
+    parser.add_argument("--kernels", default="off,on", help="which modes to run end to end: off,on / on / off")
     parser.add_argument("--reps", type=int, default=6, help="forwards per width and mode (best kept)")
     parser.add_argument("--out", default="bench-results/cpu.json")
     args = parser.parse_args(argv)
@@ -151,9 +155,10 @@ def main(argv: list[str] | None = None) -> int:
 
     target, tokenizer = load_smollm2_target()
     draft = load_smollm2_draft(target)
-    engines = build_engines(target, draft, args.feature_head or None, args.gamma)
-    costs = {method: forward_costs(engine_runners(engines[method, "on"])[-1], args.reps)
-             for method in ("target-only", "draft model", "feature head") if (method, "on") in engines}
+    modes = tuple(args.kernels.split(","))
+    engines = build_engines(target, draft, args.feature_head, args.gamma, modes)
+    costs = {method: forward_costs(engine_runners(engine)[-1], args.reps)
+             for (method, mode), engine in engines.items() if mode == modes[-1]}
     print(cost_table(costs))
     prompts = {category: [encode(tokenizer, r) for r in records[: args.per_category]]
                for category, records in by_category(load_records(GENERAL)).items()}
