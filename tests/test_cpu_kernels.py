@@ -112,3 +112,10 @@ def test_runner_selects_grouped_attention_for_its_own_forwards_only():
         torch.testing.assert_close(logits, plain, atol=1e-5, rtol=1e-5)
     finally:
         AttentionInterface.register(attention.NAME, original)
+
+
+def test_the_environment_turns_the_cpu_kernels_off(monkeypatch):
+    assert ModelRunner(tiny_llama(0)).linear_kernels
+    monkeypatch.setenv("SPECSERVE_CPU_KERNELS", "0")
+    runner = ModelRunner(tiny_llama(0))
+    assert not runner.grouped_attention and not runner.linear_kernels

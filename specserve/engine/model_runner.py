@@ -22,6 +22,7 @@ padded rows write to the cache's scratch slot, which no request owns.
 """
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -188,9 +189,10 @@ class ModelRunner:
         self.pad_batches = self.execution != "eager"
         # GQA under a mask without a per-head copy of the cache (engine/attention.py); measured and
         # tested on CPUs, where HF's path costs most (a GPU keeps HF's until measured there)
-        self.grouped_attention = self.device.type == "cpu"
+        cpu_kernels = self.device.type == "cpu" and os.environ.get("SPECSERVE_CPU_KERNELS", "1") != "0"
+        self.grouped_attention = cpu_kernels
         # linears over a few rows through the fastest measured GEMM call (engine/cpu_linear.py)
-        self.linear_kernels = self.device.type == "cpu" and self.execution == "eager"
+        self.linear_kernels = cpu_kernels and self.execution == "eager"
         if self.linear_kernels:
             cpu_linear.install(model)
         self.last_hidden: torch.Tensor | None = None
