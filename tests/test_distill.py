@@ -10,13 +10,28 @@ from specserve.engine.feature_drafter import FeatureDrafterSpec
 from specserve.models.tiny import byte_tokenizer, tiny_llama
 
 
-def test_distill_tiny_checkpoint(tmp_path):
+def tiny_checkpoint(tmp_path, layers: int, prompts: list[str]):
+    """(model, its checkpoint dir, a prompt file): a tiny Llama saved as a local HF checkpoint."""
     model_dir = tmp_path / "model"
-    model = tiny_llama(0, layers=2, hidden_size=32)
+    model = tiny_llama(0, layers=layers, hidden_size=32)
     model.save_pretrained(model_dir)
     byte_tokenizer().save_pretrained(model_dir)
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("\n".join(f"Tell me about item {i}." for i in range(8)) + "\n")
+    path = tmp_path / "prompts.txt"
+    path.write_text("\n".join(prompts) + "\n")
+    return model, model_dir, path
+
+
+def assert_drafts_losslessly(model, head_dir, gamma: int, prompt: bytes, tokens: int) -> None:
+    engine = SpeculativeEngine(model, drafter=FeatureDrafterSpec(str(head_dir)), num_speculative_tokens=gamma,
+                               adaptive=False)
+    got = engine.generate([list(prompt)], SamplingParams(max_tokens=tokens, temperature=0.0))[0].token_ids
+    alone = SpeculativeEngine(model, num_speculative_tokens=0).generate(
+        [list(prompt)], SamplingParams(max_tokens=tokens, temperature=0.0))[0].token_ids
+    assert got == alone
+
+
+def test_distill_tiny_checkpoint(tmp_path):
+    model, model_dir, prompts = tiny_checkpoint(tmp_path, 2, [f"Tell me about item {i}." for i in range(8)])
     text = tmp_path / "notes.txt"
     text.write_text("Speculative decoding drafts tokens and the target verifies them. " * 20)
     out = tmp_path / "head"
@@ -34,13 +49,7 @@ def test_distill_tiny_checkpoint(tmp_path):
     config = json.loads((out / "config.json").read_text())
     assert config["draft_vocab_size"] == 64 and (out / "checkpoint.pt").is_file()
 
-    # The output is a drafter: lossless in the engine.
-    engine = SpeculativeEngine(model, drafter=FeatureDrafterSpec(str(out)), num_speculative_tokens=2, adaptive=False)
-    prompt = list(b"hello there")
-    got = engine.generate([prompt], SamplingParams(max_tokens=10, temperature=0.0))[0].token_ids
-    alone = SpeculativeEngine(model, num_speculative_tokens=0).generate(
-        [prompt], SamplingParams(max_tokens=10, temperature=0.0))[0].token_ids
-    assert got == alone
+    assert_drafts_losslessly(model, out, 2, b"hello there", 10)  # the output is a drafter: lossless
 
     # A rerun finds its data and its finished checkpoint: no new training steps.
     assert main(args[:-8] + ["--eval-per-category", "0"]) == 0
@@ -110,12 +119,7 @@ def test_eagle3_head_trains_on_the_answers_of_an_earlier_run(tmp_path, monkeypat
 
     from specserve.distill import data
 
-    model_dir = tmp_path / "model"
-    model = tiny_llama(0, layers=6, hidden_size=32)
-    model.save_pretrained(model_dir)
-    byte_tokenizer().save_pretrained(model_dir)
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("\n".join(f"Say something about {i}." for i in range(6)) + "\n")
+    model, model_dir, prompts = tiny_checkpoint(tmp_path, 6, [f"Say something about {i}." for i in range(6)])
     common = ["distill", "--model", str(model_dir), "--no-default-prompts", "--prompts", str(prompts),
               "--data-dir", str(tmp_path / "data"), "--max-new", "10", "--gen-batch", "3", "--label-tokens", "64",
               "--draft-vocab", "64", "--batch-tokens", "256", "--threads", "1", "--eval-per-category", "0"]
@@ -144,12 +148,7 @@ def test_eagle3_head_trains_on_the_answers_of_an_earlier_run(tmp_path, monkeypat
     assert json.loads((tmp_path / "again" / "report.json").read_text())["data"]["sequences"] == 6
     assert main(alone + ["--out", str(tmp_path / "none"), "--time-budget", "2"]) == 2  # no data at all
 
-    engine = SpeculativeEngine(model, drafter=FeatureDrafterSpec(str(out)), num_speculative_tokens=3, adaptive=False)
-    prompt = list(b"tell me more")
-    got = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0))[0].token_ids
-    alone = SpeculativeEngine(model, num_speculative_tokens=0).generate(
-        [prompt], SamplingParams(max_tokens=12, temperature=0.0))[0].token_ids
-    assert got == alone
+    assert_drafts_losslessly(model, out, 3, b"tell me more", 12)
 
 
 def test_labelling_in_bounded_groups_equals_one_forward():
