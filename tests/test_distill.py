@@ -138,8 +138,8 @@ def test_eagle3_head_trains_on_the_answers_of_an_earlier_run(tmp_path, monkeypat
     assert config["specserve"]["feature_layers"] == [1, 2, 2] and config["specserve"]["feedback"] == "direct"
     assert config["specserve"]["training"]["steps"] > 0
 
-    shard = next(p for p in (tmp_path / "data").glob("file-prompts-*.pt") if torch.load(p)[0]["features"].shape[1] == 96)
-    row = torch.load(shard)[0]
+    rows = [torch.load(p)[0] for p in (tmp_path / "data").glob("file-prompts-*.pt")]
+    row = next(r for r in rows if r["features"].shape[1] == 96)  # three fused layers of 32
     assert row["final"].shape == (len(row["ids"]), 32)  # the teacher's input beside the fused features
 
     # With no prompts of its own, --all-shards trains on what the data dir holds for its layers.

@@ -100,12 +100,13 @@ def end_to_end(engines, prompts: dict[str, list[list[int]]], max_new: int) -> li
                     a["outputs"].append(out.token_ids)
                     bar.update(1)
             reference = acc["target-only", "off" if ("target-only", "off") in acc else "on"]
+            base_rate = reference["tokens"] / reference["seconds"]
             for (method, mode), a in acc.items():
-                rows.append({"category": category, "method": method, "kernels": mode,
-                             "tok_s": a["tokens"] / a["seconds"],
+                rate = a["tokens"] / a["seconds"]
+                rows.append({"category": category, "method": method, "kernels": mode, "tok_s": rate,
                              "alpha": a["accepted"] / a["drafted"] if a["drafted"] else None,
                              "draft_tokens": a["drafted"], "identical": a["outputs"] == reference["outputs"],
-                             "speedup_vs_off": a["tokens"] / a["seconds"] / (reference["tokens"] / reference["seconds"])})
+                             "speedup_vs_off": rate / base_rate})
             bases = {r["kernels"]: r for r in rows if r["category"] == category and r["method"] == "target-only"}
             base_on = bases.get("on") or bases["off"]
             for r in rows:

@@ -12,9 +12,10 @@ Which call is fastest depends on the shape, the row count and the machine, so ea
 shapes are timed once, on the model's own weights (every layer's, in order, so they stream from
 memory as in a forward), for each row count of ROW_BUCKETS and each kernel in KERNELS; the fastest
 is kept per (shape, bucket) unless it beats `F.linear` by less than 3%, and a row count between
-buckets takes the next bucket's choice (a batch of verifies: 8 rows of γ+1 tokens). `ModelRunner` turns the choice on for its
-own forwards only (`selected`); any other caller of the model gets `F.linear`. Weights smaller than
-MIN_WEIGHT elements keep `F.linear` (nothing to win, and timing noise would pick at random).
+buckets takes the next bucket's choice (a batch of verifies: 8 rows of γ+1 tokens). `ModelRunner`
+turns the choice on for its own forwards only (`selected`); any other caller of the model gets
+`F.linear`. Weights smaller than MIN_WEIGHT elements keep `F.linear` (nothing to win, and timing
+noise would pick at random).
 Every kernel computes the same products; only the order of additions inside a dot product may
 differ, as it already does between F.linear calls over different row counts.
 """
