@@ -137,7 +137,8 @@ def collect_data(model, tokenizer, args, feature_layers) -> list[dict]:
                              max_tokens=args.local_text_tokens, label_tokens=args.label_tokens)
     if not args.all_shards:
         return load_shards(shards)
-    shards += sorted(p for p in data_dir.glob("*.pt") if not p.name.startswith("answers-") and p not in set(shards))
+    known = set(shards)
+    shards += sorted(p for p in data_dir.glob("*.pt") if not p.name.startswith("answers-") and p not in known)
     width = model.config.hidden_size * max(len(feature_layers), 1)
     return [r for r in load_shards(shards)  # a shard made for a head with other feature layers is skipped
             if r["features"].shape[1] == width and ("final" in r) == bool(feature_layers)]
