@@ -240,8 +240,9 @@ def label_batch(model, capture: FeatureCapture, seqs: list[list[int]], max_token
     out = []
     first = 0
     while first < len(seqs):
-        last = first + 1
-        while last < len(seqs) and (last + 1 - first) * max(map(len, seqs[first : last + 1])) <= max_tokens:
+        last, width = first + 1, len(seqs[first])
+        while last < len(seqs) and (last + 1 - first) * max(width, len(seqs[last])) <= max_tokens:
+            width = max(width, len(seqs[last]))
             last += 1
         out += _label_group(model, capture, seqs[first:last], final)
         first = last

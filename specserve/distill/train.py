@@ -121,16 +121,17 @@ def collate(batch: list[dict], inv_map: torch.Tensor, prompt_weight: float):
     draft vocabulary), weight [B, T]; T = longest - 1."""
     width = max(len(r["ids"]) for r in batch) - 1
     size = batch[0]["features"].shape[1]
-    key = "final" if "final" in batch[0] else "features"
-    final = torch.zeros(len(batch), width + 1, batch[0][key].shape[1])
     feats = torch.zeros(len(batch), width + 1, size)
+    fused = "final" in batch[0]  # else the features are the final norm's output themselves
+    final = torch.zeros(len(batch), width + 1, batch[0]["final"].shape[1]) if fused else feats
     tokens = torch.zeros(len(batch), width, dtype=torch.long)
     labels = torch.full((len(batch), width), -1, dtype=torch.long)
     weight = torch.zeros(len(batch), width)
     for b, r in enumerate(batch):
         n = len(r["ids"]) - 1  # pairs of this sequence
         feats[b, : n + 1] = r["features"].float()
-        final[b, : n + 1] = r[key].float()
+        if fused:
+            final[b, : n + 1] = r["final"].float()
         tokens[b, :n] = r["ids"][1:].long()
         labels[b, :n] = inv_map[r["argmax"][1:].long()]
         w = torch.ones(n)
