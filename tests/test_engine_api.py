@@ -279,3 +279,24 @@ def test_catching_up_a_lagging_drafter_counts_against_drafting():
     assert policy.best_gamma([0.6]) > 0
     assert policy.best_gamma([0.6], backlog=64) == 0  # 64 tokens to prefill first: not worth it
 
+
+
+def test_a_fused_drafter_pays_the_call_overhead_once_per_step():
+    """A drafter in the target worker drafts inside the verify's call: a step's host time (the
+    round trip) is one call's, whatever γ, so it must not be spread over the draft forwards."""
+    from specserve.engine.model_runner import ForwardTiming
+
+    def after_one_step(fused: bool) -> SpeculationPolicy:
+        policy = SpeculationPolicy(max_gamma=2, fused=fused)
+        # a γ=2 step: two 2 ms drafts and a 40 ms verify of 3 tokens, 36 ms of round trip
+        policy.observe_step(0.080, [ForwardTiming(1, 0.002)] * 2, [ForwardTiming(3, 0.040)])
+        policy.target_cost.observe(1, 0.038)
+        return policy
+
+    fused, split = after_one_step(True), after_one_step(False)
+    assert abs(fused.overhead - 0.036) < 1e-9 and abs(split.overhead - 0.036 / 3) < 1e-9
+    for policy in (fused, split):  # both reproduce the step they saw
+        assert abs(policy.step_time(1, 2) - 0.080) < 1e-9
+    # a target-only step pays the same round trip: only the fused model knows, and drafts at α 0.3
+    assert abs(fused.step_time(1, 0) - (0.038 + 0.036)) < 1e-9
+    assert fused.best_gamma([0.3]) > 0 and split.best_gamma([0.3]) == 0

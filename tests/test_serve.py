@@ -604,6 +604,7 @@ def test_colocated_drafter_is_lossless_over_http(http, server, drafter):
             got = client.post("/v1/completions", json=body).json()
             assert got["choices"][0]["token_ids"] == want
             assert got["speculation"]["num_draft_tokens"] > 0
+        assert client.get("/v1/stats").json()["fused_steps"] > 0  # drafted and verified in one call
 
 
 # -- pipelined speculation (speculation.pipelined) -------------------------------------------------

@@ -95,13 +95,17 @@ class SpeculationPolicy:
         adaptive: bool = True,
         prior_alpha: float = 0.6,
         probe_every: int = 16,
+        fused: bool = False,
     ) -> None:
         self.max_gamma = max_gamma
         self.adaptive = adaptive
+        # fused: the drafts are made inside the verify's call (a drafter in the target worker), so
+        # host overhead is paid once per step, not once per draft forward too
+        self.fused = fused
         self.probe_every = probe_every
         self.target_cost = TokenCost()
         self.draft_cost = TokenCost()
-        self.overhead = 0.0  # host seconds per forward call, EMA
+        self.overhead = 0.0  # host seconds per call (per forward unless fused), EMA
         self.global_alpha = AcceptanceEstimate()
         self.prior_alpha = prior_alpha
         self._steps_without_drafts = 0
@@ -128,7 +132,8 @@ class SpeculationPolicy:
         for model, forwards in (("draft", draft_forwards), ("target", target_forwards)):
             self.observe_costs(model, [f for f in forwards if not f.prefill])
         forwards = [*draft_forwards, *target_forwards]
-        host = max(wall - sum(f.seconds for f in forwards), 0.0) / max(len(forwards), 1)
+        calls = len(target_forwards) if self.fused else len(forwards)
+        host = max(wall - sum(f.seconds for f in forwards), 0.0) / max(calls, 1)
         self.overhead = host if self.overhead == 0.0 else 0.9 * self.overhead + 0.1 * host
 
     # -- what we decide -----------------------------------------------------------------------
@@ -138,8 +143,9 @@ class SpeculationPolicy:
         verify = self.target_cost.predict(batch * (gamma + 1)) + self.overhead
         if gamma == 0:
             return verify
-        catch_up = self.draft_cost.predict(backlog) + self.overhead if backlog > 0 else 0.0
-        return verify + catch_up + gamma * (self.draft_cost.predict(batch) + self.overhead)
+        per_call = 0.0 if self.fused else self.overhead
+        catch_up = self.draft_cost.predict(backlog) + per_call if backlog > 0 else 0.0
+        return verify + catch_up + gamma * (self.draft_cost.predict(batch) + per_call)
 
     def best_gamma(self, alphas: list[float], backlog: int = 0) -> int:
         """The γ with the most expected tokens per second for a batch with these acceptance rates.

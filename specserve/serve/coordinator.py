@@ -170,8 +170,12 @@ class Coordinator:
         if self.draft is not None:
             limits.append(ray.get(self.draft.max_positions.remote()))
         self.max_model_len = min(x for x in limits if x) if any(limits) else 1 << 30
-        policy = OverlappedPolicy if config.speculation.pipelined else SpeculationPolicy
-        self.policy = policy(self.max_gamma, adaptive=config.speculation.adaptive)
+        # a drafter inside the target worker drafts and verifies in one call (`_fused_step`)
+        self.fused = self.draft is not None and self.draft_worker is None
+        if config.speculation.pipelined:
+            self.policy = OverlappedPolicy(self.max_gamma, adaptive=config.speculation.adaptive)
+        else:
+            self.policy = SpeculationPolicy(self.max_gamma, adaptive=config.speculation.adaptive, fused=self.fused)
         # measured costs start γ (adaptive) and size every worker call's deadline
         self.policy.observe_costs("target", ray.get(self.target.time_forwards.remote()))
         if self.draft is not None:
@@ -185,7 +189,8 @@ class Coordinator:
         self._totals = {"spec_decode_num_draft_tokens": 0, "spec_decode_num_accepted_tokens": 0, "steps": 0,
                         "target_only_steps": 0, "rejected_queue_full": 0, "running_peak": 0,
                         "reserved_tokens_peak": 0, "worker_restarts": 0, "requests_failed": 0,
-                        "requests_timed_out": 0, "prefill_tokens": 0, "graph_steps": 0}
+                        "requests_timed_out": 0, "prefill_tokens": 0, "graph_steps": 0,
+                        "fused_steps": 0}
         # draft failure: target-only steps while the draft restarts
         self._draft_ok = self.draft is not None
         self._draft_watch: asyncio.Task | None = None
@@ -502,6 +507,10 @@ class Coordinator:
             if not self._draft_ok:  # the draft was late in the graph: this step goes target-only
                 policy = self._target_only
                 plan = plan_step(seqs, policy)
+        elif self.fused and plan.num_positions > 0:
+            outputs = await self._fused_step(plan, policy, began)
+            if outputs is not None:
+                return outputs
         proposal, in_workers = empty_proposal(len(seqs)), 0.0
         if plan.num_positions > 0:
             try:
@@ -586,6 +595,28 @@ class Coordinator:
                      plan, reply.verdict)
         return outputs
 
+    async def _fused_step(self, plan: StepPlan, policy: SpeculationPolicy, began: float) -> list[StepOutput] | None:
+        """A colocated drafter's step as one plain call to the target worker (propose, then
+        verify); None when that call failed or was late: the caller then reruns this very step as
+        two calls (same plan, same random numbers), whose recovery takes over."""
+        call = lambda: (StepCall(plan.draft_rows(), plan.num_positions, plan.sampling, plan.draft_uniforms,
+                                 plan.target_rows(), plan.num_draft, plan.accept_uniforms, plan.final_uniforms),)
+        deadline = lambda c: (self._deadline("draft", c.draft_rows, c.num_positions)
+                              + self._deadline("target", c.target_rows, c.num_positions))
+        try:
+            reply = await self._call("target", self.target.fused_step, plan.seqs, "target_len", call, retry=False,
+                                     deadline=deadline)
+        except Exception as err:  # a late reply is dropped: the resent rows overwrite what it cached
+            logger.warning("fused step failed (%s): rerunning it as two calls", type(err).__name__)
+            return None
+        step: StepReply = reply.result
+        self._totals["fused_steps"] += 1
+        outputs = finish_step(plan, step.proposal, step.verdict, policy, began)
+        wall = time.perf_counter() - began
+        self._record(StepRecord(wall, step.proposal.seconds + step.verdict.seconds, reply.seconds, len(plan.seqs),
+                                plan.num_positions), plan, step.verdict)
+        return outputs
+
     async def _graph_execute(self, seqs: list[Sequence], make_call, width: int,
                              ahead_timeout: float = 0.0) -> StepReply | None:
         """Execute make_call()'s StepCall on the graph, again after cache misses (whose marks it
@@ -614,14 +645,17 @@ class Coordinator:
                 return reply
         return None
 
-    async def _call(self, side: str, method, seqs: list[Sequence], mark: str, make_args, retry: bool = True) -> Reply:
-        """Call a worker ("target" or "draft") within a deadline sized to the call's tokens; on cache
-        misses move the rows' marks back and resend. The target is waited for while Ray restarts it,
-        and killed for a restart when it misses the deadline (retry=False: raise at once instead)."""
+    async def _call(self, side: str, method, seqs: list[Sequence], mark: str, make_args, retry: bool = True,
+                    deadline=None) -> Reply:
+        """Call a worker ("target" or "draft") within a deadline sized to the call's tokens
+        (deadline(*args) when given); on cache misses move the rows' marks back (`mark`, and the
+        draft marks for a fused step's `draft_misses`) and resend. The target is waited for while
+        Ray restarts it, and killed for a restart when it misses the deadline (retry=False: raise
+        at once instead)."""
         by_id = {s.request_id: s for s in seqs}
         for attempt in range(_CALL_ATTEMPTS):
             args = make_args()
-            timeout = self._deadline(side, *args[:2])
+            timeout = self._deadline(side, *args[:2]) if deadline is None else deadline(*args)
             ref = method.remote(*args)
             try:
                 reply: Reply = await asyncio.wait_for(asyncio.ensure_future(ref), timeout=timeout)
@@ -638,10 +672,12 @@ class Coordinator:
                 logger.warning("%s worker call failed (%s); retrying once it restarts", side, type(err).__name__)
                 await self._until_ready(self.target)
                 continue
-            if not reply.misses:
+            if not reply.misses and not reply.draft_misses:
                 return reply
             for rid, valid in reply.misses.items():
                 setattr(by_id[rid], mark, valid)
+            for rid, valid in reply.draft_misses.items():
+                by_id[rid].draft_len = valid
         raise RuntimeError(f"{side} worker still misses caches after {_CALL_ATTEMPTS} attempts")
 
     def _deadline(self, side: str, rows: list[RowInput], extra=None) -> float:

@@ -42,9 +42,10 @@ class ModelInfo:
 
 @dataclass(frozen=True)
 class Reply:
-    result: Proposal | Verdict | None  # None when misses
+    result: Proposal | Verdict | StepReply | None  # None when misses
     seconds: float  # wall time inside the actor method
     misses: dict[str, int] = field(default_factory=dict)  # request id -> valid length
+    draft_misses: dict[str, int] = field(default_factory=dict)  # a fused step's proposer misses
 
 
 _FAULTS_DIR = os.environ.get("SPECSERVE_FAULTS_DIR")
@@ -227,6 +228,17 @@ class TargetWorker(_Worker):
         drafter) or has no drafter: propose, then verify."""
         call = unpack(packed)
         return pack(self._verify_step(self._propose_step(call), call))
+
+    @_serialised
+    def fused_step(self, call: StepCall) -> Reply:
+        """A colocated drafter's whole step as one plain actor call: propose, then verify what was
+        proposed (two calls would pay the round trip twice). Result: a StepReply without q; the
+        proposer's misses come back as `draft_misses`, the target's as `misses`."""
+        began = time.perf_counter()
+        step = self._verify_step(self._propose_step(call), call)
+        if step.draft_misses or step.target_misses:
+            return Reply(None, time.perf_counter() - began, step.target_misses, step.draft_misses)
+        return Reply(step, time.perf_counter() - began)
 
     def _verify_step(self, drafted: Reply, call: StepCall) -> StepReply:
         if not call.target_rows:  # the graph's warm-up execution
