@@ -117,11 +117,14 @@ class FeatureDrafter(_Strict):
 
     kind: Literal["eagle"] = "eagle"
     path: str = Field(min_length=1)
+    # a row stops drafting where the product of the head's top probabilities falls below this
+    # (EAGLE-2's acceptance estimate; docs/drafters.md); None: every draft the γ policy plans
+    min_confidence: float | None = Field(None, gt=0.0, lt=1.0)
 
     def engine_spec(self):
         from specserve.engine.feature_drafter import FeatureDrafterSpec
 
-        return FeatureDrafterSpec(self.path)
+        return FeatureDrafterSpec(self.path, self.min_confidence)
 
 
 ColocatedDrafter = Annotated[

@@ -215,7 +215,7 @@ def test_coordinator_prefills_in_chunks_and_rebuilds_after_a_restart(monkeypatch
     chunk = 10
     coordinator = object.__new__(Coordinator.func_or_class)
     coordinator.__dict__.update(
-        config=types.SimpleNamespace(prefill_chunk_tokens=chunk), target=t, pipeline=None, graph=None,
+        config=types.SimpleNamespace(prefill_chunk_tokens=chunk), target=t, pipeline=None, graph=None, fused=False,
         draft=ProposerSide.of_draft_worker(d), draft_worker=d, _draft_ok=True,
         policy=SpeculationPolicy(3, adaptive=False), _target_only=SpeculationPolicy(0, adaptive=False),
         deadlines=Deadlines(), _totals=dict.fromkeys(["prefill_tokens", "steps", "target_only_steps",

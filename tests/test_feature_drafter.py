@@ -6,6 +6,7 @@ trainer), so that it really drafts something the target accepts; the loader test
 initialised head by hand in the EAGLE-3 layout (fc over three layers' features, reduced draft
 vocabulary with d2t/t2d) and runs it.
 """
+import collections
 import functools
 import json
 import random
@@ -74,9 +75,9 @@ def head_dir(tmp_path_factory):
     return out
 
 
-def build(path, model=None):
+def build(path, model=None, min_confidence=None):
     model = model or target()
-    return FeatureDrafterSpec(str(path)).build(model, target_vocab_size(model), None)
+    return FeatureDrafterSpec(str(path), min_confidence).build(model, target_vocab_size(model), None)
 
 
 # -- lossless ---------------------------------------------------------------------------------------
@@ -133,6 +134,62 @@ def test_sampling_matches_target_distribution(tmp_path):
     head = init_head(small, torch.arange(VOCAB))
     save_feature_head(head, tmp_path, store_lm_head=True)
     assert_proposer_follows_target(small, build(tmp_path, small))
+
+
+class CountingVerifies:
+    """Records the draft counts and block widths the target verifies (wraps the engine's verifier)."""
+
+    def __init__(self, engine) -> None:
+        self.counts, self.widths, real = [], [], engine.verifier.verify
+
+        def verify(rows, draft_tokens, draft_probs, num_draft, *rest):
+            self.counts += num_draft.tolist()
+            verdict = real(rows, draft_tokens, draft_probs, num_draft, *rest)
+            self.widths.append(len(verdict.draft_tokens[0]))
+            return verdict
+
+        engine.verifier.verify = verify
+
+
+def test_a_confidence_floor_drafts_fewer_and_stays_identical(head_dir):
+    """Rows stop drafting where the head is unsure: the same tokens, fewer drafts, a higher share
+    of them accepted, and the target verifies a block no wider than the longest row's drafts."""
+    model = target()
+    batch_prompts = prompts(6, seed=11)
+    results = {}
+    for floor in (None, 0.025):  # this briefly trained head is unsure: top probabilities 0.02-0.04
+        engine = SpeculativeEngine(model, proposer=build(head_dir, min_confidence=floor), num_speculative_tokens=4,
+                                   adaptive=False)
+        seen = CountingVerifies(engine)
+        outs = engine.generate(batch_prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0.0))
+        for prompt, out in zip(batch_prompts, outs):
+            assert out.token_ids == reference(tuple(prompt)), (floor, prompt)
+        drafted = sum(o.metrics.num_draft_tokens for o in outs)
+        accepted = sum(o.metrics.num_accepted_tokens for o in outs)
+        results[floor] = drafted, accepted / drafted, seen
+    (full, full_rate, _), (cut, cut_rate, seen) = results[None], results[0.025]
+    assert 0 < cut < full and cut_rate > full_rate, results
+    assert sum(seen.counts) == cut and min(seen.widths) < 4  # narrower verifies where every row stopped
+
+
+def test_sampling_with_a_confidence_floor_matches_target_distribution(tmp_path):
+    """Whether a row drafts position j depends on the head's distribution there, not on the token
+    it samples: sampled output still follows the target (chi-square), with rows stopping early."""
+    torch.manual_seed(1)
+    small = tiny_llama(0, vocab=VOCAB, init_range=0.3, layers=3, hidden=16)
+    head = init_head(small, torch.arange(VOCAB))
+    save_feature_head(head, tmp_path, store_lm_head=True)
+    proposer = build(tmp_path, small, min_confidence=0.35)
+    kept, real = [], proposer.propose
+
+    def propose(*args):
+        proposal = real(*args)
+        kept.extend(proposal.num_draft.tolist())
+        return proposal
+
+    proposer.propose = propose
+    assert_proposer_follows_target(small, proposer)
+    assert 0 < kept.count(0) + kept.count(1) < len(kept), collections.Counter(kept)  # some rows stopped early
 
 
 # -- the EAGLE-3 checkpoint layout ------------------------------------------------------------------

@@ -106,3 +106,28 @@ def test_cache_misses_in_a_fused_step_move_the_marks_back_and_resend(local_coord
     params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)]
     assert generate(coordinator, [PROMPT], params) == [hf_greedy(worker.model.runner.model, PROMPT, 20)]
     assert dropped and coordinator._totals["fused_steps"] == drafting_steps(coordinator)
+
+
+def test_a_feature_head_with_a_confidence_floor_verifies_fewer_in_one_call(local_coordinator, tmp_path):
+    """The shipped demo's drafter kind: a feature head in the target worker whose rows stop
+    drafting where it is unsure. Still the target's greedy; the coordinator counts the drafts
+    verified, not the positions planned."""
+    import torch
+
+    from specserve.distill.train import init_head
+    from specserve.engine.feature_drafter import save_feature_head
+    from specserve.engine.proposers import target_vocab_size
+
+    probe = local_coordinator(colocated({"kind": "prompt_lookup"}))
+    model = probe.target._obj.model.runner.model  # the tiny target the config builds
+    torch.manual_seed(0)
+    save_feature_head(init_head(model, torch.arange(target_vocab_size(model))), tmp_path, store_lm_head=True)
+    floor = 1.5 / target_vocab_size(model)  # an untrained head: top probabilities near 1 / V
+    coordinator = local_coordinator(colocated({"kind": "eagle", "path": str(tmp_path), "min_confidence": floor}))
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (20, 12)]
+    out = generate(coordinator, [PROMPT, [72, 101, 108, 108, 111]], params)
+    assert out == [hf_greedy(model, PROMPT, 20), hf_greedy(model, [72, 101, 108, 108, 111], 12)]
+    totals = coordinator._totals
+    planned = sum(r.positions * r.batch for r in coordinator._records)
+    assert 0 < totals["spec_decode_num_draft_tokens"] < planned, (totals, planned)
+    assert totals["fused_steps"] == drafting_steps(coordinator)

@@ -59,16 +59,18 @@ def forward_costs(runner: ModelRunner, reps: int) -> dict[str, dict[int, float]]
     return best
 
 
-def build_engines(target, draft, heads: list[str], gamma: int, modes=("off", "on")
+def build_engines(target, draft, heads: list[str], gamma: int, modes=("off", "on"), floors=(None,)
                   ) -> dict[tuple[str, str], SpeculativeEngine]:
-    """{(method, "off"/"on"): engine}, each calibrated with its own kernels."""
+    """{(method, "off"/"on"): engine}, each calibrated with its own kernels; a head row per
+    confidence floor in `floors` (None: the head drafts every planned position)."""
     makers = {"target-only": lambda: SpeculativeEngine(target, num_speculative_tokens=0)}
     if draft is not None:
         makers["draft model"] = lambda: SpeculativeEngine(target, draft, num_speculative_tokens=gamma)
     for i, head in enumerate(heads):
-        name = "feature head" if i == 0 else f"head {Path(head).name}"
-        makers[name] = lambda head=head: SpeculativeEngine(target, drafter=FeatureDrafterSpec(head),
-                                                           num_speculative_tokens=gamma)
+        for floor in floors:
+            name = ("feature head" if i == 0 else f"head {Path(head).name}") + ("" if floor is None else f" c{floor:g}")
+            makers[name] = lambda head=head, floor=floor: SpeculativeEngine(
+                target, drafter=FeatureDrafterSpec(head, floor), num_speculative_tokens=gamma)
     engines = {}
     for method, make in makers.items():
         for mode in modes:
@@ -146,6 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gamma", type=int, default=4, help="most drafts per step (adaptive below it)")
     parser.add_argument("--feature-head", nargs="*", default=["smollm2-eagle"],
                         help="head directories or shipped names (none: no head rows); the first is 'feature head'")
+    parser.add_argument("--min-confidence", nargs="*", default=["none"],
+                        help="confidence floors of the head rows ('none': every planned draft), e.g. none 0.3")
+    parser.add_argument("--prompts", default=str(GENERAL),
+                        help="a prompt set (JSON lines with category), default the held-out benchmark set")
     parser.add_argument("--kernels", default="off,on", help="which modes to run end to end: off,on / on / off")
     parser.add_argument("--reps", type=int, default=6, help="forwards per width and mode (best kept)")
     parser.add_argument("--out", default="bench-results/cpu.json")
@@ -157,12 +163,13 @@ def main(argv: list[str] | None = None) -> int:
     target, tokenizer = load_smollm2_target()
     draft = load_smollm2_draft(target)
     modes = tuple(args.kernels.split(","))
-    engines = build_engines(target, draft, args.feature_head, args.gamma, modes)
+    floors = tuple(None if f == "none" else float(f) for f in args.min_confidence)
+    engines = build_engines(target, draft, args.feature_head, args.gamma, modes, floors)
     costs = {method: forward_costs(engine_runners(engine)[-1], args.reps)
              for (method, mode), engine in engines.items() if mode == modes[-1]}
     print(cost_table(costs))
     prompts = {category: [encode(tokenizer, r) for r in records[: args.per_category]]
-               for category, records in by_category(load_records(GENERAL)).items()}
+               for category, records in by_category(load_records(Path(args.prompts))).items()}
     rows = end_to_end(engines, prompts, args.max_new_tokens)
     print(e2e_table(rows))
     out = Path(args.out)

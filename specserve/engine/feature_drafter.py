@@ -448,11 +448,15 @@ class FeatureDrafterProposer(DraftModelProposer):
     holds. A row whose last target feature is not there yet (its prompt has not been through the
     target: the first step) gets copies of its last token, which cost nothing and are rejected."""
 
-    def __init__(self, head: FeatureHead, vocab_size: int, max_positions: int | None = None) -> None:
+    def __init__(self, head: FeatureHead, vocab_size: int, max_positions: int | None = None,
+                 min_confidence: float | None = None) -> None:
         # eager: the head reads the features set on it before each forward (module state that a
         # replayed graph would not see)
         super().__init__(head, vocab_size, max_positions, execution="eager")
         self.head = head
+        # a row stops drafting where the product of the head's top probabilities falls below this
+        # (None: every planned draft); a host read per draft position decides whether to go on
+        self.min_confidence = min_confidence
         self.features = FeatureStore()
         self._tokens: dict[str, list[int]] = {}
         self._exact: dict[str, int] = {}  # request id -> leading pairs computed from target features
@@ -509,21 +513,24 @@ class FeatureDrafterProposer(DraftModelProposer):
                  if self.features.written(row.request_id) >= len(seq) - 1 and len(seq) >= 2]
         tokens = torch.tensor([seq[-1] for seq in seqs], dtype=torch.long)[:, None].repeat(1, num_tokens)  # [B, G]
         probs = None
+        counts = torch.zeros(len(rows), dtype=torch.long)  # [B] drafts worth verifying (none without features)
         if ready and num_tokens > 0:
-            drafted, probs = self._draft([rows[b] for b in ready], [seqs[b] for b in ready], num_tokens,
-                                         _select(sampling, ready) if len(ready) < len(rows) else sampling,
-                                         None if uniforms is None else uniforms[ready])
+            drafted, probs, kept = self._draft([rows[b] for b in ready], [seqs[b] for b in ready], num_tokens,
+                                               _select(sampling, ready) if len(ready) < len(rows) else sampling,
+                                               None if uniforms is None else uniforms[ready])
             tokens[ready] = drafted
+            counts[ready] = kept
             probs = self._full_probs(probs, ready, tokens, len(rows))
         elif not sampling.all_greedy:
             probs = self._full_probs(None, [], tokens, len(rows))
         for seq, row_tokens in zip(seqs, tokens.tolist()):
             seq.extend(row_tokens[: num_tokens - 1])
         forwards = self.runner.take_forward_log() or (ForwardTiming(0, time.perf_counter() - began),)
-        return Proposal(tokens, probs, forwards)
+        return Proposal(tokens, probs, forwards, num_draft=None if self.min_confidence is None else counts)
 
     def _draft(self, rows, seqs, num_tokens, sampling, uniforms):
-        """Catch up on the exact pairs, then one head forward per further draft -> ([b, G], q or None)."""
+        """Catch up on the exact pairs, then one head forward per further draft -> (drafts [b, G],
+        q [b, G, V] or None, drafts worth verifying [b]: G, or fewer under `min_confidence`)."""
         catch_up = []
         feats = []
         for row, seq in zip(rows, seqs):
@@ -544,7 +551,10 @@ class FeatureDrafterProposer(DraftModelProposer):
         feedback = self.head.last_feedback[torch.arange(len(rows), device=padded.device), lengths]  # [b, H]
         last = [len(s) - 1 for s in seqs]  # P per row: draft j+1 comes from the pair at P + j
         out, qs = [], []
+        confident = _Confidence(self.min_confidence, len(rows), num_tokens)
         for j in range(num_tokens):
+            if not confident.goes_on(logits):  # no row drafts position j: skip its forwards
+                break
             token, q = self._choose(logits, sampling, flags, inputs, j)
             out.append(token)
             qs.append(q)
@@ -554,8 +564,18 @@ class FeatureDrafterProposer(DraftModelProposer):
             self.head.set_features(feedback[:, None], feedback=True)  # [b, 1, H]
             logits = self.runner.forward(step_rows, logits="last")  # [b, K]
             feedback = self.head.last_feedback[:, -1]
+        if len(out) < num_tokens:  # positions no row verifies: copies of the last token (or draft)
+            fill = out[-1] if out else torch.tensor([s[-1] for s in seqs], device=device)
+            if flags is not None:
+                qs += [self._one_hot(fill)] * (num_tokens - len(out))
+            out += [fill] * (num_tokens - len(out))
         drafted = torch.stack(out, dim=1).cpu()  # [b, G]
-        return drafted, None if qs[0] is None else torch.stack(qs, dim=1)
+        return drafted, None if flags is None else torch.stack(qs, dim=1), confident.kept
+
+    def _one_hot(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[b] -> [b, V] one-hot q (positions no row verifies)."""
+        out = torch.zeros(tokens.shape[0], self.vocab_size, device=tokens.device)
+        return out.scatter_(-1, tokens[:, None], 1.0)
 
     def _full_probs(self, probs, ready, tokens, batch):
         """q for every row: the head's for drafted rows, one-hot at the copied token elsewhere."""
@@ -566,6 +586,29 @@ class FeatureDrafterProposer(DraftModelProposer):
         if probs is not None:
             full[ready] = probs
         return full
+
+
+class _Confidence:
+    """Where rows stop drafting: a row drafts position j while the product of the head's top
+    probabilities at positions 0..j stays >= floor (EAGLE-2's estimate of the chance that the
+    target accepts the drafts so far). Position j's decision depends only on the tokens before
+    it, never on the token drafted there, so the acceptance rule stays exact for sampled rows."""
+
+    def __init__(self, floor: float | None, rows: int, num_tokens: int) -> None:
+        self.floor = floor
+        self.kept = torch.full((rows,), num_tokens, dtype=torch.long) if floor is None \
+            else torch.zeros(rows, dtype=torch.long)  # [b] positions each row drafts
+        self._product: torch.Tensor | None = None
+
+    def goes_on(self, logits: torch.Tensor) -> bool:
+        """logits [b, K] of the next position -> whether any row drafts it (counted in `kept`)."""
+        if self.floor is None:
+            return True
+        top = torch.softmax(logits.float(), dim=-1).amax(dim=-1)  # [b]
+        self._product = top if self._product is None else self._product * top
+        drafting = (self._product >= self.floor).cpu()  # the host decides whether to run the next forward
+        self.kept += drafting.long()
+        return bool(drafting.any())
 
 
 def _select(sampling: BatchSampling, rows: list[int]) -> BatchSampling:
@@ -594,7 +637,8 @@ class FeatureDrafterSpec:
     the target. The engine (or the target worker) attaches it to the target's runner."""
 
     path: str
+    min_confidence: float | None = None  # see FeatureDrafterProposer
 
     def build(self, target_model: torch.nn.Module, vocab_size: int, max_positions: int | None):
         head = load_feature_head(resolve_head_path(self.path), target_model)
-        return FeatureDrafterProposer(head, vocab_size, max_positions)
+        return FeatureDrafterProposer(head, vocab_size, max_positions, self.min_confidence)

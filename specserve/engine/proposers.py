@@ -41,6 +41,9 @@ class Proposal:
     # The drafts are a deterministic function of the tokens (prompt lookup): q is one-hot at each
     # draft, so `probs` stays None and the verifier's rule treats it as such without building it.
     deterministic: bool = False
+    # [B] int64 on the host: drafts worth verifying per row, fewer than G where the drafter stopped
+    # early (the feature drafter's confidence floor); None: every planned draft
+    num_draft: torch.Tensor | None = None
 
     @property
     def seconds(self) -> float:
@@ -48,7 +51,7 @@ class Proposal:
 
     def __reduce__(self):  # across processes (Ray) through the host: another process may lack the device
         probs = None if self.probs is None else self.probs.cpu()
-        return (Proposal, (self.tokens.cpu(), probs, tuple(self.forwards), self.deterministic))
+        return (Proposal, (self.tokens.cpu(), probs, tuple(self.forwards), self.deterministic, self.num_draft))
 
 
 class Proposer(Protocol):

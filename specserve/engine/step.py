@@ -132,6 +132,16 @@ class StepPlan:
     draft_uniforms: torch.Tensor | None  # [B, G]
     accept_uniforms: torch.Tensor | None  # [B, G]
     final_uniforms: torch.Tensor | None  # [B]
+    verified: torch.Tensor | None = None  # [B] the drafts verified, when the drafter proposed fewer
+
+    def verify_counts(self, proposal: Proposal) -> torch.Tensor:
+        """[B] the drafts each row has verified (`verified_counts`), kept for the step's accounting."""
+        self.verified = verified_counts(self.num_draft, proposal)
+        return self.verified
+
+    @property
+    def num_verified(self) -> torch.Tensor:
+        return self.num_draft if self.verified is None else self.verified
 
     def draft_rows(self) -> list[RowInput]:
         return [RowInput(s.request_id, s.draft_len, s.tokens[s.draft_len :]) for s in self.seqs]
@@ -238,6 +248,13 @@ def plan_step(seqs: list[Sequence], policy: SpeculationPolicy) -> StepPlan:
     return StepPlan(seqs, positions, torch.tensor(num_draft, dtype=torch.long), sampling, draft_u, accept_u, final_u)
 
 
+def verified_counts(num_draft: torch.Tensor, proposal: Proposal) -> torch.Tensor:
+    """[B] drafts to verify per row: the planned g_b, or fewer where the drafter stopped early
+    (`Proposal.num_draft`). The acceptance rule is unchanged: a row simply has fewer drafts, and
+    whether it drafts a position depends only on the tokens before it."""
+    return num_draft if proposal.num_draft is None else torch.minimum(num_draft, proposal.num_draft)
+
+
 def empty_proposal(batch: int) -> Proposal:
     return Proposal(torch.zeros(batch, 0, dtype=torch.long), None)
 
@@ -246,8 +263,9 @@ def apply_verdict(plan: StepPlan, proposal: Proposal, verdict: Verdict) -> list[
     """Append accepted + next tokens (cut at a stop token or the length limit); move cache marks."""
     outputs = []
     drafts = verdict.draft_tokens if verdict.draft_tokens is not None else proposal.tokens.tolist()
+    verified = plan.num_verified.tolist()
     for b, s in enumerate(plan.seqs):
-        accepted, g = verdict.num_accepted[b], int(plan.num_draft[b])
+        accepted, g = verdict.num_accepted[b], verified[b]
         s.metrics.record(g, accepted)
         n = s.num_tokens
         s.target_len = n + accepted
@@ -281,7 +299,7 @@ def speculative_step(
     if plan.num_positions > 0:
         proposal = proposer.propose(plan.draft_rows(), plan.num_positions, plan.sampling, plan.draft_uniforms)
     verdict = verifier.verify(
-        plan.target_rows(), proposal.tokens, proposal.probs, plan.num_draft, plan.sampling,
+        plan.target_rows(), proposal.tokens, proposal.probs, plan.verify_counts(proposal), plan.sampling,
         plan.accept_uniforms, plan.final_uniforms,
     )
     return finish_step(plan, proposal, verdict, policy, began)

@@ -63,6 +63,11 @@ class TargetVerifier:
         deterministic (a one-hot q at each draft: `Proposal.deterministic`); num_draft [B] (g_b <= G);
         accept_uniforms [B, G], final_uniforms [B] (None when all rows greedy)."""
         self.runner.check(rows)
+        width = int(num_draft.max()) if num_draft.numel() else 0  # num_draft lives on the host
+        if width < draft_tokens.shape[1]:  # no row verifies the last positions: a narrower forward
+            draft_tokens = draft_tokens[:, :width]
+            draft_probs = None if draft_probs is None else draft_probs[:, :width]
+            accept_uniforms = None if accept_uniforms is None else accept_uniforms[:, :width]
         self.runner.take_forward_log()
         backlog = [RowInput(r.request_id, r.start, r.tokens[:-1]) for r in rows if len(r.tokens) > 1]
         if backlog:

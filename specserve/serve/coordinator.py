@@ -529,7 +529,7 @@ class Coordinator:
                 plan = plan_step(seqs, policy)
         self._count_target_only(policy)
         reply = await self._call("target", self.target.verify, seqs, "target_len", lambda: (
-            plan.target_rows(), proposal.tokens, proposal.probs, plan.num_draft, plan.sampling,
+            plan.target_rows(), proposal.tokens, proposal.probs, plan.verify_counts(proposal), plan.sampling,
             plan.accept_uniforms, plan.final_uniforms))
         outputs = finish_step(plan, proposal, reply.result, policy, began)
         wall = time.perf_counter() - began
@@ -588,6 +588,7 @@ class Coordinator:
             return None
         self._count_target_only(policy)
         self._totals["graph_steps"] += 1
+        plan.verify_counts(reply.proposal)
         outputs = finish_step(plan, reply.proposal, reply.verdict, policy, began)
         wall = time.perf_counter() - began
         self._record(StepRecord(wall, reply.proposal.seconds + reply.verdict.seconds,
@@ -611,6 +612,7 @@ class Coordinator:
             return None
         step: StepReply = reply.result
         self._totals["fused_steps"] += 1
+        plan.verify_counts(step.proposal)
         outputs = finish_step(plan, step.proposal, step.verdict, policy, began)
         wall = time.perf_counter() - began
         self._record(StepRecord(wall, step.proposal.seconds + step.verdict.seconds, reply.seconds, len(plan.seqs),
@@ -777,7 +779,7 @@ class Coordinator:
     def _record(self, record: StepRecord, plan: StepPlan, verdict: Verdict) -> None:
         self._records.append(record)
         self._totals["steps"] += 1
-        num_draft = plan.num_draft.tolist()
+        num_draft = plan.num_verified.tolist()
         drafted, accepted = sum(num_draft), sum(verdict.num_accepted)
         self._totals["spec_decode_num_draft_tokens"] += drafted
         self._totals["spec_decode_num_accepted_tokens"] += accepted

@@ -154,7 +154,7 @@ def unpack(data: bytes):
 
 def light(proposal: Proposal) -> Proposal:
     """A proposal without q (token ids and timings only): what goes back to the coordinator."""
-    return Proposal(proposal.tokens, None, proposal.forwards, proposal.deterministic)
+    return Proposal(proposal.tokens, None, proposal.forwards, proposal.deterministic, proposal.num_draft)
 
 
 class DraftLate(TimeoutError):

@@ -26,7 +26,7 @@ import torch
 from specserve.config import ColocatedDrafter, ModelSource
 from specserve.engine import CacheMiss, DraftModelProposer, Proposal, RowInput, TargetVerifier, Verdict
 from specserve.engine.engine import model_eos_ids
-from specserve.engine.step import empty_proposal
+from specserve.engine.step import empty_proposal, verified_counts
 from specserve.engine.sampling import BatchSampling
 
 from .graph import Block, StepCall, StepReply, light, pack, unpack
@@ -246,8 +246,9 @@ class TargetWorker(_Worker):
         if drafted.misses:
             return StepReply(None, None, drafted.misses, {}, drafted.seconds, 0.0)
         proposal = drafted.result
-        reply = self.verify(call.target_rows, proposal.tokens, proposal.probs, call.num_draft, call.sampling,
-                            call.accept_uniforms, call.final_uniforms)
+        reply = self.verify(call.target_rows, proposal.tokens, proposal.probs,
+                            verified_counts(call.num_draft, proposal), call.sampling, call.accept_uniforms,
+                            call.final_uniforms)
         return StepReply(light(proposal), reply.result, {}, reply.misses, drafted.seconds, reply.seconds)
 
 
