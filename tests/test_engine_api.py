@@ -300,3 +300,25 @@ def test_a_fused_drafter_pays_the_call_overhead_once_per_step():
     # a target-only step pays the same round trip: only the fused model knows, and drafts at α 0.3
     assert abs(fused.step_time(1, 0) - (0.038 + 0.036)) < 1e-9
     assert fused.best_gamma([0.3]) > 0 and split.best_gamma([0.3]) == 0
+
+
+def test_sizes_known_only_from_calibration_follow_the_load():
+    """Calibrated on a quiet machine, a batch of 8 then decodes under load, only ever at 8 tokens:
+    16 tokens (γ 1) must be predicted at the same load, or drafting looks cheaper than it is."""
+    from specserve.engine.model_runner import ForwardTiming
+
+    policy = SpeculationPolicy(max_gamma=1)
+    for n, seconds in ((1, 0.035), (8, 0.070), (16, 0.090)):
+        policy.calibrate_costs("target", [ForwardTiming(n, seconds)])
+    policy.calibrate_costs("draft", [ForwardTiming(8, 0.004)])
+    assert policy.best_gamma([0.3] * 8) == 0  # 1.3 tokens for 1.34x the time: no
+    calibrated_only = SpeculationPolicy(max_gamma=1)
+    calibrated_only.target_cost.observe(16, 0.090)  # the old way: calibration counted as live
+    calibrated_only.draft_cost.observe(8, 0.004)
+    for _ in range(20):  # the same machine, 1.4x slower under the server's own load
+        policy.observe_costs("target", [ForwardTiming(8, 0.100)])
+        calibrated_only.observe_costs("target", [ForwardTiming(8, 0.100)])
+    assert abs(policy.target_cost.level() - 0.100 / 0.070) < 1e-3
+    assert abs(policy.target_cost.predict(16) - 0.090 * 0.100 / 0.070) < 1e-3
+    assert policy.best_gamma([0.3] * 8) == 0
+    assert calibrated_only.best_gamma([0.3] * 8) == 1  # 16 tokens at their idle cost: a false win

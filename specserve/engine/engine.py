@@ -175,9 +175,9 @@ class SpeculativeEngine:
         """Time each model on dummy rows of a few sizes so the policy starts from measurements
         (done before the first step when γ is adaptive; a drafter with no model learns as it goes)."""
         self._calibrated = True
-        self.policy.observe_costs("target", self.verifier.runner.time_forwards(sizes))
+        self.policy.calibrate_costs("target", self.verifier.runner.time_forwards(sizes))
         if isinstance(getattr(self.proposer, "runner", None), ModelRunner):
-            self.policy.observe_costs("draft", self.proposer.runner.time_forwards(sizes))
+            self.policy.calibrate_costs("draft", self.proposer.runner.time_forwards(sizes))
 
 
 def capture_graphs(verifier, proposer, max_batch_size: int, max_gamma: int, progress: bool = True) -> float:

@@ -23,11 +23,18 @@ class TokenCost:
     31 (a matrix-vector product becomes a matrix product), while on a GPU small sizes cost about
     the same. So each size keeps its own running mean (sizes above 64 share buckets of 1/8 octave),
     and an unmeasured size is interpolated between its measured neighbours.
+
+    Calibration (dummy forwards at start-up, `calibrate`) runs on a quiet machine; live steps run
+    beside everything else a server does. A size seen only in calibration is therefore scaled by
+    the load level: the median, over the sizes seen live, of live / calibrated cost. Without that,
+    a batch of 8 that always decodes 8 tokens under load (measured slow) compared with 16 tokens at
+    their idle calibrated cost, and drafting looked cheaper than it is.
     """
 
     def __init__(self, decay: float = 0.8) -> None:
         self.decay = decay
-        self._mean: dict[int, float] = {}  # bucket -> seconds
+        self._mean: dict[int, float] = {}  # bucket -> seconds, from live steps
+        self._calibrated: dict[int, float] = {}  # bucket -> seconds, from calibration
 
     @staticmethod
     def bucket(n: int) -> int:
@@ -41,27 +48,39 @@ class TokenCost:
         old = self._mean.get(key)
         self._mean[key] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
 
+    def calibrate(self, n: int, seconds: float) -> None:
+        self._calibrated[self.bucket(n)] = seconds
+
     @property
     def ready(self) -> bool:
-        return bool(self._mean)
+        return bool(self._mean or self._calibrated)
+
+    def level(self) -> float:
+        """Live / calibrated cost, the median over the sizes both know (1 when none)."""
+        ratios = sorted(self._mean[k] / c for k, c in self._calibrated.items() if k in self._mean and c > 0)
+        return ratios[len(ratios) // 2] if ratios else 1.0
 
     def predict(self, n: int) -> float:
         key = self.bucket(n)
         if key in self._mean:
             return self._mean[key]
-        sizes = sorted(self._mean)
+        level = self.level()
+        table = {**{k: c * level for k, c in self._calibrated.items()}, **self._mean}
+        sizes = sorted(table)
         lower = [k for k in sizes if k < key]
         upper = [k for k in sizes if k > key]
+        if key in table:
+            return table[key]
         if lower and upper:
             lo, hi = lower[-1], upper[0]
-            return self._mean[lo] + (self._mean[hi] - self._mean[lo]) * (key - lo) / (hi - lo)
+            return table[lo] + (table[hi] - table[lo]) * (key - lo) / (hi - lo)
         if upper:  # below every measured size: no cheaper than the smallest
-            return self._mean[upper[0]]
+            return table[upper[0]]
         if len(lower) == 1:  # one size known: assume cost grows no faster than tokens
-            return self._mean[lower[0]] * max(key / max(lower[0], 1), 1.0)
+            return table[lower[0]] * max(key / max(lower[0], 1), 1.0)
         lo, hi = lower[-2], lower[-1]  # extrapolate the last segment, never downwards
-        slope = max((self._mean[hi] - self._mean[lo]) / (hi - lo), 0.0)
-        return self._mean[hi] + slope * (key - hi)
+        slope = max((table[hi] - table[lo]) / (hi - lo), 0.0)
+        return table[hi] + slope * (key - hi)
 
 
 def expected_tokens(alpha: float, gamma: int) -> float:
@@ -121,10 +140,16 @@ class SpeculationPolicy:
         self.global_alpha.observe(num_accepted, num_draft, decay=0.995)
 
     def observe_costs(self, model: str, timings) -> None:
-        """Forwards (ForwardTiming) of "target" or "draft" outside any step (calibration)."""
+        """Forwards (ForwardTiming) of "target" or "draft" in live steps."""
         cost = self.target_cost if model == "target" else self.draft_cost
         for f in timings:
             cost.observe(f.tokens, f.seconds)
+
+    def calibrate_costs(self, model: str, timings) -> None:
+        """Forwards (ForwardTiming) of "target" or "draft" outside any step (start-up calibration)."""
+        cost = self.target_cost if model == "target" else self.draft_cost
+        for f in timings:
+            cost.calibrate(f.tokens, f.seconds)
 
     def observe_step(self, wall: float, draft_forwards, target_forwards) -> None:
         """A step's wall time and its forwards (ForwardTiming): prefills count as model time but

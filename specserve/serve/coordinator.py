@@ -177,9 +177,9 @@ class Coordinator:
         else:
             self.policy = SpeculationPolicy(self.max_gamma, adaptive=config.speculation.adaptive, fused=self.fused)
         # measured costs start γ (adaptive) and size every worker call's deadline
-        self.policy.observe_costs("target", ray.get(self.target.time_forwards.remote()))
+        self.policy.calibrate_costs("target", ray.get(self.target.time_forwards.remote()))
         if self.draft is not None:
-            self.policy.observe_costs("draft", ray.get(self.draft.time_forwards.remote()))
+            self.policy.calibrate_costs("draft", ray.get(self.draft.time_forwards.remote()))
         self.admission = Admission(config.max_batch_size, config.max_cached_tokens, self.max_gamma)
         self._queues: dict[str, asyncio.Queue] = {}
         self._aborted: set[str] = set()
