@@ -24,17 +24,22 @@ class TokenCost:
     the same. So each size keeps its own running mean (sizes above 64 share buckets of 1/8 octave),
     and an unmeasured size is interpolated between its measured neighbours.
 
-    Calibration (dummy forwards at start-up, `calibrate`) runs on a quiet machine; live steps run
-    beside everything else a server does. A size seen only in calibration is therefore scaled by
-    the load level: the median, over the sizes seen live, of live / calibrated cost. Without that,
-    a batch of 8 that always decodes 8 tokens under load (measured slow) compared with 16 tokens at
-    their idle calibrated cost, and drafting looked cheaper than it is.
+    The load moves: calibration (dummy forwards at start-up, `calibrate`) runs on a quiet
+    machine, live steps beside everything else a server does, and the machine's own load changes
+    while a size goes unmeasured (a batch of 8 that drafts never decodes 8 tokens alone). So the
+    table keeps a load level, a running mean over live forwards (of any size) of live /
+    calibrated cost, and each size's cost is read at today's level: a size known only from
+    calibration times the level, a live size times level now / level when it was last measured.
+    Without that, a batch of 8 compared 8 tokens measured during a load spike (or under load) with
+    16 tokens at their idle or later cost, and drafting looked cheaper than it is.
     """
 
-    def __init__(self, decay: float = 0.8) -> None:
+    def __init__(self, decay: float = 0.8, level_decay: float = 0.9) -> None:
         self.decay = decay
-        self._mean: dict[int, float] = {}  # bucket -> seconds, from live steps
+        self.level_decay = level_decay
+        self._mean: dict[int, tuple[float, float]] = {}  # bucket -> (seconds, level when measured), live
         self._calibrated: dict[int, float] = {}  # bucket -> seconds, from calibration
+        self._level: float | None = None  # live / calibrated cost, running mean (None: no ratio yet)
 
     @staticmethod
     def bucket(n: int) -> int:
@@ -45,8 +50,13 @@ class TokenCost:
 
     def observe(self, n: int, seconds: float) -> None:
         key = self.bucket(n)
+        calibrated = _interpolate(self._calibrated, key) if self._calibrated else None
+        if calibrated:
+            ratio = seconds / calibrated
+            self._level = ratio if self._level is None else self.level_decay * self._level + (1 - self.level_decay) * ratio
         old = self._mean.get(key)
-        self._mean[key] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+        value = seconds if old is None else self.decay * old[0] * self.level() / old[1] + (1 - self.decay) * seconds
+        self._mean[key] = (value, self.level())
 
     def calibrate(self, n: int, seconds: float) -> None:
         self._calibrated[self.bucket(n)] = seconds
@@ -56,31 +66,34 @@ class TokenCost:
         return bool(self._mean or self._calibrated)
 
     def level(self) -> float:
-        """Live / calibrated cost, the median over the sizes both know (1 when none)."""
-        ratios = sorted(self._mean[k] / c for k, c in self._calibrated.items() if k in self._mean and c > 0)
-        return ratios[len(ratios) // 2] if ratios else 1.0
+        """Live / calibrated cost, a running mean over live forwards (1 before any)."""
+        return 1.0 if self._level is None else self._level
 
     def predict(self, n: int) -> float:
-        key = self.bucket(n)
-        if key in self._mean:
-            return self._mean[key]
         level = self.level()
-        table = {**{k: c * level for k, c in self._calibrated.items()}, **self._mean}
-        sizes = sorted(table)
-        lower = [k for k in sizes if k < key]
-        upper = [k for k in sizes if k > key]
-        if key in table:
-            return table[key]
-        if lower and upper:
-            lo, hi = lower[-1], upper[0]
-            return table[lo] + (table[hi] - table[lo]) * (key - lo) / (hi - lo)
-        if upper:  # below every measured size: no cheaper than the smallest
-            return table[upper[0]]
-        if len(lower) == 1:  # one size known: assume cost grows no faster than tokens
-            return table[lower[0]] * max(key / max(lower[0], 1), 1.0)
-        lo, hi = lower[-2], lower[-1]  # extrapolate the last segment, never downwards
-        slope = max((table[hi] - table[lo]) / (hi - lo), 0.0)
-        return table[hi] + slope * (key - hi)
+        table = {k: c * level for k, c in self._calibrated.items()}
+        table.update({k: value * level / then for k, (value, then) in self._mean.items()})
+        return _interpolate(table, self.bucket(n))
+
+
+def _interpolate(table: dict[int, float], key: int) -> float:
+    """Seconds at `key` from a {bucket: seconds} table: as measured, else between the measured
+    neighbours, else along the last segment (never downwards), or no cheaper than the smallest."""
+    if key in table:
+        return table[key]
+    sizes = sorted(table)
+    lower = [k for k in sizes if k < key]
+    upper = [k for k in sizes if k > key]
+    if lower and upper:
+        lo, hi = lower[-1], upper[0]
+        return table[lo] + (table[hi] - table[lo]) * (key - lo) / (hi - lo)
+    if upper:  # below every measured size: no cheaper than the smallest
+        return table[upper[0]]
+    if len(lower) == 1:  # one size known: assume cost grows no faster than tokens
+        return table[lower[0]] * max(key / max(lower[0], 1), 1.0)
+    lo, hi = lower[-2], lower[-1]  # extrapolate the last segment, never downwards
+    slope = max((table[hi] - table[lo]) / (hi - lo), 0.0)
+    return table[hi] + slope * (key - hi)
 
 
 def expected_tokens(alpha: float, gamma: int) -> float:
@@ -125,6 +138,10 @@ class SpeculationPolicy:
         self.target_cost = TokenCost()
         self.draft_cost = TokenCost()
         self.overhead = 0.0  # host seconds per call (per forward unless fused), EMA
+        # batch -> measured / modelled seconds of a step's draft forwards, EMA: what γ forwards of
+        # B tokens miss (a feature head's first forward re-reads each row's accepted tokens).
+        # Learned from every drafting step of that batch size, whatever its γ.
+        self._draft_bias: dict[int, float] = {}
         self.global_alpha = AcceptanceEstimate()
         self.prior_alpha = prior_alpha
         self._steps_without_drafts = 0
@@ -151,9 +168,16 @@ class SpeculationPolicy:
         for f in timings:
             cost.calibrate(f.tokens, f.seconds)
 
-    def observe_step(self, wall: float, draft_forwards, target_forwards) -> None:
+    def observe_step(self, wall: float, draft_forwards, target_forwards, batch: int = 0, gamma: int = 0,
+                     backlog: int = 0) -> None:
         """A step's wall time and its forwards (ForwardTiming): prefills count as model time but
-        are kept out of the per-size costs, which describe decoding steps."""
+        are kept out of the per-size costs, which describe decoding steps. With the step's batch,
+        γ and draft backlog, also how its draft forwards compared with the model's."""
+        if batch and gamma and draft_forwards and self.draft_cost.ready:
+            modelled = self._draft_seconds(batch, gamma, backlog)
+            ratio = min(max(sum(f.seconds for f in draft_forwards) / max(modelled, 1e-9), 0.25), 8.0)
+            old = self._draft_bias.get(batch)
+            self._draft_bias[batch] = ratio if old is None else 0.8 * old + 0.2 * ratio
         for model, forwards in (("draft", draft_forwards), ("target", target_forwards)):
             self.observe_costs(model, [f for f in forwards if not f.prefill])
         forwards = [*draft_forwards, *target_forwards]
@@ -163,14 +187,20 @@ class SpeculationPolicy:
 
     # -- what we decide -----------------------------------------------------------------------
     def step_time(self, batch: int, gamma: int, backlog: int = 0) -> float:
-        """Predicted seconds of a step; backlog: tokens the drafter must catch up on first (it
-        skipped the steps without drafts), one extra draft forward when γ > 0."""
+        """Predicted seconds of a step: one verify of B(γ+1) tokens, then (γ > 0) the drafts: γ
+        forwards of B tokens after catching up on `backlog` tokens (those it skipped in steps
+        without drafts), scaled by what this batch size's drafting steps measured; plus the host
+        overhead per call."""
         verify = self.target_cost.predict(batch * (gamma + 1)) + self.overhead
         if gamma == 0:
             return verify
-        per_call = 0.0 if self.fused else self.overhead
-        catch_up = self.draft_cost.predict(backlog) + per_call if backlog > 0 else 0.0
-        return verify + catch_up + gamma * (self.draft_cost.predict(batch) + per_call)
+        calls = 0 if self.fused else gamma + (backlog > 0)
+        drafts = self._draft_bias.get(batch, 1.0) * self._draft_seconds(batch, gamma, backlog)
+        return verify + drafts + calls * self.overhead
+
+    def _draft_seconds(self, batch: int, gamma: int, backlog: int) -> float:
+        catch_up = self.draft_cost.predict(backlog) if backlog > 0 else 0.0
+        return catch_up + gamma * self.draft_cost.predict(batch)
 
     def best_gamma(self, alphas: list[float], backlog: int = 0) -> int:
         """The γ with the most expected tokens per second for a batch with these acceptance rates.

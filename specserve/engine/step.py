@@ -133,6 +133,7 @@ class StepPlan:
     accept_uniforms: torch.Tensor | None  # [B, G]
     final_uniforms: torch.Tensor | None  # [B]
     verified: torch.Tensor | None = None  # [B] the drafts verified, when the drafter proposed fewer
+    backlog: int = 0  # tokens the drafter catches up on before drafting (steps it skipped)
 
     def verify_counts(self, proposal: Proposal) -> torch.Tensor:
         """[B] the drafts each row has verified (`verified_counts`), kept for the step's accounting."""
@@ -245,7 +246,8 @@ def plan_step(seqs: list[Sequence], policy: SpeculationPolicy) -> StepPlan:
                 continue
             draws = torch.rand(2 * g + 1, generator=s.generator)  # this row's stream only
             draft_u[b, :g], accept_u[b, :g], final_u[b] = draws[:g], draws[g : 2 * g], draws[2 * g]
-    return StepPlan(seqs, positions, torch.tensor(num_draft, dtype=torch.long), sampling, draft_u, accept_u, final_u)
+    return StepPlan(seqs, positions, torch.tensor(num_draft, dtype=torch.long), sampling, draft_u, accept_u, final_u,
+                    backlog=backlog)
 
 
 def verified_counts(num_draft: torch.Tensor, proposal: Proposal) -> torch.Tensor:
@@ -315,5 +317,6 @@ def finish_step(
     outputs = apply_verdict(plan, proposal, verdict)
     for s, g, a in zip(plan.seqs, plan.num_draft.tolist(), verdict.num_accepted):
         policy.observe_acceptance(s.acceptance, a, g)
-    policy.observe_step(time.perf_counter() - began, proposal.forwards, verdict.forwards)
+    policy.observe_step(time.perf_counter() - began, proposal.forwards, verdict.forwards, len(plan.seqs),
+                        plan.num_positions, plan.backlog)
     return outputs
