@@ -63,3 +63,18 @@ def test_planting_drafter_plants_after_a_chunked_prefill():
     proposer.prefill([RowInput("r", 10, reference[10:23])])
     drafts = proposer.propose([RowInput("r", 23, [reference[23]])], 4, GREEDY, None).tokens[0].tolist()
     assert drafts == reference[24:28]
+
+
+def test_a_pair_without_a_planted_draft_probes_once(monkeypatch):
+    """The tiny pair has no draft shape to calibrate: its probe runs once and returns as it is
+    (it used to unpack the missing shape and crash `bench overlap --quick`)."""
+    import types
+
+    from specserve.bench import overlap
+
+    runs = []
+    monkeypatch.setattr(overlap, "app_config", lambda *args, **kwargs: args)
+    monkeypatch.setattr(overlap, "run_config", lambda *args: runs.append(args) or (None, None, {"c": 0.3}))
+    bar = types.SimpleNamespace(update=lambda: None, refresh=lambda: None, total=0)
+    probe, workers, shape = overlap.probe_pair(["request"], None, None, True, None, None, (None, 0), bar)
+    assert probe == {"c": 0.3} and workers is None and shape is None and len(runs) == 1

@@ -348,9 +348,10 @@ def probe_pair(requests, workers, refs, tiny: bool, c_wanted: float | None, shap
         probe = run_config(app_config(4, False, False, 1, tiny), requests[:1], workers, refs)[2]
         bar.update()
         tries -= 1
+        if c_wanted is None or tries == 0:  # nothing to calibrate (the tiny pair has no shape)
+            return probe, workers, shape
         width, layers = shape
-        nxt = None if c_wanted is None or tries == 0 else next_layers(
-            layers, c_wanted, probe["c"], TARGET_SHAPE["num_hidden_layers"])
+        nxt = next_layers(layers, c_wanted, probe["c"], TARGET_SHAPE["num_hidden_layers"])
         if nxt is None:
             return probe, workers, shape
         shape = (width, nxt)
