@@ -567,22 +567,21 @@ class FeatureDrafterProposer(DraftModelProposer):
         if len(out) < num_tokens:  # positions no row verifies: copies of the last token (or draft)
             fill = out[-1] if out else torch.tensor([s[-1] for s in seqs], device=device)
             if flags is not None:
-                qs += [self._one_hot(fill)] * (num_tokens - len(out))
+                qs += [self._one_hot(fill)] * (num_tokens - len(qs))
             out += [fill] * (num_tokens - len(out))
         drafted = torch.stack(out, dim=1).cpu()  # [b, G]
         return drafted, None if flags is None else torch.stack(qs, dim=1), confident.kept
 
     def _one_hot(self, tokens: torch.Tensor) -> torch.Tensor:
-        """[b] -> [b, V] one-hot q (positions no row verifies)."""
-        out = torch.zeros(tokens.shape[0], self.vocab_size, device=tokens.device)
-        return out.scatter_(-1, tokens[:, None], 1.0)
+        """Token ids [...] -> one-hot q [..., V] on the ids' device (copied or unverified drafts)."""
+        out = torch.zeros(*tokens.shape, self.vocab_size, device=tokens.device)
+        return out.scatter_(-1, tokens[..., None], 1.0)
 
     def _full_probs(self, probs, ready, tokens, batch):
         """q for every row: the head's for drafted rows, one-hot at the copied token elsewhere."""
         if probs is not None and len(ready) == batch:
             return probs
-        full = torch.zeros(batch, tokens.shape[1], self.vocab_size, device=self.runner.device)
-        full.scatter_(-1, tokens[..., None].to(full.device), 1.0)
+        full = self._one_hot(tokens.to(self.runner.device))  # [B, G, V]
         if probs is not None:
             full[ready] = probs
         return full

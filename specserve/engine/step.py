@@ -132,13 +132,8 @@ class StepPlan:
     draft_uniforms: torch.Tensor | None  # [B, G]
     accept_uniforms: torch.Tensor | None  # [B, G]
     final_uniforms: torch.Tensor | None  # [B]
-    verified: torch.Tensor | None = None  # [B] the drafts verified, when the drafter proposed fewer
     backlog: int = 0  # tokens the drafter catches up on before drafting (steps it skipped)
-
-    def verify_counts(self, proposal: Proposal) -> torch.Tensor:
-        """[B] the drafts each row has verified (`verified_counts`), kept for the step's accounting."""
-        self.verified = verified_counts(self.num_draft, proposal)
-        return self.verified
+    verified: torch.Tensor | None = None  # [B] the drafts verified (`apply_verdict` sets it), for accounting
 
     @property
     def num_verified(self) -> torch.Tensor:
@@ -265,7 +260,8 @@ def apply_verdict(plan: StepPlan, proposal: Proposal, verdict: Verdict) -> list[
     """Append accepted + next tokens (cut at a stop token or the length limit); move cache marks."""
     outputs = []
     drafts = verdict.draft_tokens if verdict.draft_tokens is not None else proposal.tokens.tolist()
-    verified = plan.num_verified.tolist()
+    plan.verified = verified_counts(plan.num_draft, proposal)
+    verified = plan.verified.tolist()
     for b, s in enumerate(plan.seqs):
         accepted, g = verdict.num_accepted[b], verified[b]
         s.metrics.record(g, accepted)
@@ -301,7 +297,7 @@ def speculative_step(
     if plan.num_positions > 0:
         proposal = proposer.propose(plan.draft_rows(), plan.num_positions, plan.sampling, plan.draft_uniforms)
     verdict = verifier.verify(
-        plan.target_rows(), proposal.tokens, proposal.probs, plan.verify_counts(proposal), plan.sampling,
+        plan.target_rows(), proposal.tokens, proposal.probs, verified_counts(plan.num_draft, proposal), plan.sampling,
         plan.accept_uniforms, plan.final_uniforms,
     )
     return finish_step(plan, proposal, verdict, policy, began)

@@ -60,7 +60,7 @@ from specserve.engine.sampling import SamplingParams
 from specserve.engine.scheduler import OverlappedPolicy, SpeculationPolicy, TokenCost
 from specserve.engine.step import (
     ContextLengthExceeded, InvalidPrompt, Sequence, StepOutput, StepPlan, advance_marks, empty_proposal, finish_step,
-    new_sequence, plan_step, prefill_rows, prefilling,
+    new_sequence, plan_step, prefill_rows, prefilling, verified_counts,
 )
 from specserve.engine.verifier import Verdict
 
@@ -529,8 +529,8 @@ class Coordinator:
                 plan = plan_step(seqs, policy)
         self._count_target_only(policy)
         reply = await self._call("target", self.target.verify, seqs, "target_len", lambda: (
-            plan.target_rows(), proposal.tokens, proposal.probs, plan.verify_counts(proposal), plan.sampling,
-            plan.accept_uniforms, plan.final_uniforms))
+            plan.target_rows(), proposal.tokens, proposal.probs, verified_counts(plan.num_draft, proposal),
+            plan.sampling, plan.accept_uniforms, plan.final_uniforms))
         outputs = finish_step(plan, proposal, reply.result, policy, began)
         wall = time.perf_counter() - began
         self._record(StepRecord(wall, proposal.seconds + reply.result.seconds, in_workers + reply.seconds,
@@ -581,27 +581,18 @@ class Coordinator:
     async def _graph_step(self, plan: StepPlan, policy: SpeculationPolicy, began: float) -> list[StepOutput] | None:
         """The step as compiled-graph executions; None when the graph cannot run it (see
         `_graph_execute`): the caller then runs this very step on plain actor calls."""
-        reply = await self._graph_execute(plan.seqs, lambda: StepCall(
-            plan.draft_rows(), plan.num_positions, plan.sampling, plan.draft_uniforms, plan.target_rows(),
-            plan.num_draft, plan.accept_uniforms, plan.final_uniforms), plan.num_positions)
+        reply = await self._graph_execute(plan.seqs, lambda: _step_call(plan), plan.num_positions)
         if reply is None:
             return None
         self._count_target_only(policy)
         self._totals["graph_steps"] += 1
-        plan.verify_counts(reply.proposal)
-        outputs = finish_step(plan, reply.proposal, reply.verdict, policy, began)
-        wall = time.perf_counter() - began
-        self._record(StepRecord(wall, reply.proposal.seconds + reply.verdict.seconds,
-                                reply.draft_seconds + reply.target_seconds, len(plan.seqs), plan.num_positions),
-                     plan, reply.verdict)
-        return outputs
+        return self._finish_one_call(plan, reply, policy, began, reply.draft_seconds + reply.target_seconds)
 
     async def _fused_step(self, plan: StepPlan, policy: SpeculationPolicy, began: float) -> list[StepOutput] | None:
         """A colocated drafter's step as one plain call to the target worker (propose, then
         verify); None when that call failed or was late: the caller then reruns this very step as
         two calls (same plan, same random numbers), whose recovery takes over."""
-        call = lambda: (StepCall(plan.draft_rows(), plan.num_positions, plan.sampling, plan.draft_uniforms,
-                                 plan.target_rows(), plan.num_draft, plan.accept_uniforms, plan.final_uniforms),)
+        call = lambda: (_step_call(plan),)
         deadline = lambda c: (self._deadline("draft", c.draft_rows, c.num_positions)
                               + self._deadline("target", c.target_rows, c.num_positions))
         try:
@@ -610,13 +601,16 @@ class Coordinator:
         except Exception as err:  # a late reply is dropped: the resent rows overwrite what it cached
             logger.warning("fused step failed (%s): rerunning it as two calls", type(err).__name__)
             return None
-        step: StepReply = reply.result
         self._totals["fused_steps"] += 1
-        plan.verify_counts(step.proposal)
+        return self._finish_one_call(plan, reply.result, policy, began, reply.seconds)
+
+    def _finish_one_call(self, plan: StepPlan, step: StepReply, policy: SpeculationPolicy, began: float,
+                         in_workers: float) -> list[StepOutput]:
+        """Apply a step that one call or graph execution ran (`step`: its proposal without q and
+        verdict) and record it; in_workers: seconds inside the worker methods."""
         outputs = finish_step(plan, step.proposal, step.verdict, policy, began)
-        wall = time.perf_counter() - began
-        self._record(StepRecord(wall, step.proposal.seconds + step.verdict.seconds, reply.seconds, len(plan.seqs),
-                                plan.num_positions), plan, step.verdict)
+        self._record(StepRecord(time.perf_counter() - began, step.proposal.seconds + step.verdict.seconds,
+                                in_workers, len(plan.seqs), plan.num_positions), plan, step.verdict)
         return outputs
 
     async def _graph_execute(self, seqs: list[Sequence], make_call, width: int,
@@ -883,6 +877,12 @@ class ProposerSide:
         return ProposerSide(target.propose, target.proposer_free, target.proposer_num_cached,
                             target.proposer_max_positions, target.proposer_time_forwards, target.ready,
                             target.memory, target.proposer_prefill)
+
+
+def _step_call(plan: StepPlan) -> StepCall:
+    """A sequential step's worker inputs, for one call or one graph execution."""
+    return StepCall(plan.draft_rows(), plan.num_positions, plan.sampling, plan.draft_uniforms, plan.target_rows(),
+                    plan.num_draft, plan.accept_uniforms, plan.final_uniforms)
 
 
 def _merge(items: list) -> Delta | Failed:
