@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specserve.bench.prompt_sets import GENERAL, by_category, encode, load_records
+from specserve.bench.prompt_sets import GENERAL, by_category, encode, load_records, per_token_alpha
 from specserve.engine import RowInput, SamplingParams, SpeculativeEngine
 from specserve.engine.feature_drafter import FeatureDrafterSpec
 from specserve.engine.model_runner import ModelRunner
@@ -89,7 +89,8 @@ def end_to_end(engines, prompts: dict[str, list[list[int]]], max_new: int) -> li
     total = sum(map(len, prompts.values())) * len(engines)
     with tqdm(total=total, desc="generate", unit="run") as bar:
         for category, items in prompts.items():
-            acc = {key: {"tokens": 0, "seconds": 0.0, "drafted": 0, "accepted": 0, "outputs": []} for key in engines}
+            acc = {key: {"tokens": 0, "seconds": 0.0, "drafted": 0, "accepted": 0, "rejections": 0,
+                          "outputs": []} for key in engines}
             for prompt in items:
                 for key, engine in engines.items():
                     began = time.perf_counter()
@@ -99,6 +100,7 @@ def end_to_end(engines, prompts: dict[str, list[list[int]]], max_new: int) -> li
                     a["tokens"] += len(out.token_ids)
                     a["drafted"] += out.metrics.num_draft_tokens
                     a["accepted"] += out.metrics.num_accepted_tokens
+                    a["rejections"] += out.metrics.num_rejections
                     a["outputs"].append(out.token_ids)
                     bar.update(1)
             reference = acc["target-only", "off" if ("target-only", "off") in acc else "on"]
@@ -106,7 +108,8 @@ def end_to_end(engines, prompts: dict[str, list[list[int]]], max_new: int) -> li
             for (method, mode), a in acc.items():
                 rate = a["tokens"] / a["seconds"]
                 rows.append({"category": category, "method": method, "kernels": mode, "tok_s": rate,
-                             "alpha": a["accepted"] / a["drafted"] if a["drafted"] else None,
+                             "alpha": per_token_alpha(a["accepted"], a["rejections"]),
+                             "accept_ratio": a["accepted"] / a["drafted"] if a["drafted"] else None,
                              "draft_tokens": a["drafted"], "identical": a["outputs"] == reference["outputs"],
                              "speedup_vs_off": rate / base_rate})
             bases = {r["kernels"]: r for r in rows if r["category"] == category and r["method"] == "target-only"}
@@ -129,11 +132,11 @@ def cost_table(costs: dict[str, dict]) -> str:
 
 
 def e2e_table(rows: list[dict]) -> str:
-    head = (f"{'category':<11}{'method':<22}{'kernels':<9}{'tok/s':>7}{'α':>7}{'drafts':>8}"
+    head = (f"{'category':<11}{'method':<22}{'kernels':<9}{'tok/s':>7}{'α':>7}{'acc/dr':>7}{'drafts':>8}"
             f"{'vs target off':>15}{'vs target on':>14}{'same':>6}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        alpha = f"{r['alpha']:>7.3f}" if r["alpha"] is not None else f"{'-':>7}"
+        alpha = "".join(f"{r[k]:>7.3f}" if r[k] is not None else f"{'-':>7}" for k in ("alpha", "accept_ratio"))
         lines.append(f"{r['category']:<11}{r['method']:<22}{r['kernels']:<9}{r['tok_s']:>7.1f}{alpha}"
                      f"{r['draft_tokens']:>8}{r['speedup_vs_off']:>15.2f}{r['speedup_vs_on']:>14.2f}"
                      f"{'yes' if r['identical'] else 'NO':>6}")

@@ -24,7 +24,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specserve.bench.prompt_sets import EXTRACTION, GENERAL, SpeedAndAcceptance, by_category, encode, load_records
+from specserve.bench.prompt_sets import (
+    EXTRACTION, GENERAL, SpeedAndAcceptance, by_category, encode, load_records, per_token_alpha,
+)
 from specserve.engine import RowInput, SamplingParams, SpeculativeEngine
 from specserve.engine.model_runner import ModelRunner
 from specserve.engine.feature_drafter import FeatureDrafterSpec
@@ -51,8 +53,7 @@ class Result(SpeedAndAcceptance):
 
     @property
     def alpha(self) -> float | None:  # None (shown as "-") for a run that drafted nothing
-        trials = self.accepted + self.rejections
-        return self.accepted / trials if trials else None
+        return per_token_alpha(self.accepted, self.rejections)
 
     @property
     def tokens_per_step(self) -> float | None:

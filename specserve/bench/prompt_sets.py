@@ -40,6 +40,13 @@ def encode(tokenizer, record: dict) -> list[int]:
     return tokenizer(record["prompt"], add_special_tokens=False)["input_ids"]
 
 
+def per_token_alpha(accepted: int, rejections: int) -> float | None:
+    """α as the speedup arithmetic uses it: the chance that a draft is accepted given that every
+    draft before it in its step was (the geometric model's MLE: accepted / (accepted + steps that
+    rejected a draft)). Unlike accepted / drafted, it does not fall as γ grows. None: no trials."""
+    return accepted / (accepted + rejections) if accepted + rejections else None
+
+
 class SpeedAndAcceptance:
     """For benchmark rows that count tokens, seconds, accepted drafts and rejections."""
 
@@ -63,6 +70,5 @@ class SpeedAndAcceptance:
 
     @property
     def alpha(self) -> float:
-        """Per-token acceptance probability under the geometric model (MLE)."""
-        trials = self.accepted + self.rejections
-        return self.accepted / trials if trials else 0.0
+        """Per-token acceptance probability under the geometric model (MLE); 0 with no trials."""
+        return per_token_alpha(self.accepted, self.rejections) or 0.0
