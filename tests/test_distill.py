@@ -201,3 +201,33 @@ def test_self_instruct_keeps_whole_new_prompts_only(tmp_path, monkeypatch):
     assert len(calls) == 4 * (10 // 5 + 1)  # it keeps asking, within its bound, for more
     again = self_instruct_prompts(None, tok, 10, seed=0, batch_size=5, held_out=held, path=path)
     assert again == got and len(calls) == 12  # read back, nothing generated
+
+
+def test_self_summaries_wrap_the_targets_own_prose_only(tmp_path):
+    """Summarise prompts over earlier answers: cut after the last whole sentence; code, lists,
+    too short, held-out overlaps and the summary set's own answers are left out."""
+    import random
+
+    import torch
+
+    from specserve.distill.data import SUMMARY_TASKS, PromptRecord, self_summary_prompts
+
+    tok = byte_tokenizer()
+    prose = ("Tides rise and fall twice a day because the moon pulls on the oceans. The sun adds a smaller pull, "
+             "so the highest tides come when both line up. Coastal towns plan harbours, fishing and walks around "
+             "these rhythms, which repeat about every twelve hours and twenty five minutes. Then the answer was cut")
+    held_prose = ("The Great Barrier Reef is the world's largest coral reef system, stretching over 2,300 "
+                  "kilometres off the coast of Queensland, and many other words follow here to make it long enough "
+                  "for the filter that wants at least two hundred and fifty characters of plain prose. It ends.")
+    code = "Here is code:\n```python\nprint(1)\n```\n" + prose
+    listing = "Steps:\n1. Do this.\n2. Do that.\n" + prose
+    answers = [([1, 2], list(t.encode())) for t in (prose, code, listing, "Too short. Really.", held_prose)]
+    torch.save(answers, tmp_path / "answers-self-abc.pt")
+    torch.save([([1], list(("Summary text that is long enough to pass. " * 10).encode()))],
+               tmp_path / "answers-self-summary-def.pt")
+    held = [PromptRecord("Summarise this paragraph in one sentence:\n\n" + held_prose, True)]
+    got = self_summary_prompts(tok, tmp_path, 10, random.Random(0), held)
+    assert len(got) == 1 and got[0].chat
+    kept = got[0].prompt
+    assert any(kept.startswith(task.split("{}")[0]) for task in SUMMARY_TASKS)
+    assert kept.endswith("twenty five minutes.") and "Tides rise" in kept

@@ -130,6 +130,31 @@ def summary_prompts(count: int, rng: random.Random) -> list[PromptRecord]:
     return [PromptRecord(rng.choice(SUMMARY_TASKS).format(p), True) for p in paras[:count]]
 
 
+def self_summary_prompts(tokenizer, data_dir: Path, count: int, rng: random.Random,
+                         held_out: list[PromptRecord] = ()) -> list[PromptRecord]:
+    """Summarise prompts over the target's own prose: its answers already in `data_dir` (the
+    answers shards of earlier `--self-instruct` runs), each cut after its last whole sentence, kept
+    when 250-700 characters of plain prose (no code, lists or headings) that share no run of six
+    words with a held-out prompt, and wrapped in one of SUMMARY_TASKS."""
+    banned = [_shingles(r.prompt) for r in held_out]
+    found: dict[str, None] = {}
+    for path in sorted(data_dir.glob("answers-self-*.pt")):
+        if path.name.startswith("answers-self-summary"):
+            continue  # not its own source: the set stays the same after a run
+        for _, answer in torch.load(path):
+            text = tokenizer.decode(answer, skip_special_tokens=True)
+            if any(mark in text for mark in ("```", "\n-", "\n*", "\n#", "\n1.", "http")):
+                continue
+            end = max(text.rfind(". "), text.rfind("! "), text.rfind("? "), *(
+                len(text) - 1 for mark in ".!?" if text.endswith(mark)))
+            flat = " ".join(text[: end + 1].split())
+            if 250 <= len(flat) <= 700 and flat[:1].isupper() and not _overlaps(flat, banned):
+                found[flat] = None
+    paras = list(found)
+    rng.shuffle(paras)
+    return [PromptRecord(rng.choice(SUMMARY_TASKS).format(p), True) for p in paras[:count]]
+
+
 def without(records: list[PromptRecord], held_out: list[PromptRecord]) -> list[PromptRecord]:
     """Drop every record whose prompt is one of the held-out prompts (whitespace/case-insensitive)."""
     def key(text: str) -> str:

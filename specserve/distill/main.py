@@ -50,6 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--self-instruct-temperature", type=float, default=0.9)
     p.add_argument("--num-code", type=int, default=96, help="built-in code prompts")
     p.add_argument("--num-summary", type=int, default=96, help="built-in summarise prompts")
+    p.add_argument("--self-summaries", type=int, default=0,
+                   help="summarise prompts over the target's own answers in the data dir (from --self-instruct)")
     p.add_argument("--max-new", type=int, default=96, help="answer tokens per prompt")
     p.add_argument("--sampled", type=float, default=0.0, help="also a sampled pass at this temperature (0: none)")
     p.add_argument("--gen-batch", type=int, default=16)
@@ -107,7 +109,7 @@ def load_model(name: str, dtype: str, device_map: str | None = None, device: str
 
 def collect_data(model, tokenizer, args, feature_layers) -> list[dict]:
     from .data import (generate_shards, label_text, load_shards, local_text_files, read_prompt_file,
-                       self_instruct_prompts, without)
+                       self_instruct_prompts, self_summary_prompts, without)
     from .prompts import default_sets, held_out
 
     data_dir = args.data_dir or args.out / "data"
@@ -120,6 +122,10 @@ def collect_data(model, tokenizer, args, feature_layers) -> list[dict]:
             temperature=args.self_instruct_temperature, held_out=held_out(),
             path=data_dir / f"self-instruct-{args.seed}-{args.self_instruct_temperature}.jsonl")
         print(f"self-instruct: {len(sets['self'])} prompts")
+    if args.self_summaries > 0:
+        sets["self-summary"] = self_summary_prompts(tokenizer, data_dir, args.self_summaries,
+                                                    random.Random(args.seed), held_out())
+        print(f"self-summaries: {len(sets['self-summary'])} prompts")
     shards = []
     passes = [("greedy", 0.0)] + ([("sampled", args.sampled)] if args.sampled > 0 else [])
     for tag, records in sets.items():
