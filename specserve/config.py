@@ -111,15 +111,20 @@ class PromptLookupDrafter(_Strict):
 
 
 class FeatureDrafter(_Strict):
-    """A feature head (EAGLE-style) drafting from the target's hidden states inside the target
-    worker: `path` is a directory with config.json + safetensors (written by `specserve distill`,
-    or a public EAGLE-3 head), or the name of a head shipped in specserve/models/weights."""
+    """A feature head (EAGLE-style) drafting from the target's hidden states: `path` is a
+    directory with config.json + safetensors (written by `specserve distill`, or a public EAGLE-3
+    head), or the name of a head shipped in specserve/models/weights. `worker`: where it drafts.
+    "target": inside the target worker (a step is one call). "draft": in a draft worker of its own
+    (`draft_worker` resources: its own GPU, and `speculation.pipelined` becomes possible), which
+    pulls the target's features of each step's committed tokens from the target worker and holds
+    only the target's embedding and output head besides the head."""
 
     kind: Literal["eagle"] = "eagle"
     path: str = Field(min_length=1)
     # a row stops drafting where the product of the head's top probabilities falls below this
     # (EAGLE-2's acceptance estimate; docs/drafters.md); None: every draft the γ policy plans
     min_confidence: float | None = Field(None, gt=0.0, lt=1.0)
+    worker: Literal["target", "draft"] = "target"
 
     def engine_spec(self):
         from specserve.engine.feature_drafter import FeatureDrafterSpec
@@ -317,9 +322,9 @@ class AppConfig(_Strict):
     def _consistent(self) -> "AppConfig":
         if self.draft is not None and self.drafter is not None:
             raise ValueError("give either a draft model (draft) or a drafter (drafter), not both")
-        if self.speculation.pipelined and self.draft is None:
-            raise ValueError("speculation.pipelined needs a separate draft model (draft): a drafter inside the "
-                             "target worker cannot run while the target verifies")
+        if self.speculation.pipelined and not self.has_draft_worker:
+            raise ValueError("speculation.pipelined needs a draft worker (a draft model, or a feature drafter with "
+                             "worker: draft): a drafter inside the target worker cannot run while the target verifies")
         if self.draft is None and self.drafter is None and self.speculation.num_speculative_tokens > 0:
             raise ValueError("speculation.num_speculative_tokens > 0 needs a draft model or a drafter (or set it to 0)")
         if self.draft is not None and self.draft.kind != self.target.kind and "tiny" in (self.draft.kind, self.target.kind):
@@ -328,6 +333,12 @@ class AppConfig(_Strict):
         if self.deadlines.health_probe_s >= self.coordinator.health_check_timeout_s:
             raise ValueError("deadlines.health_probe_s must be below coordinator.health_check_timeout_s")
         return self
+
+    @property
+    def has_draft_worker(self) -> bool:
+        """Whether drafts come from a draft worker of their own (a draft model, or a feature head
+        placed there) rather than from inside the target worker."""
+        return self.draft is not None or getattr(self.drafter, "worker", "target") == "draft"
 
     def max_ongoing(self, deployment: Literal["ingress", "coordinator"]) -> int:
         """A deployment's max_ongoing_requests, by default the larger of BURST_ONGOING and the least
@@ -354,10 +365,10 @@ class AppConfig(_Strict):
                                  f"allocate {one} positions")
 
     def coordinator_bundles(self) -> list[dict[str, float]]:
-        """[coordinator, target worker, draft worker (only with a draft model)]: one placement group
-        per coordinator replica."""
+        """[coordinator, target worker, draft worker (only with one)]: one placement group per
+        coordinator replica."""
         bundles = [self.coordinator.resources.bundle(), self.target_worker.bundle()]
-        return bundles + ([self.draft_worker.bundle()] if self.draft is not None else [])
+        return bundles + ([self.draft_worker.bundle()] if self.has_draft_worker else [])
 
 
 def load_app_config(args: dict) -> AppConfig:

@@ -24,6 +24,14 @@ class _Done:
         return self.value
 
 
+def _value(ref):
+    if not isinstance(ref, _Done):
+        return ref
+    if ref.error is not None:
+        raise ref.error
+    return ref.value
+
+
 class _Method:
     def __init__(self, fn) -> None:
         self.fn = fn
@@ -82,7 +90,7 @@ def patch_coordinator(monkeypatch):
         return type("ActorClass", (), {"remote": staticmethod(build)})
 
     monkeypatch.setattr(coordinator, "_actor", actor)
-    monkeypatch.setattr(coordinator.ray, "get", lambda ref: ref.value if isinstance(ref, _Done) else ref)
+    monkeypatch.setattr(coordinator.ray, "get", lambda ref, **_: _value(ref))
     monkeypatch.setattr(coordinator, "CoordinatorMetrics", lambda name: _NoMetrics())
     monkeypatch.setattr(workers, "_assigned_gpus", lambda: [])
 

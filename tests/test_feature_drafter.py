@@ -299,3 +299,63 @@ def test_target_worker_drafts_with_a_feature_head(tmp_path):
     import ray
 
     assert not ray.is_initialized()  # a worker built outside Ray must not start a cluster
+
+
+# -- a head on the draft worker: features pulled from the target -----------------------------------
+class Pulling(FeatureDrafterProposer):
+    """A pulled head as the draft worker drives it, without Ray: before each propose it pulls what
+    `features_wanted` names from a FeatureServer on the engine's target runner."""
+
+    def attach_target(self, runner) -> None:
+        from specserve.engine.feature_drafter import FeatureServer
+
+        self.server = FeatureServer(runner, self.head.cfg.feature_layers)
+
+    def propose(self, rows, *args):
+        self.put_features(self.server.read(self.features_wanted(rows)))
+        return super().propose(rows, *args)
+
+
+def pulled(path, model=None):
+    model = model or target()
+    proposer = FeatureDrafterSpec(str(path)).build(model, target_vocab_size(model), None, pulled=True)
+    proposer.__class__ = Pulling
+    return proposer
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_pulled_features_draft_exactly_what_the_colocated_head_drafts(head_dir, batch):
+    """Greedy output is the target's, and every step accepts what the head beside the target
+    accepts: the features pulled are the ones the target computed, position for position."""
+    batch_prompts = prompts(batch)
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    here = SpeculativeEngine(target(), proposer=build(head_dir), num_speculative_tokens=3, adaptive=False)
+    there = SpeculativeEngine(target(), proposer=pulled(head_dir), num_speculative_tokens=3, adaptive=False)
+    outs_here, outs_there = here.generate(batch_prompts, params), there.generate(batch_prompts, params)
+    for prompt, a, b in zip(batch_prompts, outs_here, outs_there):
+        assert b.token_ids == reference(tuple(prompt))
+        assert b.metrics.accepted_per_position == a.metrics.accepted_per_position
+    assert sum(o.metrics.num_accepted_tokens for o in outs_there) > 0
+
+
+def test_pulled_features_sampling_matches_target_distribution(tmp_path):
+    torch.manual_seed(1)
+    small = tiny_llama(0, vocab=VOCAB, init_range=0.3, layers=3, hidden=16)
+    save_feature_head(init_head(small, torch.arange(VOCAB)), tmp_path, store_lm_head=True)
+    assert_proposer_follows_target(small, pulled(tmp_path, small))
+
+
+def test_a_pulled_head_keeps_only_contiguous_committed_features(head_dir):
+    """put_features refuses a block that would leave a hole (a restarted draft worker offered a
+    later block): the head asks again from what it holds."""
+    proposer = pulled(head_dir)
+    width = proposer.head.cfg.feature_size
+    from specserve.engine.model_runner import RowInput
+
+    assert proposer.features_wanted([RowInput("r", 0, [5, 6, 7])]) == {"r": (0, 2)}
+    proposer.put_features({"r": (2, torch.zeros(3, width))})  # a hole at 0..1: refused
+    assert proposer.features.written("r") == 0
+    proposer.put_features({"r": (0, torch.ones(2, width))})
+    assert proposer.features.written("r") == 2
+    assert proposer.features_wanted([RowInput("r", 0, [5, 6, 7])]) == {}
+    assert proposer.features_wanted([RowInput("r", 3, [8, 9])]) == {"r": (2, 4)}

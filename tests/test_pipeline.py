@@ -147,9 +147,12 @@ def test_pipelined_sampling_follows_the_targets_distribution(local_coordinator):
     assert chi_square_pvalue(count(third), exact3) > 1e-3
 
 
-def test_pipelined_requires_a_draft_model():
-    with pytest.raises(ValueError, match="pipelined needs a separate draft model"):
+def test_pipelined_requires_a_draft_worker():
+    with pytest.raises(ValueError, match="pipelined needs a draft worker"):
         AppConfig.model_validate(dict(served_model_name="t", target=TINY, drafter={"kind": "prompt_lookup"},
+                                      speculation=dict(pipelined=True)))
+    with pytest.raises(ValueError, match="pipelined needs a draft worker"):
+        AppConfig.model_validate(dict(served_model_name="t", target=TINY, drafter={"kind": "eagle", "path": "h"},
                                       speculation=dict(pipelined=True)))
 
 

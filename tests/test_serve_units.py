@@ -18,7 +18,7 @@ def test_every_config_validates_and_builds(path):
 
     for app in yaml.safe_load(path.read_text())["applications"]:
         config = load_app_config(app["args"])
-        assert len(config.coordinator_bundles()) == (3 if config.draft is not None else 2)
+        assert len(config.coordinator_bundles()) == (3 if config.has_draft_worker else 2)
         build_app(app["args"])
 
 

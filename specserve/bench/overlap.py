@@ -155,7 +155,7 @@ def worker_classes(draft_layers: int, draft_width: int, alpha: float, seed: int)
             self.proposer = None
 
     class Draft(DraftWorker):
-        def __init__(self, source, vocab_size, max_model_len, torch_threads=None, execution="auto"):
+        def __init__(self, source, vocab_size, max_model_len, torch_threads=None, execution="auto", **_):
             _Worker.__init__(self, torch_threads)
             model = llama(draft_dims(draft_width, draft_layers), seed + 1)
             self.model = PlantingProposer(model, alpha, vocab_size, seed, max_model_len, execution)

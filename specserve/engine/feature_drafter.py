@@ -440,6 +440,29 @@ class FeatureTap:
             self.store.write(row.request_id, row.start, feats[i, : len(row.tokens) + tail_width])
 
 
+class FeatureServer:
+    """The target's side of a feature head that drafts in another process (the draft worker):
+    a FeatureTap on the target's runner, and `read`, which hands out committed features."""
+
+    def __init__(self, runner: ModelRunner, feature_layers: tuple[int, ...]) -> None:
+        self.runner = runner
+        self.store = FeatureStore()
+        self.tap = FeatureTap(runner, feature_layers, self.store)
+
+    def read(self, wants: dict[str, tuple[int, int]]) -> dict[str, tuple[int, torch.Tensor]]:
+        """{request id: (first position wanted, end)} -> {request id: (that position, features
+        [n, F] on the host)} for the positions held up to `end`. The caller's end is its committed
+        tokens' count - 1: every position below it holds the feature of the committed prefix (a
+        rejected draft's position is the recovered token's, which the next forward rewrites before
+        it falls below an end). Requests with none are left out."""
+        out = {}
+        for rid, (start, end) in wants.items():
+            end = min(self.store.written(rid), end)
+            if end > start:
+                out[rid] = (start, self.store.read(rid, start, end).cpu())
+        return out
+
+
 # -- the proposer ---------------------------------------------------------------------------------
 class FeatureDrafterProposer(DraftModelProposer):
     """Drafts with a FeatureHead from the target's features; needs `attach_target(runner)` (the
@@ -461,9 +484,34 @@ class FeatureDrafterProposer(DraftModelProposer):
         self._tokens: dict[str, list[int]] = {}
         self._exact: dict[str, int] = {}  # request id -> leading pairs computed from target features
         self._tap: FeatureTap | None = None
+        # True: the target runs elsewhere; its features arrive through `put_features` (the draft
+        # worker pulls what `features_wanted` names from the target's FeatureServer before a propose)
+        self.pulled = False
+
+    def features_wanted(self, rows: list[RowInput]) -> dict[str, tuple[int, int]]:
+        """{request id: (first position missing, end)} for rows whose committed tokens (row.start
+        + len(row.tokens) of them) lack features here: end = that count - 1, as the target has
+        computed features for every committed token but the newest (FeatureServer.read)."""
+        wants = {}
+        for row in rows:
+            have = self.features.written(row.request_id)  # only committed positions are ever put here
+            end = row.start + len(row.tokens) - 1
+            if have < end:
+                wants[row.request_id] = (have, end)
+        return wants
+
+    def put_features(self, got: dict[str, tuple[int, torch.Tensor]]) -> None:
+        """Features from the target's FeatureServer.read: {request id: (start, [n, F])}."""
+        device = self.runner.device
+        for rid, (start, feats) in got.items():
+            if start <= self.features.written(rid):  # contiguous with what is held
+                self.features.write(rid, start, feats.to(device))
 
     def attach_target(self, runner: ModelRunner) -> None:
-        """Start keeping the features of the target runner's forwards (one runner per proposer)."""
+        """Start keeping the features of the target runner's forwards (one runner per proposer).
+        A drafter whose features are pulled from another process (`pulled`) keeps none here."""
+        if self.pulled:
+            return
         if self._tap is not None and self._tap.runner is not runner:
             raise RuntimeError("this feature drafter already reads another target runner; build one per engine")
         if self._tap is None:
@@ -495,7 +543,7 @@ class FeatureDrafterProposer(DraftModelProposer):
         self, rows: list[RowInput], num_tokens: int, sampling: BatchSampling, uniforms: torch.Tensor | None
     ) -> Proposal:
         """rows: B rows; uniforms [B, G] or None (all greedy) -> Proposal with G = num_tokens."""
-        if self._tap is None:
+        if self._tap is None and not self.pulled:
             raise RuntimeError("a feature drafter must be attached to the target's runner first")
         for row in rows:
             if row.start > self.valid_length(row.request_id):
@@ -638,6 +686,16 @@ class FeatureDrafterSpec:
     path: str
     min_confidence: float | None = None  # see FeatureDrafterProposer
 
-    def build(self, target_model: torch.nn.Module, vocab_size: int, max_positions: int | None):
+    def build(self, target_model: torch.nn.Module, vocab_size: int, max_positions: int | None,
+              pulled: bool = False):
+        """pulled: the target runs in another process, `target_model` holds only its embedding and
+        output head (models.loading.TargetIO), and features arrive through `put_features`."""
         head = load_feature_head(resolve_head_path(self.path), target_model)
-        return FeatureDrafterProposer(head, vocab_size, max_positions, self.min_confidence)
+        proposer = FeatureDrafterProposer(head, vocab_size, max_positions, self.min_confidence)
+        proposer.pulled = pulled
+        return proposer
+
+    def server(self, runner: ModelRunner) -> FeatureServer:
+        """The target side of a pulled head: taps the layers the head reads on `runner`."""
+        raw = json.loads((resolve_head_path(self.path) / CONFIG_FILE).read_text())
+        return FeatureServer(runner, read_head_config(raw, runner.model).feature_layers)

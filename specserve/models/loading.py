@@ -33,6 +33,65 @@ def load_draft(source: ModelSource, gpus: list[int] | None = None) -> torch.nn.M
     return load_target(source, gpus)
 
 
+class TargetIO(torch.nn.Module):
+    """A target's config, token embedding and output head without its decoder layers: what a
+    feature head drafting in another process reuses (`load_feature_head`)."""
+
+    def __init__(self, config, embed: torch.nn.Embedding, output: torch.nn.Linear) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens, self.lm_head = embed, output
+
+    def get_input_embeddings(self) -> torch.nn.Embedding:
+        return self.embed_tokens
+
+    def get_output_embeddings(self) -> torch.nn.Linear:
+        return self.lm_head
+
+
+def load_target_io(source: ModelSource, gpus: list[int] | None = None) -> torch.nn.Module:
+    """The target's TargetIO. From an HF checkpoint only the embedding and output-head tensors are
+    read (a 70B target's draft worker holds ~2 GB of them, not 140 GB); the built-in targets are
+    small enough to build whole."""
+    if not isinstance(source, HFSource):
+        model = load_target(source)
+        return TargetIO(model.config, model.get_input_embeddings(), model.get_output_embeddings())
+    import json
+    from pathlib import Path
+
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(source.path, local_files_only=True)
+    folder = Path(source.path)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = {k: folder / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+    else:
+        files = {}
+        for path in folder.glob("*.safetensors"):
+            with safe_open(str(path), "pt") as f:
+                files.update(dict.fromkeys(f.keys(), path))
+
+    def tensor(suffix: str) -> torch.Tensor | None:
+        name = next((k for k in files if k.endswith(suffix)), None)
+        if name is None:
+            return None
+        with safe_open(str(files[name]), "pt") as f:
+            return f.get_tensor(name)
+    embed = tensor("embed_tokens.weight")
+    head = tensor("lm_head.weight")
+    if embed is None:
+        raise FileNotFoundError(f"no embed_tokens.weight in {folder}")
+    head = embed if head is None else head  # tied embeddings
+    device = f"cuda:{gpus[0]}" if gpus else "cpu"
+    dtype = _dtype(source.dtype)
+    emb = torch.nn.Embedding.from_pretrained(embed.to(device=device, dtype=dtype), freeze=True)
+    out = torch.nn.Linear(head.shape[1], head.shape[0], bias=False, device=device, dtype=dtype)
+    out.weight.data.copy_(head.to(device=device, dtype=dtype))
+    return TargetIO(config, emb, out.requires_grad_(False))
+
+
 def _load_hf(source: HFSource, gpus: list[int]) -> torch.nn.Module:
     if gpus:
         from specserve.engine.sharding import load_sharded

@@ -160,10 +160,12 @@ class Coordinator:
         limits = [config.max_model_len, info.max_positions]
         self.draft = None  # the remote methods of the draft side (ProposerSide), if anything drafts
         self.draft_worker = None  # the DraftWorker actor, if the draft side is one (else: the target)
-        if config.draft is not None:
+        if config.has_draft_worker:  # a draft model, or a feature head that pulls from this target
+            head = config.drafter if config.draft is None else None
             self.draft_worker = _actor(self.draft_worker_class, config.draft_worker, 2, f"{tag}:draft").remote(
-                config.draft, info.vocab_size, config.max_model_len, config.draft_worker.torch_threads,
-                execution=config.speculation.execution)
+                config.draft or config.target, info.vocab_size, config.max_model_len,
+                config.draft_worker.torch_threads, execution=config.speculation.execution, feature_head=head,
+                target=self.target if head is not None else None)
             self.draft = ProposerSide.of_draft_worker(self.draft_worker)
         elif config.drafter is not None:
             self.draft = ProposerSide.colocated(self.target)

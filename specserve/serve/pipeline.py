@@ -294,7 +294,7 @@ class Pipeline:
         ahead = self._plan_ahead(plan, widths, proposal.tokens.tolist())  # [B][G] host ints (from the wire)
         if ahead is not None:
             ref = self.host.draft.propose.remote(ahead.rows, ahead.plan.num_positions + 1, ahead.plan.sampling,
-                                                 ahead.uniforms)
+                                                 ahead.uniforms, pull_features=False)
             ahead.future = asyncio.ensure_future(ref)
         return ahead
 

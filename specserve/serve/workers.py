@@ -14,6 +14,7 @@ coordinator kills the worker) or raise; "slow N" delays them 2 s. The count live
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import threading
 import time
@@ -23,7 +24,7 @@ from pathlib import Path
 import ray
 import torch
 
-from specserve.config import ColocatedDrafter, ModelSource
+from specserve.config import ColocatedDrafter, FeatureDrafter, ModelSource
 from specserve.engine import CacheMiss, DraftModelProposer, Proposal, RowInput, TargetVerifier, Verdict
 from specserve.engine.engine import model_eos_ids
 from specserve.engine.step import empty_proposal, verified_counts
@@ -48,7 +49,9 @@ class Reply:
     draft_misses: dict[str, int] = field(default_factory=dict)  # a fused step's proposer misses
 
 
+logger = logging.getLogger(__name__)
 _FAULTS_DIR = os.environ.get("SPECSERVE_FAULTS_DIR")
+_PULL_TIMEOUT_S = 10.0  # a feature head's pull of target features (the target is idle then: a fresh propose)
 
 
 def _serialised(method):
@@ -158,10 +161,13 @@ class TargetWorker(_Worker):
         self.model = TargetVerifier(load_target(source, _assigned_gpus()), max_model_len, execution)
         eos = model_eos_ids(self.model.runner.model)
         self.info_ = ModelInfo(self.model.vocab_size, self.model.runner.max_positions, frozenset(eos))
-        self.proposer = None if drafter is None else drafter.engine_spec().build(
-            self.model.runner.model, self.model.vocab_size, max_model_len)
+        here = drafter is not None and getattr(drafter, "worker", "target") == "target"
+        self.proposer = drafter.engine_spec().build(
+            self.model.runner.model, self.model.vocab_size, max_model_len) if here else None
         if hasattr(self.proposer, "attach_target"):  # a feature drafter reads the target's hidden states
             self.proposer.attach_target(self.model.runner)
+        # a feature head on the draft worker pulls this target's features from here (`features`)
+        self.feature_server = drafter.engine_spec().server(self.model.runner) if drafter and not here else None
 
     @_serialised
     def propose(
@@ -193,6 +199,12 @@ class TargetWorker(_Worker):
 
     def info(self) -> ModelInfo:
         return self.info_
+
+    @_serialised
+    def features(self, wants: dict[str, tuple[int, int]]) -> dict[str, tuple[int, torch.Tensor]]:
+        """For a feature head on the draft worker: {request id: (start, end)} -> {request id:
+        (start, features [n, F])} of the committed positions held (FeatureServer.read)."""
+        return self.feature_server.read(wants) if self.feature_server is not None else {}
 
     @_serialised
     def prefill(self, rows: list[RowInput]) -> Reply:
@@ -253,12 +265,34 @@ class TargetWorker(_Worker):
 
 
 class DraftWorker(_Worker):
-    def __init__(self, source: ModelSource, vocab_size: int, max_model_len: int | None,
-                 torch_threads: int | None = None, execution: str = "auto") -> None:
-        super().__init__(torch_threads)
-        from specserve.models.loading import load_draft
+    """A draft model, or (`feature_head`, with `source` the target's) a feature head that pulls
+    the target's features from `target` (its TargetWorker) before each fresh propose."""
 
-        self.model = DraftModelProposer(load_draft(source, _assigned_gpus()), vocab_size, max_model_len, execution)
+    def __init__(self, source: ModelSource, vocab_size: int, max_model_len: int | None,
+                 torch_threads: int | None = None, execution: str = "auto",
+                 feature_head: FeatureDrafter | None = None, target=None) -> None:
+        super().__init__(torch_threads)
+        from specserve.models.loading import load_draft, load_target_io
+
+        self.target = target
+        if feature_head is None:
+            self.model = DraftModelProposer(load_draft(source, _assigned_gpus()), vocab_size, max_model_len,
+                                            execution)
+        else:
+            self.model = feature_head.engine_spec().build(load_target_io(source, _assigned_gpus()), vocab_size,
+                                                          max_model_len, pulled=True)
+
+    def _pull_features(self, rows: list[RowInput]) -> None:
+        """A feature head's missing target features for these rows' committed tokens, from the
+        target worker (one call; nothing when none is missing or this drafts from a model). A
+        failed pull leaves them missing: those rows draft copies, which are rejected (lossless)."""
+        wants = self.model.features_wanted(rows) if hasattr(self.model, "features_wanted") else None
+        if not wants:
+            return
+        try:
+            self.model.put_features(ray.get(self.target.features.remote(wants), timeout=_PULL_TIMEOUT_S))
+        except Exception as err:  # the target restarting or gone: its recovery is the coordinator's
+            logger.warning("feature pull failed (%s): drafting without them this step", type(err).__name__)
 
     def proposing(self) -> bool:
         """Whether graph_propose is running (the coordinator's late-draft probe; takes no lock, so
@@ -307,7 +341,7 @@ class DraftWorker(_Worker):
             if any(t in stops for t in own[:g]):
                 return pack(Reply(None, 0.0))
             rows.append(row if g == 0 else RowInput(row.request_id, row.start, [own[g - 1]]))
-        reply = self.propose(rows, ahead.num_tokens, ahead.sampling, ahead.uniforms)
+        reply = self.propose(rows, ahead.num_tokens, ahead.sampling, ahead.uniforms, pull_features=False)
         if reply.result is None:
             return pack(reply)
         self._aheads[ahead.ahead_id] = reply.result
@@ -320,10 +354,18 @@ class DraftWorker(_Worker):
 
     @_serialised
     def propose(
-        self, rows: list[RowInput], num_tokens: int, sampling: BatchSampling, uniforms: torch.Tensor | None
+        self, rows: list[RowInput], num_tokens: int, sampling: BatchSampling, uniforms: torch.Tensor | None,
+        pull_features: bool = True,
     ) -> Reply:
+        """pull_features=False: an ahead block (pipelined), drafted while the target verifies: its
+        rows run past the committed tokens, so the target has nothing more to give yet."""
         self._injected_fault("propose")
-        return self._run(rows, lambda: self.model.propose(rows, num_tokens, sampling, uniforms))
+
+        def call() -> Proposal:
+            if pull_features:
+                self._pull_features(rows)
+            return self.model.propose(rows, num_tokens, sampling, uniforms)
+        return self._run(rows, call)
 
     @_serialised
     def prefill(self, rows: list[RowInput]) -> Reply:

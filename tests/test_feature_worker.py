@@ -1,0 +1,147 @@
+"""A feature head on the draft worker (`drafter: {kind: eagle, worker: draft}`): it pulls the
+target's features of the committed tokens from the target worker before each fresh propose.
+
+No Ray here (tests/local_actors.py): the Coordinator and both real workers run in this process,
+the pull included. Lossless on every path the coordinator has for a draft worker (plain calls,
+pipelined, the step graph), drafting exactly what the same head drafts inside the target worker,
+and a draft worker that loses its caches and features mid-run rebuilds both.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from models import hf_greedy
+from specserve.config import AppConfig, TinySource
+from specserve.distill.train import TrainSettings, choose_draft_vocab, init_head, train_head
+from specserve.engine import SamplingParams
+from specserve.engine.feature_drafter import save_feature_head
+from specserve.engine.proposers import target_vocab_size
+from specserve.models.loading import load_target
+from test_feature_drafter import prompts, training_rows
+from test_graph import on_graph
+from test_pipeline import PROMPTS, TINY, generate
+
+LENGTHS = [24, 17, 30, 9]
+
+
+@pytest.fixture(scope="module")
+def head_dir(tmp_path_factory):
+    """A head trained briefly on the TINY target's greedy continuations (as test_feature_drafter's)."""
+    model = load_target(TinySource(**{k: v for k, v in TINY.items() if k != "kind"}))
+    rows = training_rows(model, [p + hf_greedy(model, p, 32) for p in prompts(48, seed=100)], prompt_len=0)
+    torch.manual_seed(0)
+    head = init_head(model, choose_draft_vocab(rows, 64, target_vocab_size(model), reserved=0))
+    settings = TrainSettings(max_steps=200, max_epochs=100, batch_tokens=512, lr=3e-3, warmup_steps=5,
+                             checkpoint_every=1e9)
+    out = tmp_path_factory.mktemp("head")
+    train_head(head, rows, settings, out / "checkpoint.pt")
+    save_feature_head(head, out, store_lm_head=False)
+    return out
+
+
+def config(head_dir, worker: str, pipelined: bool = False) -> AppConfig:
+    return AppConfig.model_validate(dict(
+        served_model_name="tiny", target=TINY, drafter={"kind": "eagle", "path": str(head_dir), "worker": worker},
+        speculation=dict(num_speculative_tokens=3, adaptive=False, pipelined=pipelined, execution="eager",
+                         transport="actor_calls"),
+        max_model_len=256))
+
+
+def greedy():
+    return [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in LENGTHS]
+
+
+def expected(coordinator) -> list[list[int]]:
+    target = coordinator.target._obj.model.runner.model
+    return [hf_greedy(target, p, n) for p, n in zip(PROMPTS, LENGTHS)]
+
+
+def test_the_head_on_the_draft_worker_drafts_what_it_drafts_beside_the_target(local_coordinator, head_dir):
+    beside = local_coordinator(config(head_dir, "target"))
+    outs_beside = generate(beside, PROMPTS, greedy())
+    coordinator = local_coordinator(config(head_dir, "draft"))
+    assert coordinator.draft_worker is not None and not coordinator.fused
+    assert coordinator.target._obj.proposer is None and coordinator.target._obj.feature_server is not None
+    outs = generate(coordinator, PROMPTS, greedy())
+    assert outs == outs_beside == expected(coordinator)
+    accepted = coordinator._totals["spec_decode_num_accepted_tokens"]
+    assert accepted > 0 and accepted == beside._totals["spec_decode_num_accepted_tokens"]
+    assert asyncio.run(coordinator.num_cached()) == {"target": 0, "draft": 0}
+    assert len(coordinator.draft_worker._obj.model.features) == 0  # freed with their requests
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_pipelined_and_on_the_graph_stay_lossless(local_coordinator, head_dir, graph):
+    coordinator = local_coordinator(config(head_dir, "draft", pipelined=True))
+    assert coordinator.pipeline is not None
+    if graph:
+        on_graph(coordinator)
+    outs = generate(coordinator, PROMPTS, greedy())
+    assert outs == expected(coordinator)
+    assert coordinator._totals["spec_decode_num_accepted_tokens"] > 0
+    if graph:
+        assert coordinator._totals["graph_steps"] > 0
+
+
+def test_a_draft_worker_that_loses_its_state_pulls_every_feature_again(local_coordinator, head_dir):
+    """Mid-run the draft worker's head is replaced by a fresh one (a restart: no cache, no
+    features): its next propose misses, the coordinator resends the rows from 0, and the head
+    pulls the features of every committed token again and goes on accepting drafts."""
+    coordinator = local_coordinator(config(head_dir, "draft"))
+    worker = coordinator.draft_worker._obj
+    fresh_model = type(worker)(coordinator.config.target, coordinator.vocab_size, 256, execution="eager",
+                               feature_head=coordinator.config.drafter, target=coordinator.target).model
+    pulls, accepted_at_swap = [0], []
+    real_pull = worker._pull_features
+
+    def pull(rows):
+        pulls[0] += 1
+        if pulls[0] == 6:
+            worker.model = fresh_model
+            accepted_at_swap.append(coordinator._totals["spec_decode_num_accepted_tokens"])
+        return real_pull(rows)
+
+    worker._pull_features = pull
+    outs = generate(coordinator, PROMPTS, greedy())
+    assert outs == expected(coordinator)
+    assert worker.model is fresh_model
+    assert coordinator._totals["spec_decode_num_accepted_tokens"] > accepted_at_swap[0]
+
+
+def test_the_shipped_draft_worker_config_asks_for_a_draft_worker_bundle():
+    from pathlib import Path
+
+    import yaml
+
+    app = yaml.safe_load((Path(__file__).parents[1] / "configs" / "local-eagle-worker.yaml").read_text())
+    cfg = AppConfig.model_validate(app["applications"][0]["args"])
+    assert cfg.has_draft_worker and cfg.draft is None and cfg.drafter.worker == "draft"
+    assert len(cfg.coordinator_bundles()) == 3 and cfg.speculation.pipelined
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_draft_worker_reads_only_the_targets_embedding_and_output_head(tmp_path, tied):
+    """load_target_io from a local HF checkpoint (sharded in two files, or tied embeddings): the
+    same rows as the whole model's, and a head built on it drafts what one built on the model does."""
+    from specserve.config import HFSource
+    from specserve.models.loading import load_target_io
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=260, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2,
+                                         tie_word_embeddings=tied)).eval()
+    model.save_pretrained(tmp_path / "ckpt", max_shard_size="40KB")
+    assert tied or (tmp_path / "ckpt" / "model.safetensors.index.json").is_file()
+    io = load_target_io(HFSource(path=str(tmp_path / "ckpt"), dtype="float32"))
+    assert torch.equal(io.get_input_embeddings().weight, model.get_input_embeddings().weight)
+    assert torch.equal(io.get_output_embeddings().weight, model.get_output_embeddings().weight)
+    assert io.config.num_hidden_layers == 2 and not any(p.requires_grad for p in io.parameters())
+    save_feature_head(init_head(model, torch.arange(target_vocab_size(model))), tmp_path / "head", store_lm_head=False)
+    from specserve.engine.feature_drafter import load_feature_head
+
+    a, b = load_feature_head(tmp_path / "head", model), load_feature_head(tmp_path / "head", io)
+    assert torch.equal(a.lm_head.weight, b.lm_head.weight)
