@@ -79,6 +79,7 @@ def load_target_io(source: ModelSource, gpus: list[int] | None = None) -> torch.
             return None
         with safe_open(str(files[name]), "pt") as f:
             return f.get_tensor(name)
+
     embed = tensor("embed_tokens.weight")
     head = tensor("lm_head.weight")
     if embed is None:
