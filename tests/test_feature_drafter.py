@@ -59,20 +59,21 @@ def training_rows(model, seqs: list[list[int]], prompt_len: int) -> list[dict]:
         capture.remove()
 
 
-@pytest.fixture(scope="module")
-def head_dir(tmp_path_factory):
-    """A head trained briefly on the tiny target's greedy continuations of random prompts."""
-    model = target()
-    train = prompts(48, seed=100)
-    rows = training_rows(model, [p + hf_greedy(model, p, 32) for p in train], prompt_len=0)
+def train_tiny_head(model, out):
+    """A head trained briefly on `model`'s greedy continuations of random prompts, saved to `out`."""
+    rows = training_rows(model, [p + hf_greedy(model, p, 32) for p in prompts(48, seed=100)], prompt_len=0)
     torch.manual_seed(0)
     head = init_head(model, choose_draft_vocab(rows, 64, target_vocab_size(model), reserved=0))
     settings = TrainSettings(max_steps=200, max_epochs=100, batch_tokens=512, lr=3e-3, warmup_steps=5,
                              checkpoint_every=1e9)  # by steps: the same head on a loaded machine
-    out = tmp_path_factory.mktemp("head")
     train_head(head, rows, settings, out / "checkpoint.pt")
     save_feature_head(head, out, store_lm_head=False)
     return out
+
+
+@pytest.fixture(scope="module")
+def head_dir(tmp_path_factory):
+    return train_tiny_head(target(), tmp_path_factory.mktemp("head"))
 
 
 def build(path, model=None, min_confidence=None):

@@ -15,12 +15,12 @@ import torch
 
 from models import hf_greedy
 from specserve.config import AppConfig, TinySource
-from specserve.distill.train import TrainSettings, choose_draft_vocab, init_head, train_head
+from specserve.distill.train import init_head
 from specserve.engine import SamplingParams
 from specserve.engine.feature_drafter import save_feature_head
 from specserve.engine.proposers import target_vocab_size
 from specserve.models.loading import load_target
-from test_feature_drafter import prompts, training_rows
+from test_feature_drafter import train_tiny_head
 from test_graph import on_graph
 from test_pipeline import PROMPTS, TINY, generate
 
@@ -29,17 +29,9 @@ LENGTHS = [24, 17, 30, 9]
 
 @pytest.fixture(scope="module")
 def head_dir(tmp_path_factory):
-    """A head trained briefly on the TINY target's greedy continuations (as test_feature_drafter's)."""
+    """A head trained briefly for the TINY target (as test_feature_drafter's for its own)."""
     model = load_target(TinySource(**{k: v for k, v in TINY.items() if k != "kind"}))
-    rows = training_rows(model, [p + hf_greedy(model, p, 32) for p in prompts(48, seed=100)], prompt_len=0)
-    torch.manual_seed(0)
-    head = init_head(model, choose_draft_vocab(rows, 64, target_vocab_size(model), reserved=0))
-    settings = TrainSettings(max_steps=200, max_epochs=100, batch_tokens=512, lr=3e-3, warmup_steps=5,
-                             checkpoint_every=1e9)
-    out = tmp_path_factory.mktemp("head")
-    train_head(head, rows, settings, out / "checkpoint.pt")
-    save_feature_head(head, out, store_lm_head=False)
-    return out
+    return train_tiny_head(model, tmp_path_factory.mktemp("head"))
 
 
 def config(head_dir, worker: str, pipelined: bool = False) -> AppConfig:

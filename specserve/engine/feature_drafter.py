@@ -472,7 +472,7 @@ class FeatureDrafterProposer(DraftModelProposer):
     target: the first step) gets copies of its last token, which cost nothing and are rejected."""
 
     def __init__(self, head: FeatureHead, vocab_size: int, max_positions: int | None = None,
-                 min_confidence: float | None = None) -> None:
+                 min_confidence: float | None = None, pulled: bool = False) -> None:
         # eager: the head reads the features set on it before each forward (module state that a
         # replayed graph would not see)
         super().__init__(head, vocab_size, max_positions, execution="eager")
@@ -486,7 +486,7 @@ class FeatureDrafterProposer(DraftModelProposer):
         self._tap: FeatureTap | None = None
         # True: the target runs elsewhere; its features arrive through `put_features` (the draft
         # worker pulls what `features_wanted` names from the target's FeatureServer before a propose)
-        self.pulled = False
+        self.pulled = pulled
 
     def features_wanted(self, rows: list[RowInput]) -> dict[str, tuple[int, int]]:
         """{request id: (first position missing, end)} for rows whose committed tokens (row.start
@@ -691,9 +691,7 @@ class FeatureDrafterSpec:
         """pulled: the target runs in another process, `target_model` holds only its embedding and
         output head (models.loading.TargetIO), and features arrive through `put_features`."""
         head = load_feature_head(resolve_head_path(self.path), target_model)
-        proposer = FeatureDrafterProposer(head, vocab_size, max_positions, self.min_confidence)
-        proposer.pulled = pulled
-        return proposer
+        return FeatureDrafterProposer(head, vocab_size, max_positions, self.min_confidence, pulled)
 
     def server(self, runner: ModelRunner) -> FeatureServer:
         """The target side of a pulled head: taps the layers the head reads on `runner`."""

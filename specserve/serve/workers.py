@@ -268,6 +268,8 @@ class DraftWorker(_Worker):
     """A draft model, or (`feature_head`, with `source` the target's) a feature head that pulls
     the target's features from `target` (its TargetWorker) before each fresh propose."""
 
+    target = None  # the TargetWorker a feature head pulls from (None: a draft model)
+
     def __init__(self, source: ModelSource, vocab_size: int, max_model_len: int | None,
                  torch_threads: int | None = None, execution: str = "auto",
                  feature_head: FeatureDrafter | None = None, target=None) -> None:
@@ -286,7 +288,7 @@ class DraftWorker(_Worker):
         """A feature head's missing target features for these rows' committed tokens, from the
         target worker (one call; nothing when none is missing or this drafts from a model). A
         failed pull leaves them missing: those rows draft copies, which are rejected (lossless)."""
-        wants = self.model.features_wanted(rows) if hasattr(self.model, "features_wanted") else None
+        wants = self.model.features_wanted(rows) if self.target is not None else None
         if not wants:
             return
         try:

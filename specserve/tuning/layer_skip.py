@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from specserve.bench.prompt_sets import GENERAL, encode, interleaved, load_records
+from specserve.bench.prompt_sets import GENERAL, encode, interleaved, load_records, per_token_alpha
 from specserve.engine import RowInput, SamplingParams, SpeculativeEngine
 from specserve.engine.model_runner import ModelRunner
 from specserve.engine.proposers import LayerSkipProposer, LayerSkipSpec, decoder_layers, target_vocab_size
@@ -103,7 +103,7 @@ class Evaluator:
         began = time.perf_counter()
         proposer = LayerSkipProposer(self.target, skip, self.vocab)
         speed, steps, tokens, accepted, rejections = self._run(proposer)
-        alpha = accepted / (accepted + rejections) if accepted + rejections else 0.0
+        alpha = per_token_alpha(accepted, rejections) or 0.0
         c = self._cost_ratio(proposer.runner)
         bound, best_gamma = self.bound(alpha, c)
         result = Evaluation(skip, alpha, tokens / max(steps, 1), c, bound, best_gamma,
