@@ -68,7 +68,8 @@ from .admission import Admission
 from .graph import DraftLate, StepCall, StepGraph, StepReply
 from .metrics import CoordinatorMetrics
 from .pipeline import Pipeline
-from .workers import DraftWorker, Reply, TargetWorker
+from .workers import DraftWorker, TargetWorker
+from .wire import Reply
 
 logger = logging.getLogger("specserve.coordinator")
 WORKER_NAMESPACE = "specserve"

@@ -15,11 +15,12 @@ step's `Block`, and returns its token ids (serve/pipeline.py).
 Each execution writes the step's inputs once into a shared-memory channel both workers read, the
 draft's proposal goes to the target through a channel of its own (q never reaches the
 coordinator), and the coordinator reads back the verdict with the drafts' token ids and timings
-only. Every message crosses as one pickled `bytes` (`pack` / `unpack`), its tensors as numpy
-arrays: measured on one node, a StepCall holding a few small tensors cost ~3.5 ms more per
+only. Every message crosses as one `bytes` written by serve/wire.py's lean codec (`pack` /
+`unpack`): measured on one node, a StepCall holding a few small tensors cost ~3.5 ms more per
 execution through the channels' own serialiser than pickled bytes, and torch's own pickling of a
-tensor ~0.5 ms a message more than numpy's. A drafter that lives in the target worker (layer skip, prompt lookup, feature head), or no
-drafter at all, makes a one-node graph (`target.graph_step`).
+tensor ~0.5 ms a message more than numpy's. A drafter that lives in the target worker (layer
+skip, prompt lookup, feature head), or no drafter at all, makes a one-node graph
+(`target.graph_step`).
 
 What the graph does not change: the coordinator plans every step (`plan_step`) and applies every
 verdict; the workers answer cache misses instead of results, and the coordinator moves its marks
@@ -44,117 +45,15 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import io
 import logging
-import pickle
 import time
-from dataclasses import dataclass
 
-import torch
-
-from specserve.engine import Proposal, RowInput, Verdict
-from specserve.engine.sampling import BatchSampling
+from .wire import StepCall, StepReply, pack, unpack
 
 logger = logging.getLogger("specserve.graph")
 _REBUILD_BACKOFF_S = (0.5, 2.0, 5.0, 15.0, 30.0)  # after the n-th failed build in a row
 _GRACE_S = 1.0
 _WARM_UP_TIMEOUT_S = 60.0
-
-
-@dataclass(frozen=True)
-class Block:
-    """How the draft side assembles a pipelined step's block k: some rows take their drafts from
-    a block it prepared during the last execution, the others from this execution's propose."""
-
-    prepared_id: int  # the AheadCall whose drafts the prepared rows take
-    rows: list[int | None]  # per row of the step: its row in that prepared block; None: fresh (in order)
-    width: int  # G of the assembled block
-
-
-@dataclass(frozen=True)
-class AheadCall:
-    """The pipelined loop's ahead call (serve/pipeline.py), sent with the execution that verifies
-    block k: the draft side drafts it right after block k, while the target verifies. Its rows'
-    token is the row's last draft of block k, which only the draft side knows when the call is
-    planned: a row with g_b > 0 carries a placeholder there."""
-
-    ahead_id: int
-    rows: list[RowInput]  # from each row's last token once block k is accepted whole
-    num_draft: list[int]  # [B] g_b of block k
-    stop_ids: list[frozenset[int]]  # per row: a row whose block k holds one finishes; then no ahead
-    num_tokens: int  # G' + 1: the bonus guess, then block k+1
-    sampling: BatchSampling
-    uniforms: torch.Tensor | None  # [B, G' + 1]
-
-
-@dataclass(frozen=True)
-class StepCall:
-    """One speculative step's worker inputs (what `Coordinator._step` sends with plain calls). A
-    pipelined step adds `block` (the draft rows are then only the fresh ones, with
-    `draft_sampling`) and/or `ahead`."""
-
-    draft_rows: list[RowInput]
-    num_positions: int  # G (0: a target-only step; the draft side returns at once)
-    sampling: BatchSampling
-    draft_uniforms: torch.Tensor | None  # [B, G]
-    target_rows: list[RowInput]
-    num_draft: torch.Tensor  # [B]
-    accept_uniforms: torch.Tensor | None  # [B, G]
-    final_uniforms: torch.Tensor | None  # [B]
-    block: Block | None = None
-    draft_sampling: BatchSampling | None = None  # of the draft rows, when not `sampling`'s rows
-    ahead: AheadCall | None = None
-
-
-@dataclass(frozen=True)
-class StepReply:
-    """What an execution returns to the coordinator: the proposal without q (its token ids and
-    forward timings), the verdict, and each side's misses (a side with misses returns no result;
-    after draft misses the target does not run)."""
-
-    proposal: Proposal | None
-    verdict: Verdict | None
-    draft_misses: dict[str, int]
-    target_misses: dict[str, int]
-    draft_seconds: float  # wall time inside the draft side's method
-    target_seconds: float
-    ahead: object | None = None  # the ahead call's Reply (its proposal without q), when one was sent
-
-
-class _Pickler(pickle.Pickler):
-    """Tensors go as numpy arrays (host memory: a device tensor is copied to the host, as a
-    Proposal crossing processes always was); dtypes numpy lacks (bfloat16, ...) as their bits."""
-
-    def reducer_override(self, obj):
-        if not isinstance(obj, torch.Tensor):
-            return NotImplemented
-        host = obj.detach().cpu().contiguous()
-        try:
-            return torch.from_numpy, (host.numpy(),)
-        except TypeError:
-            return _from_bits, (host.view(_BITS[host.element_size()]).numpy(), host.dtype)
-
-
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _from_bits(bits, dtype: torch.dtype) -> torch.Tensor:
-    return torch.from_numpy(bits).view(dtype)
-
-
-def pack(message) -> bytes:
-    out = io.BytesIO()
-    _Pickler(out, protocol=pickle.HIGHEST_PROTOCOL).dump(message)
-    return out.getvalue()
-
-
-def unpack(data: bytes):
-    return pickle.loads(data)
-
-
-def light(proposal: Proposal) -> Proposal:
-    """A proposal without q (token ids and timings only): what goes back to the coordinator."""
-    return Proposal(proposal.tokens, None, proposal.forwards, proposal.deterministic, proposal.num_draft)
 
 
 class DraftLate(TimeoutError):
@@ -169,7 +68,8 @@ class StepGraph:
     Ray's synchronous API: a compile blocks for a second or more (it sets the workers' loops up
     with blocking calls), and on the coordinator's event loop that would stall every stream and
     make pending deadlines fire late; one thread also keeps the graph's non-thread-safe calls in
-    order. A step pays one hand-off to that thread."""
+    order. An execution's write is the exception: it cannot block (see `run`), so it is made on the
+    event loop, and a step pays one hand-off, the thread's wake-up of the loop with the result."""
 
     def __init__(self, target, draft=None, ahead: bool = False) -> None:
         self.target, self.draft = target, draft
@@ -236,14 +136,18 @@ class StepGraph:
         from ray.exceptions import RayTaskError
 
         total = draft_timeout + max(target_timeout, ahead_timeout)
-        work = asyncio.get_running_loop().run_in_executor(self._thread, _execute, self._dag, pack(call), total)
         try:
+            # The write happens here, on the event loop: it returns at once, because the workers
+            # read every execution's input before answering it, and the last execution was answered
+            # (or the graph was discarded). Only the wait goes to the graph's thread.
+            work = asyncio.get_running_loop().run_in_executor(self._thread, _wait, self._dag.execute(pack(call)), total)
             if draft_busy is not None:
                 done, _ = await asyncio.wait({work}, timeout=draft_timeout)
                 if not done and await draft_busy():
                     raise DraftLate(f"the draft side missed its {draft_timeout:.1f} s deadline")
-            # the thread's own wait ends at `total`; this one only guards against a stuck thread
-            return step_reply(await asyncio.wait_for(asyncio.shield(work), timeout=total + _GRACE_S))
+            if not work.done():  # the thread's own wait ends at `total`; this guards against a stuck thread
+                await asyncio.wait_for(asyncio.shield(work), timeout=total + _GRACE_S)
+            return step_reply(work.result())
         except RayTaskError:
             raise
         except BaseException as err:
@@ -271,7 +175,10 @@ def step_reply(out: bytes | list[bytes]) -> StepReply:
 
 
 def _execute(dag, packed: bytes, timeout: float) -> bytes | list[bytes]:
-    refs = dag.execute(packed)
+    return _wait(dag.execute(packed), timeout)
+
+
+def _wait(refs, timeout: float) -> bytes | list[bytes]:
     if not isinstance(refs, list):
         return refs.get(timeout=timeout)
     ends = time.monotonic() + timeout  # a graph with several outputs: one ref each, one deadline for all

@@ -68,7 +68,7 @@ from specserve.engine.scheduler import OverlappedPolicy
 from specserve.engine.step import Sequence, StepOutput, StepPlan, apply_verdict, empty_proposal, plan_step
 from specserve.engine.verifier import Verdict
 
-from .graph import AheadCall, Block, StepCall
+from .wire import AheadCall, Block, StepCall
 
 GUESS_UNIFORM = 0.5  # the uniform the bonus guess is drawn with (sampled rows); see the module docstring
 _UNKNOWN = -1  # placeholder for the bonus token in the optimistic rows (only counted, never sent)

@@ -18,19 +18,19 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import ray
 import torch
 
 from specserve.config import ColocatedDrafter, FeatureDrafter, ModelSource
-from specserve.engine import CacheMiss, DraftModelProposer, Proposal, RowInput, TargetVerifier, Verdict
+from specserve.engine import CacheMiss, DraftModelProposer, Proposal, RowInput, TargetVerifier
 from specserve.engine.engine import model_eos_ids
 from specserve.engine.step import empty_proposal, verified_counts
 from specserve.engine.sampling import BatchSampling
 
-from .graph import Block, StepCall, StepReply, light, pack, unpack
+from .wire import Block, Reply, StepCall, StepReply, light, pack, unpack
 from .pipeline import combine_drafts
 
 
@@ -39,14 +39,6 @@ class ModelInfo:
     vocab_size: int
     max_positions: int | None
     eos_token_ids: frozenset[int]
-
-
-@dataclass(frozen=True)
-class Reply:
-    result: Proposal | Verdict | StepReply | None  # None when misses
-    seconds: float  # wall time inside the actor method
-    misses: dict[str, int] = field(default_factory=dict)  # request id -> valid length
-    draft_misses: dict[str, int] = field(default_factory=dict)  # a fused step's proposer misses
 
 
 logger = logging.getLogger(__name__)

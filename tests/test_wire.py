@@ -1,0 +1,70 @@
+"""The step messages' codec (serve/wire.py): every message kind comes back field for field, its
+tensors exact in value, dtype and shape, whichever path a tensor takes (flat list, numpy array,
+bits)."""
+import dataclasses
+
+import torch
+
+from specserve.engine import Proposal, RowInput, Verdict
+from specserve.engine.model_runner import ForwardTiming
+from specserve.engine.sampling import BatchSampling, SamplingParams
+from specserve.serve.wire import _SMALL, AheadCall, Block, Reply, StepCall, StepReply, pack, unpack
+
+
+def same(a, b) -> bool:
+    """Deep equality with tensors compared exactly (value, dtype, shape)."""
+    if isinstance(a, torch.Tensor):
+        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+                and torch.equal(a.detach(), b))
+    if dataclasses.is_dataclass(a):
+        return type(a) is type(b) and all(same(getattr(a, f.name), getattr(b, f.name))
+                                          for f in dataclasses.fields(a))
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    return a == b
+
+
+def sampling() -> BatchSampling:
+    return BatchSampling.from_params([SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_k=5,
+                                                                                      top_p=0.9)])
+
+
+def test_a_pipelined_step_call_comes_back_whole():
+    g = torch.Generator().manual_seed(0)
+    ahead = AheadCall(7, [RowInput("a", 9, [0]), RowInput("b", 4, [3, 4])], [2, 0],
+                      [frozenset({2}), frozenset()], 3, sampling(), torch.rand(2, 3, generator=g))
+    call = StepCall([RowInput("b", 3, [1, 2])], 2, sampling(), torch.rand(2, 2, generator=g),
+                    [RowInput("a", 7, [5]), RowInput("b", 2, [5, 1, 2])], torch.tensor([2, 1]),
+                    torch.rand(2, 2, generator=g), torch.rand(2, generator=g), Block(6, [0, None], 2),
+                    BatchSampling.from_params([SamplingParams(temperature=0.7)]), ahead)
+    back = unpack(pack(call))
+    assert same(back, call)
+    assert isinstance(back.draft_rows[0], RowInput) and isinstance(back.ahead.stop_ids[0], frozenset)
+
+
+def test_proposals_keep_q_and_odd_tensors_exact():
+    g = torch.Generator().manual_seed(1)
+    big_q = torch.rand(2, 3, _SMALL, generator=g)  # [B, G, V] past the flat-list size: an array
+    timings = [ForwardTiming(2, 0.003), ForwardTiming(2, 0.002, True)]
+    for probs in (big_q, big_q.bfloat16(), big_q[:, :, :7].half(), big_q[:, 1:, :5]):
+        proposal = Proposal(torch.tensor([[3, 1, 4], [1, 5, 9]]), probs, timings, False, torch.tensor([3, 2]))
+        back = unpack(pack(Reply(proposal, 0.25)))
+        assert same(back, Reply(proposal, 0.25))
+        assert all(isinstance(t, ForwardTiming) for t in back.result.forwards)
+    for t in (torch.zeros(()), torch.zeros(2, 0, dtype=torch.long), torch.tensor([True, False]),
+              torch.arange(12).view(3, 4).t(), torch.tensor([0.1, -2.5e-30, 3.4e38]),
+              torch.tensor([[1.5]], requires_grad=True)):
+        proposal = Proposal(t, None)
+        assert same(unpack(pack(proposal)).tokens, t)
+
+
+def test_replies_misses_verdicts_and_anything_else():
+    verdict = Verdict([2, 0], [7, 8], [ForwardTiming(6, 0.01)], [[4, 5], [6, 0]])
+    step = StepReply(Proposal(torch.tensor([[4, 5], [6, 0]]), None), verdict, {}, {"b": 3}, 0.01, 0.02,
+                     Reply(Proposal(torch.tensor([[1, 2, 3]]), None), 0.004))
+    assert same(unpack(pack(step)), step)
+    for message in (Reply(None, 0.5, {"a": 4}), Reply(verdict, 0.1), Reply(step, 0.2, {}, {"a": 1}), None,
+                    {"t": torch.arange(3), "rows": [RowInput("z", 0, [1])]}):
+        assert same(unpack(pack(message)), message)
