@@ -14,7 +14,7 @@ from specserve.engine.scheduler import SpeculationPolicy
 from specserve.engine.sharding import kv_cache_bytes_per_token
 from specserve.engine.step import new_sequence, speculative_step
 from specserve.models.tiny import tiny_llama
-from specserve.serve.admission import Admission, allocation, positions_needed
+from specserve.engine.admission import Admission, allocation, positions_needed
 
 GAMMA = 3
 MAX_LEN = 1024
@@ -101,3 +101,49 @@ def test_padding_never_grows_the_cache_past_the_longest_row(lengths):
                                                        for i, n in enumerate(lengths[1:])]
     runner.forward(rows, logits="last")
     assert runner.cache.allocated()[1] == capacity_for(200 + lengths[0] + 1) == 256
+
+
+def test_the_engine_admits_by_the_same_budget():
+    """SpeculativeEngine keeps its requests in the same Admission: with a KV budget it runs the
+    long request beside only what fits, its caches stay within the budget after every step, it
+    refuses a request that could never fit, and greedy output is the target's own."""
+    from specserve.engine import SpeculativeEngine
+    from specserve.engine.step import ContextLengthExceeded
+
+    target = tiny_llama(seed=0, max_position_embeddings=MAX_LEN)
+    draft = tiny_llama(seed=0, max_position_embeddings=MAX_LEN, noise=0.2)
+    budget = 1536  # the long one (512 positions) and one short (3 slots), or 4 shorts of 256 (5 slots)
+    engine = SpeculativeEngine(target, draft, GAMMA, adaptive=False, max_batch_size=16, max_model_len=MAX_LEN,
+                               eos_token_ids=[], execution="eager", max_cached_tokens=budget)
+    with pytest.raises(ContextLengthExceeded, match="budget of 1536"):
+        engine.add_request("huge", [5] * 900, SamplingParams(max_tokens=100, temperature=0.0))
+    rng = random.Random(2)
+    seqs = [_seq(f"s{i}", rng.randint(3, 12), rng.randint(4, 30), seed=i) for i in range(6)]
+    seqs.insert(2, _seq("long", 300, 200, seed=7))
+    for s in seqs:
+        engine.add_request(s.request_id, s.prompt, s.params)
+    per_position = kv_cache_bytes_per_token(target.config, torch.float32)
+    outputs, batches = {}, []
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        batches.append(sorted(engine.admission.running))
+        assert engine.admission.allocated() <= budget
+        assert engine.verifier.runner.cache.memory_bytes() <= budget * per_position
+    assert any("long" in b and len(b) > 1 for b in batches) and max(map(len, batches)) < len(seqs)
+    for s in seqs:
+        assert outputs[s.request_id] == hf_greedy(target, s.prompt, s.params.max_tokens), s.request_id
+    assert engine.num_cached() == {"target": 0, "draft": 0}
+
+
+def test_continuations_wait_ahead_of_new_requests():
+    admission = Admission(max_batch_size=1, budget=None, max_gamma=GAMMA)
+    for rid, resumed in [("new1", False), ("cont1", True), ("new2", False), ("cont2", True)]:
+        seq = _seq(rid, 4, 10)
+        if resumed:
+            seq.output.append(7)
+        admission.enqueue(seq)
+    assert [s.request_id for s in admission.waiting] == ["cont1", "cont2", "new1", "new2"]
+    assert admission.get("new2").request_id == "new2" and admission.get("gone") is None
+    admission.admit()
+    assert list(admission.running) == ["cont1"] and admission.release("cont1") and not admission.release("cont1")

@@ -170,7 +170,7 @@ def test_no_replica_taking_over_before_the_deadline_is_engine_lost():
 
 
 def test_mid_stream_continuations_wait_ahead_of_new_requests_in_arrival_order():
-    from specserve.serve.admission import Admission
+    from specserve.engine.admission import Admission
     from specserve.serve.coordinator import Coordinator
 
     coordinator = object.__new__(Coordinator.func_or_class)
@@ -179,5 +179,5 @@ def test_mid_stream_continuations_wait_ahead_of_new_requests_in_arrival_order():
         seq = new_sequence(rid, [1, 2], PARAMS[0], vocab_size=259, max_model_len=MAX_LEN, eos_token_ids=frozenset())
         if generated:
             _continue(seq, Resume(generated), vocab_size=259)
-        coordinator._enqueue(seq)
+        coordinator.admission.enqueue(seq)
     assert [s.request_id for s in coordinator.admission.waiting] == ["cont1", "cont2", "new1", "new2", "none1"]

@@ -205,7 +205,7 @@ def test_coordinator_prefills_in_chunks_and_rebuilds_after_a_restart(monkeypatch
     from specserve.config import Deadlines
     from specserve.engine.scheduler import SpeculationPolicy
     from specserve.serve import workers
-    from specserve.serve.admission import Admission
+    from specserve.engine.admission import Admission
     from specserve.serve.coordinator import Coordinator, ProposerSide
 
     monkeypatch.setattr(workers, "_FAULTS_DIR", None)

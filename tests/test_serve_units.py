@@ -204,7 +204,7 @@ def test_a_failed_step_fails_only_the_request_it_fails_on():
     from specserve.engine.sampling import SamplingParams
     from specserve.engine.scheduler import SpeculationPolicy
     from specserve.engine.step import StepOutput, new_sequence
-    from specserve.serve.admission import Admission
+    from specserve.engine.admission import Admission
     from specserve.serve.coordinator import Failed
 
     seqs = [new_sequence(rid, [1, 2], SamplingParams(max_tokens=4), vocab_size=10, max_model_len=64,

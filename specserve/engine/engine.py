@@ -12,11 +12,14 @@ from dataclasses import dataclass
 
 import torch
 
+from .admission import Admission
 from .model_runner import BATCH_BUCKETS, CALIBRATION_SIZES, ModelRunner, RowInput, batch_bucket
 from .proposers import DrafterSpec, DraftModelProposer, DraftModelSpec, Proposer
 from .sampling import BatchSampling, SamplingParams
 from .scheduler import SpeculationPolicy
-from .step import RequestMetrics, Sequence, StepOutput, new_sequence, prefill_step, speculative_step
+from .step import (
+    ContextLengthExceeded, RequestMetrics, Sequence, StepOutput, new_sequence, prefill_step, speculative_step,
+)
 from .verifier import TargetVerifier
 
 
@@ -49,6 +52,7 @@ class SpeculativeEngine:
         proposer: Proposer | None = None,
         execution: str = "auto",
         prefill_chunk_tokens: int | None = DEFAULT_PREFILL_CHUNK,
+        max_cached_tokens: int | None = None,
     ) -> None:
         """What drafts, at most one of: draft_model, a separate draft model (shorthand for
         drafter=DraftModelSpec(draft_model)); drafter, any drafter spec (layer skip, prompt
@@ -56,7 +60,9 @@ class SpeculativeEngine:
         model run their fixed-shape forwards, "eager", "compile", "graph" (CUDA graphs) or
         "auto" (graph on one CUDA device, else eager); see ModelRunner. prefill_chunk_tokens: the
         most prompt tokens each model prefills per step, in a forward beside the step (chunked
-        prefill; see `prefill_rows`); None or 0: a new prompt is prefilled whole inside its first step."""
+        prefill; see `prefill_rows`); None or 0: a new prompt is prefilled whole inside its first step.
+        max_cached_tokens: the KV budget in allocated token positions per model that admission
+        keeps to (see `engine/admission.py`; the server's `max_cached_tokens`), None: no budget."""
         if num_speculative_tokens < 0:
             raise ValueError("num_speculative_tokens must be >= 0")
         if prefill_chunk_tokens is not None and prefill_chunk_tokens < 0:
@@ -79,29 +85,31 @@ class SpeculativeEngine:
         self.prefill_chunk_tokens = prefill_chunk_tokens or None
         self.policy = SpeculationPolicy(num_speculative_tokens, adaptive=adaptive)
         self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None else model_eos_ids(target_model))
-        self._running: dict[str, Sequence] = {}
-        self._waiting: dict[str, Sequence] = {}  # insertion order is arrival order
+        self.admission = Admission(max_batch_size, max_cached_tokens, num_speculative_tokens)
         self._ids = itertools.count()
         self._calibrated = not (adaptive and num_speculative_tokens > 0)
         self._captured = False
 
     # -- incremental API ----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        if request_id in self._running or request_id in self._waiting:
+        if self.admission.get(request_id) is not None:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self._waiting[request_id] = new_sequence(
-            request_id, prompt_token_ids, params, vocab_size=self.verifier.vocab_size,
-            max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids,
-        )
+        seq = new_sequence(request_id, prompt_token_ids, params, vocab_size=self.verifier.vocab_size,
+                           max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids)
+        if self.admission.too_big(seq):
+            raise ContextLengthExceeded(
+                f"prompt ({len(seq.prompt)} tokens) + max_tokens ({params.max_tokens}) needs more KV cache than "
+                f"the budget of {self.admission.budget} token positions")
+        self.admission.enqueue(seq)
 
     def abort(self, request_id: str) -> None:
         """Drop a request wherever it is and free its caches."""
-        self._waiting.pop(request_id, None)
-        if self._running.pop(request_id, None) is not None:
+        self.admission.drop_waiting({request_id})
+        if self.admission.release(request_id):
             self._free(request_id)
 
     def has_unfinished(self) -> bool:
-        return bool(self._running or self._waiting)
+        return self.admission.has_unfinished()
 
     def num_cached(self) -> dict[str, int]:
         """Requests holding a cache slot, per model."""
@@ -111,30 +119,28 @@ class SpeculativeEngine:
         return counts
 
     def step(self) -> list[StepOutput]:
-        """Admit waiting requests (up to max_batch_size, FIFO), run this step's prefill chunks (when
-        chunking), then one speculative step over every request whose prompt is cached."""
-        while self._waiting and len(self._running) < self.max_batch_size:
-            request_id = next(iter(self._waiting))
-            self._running[request_id] = self._waiting.pop(request_id)
-        if not self._running:
+        """Admit waiting requests (FIFO, up to max_batch_size and the KV budget), run this step's
+        prefill chunks (when chunking), then one speculative step over every request whose prompt
+        is cached."""
+        self.admission.admit()
+        if not self.admission.running:
             return []
         if not self._captured:
             self.capture_graphs()
         if not self._calibrated:
             self.calibrate()
-        seqs = list(self._running.values())
+        seqs = list(self.admission.running.values())
         ready = seqs
         if self.prefill_chunk_tokens is not None:
             ready = prefill_step(seqs, self.proposer, self.verifier, self.prefill_chunk_tokens)
         outputs = speculative_step(ready, self.proposer, self.verifier, self.policy) if ready else []
         for seq in ready:
-            if seq.finish_reason is not None:
-                del self._running[seq.request_id]
+            if seq.finish_reason is not None and self.admission.release(seq.request_id):
                 self._free(seq.request_id)
         return outputs
 
     def sequence(self, request_id: str) -> Sequence | None:
-        return self._running.get(request_id) or self._waiting.get(request_id)
+        return self.admission.get(request_id)
 
     # -- batch API ----------------------------------------------------------------------------
     def generate(

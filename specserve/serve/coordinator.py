@@ -56,6 +56,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from specserve.config import AppConfig, Resources
 from specserve.engine import RowInput
+from specserve.engine.admission import Admission
 from specserve.engine.sampling import SamplingParams
 from specserve.engine.scheduler import OverlappedPolicy, SpeculationPolicy, TokenCost
 from specserve.engine.step import (
@@ -64,7 +65,6 @@ from specserve.engine.step import (
 )
 from specserve.engine.verifier import Verdict
 
-from .admission import Admission
 from .graph import DraftLate, StepCall, StepGraph, StepReply
 from .metrics import CoordinatorMetrics
 from .pipeline import Pipeline
@@ -246,7 +246,7 @@ class Coordinator:
         self._queues[rid] = queue
         # a continuation's first token is not a time to first token
         self._timing[rid] = [arrival, arrival if request.resume else None]
-        self._enqueue(seq)
+        self.admission.enqueue(seq)
         if request.resume is None:
             self.metrics.inc(self.metrics.prompt_tokens, len(seq.prompt))
         self._wake.set()
@@ -271,18 +271,6 @@ class Coordinator:
             if not finished:
                 self._aborted.add(rid)
                 self._wake.set()
-
-    def _enqueue(self, seq: Sequence) -> None:
-        """New requests wait FIFO; a continuation that already has output (its client is
-        mid-stream) goes ahead of them, behind the ones like it that already wait."""
-        waiting = self.admission.waiting
-        if not seq.output:
-            waiting.append(seq)
-            return
-        ahead = 0
-        while ahead < len(waiting) and waiting[ahead].output:
-            ahead += 1
-        waiting.insert(ahead, seq)
 
     def _check_new(self, request: GenerateRequest) -> Sequence | Rejected:
         """A new request as a Sequence, or why it is refused (before anything is allocated)."""

@@ -1,4 +1,7 @@
-"""Admission of requests into a coordinator's running batch: FIFO, bounded in count and in memory.
+"""The one scheduler's queues: the waiting queue and the running batch, with admission into it
+FIFO, bounded in count and in memory. The in-process engine (`SpeculativeEngine`) and the server's
+coordinator (`serve/coordinator.py`) both keep their requests here, so both admit, order
+continuations and budget KV memory by the same rules.
 
 The workers' KV caches are dense (`engine/kv_cache.py`): a slot per row of the batch padded to its
 capture bucket, plus one scratch slot, every slot allocated for the same number of positions,
@@ -9,14 +12,14 @@ capture bucket, plus one scratch slot, every slot allocated for the same number 
 (γ: a step writes up to γ draft positions past a row's last real token; the worker trims dead
 slots and capacity before it grows, see `ModelRunner._fit`). With a budget (`max_cached_tokens`)
 a request joins only while that product, counting it, fits; a request that could not fit even
-alone is refused before anything is allocated. No Ray here: the unit tests drive it directly.
+alone is refused before anything is allocated.
 """
 from __future__ import annotations
 
 from collections import deque
 
-from specserve.engine import model_runner
-from specserve.engine.step import Sequence
+from . import model_runner
+from .step import Sequence
 
 
 def positions_needed(seq: Sequence, max_gamma: int) -> int:
@@ -31,7 +34,7 @@ def allocation(needs: list[int]) -> int:
 
 
 class Admission:
-    """The waiting queue and the running batch of one coordinator (request id -> Sequence)."""
+    """The waiting queue and the running batch of one engine or coordinator (request id -> Sequence)."""
 
     def __init__(self, max_batch_size: int, budget: int | None, max_gamma: int) -> None:
         self.max_batch_size = max_batch_size
@@ -40,6 +43,25 @@ class Admission:
         self.waiting: deque[Sequence] = deque()
         self.running: dict[str, Sequence] = {}
         self._needs: dict[str, int] = {}  # running request id -> positions_needed
+
+    def get(self, request_id: str) -> Sequence | None:
+        """The request, running or waiting."""
+        seq = self.running.get(request_id)
+        return seq if seq is not None else next((s for s in self.waiting if s.request_id == request_id), None)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def enqueue(self, seq: Sequence) -> None:
+        """New requests wait FIFO; a continuation that already has output (its client is
+        mid-stream) goes ahead of them, behind the ones like it that already wait."""
+        if not seq.output:
+            self.waiting.append(seq)
+            return
+        ahead = 0
+        while ahead < len(self.waiting) and self.waiting[ahead].output:
+            ahead += 1
+        self.waiting.insert(ahead, seq)
 
     def need(self, seq: Sequence) -> int:
         return positions_needed(seq, self.max_gamma)
@@ -72,9 +94,10 @@ class Admission:
             admitted.append(seq)
         return admitted
 
-    def release(self, request_id: str) -> None:
-        self.running.pop(request_id, None)
+    def release(self, request_id: str) -> bool:
+        """Forget a running request (finished or aborted); whether it was running (and so holds caches)."""
         self._needs.pop(request_id, None)
+        return self.running.pop(request_id, None) is not None
 
     def drop_waiting(self, request_ids: set[str]) -> None:
         self.waiting = deque(s for s in self.waiting if s.request_id not in request_ids)
