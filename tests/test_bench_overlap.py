@@ -78,3 +78,18 @@ def test_a_pair_without_a_planted_draft_probes_once(monkeypatch):
     bar = types.SimpleNamespace(update=lambda: None, refresh=lambda: None, total=0)
     probe, workers, shape = overlap.probe_pair(["request"], None, None, True, None, None, (None, 0), bar)
     assert probe == {"c": 0.3} and workers is None and shape is None and len(runs) == 1
+
+
+def test_rounds_merge_into_medians_with_the_speedups_range():
+    from specserve.bench.overlap import Row, merge_rounds
+
+    def row(speedup: float, coord: float, identical: bool = True, hit: float | None = 0.6) -> Row:
+        return Row("p", "pipelined", 1, False, 0.8, 0.8, 0.5, 1.1, 96, 1.0, 90.0 * speedup, speedup, 1.5, 0.0, hit,
+                   2.0, 4.0, coord, 3.0, "compiled_graph", identical)
+
+    merged = merge_rounds([row(1.2, 0.9), row(1.5, 2.0, hit=0.7), row(1.3, 1.1, hit=None)])
+    assert merged.speedup == 1.3 and merged.coordination_p50_ms == 1.1 and merged.tokens_per_s == 117.0
+    assert (merged.speedup_min, merged.speedup_max, merged.repeats) == (1.2, 1.5, 3)
+    assert merged.efficiency == round(1.3 / 1.5, 3) and merged.hit_rate == 0.65 and merged.identical
+    assert not merge_rounds([row(1.2, 0.9), row(1.3, 1.0, identical=False)]).identical
+    assert merge_rounds([row(1.2, 0.9)]).repeats == 1

@@ -1,6 +1,7 @@
 """Pipelined vs sequential speculation through the real coordinator loop on Ray, on CPU.
 
     specserve bench overlap [--out bench-results/overlap.json] [--tokens 96] [--prompts 3] [--quick]
+                            [--repeats 3]
 
 Every configuration runs the coordinator's own step loop (`Coordinator`, as a plain Ray actor: no
 HTTP) with a TargetWorker and a DraftWorker actor, each on one core (torch threads 1), one request
@@ -31,6 +32,13 @@ model forwards on its critical path) and the coordination p50 / p99 (step wall t
 inside the worker methods: transport, serialisation and the coordinator's own planning). Every
 speculative run is checked token for token against the target-only run. Last, the transport floor:
 the same transports between two actors that only echo a step-sized message.
+
+Repeats (`--repeats N`): after the probe, a pair's modes run N times in rotation (target-only on 1
+and 2 threads, sequential, sequential on calls, pipelined; then again), and each speculative run's
+speedup is taken against the target-only run of its own round, so that a slow minute of a shared
+machine moves both sides of a ratio. A row reports medians over the rounds (speed, speedup, c, v,
+bound, overheads) and the speedup's range; the pipelined / sequential ratio is the median of the
+rounds' own ratios.
 """
 from __future__ import annotations
 
@@ -40,6 +48,7 @@ import os
 import platform
 import statistics
 import time
+import dataclasses
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -251,6 +260,9 @@ class Row:
     coordination_p99_ms: float
     transport: str  # compiled_graph | actor_calls
     identical: bool
+    repeats: int = 1  # rounds merged into this row (medians)
+    speedup_min: float | None = None  # the speedup's range over the rounds
+    speedup_max: float | None = None
 
 
 def bound(mode: str, alpha: float, gamma: int, c: float, v: float) -> float:
@@ -361,31 +373,59 @@ def probe_pair(requests, workers, refs, tiny: bool, c_wanted: float | None, shap
 
 
 def measure_pair(pair: str, requests, workers, alpha: float | None, fixed: bool, bar,
-                 c_wanted: float | None = None, shape: tuple[int, int] | None = None, seed: int = 0):
-    """Target-only (1 and 2 threads), sequential and pipelined runs of one pair.
-    -> (rows, the draft's (width, layers) after the in-run calibration)."""
+                 c_wanted: float | None = None, shape: tuple[int, int] | None = None, seed: int = 0,
+                 repeats: int = 1):
+    """Target-only (1 and 2 threads), sequential and pipelined runs of one pair, `repeats` rounds
+    of them after the probe. -> (rows merged over the rounds, the draft's (width, layers) after the
+    in-run calibration, the pipelined / sequential ratios of the rounds (graph transport))."""
     tiny = workers is None
     base_out, base_s, base_m = run_config(app_config(0, False, False, 1, tiny), requests, workers)
     bar.update()
     references = {r.request_id: r.prompt_token_ids + out for r, out in zip(requests, base_out)}
     refs = None if tiny else references
     tokens = sum(len(o) for o in base_out)
-    rows = [_row(pair, "target-only", 0, False, alpha, base_out, base_s, base_m, base_s, base_out, tokens)]
-    out2, s2, m2 = run_config(app_config(0, False, False, 2, tiny), requests, workers)
-    bar.update()
-    rows.append(_row(pair, "target-only-2t", 0, False, alpha, out2, s2, m2, base_s, base_out, tokens))
     # c and v from a short sequential probe decide each mode's γ (fixed pairs); the low-α pair adapts
     probe, workers, shape = probe_pair(requests, workers, refs, tiny, c_wanted, shape, (alpha, seed), bar)
+    modes = {}
     for mode in ("sequential", "sequential-calls", "pipelined"):
         a = alpha if alpha is not None else _alpha(probe)
         kind = "pipelined" if mode == "pipelined" else "sequential"
         gamma = best_gamma(kind, a, probe["c"], lambda g: probe["v"].get(g, probe["v"][4]), 4) if fixed else 4
         transport = "actor_calls" if mode == "sequential-calls" else "compiled_graph"
-        config = app_config(gamma, not fixed, mode == "pipelined", 1, tiny, transport)
-        out, s, m = run_config(config, requests, workers, refs)
+        modes[mode] = (gamma, app_config(gamma, not fixed, mode == "pipelined", 1, tiny, transport))
+    rounds: dict[str, list[Row]] = {m: [] for m in ("target-only", "target-only-2t", *modes)}
+    for round_ in range(repeats):
+        if round_ > 0:
+            base_out, base_s, base_m = run_config(app_config(0, False, False, 1, tiny), requests, workers)
+            bar.update()
+        rounds["target-only"].append(_row(pair, "target-only", 0, False, alpha, base_out, base_s, base_m, base_s,
+                                          base_out, tokens))
+        out2, s2, m2 = run_config(app_config(0, False, False, 2, tiny), requests, workers)
         bar.update()
-        rows.append(_row(pair, mode, gamma, not fixed, alpha, out, s, m, base_s, base_out, tokens))
-    return rows, shape
+        rounds["target-only-2t"].append(_row(pair, "target-only-2t", 0, False, alpha, out2, s2, m2, base_s, base_out,
+                                             tokens))
+        for mode, (gamma, config) in modes.items():
+            out, s, m = run_config(config, requests, workers, refs)
+            bar.update()
+            rounds[mode].append(_row(pair, mode, gamma, not fixed, alpha, out, s, m, base_s, base_out, tokens))
+    ratios = [p.speedup / q.speedup for p, q in zip(rounds["pipelined"], rounds["sequential"])]
+    return [merge_rounds(rows) for rows in rounds.values()], shape, ratios
+
+
+def merge_rounds(rows: list[Row]) -> Row:
+    """One row from a mode's rounds: medians, the speedup's range, identical only if every round was."""
+    if len(rows) == 1:
+        return rows[0]
+    med = lambda name: round(statistics.median(getattr(r, name) for r in rows), 3)
+    hits = [r.hit_rate for r in rows if r.hit_rate is not None]
+    speedups = [r.speedup for r in rows]
+    merged = {name: med(name) for name in ("gamma", "alpha", "c", "v", "seconds", "tokens_per_s", "speedup", "bound",
+                                            "overhead_p50_ms", "overhead_p99_ms", "coordination_p50_ms",
+                                            "coordination_p99_ms")}
+    return dataclasses.replace(
+        rows[0], **merged, efficiency=round(merged["speedup"] / merged["bound"], 3),
+        hit_rate=round(statistics.median(hits), 3) if hits else None, identical=all(r.identical for r in rows),
+        repeats=len(rows), speedup_min=min(speedups), speedup_max=max(speedups))
 
 
 def _alpha(m: dict) -> float:
@@ -408,16 +448,20 @@ def _row(pair, mode, gamma, adaptive, alpha, out, seconds, m, base_seconds, base
                m["transport"], out == base_out)
 
 
-def print_table(rows: list[Row]) -> None:
-    head = ("pair", "mode", "transport", "γ", "α", "c", "v", "tok/s", "speedup", "bound", "eff", "hit", "ovh p50",
-            "p99", "coord p50", "p99", "same")
+def print_table(rows: list[Row], ratios: dict[str, list[float]]) -> None:
+    head = ("pair", "mode", "transport", "γ", "α", "c", "v", "tok/s", "speedup", "range", "bound", "eff", "hit",
+            "ovh p50", "p99", "coord p50", "p99", "same")
     print(" | ".join(head))
     for r in rows:
         hit = "" if r.hit_rate is None else f"{r.hit_rate:.2f}"
+        spread = "" if r.speedup_min is None else f"{r.speedup_min:.3f}-{r.speedup_max:.3f}"
         print(" | ".join(str(x) for x in (
-            r.pair, r.mode, r.transport, r.gamma, r.alpha, r.c, r.v, r.tokens_per_s, r.speedup, r.bound,
+            r.pair, r.mode, r.transport, r.gamma, r.alpha, r.c, r.v, r.tokens_per_s, r.speedup, spread, r.bound,
             r.efficiency, hit, r.overhead_p50_ms, r.overhead_p99_ms, r.coordination_p50_ms, r.coordination_p99_ms,
             r.identical)))
+    for pair, values in ratios.items():
+        print(f"{pair}: pipelined / sequential (graph), median of {len(values)} rounds "
+              f"{statistics.median(values):.3f} (range {min(values):.3f}-{max(values):.3f})")
 
 
 def transport_floor(executions: int = 500) -> dict[str, dict[str, float]]:
@@ -487,7 +531,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=3, help="requests per run (one at a time)")
     parser.add_argument("--quick", action="store_true", help="only α 0.8, c 0.5 and the tiny pair")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="rounds of every mode per pair, in rotation; rows report medians (see above)")
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
 
     import ray
 
@@ -501,32 +549,36 @@ def main(argv: list[str] | None = None) -> int:
     start_ray()
     rows: list[Row] = []
     used: dict[str, tuple[int, int]] = {}  # pair -> the draft's (width, layers) after the in-run calibration
-    runs = 6 * (len(pairs) + 2)
+    ratios: dict[str, list[float]] = {}  # pair -> pipelined / sequential (graph) of each round
+    runs = (6 + 5 * (args.repeats - 1)) * (len(pairs) + 2)
     try:
         with tqdm(total=runs, desc="overlap", unit="run") as bar:
             for alpha, c in [*pairs, (0.3, 0.5)]:
                 width, layers, _ = calibration[c]
                 workers = worker_classes(layers, width, alpha, args.seed)
-                pair_rows, used[f"α{alpha} c{c}"] = measure_pair(
-                    f"α{alpha} c{c}", requests_for(prompts, args.tokens), workers, alpha, alpha >= 0.6, bar,
-                    c, (width, layers), args.seed)
+                pair = f"α{alpha} c{c}"
+                pair_rows, used[pair], ratios[pair] = measure_pair(
+                    pair, requests_for(prompts, args.tokens), workers, alpha, alpha >= 0.6, bar, c, (width, layers),
+                    args.seed, args.repeats)
                 rows += pair_rows
-            rows += measure_pair("tiny", requests_for(tiny_prompts, args.tokens), None, None, True, bar)[0]
+            tiny_rows, _, ratios["tiny"] = measure_pair("tiny", requests_for(tiny_prompts, args.tokens), None, None,
+                                                        True, bar, repeats=args.repeats)
+            rows += tiny_rows
         floor = transport_floor()
     finally:
         ray.shutdown()
-    print_table(rows)
+    print_table(rows, ratios)
     print("transport floor (echo actors, 2 KB): " + "; ".join(
         f"{name} p50 {t['p50_ms']} ms, p99 {t['p99_ms']} ms" for name, t in floor.items()))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "bench": "overlap", "machine": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
-        "tokens_per_request": args.tokens, "requests": args.prompts,
+        "tokens_per_request": args.tokens, "requests": args.prompts, "repeats": args.repeats,
         "draft_shapes": {str(c): {"width": w, "layers": n, "c_calibrated": round(r, 3)}
                          for c, (w, n, r) in calibration.items()},
         "draft_shapes_used": {pair: {"width": w, "layers": n} for pair, (w, n) in used.items()},
-        "transport_floor": floor, "rows": [asdict(r) for r in rows]}, indent=1))
+        "transport_floor": floor, "pipelined_over_sequential": ratios, "rows": [asdict(r) for r in rows]}, indent=1))
     print(f"wrote {out}")
     return 0 if all(r.identical for r in rows) else 1
 
