@@ -388,7 +388,11 @@ def _combine_plan(seqs: list[Sequence], used: list[int | None], prepared: Prepar
     prepared block, the fresh plan itself. -> (plan, each row's own width)."""
     if prepared is None:
         return fresh_plan, [fresh_plan.num_positions] * len(seqs)
-    parts = [prepared.plan] + ([fresh_plan] if fresh_plan is not None else [])
+    ahead = prepared.plan
+    if fresh_plan is None and used == list(range(len(ahead.seqs))):  # every row, in the prepared order
+        return (StepPlan(list(seqs), ahead.num_positions, ahead.num_draft, ahead.sampling, None,
+                         ahead.accept_uniforms, ahead.final_uniforms), [ahead.num_positions] * len(seqs))
+    parts = [ahead] + ([fresh_plan] if fresh_plan is not None else [])
     width = max(p.num_positions for p in parts)
     sampling = BatchSampling.from_params([s.params for s in seqs])
     batch = len(seqs)

@@ -8,11 +8,13 @@ the 2-core machine (20-35 µs when hot); the codec below writes each message as 
 plain values that pickle's C code handles alone:
 
 - a dataclass becomes the tuple of its fields (the decoder knows the order);
-- a small tensor (at most `_SMALL` elements, a dtype in `_LIST_DTYPES`) becomes (dtype code, shape,
+- a small tensor (at most `_SMALL` elements, a dtype in `_LIST_DTYPES`: a step's [B] counts and
+  sampling parameters, [B, G] drafts and uniforms at small batches) becomes (dtype code, shape,
   flat list of values): exact for integers and bools, and for float32 too (a Python float holds
   every float32 value exactly); it is rebuilt with one `torch.tensor` call;
-- a large tensor (q: [B, G, V] float32) crosses as a numpy array (one copy, no per-value work);
-  a dtype numpy lacks (bfloat16, ...) as its bits;
+- a larger tensor (q: [B, G, V] float32) crosses as a numpy array (one copy, no per-value work;
+  past ~64 elements this is the cheaper of the two); a dtype numpy lacks (bfloat16, ...) as its
+  bits;
 - anything else (not a step message) falls back to pickling with tensors as numpy arrays.
 """
 from __future__ import annotations
@@ -112,7 +114,7 @@ def unpack(data: bytes):
 
 
 # -- tensors ---------------------------------------------------------------------------------------
-_SMALL = 4096
+_SMALL = 64
 _LIST_DTYPES = (torch.int64, torch.float32, torch.bool, torch.int32)
 _CODE = {dtype: code for code, dtype in enumerate(_LIST_DTYPES)}
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -129,7 +131,7 @@ def _tensor(x: torch.Tensor | None):
 
 
 def _untensor(t) -> torch.Tensor | None:
-    if t is None or isinstance(t, torch.Tensor):  # (an array came back as a tensor: `_array`)
+    if t is None or isinstance(t, torch.Tensor):  # (a `_Large` one comes back as a tensor already)
         return t
     code, shape, values = t
     return torch.tensor(values, dtype=_LIST_DTYPES[code]).view(shape)
