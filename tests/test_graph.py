@@ -228,3 +228,64 @@ def test_a_colocated_drafter_runs_as_one_graph_node(local_coordinator):
     target = coordinator.target._obj.model.runner.model
     assert out == [hf_greedy(target, prompt, 24)]
     assert coordinator._totals["graph_steps"] == coordinator._totals["steps"] > 0
+
+
+class _Ref:
+    def __init__(self, value) -> None:
+        self.value = value
+
+    def get(self, timeout=None):
+        if isinstance(self.value, BaseException):
+            raise self.value
+        return self.value
+
+
+class _FakeDag:
+    """A compiled graph's execute/teardown, in process: execute records the thread it was called
+    on and answers with `reply` (or raises `fails`)."""
+
+    def __init__(self, reply: bytes, fails: BaseException | None = None) -> None:
+        self.reply, self.fails, self.threads, self.torn_down = reply, fails, [], False
+
+    def execute(self, packed: bytes):
+        import threading
+
+        self.threads.append(threading.get_ident())
+        if self.fails is not None:
+            raise self.fails
+        assert unpack(packed).num_positions == 2
+        return _Ref(self.reply)
+
+    def teardown(self) -> None:
+        self.torn_down = True
+
+
+def test_an_execution_writes_on_the_loop_and_a_failed_write_breaks_the_graph():
+    """StepGraph.run writes the execution's input on the event loop's own thread (only the wait
+    goes to the graph's thread) and returns the target's reply; a write that raises (a dead
+    worker's channel) tears the graph down and re-raises, so the caller reruns the step on calls."""
+    import threading
+
+    from specserve.engine import Proposal, Verdict
+    from specserve.serve.graph import StepGraph, StepReply
+
+    call = StepCall([RowInput("a", 0, [1])], 2, BatchSampling.from_params([SamplingParams(temperature=0.0)]), None,
+                    [RowInput("a", 0, [1])], torch.tensor([2]), None, None)
+    reply = StepReply(Proposal(torch.tensor([[3, 4]]), None), Verdict([1], [9]), {}, {}, 0.01, 0.02)
+
+    async def run(dag):
+        graph = StepGraph(target=None)
+        graph._dag = dag
+        try:
+            return await graph.run(call, 1.0, 1.0), graph
+        except RuntimeError as err:
+            await asyncio.sleep(0.05)  # the teardown runs on the graph's thread
+            return err, graph
+
+    good = _FakeDag(pack(reply))
+    back, graph = asyncio.run(run(good))
+    assert back.verdict.next_token == [9] and torch.equal(back.proposal.tokens, reply.proposal.tokens)
+    assert good.threads == [threading.get_ident()] and graph.ready
+    broken = _FakeDag(b"", fails=RuntimeError("channel closed"))
+    err, graph = asyncio.run(run(broken))
+    assert isinstance(err, RuntimeError) and not graph.ready and graph.breaks == 1 and broken.torn_down
