@@ -134,6 +134,9 @@ def test_the_engine_admits_by_the_same_budget():
     for s in seqs:
         assert outputs[s.request_id] == hf_greedy(target, s.prompt, s.params.max_tokens), s.request_id
     assert engine.num_cached() == {"target": 0, "draft": 0}
+    with pytest.raises(ContextLengthExceeded):  # generate(): one prompt refused, none of the batch left behind
+        engine.generate([[5] * 8, [5] * 900], SamplingParams(max_tokens=100, temperature=0.0))
+    assert not engine.has_unfinished()
 
 
 def test_continuations_wait_ahead_of_new_requests():

@@ -152,10 +152,10 @@ class SpeculativeEngine:
             raise ValueError("give one SamplingParams for all prompts or one per prompt")
         ids = [f"gen-{next(self._ids)}" for _ in prompt_token_ids]
         seqs = {}
-        for rid, prompt, p in zip(ids, prompt_token_ids, per_prompt):
-            self.add_request(rid, prompt, p)
-            seqs[rid] = self.sequence(rid)
-        try:
+        try:  # (a prompt refused half-way leaves none of the batch behind)
+            for rid, prompt, p in zip(ids, prompt_token_ids, per_prompt):
+                self.add_request(rid, prompt, p)
+                seqs[rid] = self.sequence(rid)
             while any(seqs[r].finish_reason is None for r in ids):
                 self.step()
         finally:
