@@ -81,7 +81,6 @@ class SpeculativeEngine:
         limits = [self.verifier.runner.max_positions, getattr(proposer, "max_positions", None)]
         self.proposer = proposer
         self.max_model_len = min(x for x in limits if x) if any(limits) else 1 << 30
-        self.max_batch_size = max_batch_size
         self.prefill_chunk_tokens = prefill_chunk_tokens or None
         self.policy = SpeculationPolicy(num_speculative_tokens, adaptive=adaptive)
         self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None else model_eos_ids(target_model))
@@ -175,7 +174,8 @@ class SpeculativeEngine:
         """Capture the CUDA graphs of the usual step shapes now (see `capture_graphs`); done
         before the first step. Nothing to do unless a runner is in graph mode."""
         self._captured = True
-        return capture_graphs(self.verifier, self.proposer, self.max_batch_size, self.policy.max_gamma, progress)
+        return capture_graphs(self.verifier, self.proposer, self.admission.max_batch_size, self.policy.max_gamma,
+                              progress)
 
     def calibrate(self, sizes: tuple[int, ...] = CALIBRATION_SIZES) -> None:
         """Time each model on dummy rows of a few sizes so the policy starts from measurements
