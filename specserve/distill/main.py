@@ -146,8 +146,11 @@ def collect_data(model, tokenizer, args, feature_layers) -> list[dict]:
     known = set(shards)
     shards += sorted(p for p in data_dir.glob("*.pt") if not p.name.startswith("answers-") and p not in known)
     width = model.config.hidden_size * max(len(feature_layers), 1)
-    return [r for r in load_shards(shards)  # a shard made for a head with other feature layers is skipped
-            if r["features"].shape[1] == width and ("final" in r) == bool(feature_layers)]
+    rows = []
+    for shard in shards:  # one at a time: a shard made for a head with other feature layers is dropped unkept
+        rows += [r for r in load_shards([shard])
+                 if r["features"].shape[1] == width and ("final" in r) == bool(feature_layers)]
+    return rows
 
 
 def run(args: argparse.Namespace) -> int:
