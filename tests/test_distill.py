@@ -231,3 +231,53 @@ def test_self_summaries_wrap_the_targets_own_prose_only(tmp_path):
     kept = got[0].prompt
     assert any(kept.startswith(task.split("{}")[0]) for task in SUMMARY_TASKS)
     assert kept.endswith("twenty five minutes.") and "Tides rise" in kept
+
+
+def test_a_batch_out_of_gpu_memory_is_done_in_halves(tmp_path, monkeypatch):
+    """Answering and labelling a batch that runs out of GPU memory: each half is done in turn,
+    down to single sequences, and the shard holds every sequence, in order, as one batch gives;
+    a single sequence that does not fit still raises."""
+    import torch
+
+    from specserve.distill import data
+    from specserve.distill.data import PromptRecord, generate_shards, in_halves
+
+    model = tiny_llama(0, layers=2, hidden_size=32)
+    tok = byte_tokenizer()
+    records = [PromptRecord(f"prompt number {i} " + "x" * i, False) for i in range(5)]
+    real_answers, real_label = data.answer_batch, data._label_group
+    sizes = []
+
+    def small_answers(model, tokenizer, prompts, *args, **kwargs):
+        sizes.append(len(prompts))
+        if len(prompts) > 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (test)")
+        return real_answers(model, tokenizer, prompts, *args, **kwargs)
+
+    def small_label(model, capture, seqs, final):
+        if len(seqs) > 1:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (test)")
+        return real_label(model, capture, seqs, final)
+
+    kwargs = dict(max_new=6, temperature=0.0, batch_size=5, seed=0, tag="t")
+    whole = data.load_shards(generate_shards(model, tok, records, tmp_path / "whole", **kwargs))
+    monkeypatch.setattr(data, "answer_batch", small_answers)
+    monkeypatch.setattr(data, "_label_group", small_label)
+    halves = data.load_shards(generate_shards(model, tok, records, tmp_path / "halves", **kwargs))
+    assert sizes == [5, 2, 3, 1, 2]  # 5 fails; 2 fits; 3 fails, then 1 and 2 fit
+    assert len(halves) == len(whole) == 5
+    for a, b in zip(whole, halves):
+        assert torch.equal(a["ids"], b["ids"]) and torch.equal(a["argmax"], b["argmax"])
+        assert a["prompt_len"] == b["prompt_len"]
+        torch.testing.assert_close(a["features"], b["features"], atol=2e-3, rtol=2e-3)
+
+    tried = []
+
+    def never_fits(part):
+        tried.append(len(part))
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory (test)")
+
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        in_halves(never_fits, [1, 2, 3])
+    assert tried == [3, 1]  # split once, then the first single item raises
+    assert in_halves(lambda part: [x * 2 for x in part], [1, 2, 3]) == [2, 4, 6]

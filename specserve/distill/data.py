@@ -269,9 +269,23 @@ def label_batch(model, capture: FeatureCapture, seqs: list[list[int]], max_token
         while last < len(seqs) and (last + 1 - first) * max(width, len(seqs[last])) <= max_tokens:
             width = max(width, len(seqs[last]))
             last += 1
-        out += _label_group(model, capture, seqs[first:last], final)
+        out += in_halves(lambda part: _label_group(model, capture, part, final), seqs[first:last])
         first = last
     return out
+
+
+def in_halves(work, items: list) -> list:
+    """`work(items)`, or, when the GPU runs out of memory, `work` on each half in turn (down to
+    single items): one batch too large for the memory left (long prompts, another process on the
+    GPU) slows a data run instead of ending it. `work` returns one result per item, in order."""
+    try:
+        return work(items)
+    except torch.cuda.OutOfMemoryError:
+        if len(items) == 1:
+            raise
+    torch.cuda.empty_cache()
+    half = len(items) // 2
+    return in_halves(work, items[:half]) + in_halves(work, items[half:])
 
 
 def _label_group(model, capture: FeatureCapture, seqs: list[list[int]], final: FeatureCapture | None) -> list[dict]:
@@ -345,7 +359,8 @@ def _answers(model, tokenizer, batch: list[PromptRecord], path: Path, max_new: i
         return [tuple(pair) for pair in torch.load(path)]
     torch.manual_seed(seed)
     prompts = [encode(tokenizer, r) for r in batch]
-    pairs = list(zip(prompts, answer_batch(model, tokenizer, prompts, max_new, temperature)))
+    answers = in_halves(lambda part: answer_batch(model, tokenizer, part, max_new, temperature), prompts)
+    pairs = list(zip(prompts, answers))
     _save_shard(pairs, path)
     return pairs
 
@@ -381,7 +396,9 @@ def self_instruct_prompts(model, tokenizer, count: int, *, seed: int, batch_size
         prompts = [tokenizer(before + o, add_special_tokens=False)["input_ids"] for o in openers]
         torch.manual_seed(seed + rounds)
         rounds += 1
-        for opener, written in zip(openers, answer_batch(model, tokenizer, prompts, max_tokens, temperature, stop)):
+        written_all = in_halves(lambda part: answer_batch(model, tokenizer, part, max_tokens, temperature, stop),
+                                prompts)
+        for opener, written in zip(openers, written_all):
             if not written or written[-1] not in stop:
                 continue  # cut off: not a whole prompt
             prompt = (opener + tokenizer.decode(written[:-1])).strip()
