@@ -124,12 +124,15 @@ class FeatureDrafter(_Strict):
     # a row stops drafting where the product of the head's top probabilities falls below this
     # (EAGLE-2's acceptance estimate; docs/drafters.md); None: every draft the γ policy plans
     min_confidence: float | None = Field(None, gt=0.0, lt=1.0)
+    # a row whose newest tokens repeat an earlier n-gram of at least this many tokens drafts what
+    # followed it (prompt lookup) instead of running the head (docs/drafters.md); None: never
+    lookup_min_n: int | None = Field(None, ge=1, le=64)
     worker: Literal["target", "draft"] = "target"
 
     def engine_spec(self):
         from specserve.engine.feature_drafter import FeatureDrafterSpec
 
-        return FeatureDrafterSpec(self.path, self.min_confidence)
+        return FeatureDrafterSpec(self.path, self.min_confidence, self.lookup_min_n)
 
 
 ColocatedDrafter = Annotated[

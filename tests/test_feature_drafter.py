@@ -76,9 +76,9 @@ def head_dir(tmp_path_factory):
     return train_tiny_head(target(), tmp_path_factory.mktemp("head"))
 
 
-def build(path, model=None, min_confidence=None):
+def build(path, model=None, min_confidence=None, lookup_min_n=None):
     model = model or target()
-    return FeatureDrafterSpec(str(path), min_confidence).build(model, target_vocab_size(model), None)
+    return FeatureDrafterSpec(str(path), min_confidence, lookup_min_n).build(model, target_vocab_size(model), None)
 
 
 # -- lossless ---------------------------------------------------------------------------------------
@@ -193,6 +193,33 @@ def test_sampling_with_a_confidence_floor_matches_target_distribution(tmp_path):
     assert 0 < kept.count(0) + kept.count(1) < len(kept), collections.Counter(kept)  # some rows stopped early
 
 
+@pytest.mark.parametrize("gamma", [1, 3])
+def test_rows_that_repeat_an_ngram_draft_by_lookup_and_stay_identical(head_dir, gamma):
+    """With `lookup_min_n`, rows whose suffix repeats an earlier n-gram draft what followed it,
+    the others run the head, in the same steps; output is the target's, and a looked-up row's
+    head catches up on the tokens it skipped when it drafts again."""
+    model = target()
+    proposer = build(head_dir, lookup_min_n=2)
+    engine = SpeculativeEngine(model, proposer=proposer, num_speculative_tokens=gamma, adaptive=False)
+    batch_prompts = prompts(4, seed=5) + [[7, 8, 9, 7, 8]]  # the last one repeats "7 8" at once
+    outs = engine.generate(batch_prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0.0))
+    for prompt, out in zip(batch_prompts, outs):
+        assert out.token_ids == reference(tuple(prompt)), (gamma, prompt)
+    assert 0 < proposer.num_looked_up < proposer.num_rows, (proposer.num_looked_up, proposer.num_rows)
+    assert sum(o.metrics.num_accepted_tokens for o in outs) > 0
+
+
+def test_sampling_with_lookup_rows_matches_target_distribution(tmp_path):
+    """Whether a row drafts by lookup depends only on its tokens so far: sampled output still
+    follows the target (chi-square), with looked-up and head rows side by side."""
+    torch.manual_seed(1)
+    small = tiny_llama(0, vocab=VOCAB, init_range=0.3, layers=3, hidden=16)
+    save_feature_head(init_head(small, torch.arange(VOCAB)), tmp_path, store_lm_head=True)
+    proposer = build(tmp_path, small, lookup_min_n=1)
+    assert_proposer_follows_target(small, proposer)
+    assert 0.05 < proposer.num_looked_up / proposer.num_rows < 0.95, (proposer.num_looked_up, proposer.num_rows)
+
+
 # -- the EAGLE-3 checkpoint layout ------------------------------------------------------------------
 def write_eagle3_head(folder, model, draft_vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
     """A randomly initialised head written the way public EAGLE-3 heads are published."""
@@ -270,6 +297,12 @@ def test_config_names_a_feature_head(head_dir):
                               "drafter": {"kind": "eagle", "path": str(head_dir)}})
     assert isinstance(config.drafter, FeatureDrafter)
     assert config.drafter.engine_spec() == FeatureDrafterSpec(str(head_dir))
+    config = load_app_config({"served_model_name": "t", "target": {"kind": "tiny"},
+                              "drafter": {"kind": "eagle", "path": str(head_dir), "lookup_min_n": 3}})
+    assert config.drafter.engine_spec() == FeatureDrafterSpec(str(head_dir), None, 3)
+    with pytest.raises(ValueError, match="lookup_min_n"):
+        load_app_config({"served_model_name": "t", "target": {"kind": "tiny"},
+                         "drafter": {"kind": "eagle", "path": str(head_dir), "lookup_min_n": 0}})
 
 
 def test_target_worker_drafts_with_a_feature_head(tmp_path):
@@ -317,21 +350,26 @@ class Pulling(FeatureDrafterProposer):
         return super().propose(rows, *args)
 
 
-def pulled(path, model=None):
+def pulled(path, model=None, lookup_min_n=None):
     model = model or target()
-    proposer = FeatureDrafterSpec(str(path)).build(model, target_vocab_size(model), None, pulled=True)
+    proposer = FeatureDrafterSpec(str(path), None, lookup_min_n).build(model, target_vocab_size(model), None,
+                                                                     pulled=True)
     proposer.__class__ = Pulling
     return proposer
 
 
+@pytest.mark.parametrize("lookup_min_n", [None, 2])
 @pytest.mark.parametrize("batch", [1, 3])
-def test_pulled_features_draft_exactly_what_the_colocated_head_drafts(head_dir, batch):
+def test_pulled_features_draft_exactly_what_the_colocated_head_drafts(head_dir, batch, lookup_min_n):
     """Greedy output is the target's, and every step accepts what the head beside the target
-    accepts: the features pulled are the ones the target computed, position for position."""
+    accepts: the features pulled are the ones the target computed, position for position (with
+    lookup rows too: a head that skipped steps catches up from pulled features)."""
     batch_prompts = prompts(batch)
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
-    here = SpeculativeEngine(target(), proposer=build(head_dir), num_speculative_tokens=3, adaptive=False)
-    there = SpeculativeEngine(target(), proposer=pulled(head_dir), num_speculative_tokens=3, adaptive=False)
+    here = SpeculativeEngine(target(), proposer=build(head_dir, lookup_min_n=lookup_min_n), num_speculative_tokens=3,
+                             adaptive=False)
+    there = SpeculativeEngine(target(), proposer=pulled(head_dir, lookup_min_n=lookup_min_n),
+                              num_speculative_tokens=3, adaptive=False)
     outs_here, outs_there = here.generate(batch_prompts, params), there.generate(batch_prompts, params)
     for prompt, a, b in zip(batch_prompts, outs_here, outs_there):
         assert b.token_ids == reference(tuple(prompt))

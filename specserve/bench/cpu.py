@@ -59,18 +59,21 @@ def forward_costs(runner: ModelRunner, reps: int) -> dict[str, dict[int, float]]
     return best
 
 
-def build_engines(target, draft, heads: list[str], gamma: int, modes=("off", "on"), floors=(None,)
-                  ) -> dict[tuple[str, str], SpeculativeEngine]:
+def build_engines(target, draft, heads: list[str], gamma: int, modes=("off", "on"), floors=(None,),
+                  lookups=(None,)) -> dict[tuple[str, str], SpeculativeEngine]:
     """{(method, "off"/"on"): engine}, each calibrated with its own kernels; a head row per
-    confidence floor in `floors` (None: the head drafts every planned position)."""
+    confidence floor in `floors` (None: the head drafts every planned position) and lookup
+    n-gram length in `lookups` (None: the head drafts every row)."""
     makers = {"target-only": lambda: SpeculativeEngine(target, num_speculative_tokens=0)}
     if draft is not None:
         makers["draft model"] = lambda: SpeculativeEngine(target, draft, num_speculative_tokens=gamma)
     for i, head in enumerate(heads):
         for floor in floors:
-            name = ("feature head" if i == 0 else f"head {Path(head).name}") + ("" if floor is None else f" c{floor:g}")
-            makers[name] = lambda head=head, floor=floor: SpeculativeEngine(
-                target, drafter=FeatureDrafterSpec(head, floor), num_speculative_tokens=gamma)
+            for lookup in lookups:
+                name = (("feature head" if i == 0 else f"head {Path(head).name}")
+                        + ("" if floor is None else f" c{floor:g}") + ("" if lookup is None else f" +lookup{lookup}"))
+                makers[name] = lambda head=head, floor=floor, lookup=lookup: SpeculativeEngine(
+                    target, drafter=FeatureDrafterSpec(head, floor, lookup), num_speculative_tokens=gamma)
     engines = {}
     for method, make in makers.items():
         for mode in modes:
@@ -153,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="head directories or shipped names (none: no head rows); the first is 'feature head'")
     parser.add_argument("--min-confidence", nargs="*", default=["none"],
                         help="confidence floors of the head rows ('none': every planned draft), e.g. none 0.3")
+    parser.add_argument("--lookup-min-n", nargs="*", default=["none"],
+                        help="head rows' prompt-lookup n-gram lengths ('none': the head drafts every row), e.g. none 3")
     parser.add_argument("--prompts", default=str(GENERAL),
                         help="a prompt set (JSON lines with category), default the held-out benchmark set")
     parser.add_argument("--kernels", default="off,on", help="which modes to run end to end: off,on / on / off")
@@ -167,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     draft = load_smollm2_draft(target)
     modes = tuple(args.kernels.split(","))
     floors = tuple(None if f == "none" else float(f) for f in args.min_confidence)
-    engines = build_engines(target, draft, args.feature_head, args.gamma, modes, floors)
+    lookups = tuple(None if n == "none" else int(n) for n in args.lookup_min_n)
+    engines = build_engines(target, draft, args.feature_head, args.gamma, modes, floors, lookups)
     costs = {method: forward_costs(engine_runners(engine)[-1], args.reps)
              for (method, mode), engine in engines.items() if mode == modes[-1]}
     print(cost_table(costs))

@@ -1,4 +1,5 @@
-"""Drafter benchmark: draft model vs layer skip vs prompt lookup vs feature head, per prompt category.
+"""Drafter benchmark: draft model vs layer skip vs prompt lookup vs feature head (alone, and with
+prompt lookup for rows that repeat an earlier n-gram), per prompt category.
 
     python -m specserve.bench.drafters [--per-category 3] [--out bench-results/drafters.json]
 
@@ -15,6 +16,7 @@ The layer-skip set comes from the tuner's output (`python -m specserve.tuning.la
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -202,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft-weights", default=None, help="draft weights dir (default: the shipped one)")
     parser.add_argument("--feature-head", default="smollm2-eagle",
                         help="feature head dir or shipped name (SmolLM2 only; '' to skip its rows)")
+    parser.add_argument("--head-lookup-min-n", type=int, default=3,
+                        help="the 'head + lookup' rows: n-gram length from which a row drafts by lookup (0: no such rows)")
     parser.add_argument("--reps", type=int, default=9, help="timed forward pairs per c measurement")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--no-hf", action="store_true")
@@ -250,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
 
     methods = ["target-only"] + (["draft model"] if draft is not None else []) + ["layer skip", "prompt lookup"]
     methods += ["feature head"] if head_spec is not None else []
+    methods += ["head + lookup"] if head_spec is not None and args.head_lookup_min_n > 0 else []
     methods += [] if args.no_hf else ["HF generate", f"HF lookup({args.hf_lookup_tokens})"]
     run_engine(target, None, 0, [context[:8]], SamplingParams(max_tokens=4, temperature=0.0), "warm-up", "warm-up")
     bar = tqdm(total=len(categories) * len(methods), desc="drafter bench", unit="run")
@@ -274,6 +279,12 @@ def main(argv: list[str] | None = None) -> int:
                 r = run_engine(target, head_spec.build(target, vocab, None), args.gamma, batch, params, category,
                                method)
                 r.c = costs[method]
+            elif method == "head + lookup":
+                spec = dataclasses.replace(head_spec, lookup_min_n=args.head_lookup_min_n)
+                proposer = spec.build(target, vocab, None)
+                r = run_engine(target, proposer, args.gamma, batch, params, category, method)
+                r.c = costs["feature head"]  # per head forward; a looked-up row runs none
+                r.extra["looked_up_rows"] = proposer.num_looked_up / max(proposer.num_rows, 1)
             elif method == "prompt lookup":
                 proposer = TimedProposer(PromptLookupSpec(args.lookup_min_n, args.lookup_max_n).build(target, vocab, None))
                 r = run_engine(target, proposer, args.lookup_gamma, batch, params, category, method)

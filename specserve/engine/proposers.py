@@ -336,11 +336,17 @@ class PromptLookupProposer:
         if start is None:
             return seq[-1:] * num_tokens
         self.num_matches += 1
-        out: list[int] = []
-        for k in range(num_tokens):  # position start+k of seq + out; start < len(seq), so out[.] exists
-            i = start + k
-            out.append(seq[i] if i < len(seq) else out[i - len(seq)])
-        return out
+        return continue_match(seq, start, num_tokens)
+
+
+def continue_match(seq: list[int], start: int, num_tokens: int) -> list[int]:
+    """num_tokens tokens from seq[start] on, continued periodically past the end of seq (a
+    repeating pattern keeps repeating); start < len(seq)."""
+    out: list[int] = []
+    for k in range(num_tokens):  # position start+k of seq + out; start < len(seq), so out[.] exists
+        i = start + k
+        out.append(seq[i] if i < len(seq) else out[i - len(seq)])
+    return out
 
 
 def find_continuation(tokens: list[int], min_n: int, max_n: int) -> int | None:
