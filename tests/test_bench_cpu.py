@@ -12,7 +12,7 @@ def test_cpu_bench_smollm2(tmp_path, capsys):
     out = tmp_path / "cpu.json"
     try:
         code = main(["--per-category", "1", "--max-new-tokens", "6", "--reps", "1", "--threads", "1",
-                     "--out", str(out)])
+                     "--lookup-min-n", "none", "3", "--out", str(out)])
     finally:
         torch.set_num_threads(threads)
     assert code == 0
@@ -21,7 +21,7 @@ def test_cpu_bench_smollm2(tmp_path, capsys):
     result = json.loads(out.read_text())
     rows = result["end_to_end"]
     assert {(r["method"], r["kernels"]) for r in rows} == {
-        (m, k) for m in ("target-only", "draft model", "feature head") for k in ("off", "on")}
+        (m, k) for m in ("target-only", "draft model", "feature head", "feature head +lookup3") for k in ("off", "on")}
     assert {r["category"] for r in rows} == {"chat", "code", "summarise"}
     assert all(r["identical"] for r in rows)
-    assert set(result["forward_seconds"]) == {"target-only", "draft model", "feature head"}
+    assert set(result["forward_seconds"]) == {"target-only", "draft model", "feature head", "feature head +lookup3"}
