@@ -34,9 +34,10 @@ def head_dir(tmp_path_factory):
     return train_tiny_head(model, tmp_path_factory.mktemp("head"))
 
 
-def config(head_dir, worker: str, pipelined: bool = False) -> AppConfig:
+def config(head_dir, worker: str, pipelined: bool = False, lookup_min_n: int | None = None) -> AppConfig:
+    drafter = {"kind": "eagle", "path": str(head_dir), "worker": worker, "lookup_min_n": lookup_min_n}
     return AppConfig.model_validate(dict(
-        served_model_name="tiny", target=TINY, drafter={"kind": "eagle", "path": str(head_dir), "worker": worker},
+        served_model_name="tiny", target=TINY, drafter=drafter,
         speculation=dict(num_speculative_tokens=3, adaptive=False, pipelined=pipelined, execution="eager",
                          transport="actor_calls"),
         max_model_len=256))
@@ -65,15 +66,20 @@ def test_the_head_on_the_draft_worker_drafts_what_it_drafts_beside_the_target(lo
     assert len(coordinator.draft_worker._obj.model.features) == 0  # freed with their requests
 
 
+@pytest.mark.parametrize("lookup_min_n", [None, 2])
 @pytest.mark.parametrize("graph", [False, True])
-def test_pipelined_and_on_the_graph_stay_lossless(local_coordinator, head_dir, graph):
-    coordinator = local_coordinator(config(head_dir, "draft", pipelined=True))
+def test_pipelined_and_on_the_graph_stay_lossless(local_coordinator, head_dir, graph, lookup_min_n):
+    """With lookup rows, an ahead call past the committed tokens drafts real tokens for rows that
+    repeat themselves (the head has no features there): the prepared blocks it gives stay exact."""
+    coordinator = local_coordinator(config(head_dir, "draft", pipelined=True, lookup_min_n=lookup_min_n))
     assert coordinator.pipeline is not None
     if graph:
         on_graph(coordinator)
     outs = generate(coordinator, PROMPTS, greedy())
     assert outs == expected(coordinator)
     assert coordinator._totals["spec_decode_num_accepted_tokens"] > 0
+    if lookup_min_n is not None:  # some prepared blocks came from lookup rows and were verified
+        assert coordinator._totals["pipelined_hits"] > 0
     if graph:
         assert coordinator._totals["graph_steps"] > 0
 
