@@ -193,20 +193,28 @@ def test_sampling_with_a_confidence_floor_matches_target_distribution(tmp_path):
     assert 0 < kept.count(0) + kept.count(1) < len(kept), collections.Counter(kept)  # some rows stopped early
 
 
-@pytest.mark.parametrize("gamma", [1, 3])
-def test_rows_that_repeat_an_ngram_draft_by_lookup_and_stay_identical(head_dir, gamma):
+@pytest.mark.parametrize("gamma,floor", [(1, None), (3, None), (4, 0.025)])
+def test_rows_that_repeat_an_ngram_draft_by_lookup_and_stay_identical(head_dir, gamma, floor):
     """With `lookup_min_n`, rows whose suffix repeats an earlier n-gram draft what followed it,
     the others run the head, in the same steps; output is the target's, and a looked-up row's
-    head catches up on the tokens it skipped when it drafts again."""
+    head catches up on the tokens it skipped when it drafts again. With a confidence floor too
+    (the demo's drafter), head rows stop where unsure while looked-up rows draft in full."""
     model = target()
-    proposer = build(head_dir, lookup_min_n=2)
-    engine = SpeculativeEngine(model, proposer=proposer, num_speculative_tokens=gamma, adaptive=False)
     batch_prompts = prompts(4, seed=5) + [[7, 8, 9, 7, 8]]  # the last one repeats "7 8" at once
-    outs = engine.generate(batch_prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0.0))
-    for prompt, out in zip(batch_prompts, outs):
-        assert out.token_ids == reference(tuple(prompt)), (gamma, prompt)
-    assert 0 < proposer.num_looked_up < proposer.num_rows, (proposer.num_looked_up, proposer.num_rows)
-    assert sum(o.metrics.num_accepted_tokens for o in outs) > 0
+    drafted = {}
+    for min_confidence in (None,) if floor is None else (None, floor):
+        proposer = build(head_dir, min_confidence=min_confidence, lookup_min_n=2)
+        engine = SpeculativeEngine(model, proposer=proposer, num_speculative_tokens=gamma, adaptive=False)
+        seen = CountingVerifies(engine)
+        outs = engine.generate(batch_prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0.0))
+        for prompt, out in zip(batch_prompts, outs):
+            assert out.token_ids == reference(tuple(prompt)), (gamma, min_confidence, prompt)
+        assert 0 < proposer.num_looked_up < proposer.num_rows, (proposer.num_looked_up, proposer.num_rows)
+        assert sum(o.metrics.num_accepted_tokens for o in outs) > 0
+        drafted[min_confidence] = sum(o.metrics.num_draft_tokens for o in outs)
+        assert sum(seen.counts) == drafted[min_confidence]  # what was verified is what was counted
+    if floor is not None:  # head rows stopped early where unsure
+        assert drafted[floor] < drafted[None], drafted
 
 
 def test_sampling_with_lookup_rows_matches_target_distribution(tmp_path):
@@ -218,6 +226,26 @@ def test_sampling_with_lookup_rows_matches_target_distribution(tmp_path):
     proposer = build(tmp_path, small, lookup_min_n=1)
     assert_proposer_follows_target(small, proposer)
     assert 0.05 < proposer.num_looked_up / proposer.num_rows < 0.95, (proposer.num_looked_up, proposer.num_rows)
+
+
+def test_sampling_with_lookup_rows_and_a_confidence_floor_matches_target_distribution(tmp_path):
+    """The demo's drafter: lookup rows and head rows that stop where unsure, side by side. Both
+    choices read only what precedes the drawn token, so sampled output still follows the target."""
+    torch.manual_seed(1)
+    small = tiny_llama(0, vocab=VOCAB, init_range=0.3, layers=3, hidden=16)
+    save_feature_head(init_head(small, torch.arange(VOCAB)), tmp_path, store_lm_head=True)
+    proposer = build(tmp_path, small, min_confidence=0.35, lookup_min_n=1)
+    kept, real = [], proposer.propose
+
+    def propose(*args):
+        proposal = real(*args)
+        kept.extend(proposal.num_draft.tolist())
+        return proposal
+
+    proposer.propose = propose
+    assert_proposer_follows_target(small, proposer)
+    assert 0.05 < proposer.num_looked_up / proposer.num_rows < 0.95, (proposer.num_looked_up, proposer.num_rows)
+    assert 0 < kept.count(0) + kept.count(1), collections.Counter(kept)  # some head rows stopped early
 
 
 # -- the EAGLE-3 checkpoint layout ------------------------------------------------------------------
