@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from models import tiny_llama
-from specserve.bench.overlap import PlantingProposer, bound, next_layers
+from specserve.bench.overlap import PlantingProposer, bound, ceilings, next_layers
 from specserve.engine import RowInput
 from specserve.engine.sampling import BatchSampling, SamplingParams
 
@@ -15,6 +15,14 @@ def test_bounds():
     assert bound("sequential", 0.8, 2, 0.5, 1.0) == pytest.approx(2.44 / 2.0)
     assert bound("pipelined", 0.8, 1, 0.5, 1.0) == pytest.approx(1.8 / (1.0 + 0.36 * 0.5))
     assert bound("target-only", 0.8, 0, 0.5, 1.0) == 1.0
+    assert bound("oracle", 0.8, 1, 0.5, 1.0) == pytest.approx(1.8 / 1.0)  # every prepared block used
+
+
+def test_ceilings_at_the_issues_pair():
+    # α 0.8, c 0.5, v 1: sequential best 2.44 / 2 (γ 2); one branch 1.8 / 1.18 (γ 1); foreseen 1.8 (γ 1)
+    most = ceilings(0.8, 0.5, 1.0)
+    assert most["one_branch"] == pytest.approx((1.8 / 1.18) / 1.22, abs=1e-3)
+    assert most["every_verdict_foreseen"] == pytest.approx(1.8 / 1.22, abs=1e-3)
 
 
 def test_draft_depth_moves_towards_the_wanted_cost():
