@@ -35,11 +35,13 @@ class InProcessGraph:
         self.late_at = set(late_at)  # executions whose draft side is late
         self.fail_blocks = fail_blocks  # break the first this many executions that carry a prepared block
         self.ready, self.executions, self.builds, self.breaks = True, 0, 1, 0
+        self.waits = []  # (expected, deadline) seconds per execution
         self.ahead = coordinator.pipeline is not None and self.draft is not None  # as StepGraph builds it
 
     async def run(self, call: StepCall, draft_timeout: float, target_timeout: float, draft_busy=None,
-                  ahead_timeout: float = 0.0):
+                  ahead_timeout: float = 0.0, expected: float = 0.0):
         self.executions += 1
+        self.waits.append((expected, draft_timeout + max(target_timeout, ahead_timeout)))
         if self.executions in self.before:
             self.before[self.executions]()
         if self.executions in self.fail_at or (call.block is not None and self.fail_blocks > 0):
@@ -99,6 +101,9 @@ def test_greedy_on_the_graph_is_the_targets_greedy(local_coordinator):
     assert totals["graph_steps"] == totals["steps"] > 0 and graph.executions >= totals["steps"]
     assert totals["spec_decode_num_accepted_tokens"] > 0  # the drafts crossed draft -> target
     assert asyncio.run(coordinator.num_cached()) == {"target": 0, "draft": 0}
+    # each execution comes with the seconds its forwards should take (slept through before its
+    # result is read), from the measured costs: well inside its deadline, never more
+    assert all(0 < expected < deadline for expected, deadline in graph.waits)
 
 
 @pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.5, top_k=3, top_p=0.9)])
@@ -233,8 +238,12 @@ def test_a_colocated_drafter_runs_as_one_graph_node(local_coordinator):
 class _Ref:
     def __init__(self, value) -> None:
         self.value = value
+        self.read_at = None  # time.monotonic() of the read
 
     def get(self, timeout=None):
+        import time
+
+        self.read_at, self.timeout = time.monotonic(), timeout
         if isinstance(self.value, BaseException):
             raise self.value
         return self.value
@@ -289,3 +298,45 @@ def test_an_execution_writes_on_the_loop_and_a_failed_write_breaks_the_graph():
     broken = _FakeDag(b"", fails=RuntimeError("channel closed"))
     err, graph = asyncio.run(run(broken))
     assert isinstance(err, RuntimeError) and not graph.ready and graph.breaks == 1 and broken.torn_down
+
+
+def test_the_wait_sleeps_through_most_of_the_expected_time_before_it_reads():
+    """A compiled graph's reader spins a core while it waits, so `_wait` first sleeps through most
+    of the execution's expected seconds (never past its deadline) and reads with what is left."""
+    import time
+
+    from specserve.serve.graph import _EXPECTED_SHARE, _wait
+
+    for expected, timeout in [(0.2, 5.0), (0.2, 0.05), (0.0, 5.0)]:
+        ref = _Ref(b"x")
+        start = time.monotonic()
+        assert _wait(ref, timeout, expected) == b"x"
+        nap = min(_EXPECTED_SHARE * expected, timeout)
+        assert nap <= ref.read_at - start < nap + 0.1, (expected, timeout)
+        assert timeout - nap - 0.1 < ref.timeout <= timeout - nap
+    refs = [_Ref(b"a"), _Ref(b"b")]  # a graph with two outputs: one deadline for both
+    assert _wait(refs, 1.0, 0.1) == [b"a", b"b"] and refs[0].timeout <= 1.0 - _EXPECTED_SHARE * 0.1
+
+
+def test_after_its_nap_the_wait_looks_for_a_single_output_until_it_is_there():
+    """Past the expected time, a one-output graph's result is looked for without blocking (Ray's
+    blocking read spins) until a look finds it; only then is it read, within the deadline."""
+    from ray.exceptions import RayChannelTimeoutError
+
+    from specserve.serve.graph import _wait
+
+    class Dag:
+        looks = 0
+
+        def _execute_until(self, execution_index, channel_index, timeout):
+            assert (execution_index, channel_index, timeout) == (7, None, 0)
+            Dag.looks += 1
+            if Dag.looks < 5:
+                raise RayChannelTimeoutError("not yet")
+
+    ref = _Ref(b"x")
+    ref._dag, ref._execution_index, ref._channel_index = Dag(), 7, None
+    assert _wait(ref, 5.0, 0.01) == b"x" and Dag.looks == 5 and ref.timeout > 4.0
+    Dag.looks = -10**9  # never there: the looks stop at the deadline and the read gets what is left
+    assert _wait(ref, 0.05, 0.01) == b"x" and ref.timeout == 0.0
+

@@ -615,9 +615,11 @@ class Coordinator:
             call = make_call()
             draft_timeout = self._deadline("draft", call.draft_rows, call.num_positions) if call.num_positions else 0.0
             target_timeout = self._deadline("target", call.target_rows, width)
+            expected = (self._predicted("draft", call.draft_rows, call.num_positions) if call.num_positions else 0.0) \
+                + self._predicted("target", call.target_rows, width)
             busy = self._draft_busy if self.draft_worker is not None and call.num_positions else None
             try:
-                reply = await self.graph.run(call, draft_timeout, target_timeout, busy, ahead_timeout)
+                reply = await self.graph.run(call, draft_timeout, target_timeout, busy, ahead_timeout, expected)
             except DraftLate as err:
                 self._draft_lost(err)
                 return None
@@ -669,22 +671,23 @@ class Coordinator:
 
     def _deadline(self, side: str, rows: list[RowInput], extra=None) -> float:
         """Seconds a call may take: floor + multiple x the time the measured per-token costs predict
-        for its tokens (prefill backlog included). extra: G drafts per row (verify: the draft tokens
-        [B, G], or G; propose: G); None for a prefill call (one forward over its rows, padded)."""
+        for its tokens (`_predicted`)."""
         d = self.deadlines
+        floor = d.target_floor_s if side == "target" else d.draft_floor_s
+        return floor + d.multiple * self._predicted(side, rows, extra)
+
+    def _predicted(self, side: str, rows: list[RowInput], extra=None) -> float:
+        """Seconds the measured per-token costs predict for a call's forwards, prefill backlog
+        included (0 before anything was measured). extra: G drafts per row (verify: the draft
+        tokens [B, G], or G; propose: G); None for a prefill call (one forward over its rows, padded)."""
+        cost = self.policy.target_cost if side == "target" else self.policy.draft_cost
         if extra is None:
-            cost = self.policy.target_cost if side == "target" else self.policy.draft_cost
-            floor = d.target_floor_s if side == "target" else d.draft_floor_s
-            padded = len(rows) * max((len(r.tokens) for r in rows), default=0)
-            return floor + d.multiple * _predict(cost, padded)
+            return _predict(cost, len(rows) * max((len(r.tokens) for r in rows), default=0))
         backlog = sum(max(len(r.tokens) - 1, 0) for r in rows)
         if side == "target":
             width = 1 + (extra.shape[1] if hasattr(extra, "shape") else int(extra))
-            predicted = _predict(self.policy.target_cost, backlog) + _predict(self.policy.target_cost, len(rows) * width)
-            return d.target_floor_s + d.multiple * predicted
-        steps = int(extra)
-        predicted = _predict(self.policy.draft_cost, backlog) + steps * _predict(self.policy.draft_cost, len(rows))
-        return d.draft_floor_s + d.multiple * predicted
+            return _predict(cost, backlog) + _predict(cost, len(rows) * width)
+        return _predict(cost, backlog) + int(extra) * _predict(cost, len(rows))
 
     async def _restart_target(self, why: str) -> None:
         """Kill a stuck target for Ray to restart it; its caches rebuild from our tokens."""
