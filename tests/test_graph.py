@@ -340,3 +340,30 @@ def test_after_its_nap_the_wait_looks_for_a_single_output_until_it_is_there():
     Dag.looks = -10**9  # never there: the looks stop at the deadline and the read gets what is left
     assert _wait(ref, 0.05, 0.01) == b"x" and ref.timeout == 0.0
 
+
+def test_a_worker_gives_torch_its_threads_on_every_thread_that_calls_it(monkeypatch):
+    """Ray runs a compiled graph's loop on a thread of its own, where the BLAS kernels would keep
+    Ray's OMP_NUM_THREADS (1) whatever the worker's torch_threads: a worker method sets the
+    worker's thread count once on each thread that calls it."""
+    import threading
+
+    from specserve.serve import workers
+
+    calls = []
+    monkeypatch.setattr(workers.torch, "set_num_threads", lambda n: calls.append((threading.get_ident(), n)))
+
+    class Probe(workers._Worker):
+        @workers._serialised
+        def step(self) -> None:
+            pass
+
+    probe = Probe(torch_threads=3)
+    probe.step()
+    probe.step()
+    graph_thread = threading.Thread(target=lambda: (probe.step(), probe.step()))
+    graph_thread.start()
+    graph_thread.join()
+    assert [n for _, n in calls] == [3, 3] and calls[0][0] == threading.get_ident() != calls[1][0]
+    calls.clear()
+    Probe(torch_threads=None).step()  # no setting: torch keeps its own
+    assert calls == []

@@ -52,6 +52,7 @@ def _serialised(method):
     @functools.wraps(method)
     def locked(self, *args, **kwargs):
         with self._lock:
+            self._threads_here()
             return method(self, *args, **kwargs)
     return locked
 
@@ -63,8 +64,18 @@ class _Worker:
         self._proposing = False  # inside graph_propose (waiting for the lock included)
         self._step: tuple[StepCall, Proposal | None] | None = None  # the last graph_propose: call, block k
         self._aheads: dict[int, Proposal] = {}  # ahead id -> its proposal [B, G'+1] (q included); the last two
-        if torch_threads:
-            torch.set_num_threads(torch_threads)
+        self._torch_threads = torch_threads
+        self._thread_state = threading.local()
+        self._threads_here()
+
+    def _threads_here(self) -> None:
+        """Give torch `torch_threads` threads in the calling thread, once per thread. Ray runs a
+        compiled graph's loop on a thread of its own, where the BLAS kernels otherwise keep the
+        process's OMP_NUM_THREADS (1 under Ray) although torch.get_num_threads() reports the
+        setting: measured on 2 cores, a 1024² matmul took twice as long on the graph's thread."""
+        if self._torch_threads and not getattr(self._thread_state, "done", False):
+            torch.set_num_threads(self._torch_threads)
+            self._thread_state.done = True
 
     @staticmethod
     def _injected_fault(method: str) -> None:
@@ -300,6 +311,7 @@ class DraftWorker(_Worker):
         self._proposing = True
         try:
             with self._lock:
+                self._threads_here()
                 call = unpack(packed)
                 reply = self._propose_step(call)
                 if reply.result is not None and call.block is not None:
