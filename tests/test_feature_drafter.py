@@ -173,14 +173,8 @@ def test_a_confidence_floor_drafts_fewer_and_stays_identical(head_dir):
     assert sum(seen.counts) == cut and min(seen.widths) < 4  # narrower verifies where every row stopped
 
 
-def test_sampling_with_a_confidence_floor_matches_target_distribution(tmp_path):
-    """Whether a row drafts position j depends on the head's distribution there, not on the token
-    it samples: sampled output still follows the target (chi-square), with rows stopping early."""
-    torch.manual_seed(1)
-    small = tiny_llama(0, vocab=VOCAB, init_range=0.3, layers=3, hidden=16)
-    head = init_head(small, torch.arange(VOCAB))
-    save_feature_head(head, tmp_path, store_lm_head=True)
-    proposer = build(tmp_path, small, min_confidence=0.35)
+def record_kept(proposer) -> list[int]:
+    """The list that each of the proposer's later proposals extends with its rows' draft counts."""
     kept, real = [], proposer.propose
 
     def propose(*args):
@@ -189,6 +183,18 @@ def test_sampling_with_a_confidence_floor_matches_target_distribution(tmp_path):
         return proposal
 
     proposer.propose = propose
+    return kept
+
+
+def test_sampling_with_a_confidence_floor_matches_target_distribution(tmp_path):
+    """Whether a row drafts position j depends on the head's distribution there, not on the token
+    it samples: sampled output still follows the target (chi-square), with rows stopping early."""
+    torch.manual_seed(1)
+    small = tiny_llama(0, vocab=VOCAB, init_range=0.3, layers=3, hidden=16)
+    head = init_head(small, torch.arange(VOCAB))
+    save_feature_head(head, tmp_path, store_lm_head=True)
+    proposer = build(tmp_path, small, min_confidence=0.35)
+    kept = record_kept(proposer)
     assert_proposer_follows_target(small, proposer)
     assert 0 < kept.count(0) + kept.count(1) < len(kept), collections.Counter(kept)  # some rows stopped early
 
@@ -235,14 +241,7 @@ def test_sampling_with_lookup_rows_and_a_confidence_floor_matches_target_distrib
     small = tiny_llama(0, vocab=VOCAB, init_range=0.3, layers=3, hidden=16)
     save_feature_head(init_head(small, torch.arange(VOCAB)), tmp_path, store_lm_head=True)
     proposer = build(tmp_path, small, min_confidence=0.35, lookup_min_n=1)
-    kept, real = [], proposer.propose
-
-    def propose(*args):
-        proposal = real(*args)
-        kept.extend(proposal.num_draft.tolist())
-        return proposal
-
-    proposer.propose = propose
+    kept = record_kept(proposer)
     assert_proposer_follows_target(small, proposer)
     assert 0.05 < proposer.num_looked_up / proposer.num_rows < 0.95, (proposer.num_looked_up, proposer.num_rows)
     assert 0 < kept.count(0) + kept.count(1), collections.Counter(kept)  # some head rows stopped early
