@@ -185,8 +185,8 @@ def _execute(dag, packed: bytes, timeout: float) -> bytes | list[bytes]:
 def _wait(refs, timeout: float, expected: float = 0.0) -> bytes | list[bytes]:
     """An execution's output within `timeout` seconds. A compiled graph's reader spins on its
     channel while it waits, a whole core that a machine with few cores takes from the workers'
-    forwards (measured on 2 cores: a 2-thread forward of 41 ms took 60-64 ms while the coordinator
-    waited for it). So the wait sleeps through most of the `expected` seconds, then, for a graph
+    forwards (measured on 2 cores: a worker's 2-thread matmul loop took twice as long while the
+    driver blocked in get()). So the wait sleeps through most of the `expected` seconds, then, for a graph
     with one output, looks for the result every `_POLL_S` (a look that finds nothing reads
     nothing); a graph with several outputs waits for the rest as Ray does (a look at several
     channels could take the first output and leave the others)."""
