@@ -300,22 +300,40 @@ def test_an_execution_writes_on_the_loop_and_a_failed_write_breaks_the_graph():
     assert isinstance(err, RuntimeError) and not graph.ready and graph.breaks == 1 and broken.torn_down
 
 
-def test_the_wait_sleeps_through_most_of_the_expected_time_before_it_reads():
-    """A compiled graph's reader spins a core while it waits, so `_wait` first sleeps through most
-    of the execution's expected seconds (never past its deadline) and reads with what is left."""
+def test_the_wait_naps_before_it_reads_and_the_nap_follows_what_executions_took():
+    """A compiled graph's reader spins a core while it waits, so `_wait` first sleeps (never past
+    the deadline) and reads with what is left. The nap is a share of the execution's expected
+    seconds, scaled by the lower quartile of what recent executions took in the workers against
+    what was expected of them (none before the first; answers of cache misses do not count)."""
     import time
 
-    from specserve.serve.graph import _EXPECTED_SHARE, _wait
+    from specserve.engine import Proposal, Verdict
+    from specserve.serve.graph import _EXPECTED_SHARE, StepGraph, StepReply, _wait
 
-    for expected, timeout in [(0.2, 5.0), (0.2, 0.05), (0.0, 5.0)]:
+    for nap, timeout in [(0.2, 5.0), (0.2, 0.05), (0.0, 5.0)]:
         ref = _Ref(b"x")
         start = time.monotonic()
-        assert _wait(ref, timeout, expected) == b"x"
-        nap = min(_EXPECTED_SHARE * expected, timeout)
-        assert nap <= ref.read_at - start < nap + 0.1, (expected, timeout)
-        assert timeout - nap - 0.1 < ref.timeout <= timeout - nap
+        assert _wait(ref, timeout, nap) == b"x"
+        slept = min(nap, timeout)
+        assert slept <= ref.read_at - start < slept + 0.1, (nap, timeout)
+        assert timeout - slept - 0.1 < ref.timeout <= timeout - slept
     refs = [_Ref(b"a"), _Ref(b"b")]  # a graph with two outputs: one deadline for both
-    assert _wait(refs, 1.0, 0.1) == [b"a", b"b"] and refs[0].timeout <= 1.0 - _EXPECTED_SHARE * 0.1
+    assert _wait(refs, 1.0, 0.1) == [b"a", b"b"] and refs[0].timeout <= 0.9
+
+    call = StepCall([RowInput("a", 0, [1])], 2, BatchSampling.from_params([SamplingParams(temperature=0.0)]), None,
+                    [RowInput("a", 0, [1])], torch.tensor([2]), None, None)
+    graph = StepGraph(target=None)
+    assert graph._nap(0.1) == 0.0  # nothing measured yet: no nap
+
+    async def execute(seconds, verdict=True):
+        graph._dag = _FakeDag(pack(StepReply(Proposal(torch.tensor([[3]]), None),
+                                             Verdict([1], [9]) if verdict else None, {}, {}, 0.0, seconds)))
+        await graph.run(call, 1.0, 1.0, expected=0.1)
+
+    for seconds in (0.05, 0.09, 0.1, 0.12):  # took 0.5, 0.9, 1.0 and 1.2 of what was expected
+        asyncio.run(execute(seconds))
+    asyncio.run(execute(0.0, verdict=False))  # cache misses: no forward ran, not counted
+    assert graph._nap(0.2) == pytest.approx(_EXPECTED_SHARE * 0.9 * 0.2)
 
 
 def test_after_its_nap_the_wait_looks_for_a_single_output_until_it_is_there():

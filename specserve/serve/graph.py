@@ -43,6 +43,7 @@ worker from an idle one).
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import dataclasses
 import logging
@@ -53,7 +54,8 @@ from .wire import StepCall, StepReply, pack, unpack
 logger = logging.getLogger("specserve.graph")
 _REBUILD_BACKOFF_S = (0.5, 2.0, 5.0, 15.0, 30.0)  # after the n-th failed build in a row
 _GRACE_S = 1.0
-_EXPECTED_SHARE = 0.9  # of an execution's expected seconds, slept before its result is read (_wait)
+_EXPECTED_SHARE = 0.9  # of an execution's expected seconds, slept before its result is read (StepGraph._nap)
+_NAP_WINDOW = 32  # recent executions whose time in the workers sizes the nap
 _POLL_S = 0.0003  # then between looks for the result (a look that finds nothing costs ~0.17 ms)
 _WARM_UP_TIMEOUT_S = 60.0
 
@@ -83,6 +85,17 @@ class StepGraph:
         self._next_try = 0.0  # time.monotonic() before which no rebuild is tried
         self.builds = 0
         self.breaks = 0
+        self._took: collections.deque[float] = collections.deque(maxlen=_NAP_WINDOW)  # seconds in the workers / expected
+
+    def _nap(self, expected: float) -> float:
+        """Seconds to sleep before looking for an execution's result: `_EXPECTED_SHARE` of what
+        its forwards should take, scaled by how the recent executions' time in the workers
+        compared to what was expected of them (the lower quartile of those ratios: predictions
+        come from costs that may be stale or high, and a nap that ends after the result costs the
+        step its overshoot). None before any execution was measured."""
+        if expected <= 0 or not self._took:
+            return 0.0
+        return _EXPECTED_SHARE * sorted(self._took)[len(self._took) // 4] * expected
 
     @property
     def ready(self) -> bool:
@@ -143,15 +156,19 @@ class StepGraph:
             # The write happens here, on the event loop: it returns at once, because the workers
             # read every execution's input before answering it, and the last execution was answered
             # (or the graph was discarded). Only the wait goes to the graph's thread.
+            nap = self._nap(expected)
             work = asyncio.get_running_loop().run_in_executor(self._thread, _wait, self._dag.execute(pack(call)), total,
-                                                              expected)
+                                                              nap)
             if draft_busy is not None:
                 done, _ = await asyncio.wait({work}, timeout=draft_timeout)
                 if not done and await draft_busy():
                     raise DraftLate(f"the draft side missed its {draft_timeout:.1f} s deadline")
             if not work.done():  # the thread's own wait ends at `total`; this guards against a stuck thread
                 await asyncio.wait_for(asyncio.shield(work), timeout=total + _GRACE_S)
-            return step_reply(work.result())
+            reply = step_reply(work.result())
+            if expected > 0 and reply.verdict is not None:  # (an answer of cache misses ran no forward)
+                self._took.append((reply.draft_seconds + reply.target_seconds) / expected)
+            return reply
         except RayTaskError:
             raise
         except BaseException as err:
@@ -182,21 +199,21 @@ def _execute(dag, packed: bytes, timeout: float) -> bytes | list[bytes]:
     return _wait(dag.execute(packed), timeout)
 
 
-def _wait(refs, timeout: float, expected: float = 0.0) -> bytes | list[bytes]:
+def _wait(refs, timeout: float, nap: float = 0.0) -> bytes | list[bytes]:
     """An execution's output within `timeout` seconds. A compiled graph's reader spins on its
     channel while it waits, a whole core that a machine with few cores takes from the workers'
     forwards (measured on 2 cores: a worker's 2-thread matmul loop took twice as long while the
-    driver blocked in get()). So the wait sleeps through most of the `expected` seconds, then, for a graph
-    with one output, looks for the result every `_POLL_S` (a look that finds nothing reads
+    driver blocked in get()). So the wait first sleeps `nap` seconds (StepGraph._nap), then, for a
+    graph with one output, looks for the result every `_POLL_S` (a look that finds nothing reads
     nothing); a graph with several outputs waits for the rest as Ray does (a look at several
     channels could take the first output and leave the others)."""
     ends = time.monotonic() + timeout
-    if expected > 0:
-        time.sleep(min(_EXPECTED_SHARE * expected, timeout))
+    if nap > 0:
+        time.sleep(min(nap, timeout))
     if isinstance(refs, list):  # one ref per output, one deadline for all
         return [ref.get(timeout=max(ends - time.monotonic(), 0.0)) for ref in refs]
     poll = getattr(getattr(refs, "_dag", None), "_execute_until", None)
-    if poll is not None and expected > 0:
+    if poll is not None and nap > 0:
         from ray.exceptions import RayChannelTimeoutError
 
         while time.monotonic() < ends:
