@@ -92,7 +92,7 @@ class StepGraph:
         its forwards should take, scaled by how the recent executions' time in the workers
         compared to what was expected of them (the lower quartile of those ratios: predictions
         come from costs that may be stale or high, and a nap that ends after the result costs the
-        step its overshoot). None before any execution was measured."""
+        step its overshoot). 0 before any execution was measured."""
         if expected <= 0 or not self._took:
             return 0.0
         return _EXPECTED_SHARE * sorted(self._took)[len(self._took) // 4] * expected
@@ -144,8 +144,8 @@ class StepGraph:
     async def run(self, call: StepCall, draft_timeout: float, target_timeout: float, draft_busy=None,
                   ahead_timeout: float = 0.0, expected: float = 0.0) -> StepReply:
         """One execution within draft_timeout + max(target_timeout, ahead_timeout) seconds (the
-        ahead call runs beside the verify); `expected`: the seconds its forwards should take, slept
-        through before the result is read (see `_wait`). When `draft_busy` is given and the
+        ahead call runs beside the verify); `expected`: the seconds its forwards should take by the
+        measured costs, which size the nap before the result is read (`_nap`). When `draft_busy` is given and the
         draft's share has passed, it is asked whether the draft side is still proposing: then the
         draft is late (DraftLate). An exception raised by a worker method is re-raised with the
         graph kept; any other failure breaks the graph, then re-raises."""
