@@ -101,8 +101,8 @@ def test_greedy_on_the_graph_is_the_targets_greedy(local_coordinator):
     assert totals["graph_steps"] == totals["steps"] > 0 and graph.executions >= totals["steps"]
     assert totals["spec_decode_num_accepted_tokens"] > 0  # the drafts crossed draft -> target
     assert asyncio.run(coordinator.num_cached()) == {"target": 0, "draft": 0}
-    # each execution comes with the seconds its forwards should take (slept through before its
-    # result is read), from the measured costs: well inside its deadline, never more
+    # each execution comes with the seconds its forwards should take (which size the nap before
+    # its result is read), from the measured costs: well inside its deadline, never more
     assert all(0 < expected < deadline for expected, deadline in graph.waits)
 
 

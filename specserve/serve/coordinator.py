@@ -613,13 +613,14 @@ class Coordinator:
         by_id = {s.request_id: s for s in seqs}
         for _ in range(_CALL_ATTEMPTS):
             call = make_call()
-            draft_timeout = self._deadline("draft", call.draft_rows, call.num_positions) if call.num_positions else 0.0
-            target_timeout = self._deadline("target", call.target_rows, width)
-            expected = (self._predicted("draft", call.draft_rows, call.num_positions) if call.num_positions else 0.0) \
-                + self._predicted("target", call.target_rows, width)
+            draft_s = self._predicted("draft", call.draft_rows, call.num_positions) if call.num_positions else 0.0
+            target_s = self._predicted("target", call.target_rows, width)
+            draft_timeout = self._allowed("draft", draft_s) if call.num_positions else 0.0
+            target_timeout = self._allowed("target", target_s)
             busy = self._draft_busy if self.draft_worker is not None and call.num_positions else None
             try:
-                reply = await self.graph.run(call, draft_timeout, target_timeout, busy, ahead_timeout, expected)
+                reply = await self.graph.run(call, draft_timeout, target_timeout, busy, ahead_timeout,
+                                             draft_s + target_s)
             except DraftLate as err:
                 self._draft_lost(err)
                 return None
@@ -670,11 +671,14 @@ class Coordinator:
         raise RuntimeError(f"{side} worker still misses caches after {_CALL_ATTEMPTS} attempts")
 
     def _deadline(self, side: str, rows: list[RowInput], extra=None) -> float:
-        """Seconds a call may take: floor + multiple x the time the measured per-token costs predict
-        for its tokens (`_predicted`)."""
+        """Seconds a call may take, from the time the measured per-token costs predict for its
+        tokens (`_predicted`, `_allowed`)."""
+        return self._allowed(side, self._predicted(side, rows, extra))
+
+    def _allowed(self, side: str, predicted: float) -> float:
+        """Seconds a call predicted to take `predicted` seconds may take: floor + multiple x predicted."""
         d = self.deadlines
-        floor = d.target_floor_s if side == "target" else d.draft_floor_s
-        return floor + d.multiple * self._predicted(side, rows, extra)
+        return (d.target_floor_s if side == "target" else d.draft_floor_s) + d.multiple * predicted
 
     def _predicted(self, side: str, rows: list[RowInput], extra=None) -> float:
         """Seconds the measured per-token costs predict for a call's forwards, prefill backlog
