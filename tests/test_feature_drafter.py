@@ -173,6 +173,17 @@ def test_a_confidence_floor_drafts_fewer_and_stays_identical(head_dir):
     assert sum(seen.counts) == cut and min(seen.widths) < 4  # narrower verifies where every row stopped
 
 
+def test_positions_the_floor_declines_do_not_count_as_rejections(head_dir):
+    """The policy learns acceptance from what the target verified. A floor this head never reaches
+    declines every position: nothing is verified, so the estimate stays untouched (were declined
+    positions rejections, every step would lower it until the policy stopped drafting)."""
+    engine = SpeculativeEngine(target(), proposer=build(head_dir, min_confidence=0.99), num_speculative_tokens=4,
+                               adaptive=False)
+    outs = engine.generate(prompts(3, seed=5), SamplingParams(max_tokens=MAX_NEW, temperature=0.0))
+    assert sum(o.metrics.num_draft_tokens for o in outs) == 0
+    assert engine.policy.global_alpha.trials == 0 and engine.policy.global_alpha.accepted == 0
+
+
 def record_kept(proposer) -> list[int]:
     """The list that each of the proposer's later proposals extends with its rows' draft counts."""
     kept, real = [], proposer.propose

@@ -275,6 +275,14 @@ def apply_verdict(plan: StepPlan, proposal: Proposal, verdict: Verdict) -> list[
     return outputs
 
 
+def observe_verified(policy: SpeculationPolicy, plan: StepPlan, verdict: Verdict) -> None:
+    """Teach the policy each row's acceptance over the drafts the target verified (after
+    `apply_verdict`). A position the drafter declined (a confidence floor) was never tried, so it
+    is not a rejection: counting it as one would talk the policy out of drafting at all."""
+    for s, g, a in zip(plan.seqs, plan.num_verified.tolist(), verdict.num_accepted):
+        policy.observe_acceptance(s.acceptance, a, g)
+
+
 def _cut(seq: Sequence, new: list[int]) -> list[int]:
     """Keep tokens up to and including a stop token, and no more than the request may still take."""
     limit = seq.remaining
@@ -311,8 +319,7 @@ def finish_step(
     began: `time.perf_counter()` when the step was planned (the wall time includes the calls).
     """
     outputs = apply_verdict(plan, proposal, verdict)
-    for s, g, a in zip(plan.seqs, plan.num_draft.tolist(), verdict.num_accepted):
-        policy.observe_acceptance(s.acceptance, a, g)
+    observe_verified(policy, plan, verdict)
     policy.observe_step(time.perf_counter() - began, proposal.forwards, verdict.forwards, len(plan.seqs),
                         plan.num_positions, plan.backlog)
     return outputs

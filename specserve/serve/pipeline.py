@@ -65,7 +65,9 @@ from specserve.engine import RowInput
 from specserve.engine.proposers import Proposal
 from specserve.engine.sampling import BatchSampling
 from specserve.engine.scheduler import OverlappedPolicy
-from specserve.engine.step import Sequence, StepOutput, StepPlan, apply_verdict, empty_proposal, plan_step
+from specserve.engine.step import (
+    Sequence, StepOutput, StepPlan, apply_verdict, empty_proposal, observe_verified, plan_step,
+)
 from specserve.engine.verifier import Verdict
 
 from .wire import AheadCall, Block, StepCall
@@ -222,8 +224,7 @@ class Pipeline:
         outputs = apply_verdict(plan, proposal, verdict)
         for s, (n, held), width in zip(seqs, before, widths):  # what each row's own propose left cached
             s.draft_len = held if width == 0 else min(s.draft_len, n + width - 1)
-        for s, g, a in zip(seqs, plan.num_draft.tolist(), verdict.num_accepted):
-            self.policy.observe_acceptance(s.acceptance, a, g)
+        observe_verified(self.policy, plan, verdict)
         return outputs
 
     def _account(self, began: float, plan: StepPlan, verdict: Verdict, fresh, ahead_forwards,
