@@ -330,6 +330,9 @@ def run_section(name: str, target, draft, make_proposer: ProposerFactory, prompt
             rows.append(row)
         for config in configs:
             del config.engine
+        for row in rows[-len(configs):]:  # as they come: a run stopped later keeps these lines
+            tqdm.write(f"{name} b={batch} α={row['alpha_target']} γ={row['gamma']}: {row['tokens_per_second']:.1f} tok/s, "
+                       f"{row['speedup']:.3f}x, identical={row['identical']}")
         if anchors:
             bar.set_postfix_str(f"{name} b={batch} anchors")
             anchor_rows += measure_anchors(name, target, prompts, batch, max_new, device, repeats, reference,
@@ -405,7 +408,8 @@ class StaticDecode:
             tokens = [token]
             for k in range(max_new - 1):
                 position = torch.tensor([length + k], device=self.device)
-                token = self.step(token.clone(), position)
+                # a replay rewrites the graph's output buffer: keep a copy of each step's token
+                token = self.step(token, position).clone()
                 tokens.append(token)
             outputs += torch.cat(tokens, dim=1).tolist()
         sync(self.device)
