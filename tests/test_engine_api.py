@@ -257,6 +257,24 @@ def test_probes_back_off_while_drafting_does_not_pay():
     assert policy.choose([0.95]) > 0  # good acceptance turns drafting straight back on
 
 
+def test_a_probe_drafts_a_block_while_little_is_known_and_one_token_once_drafting_loses():
+    """At the prior α drafting does not pay here, but a better drafter would: while the estimate
+    rests on few trials a probe drafts a block (a one-token probe adds at most one trial, and the
+    back-off spaces probes out before the estimate could move). Once many trials say the drafts
+    are rejected, probes draft one token."""
+    from specserve.engine.scheduler import AcceptanceEstimate
+
+    policy = SpeculationPolicy(max_gamma=4)
+    for n in range(1, 6):
+        policy.target_cost.observe(n, 0.010 + 0.0005 * n)
+    policy.draft_cost.observe(1, 0.006)
+    assert policy.best_gamma([policy.prior_alpha]) == 0
+    assert policy.probe_gamma(1) >= 2
+    for _ in range(200):
+        policy.observe_acceptance(AcceptanceEstimate(), 0, 1)
+    assert policy.probe_gamma(1) == 1
+
+
 def test_cache_memory_follows_live_requests_down(target):
     runner = ModelRunner(target)
     runner.forward([RowInput(f"r{i}", 0, [1] * (40 if i else 250)) for i in range(8)], logits="none")
@@ -349,9 +367,11 @@ def test_measured_steps_correct_what_the_per_size_costs_miss():
         policy.observe_step(0.100, [], [ForwardTiming(8, 0.090)], batch=8, gamma=0)
     assert policy.best_gamma(alphas) == 0 and policy.best_gamma([0.3]) == 1
     assert policy.step_time(8, 2) - policy.step_time(8, 0) > 2 * (0.0156 - 0.0036)
-    # a probe's catch-up over 200 skipped tokens is predicted, so it is not held against drafting
+    # a probe's catch-up over 200 skipped tokens is not held against drafting, even when it cost
+    # five times its prediction (an eager forward of an odd size, where the drafts replay a graph)
     before = policy.step_time(1, 1)
-    catch_up, draft = policy.draft_cost.predict(200), policy.draft_cost.predict(1)
+    catch_up, draft = 5 * policy.draft_cost.predict(200), policy.draft_cost.predict(1)
     policy.observe_step(before + catch_up, [ForwardTiming(200, catch_up), ForwardTiming(1, draft)],
                         [ForwardTiming(2, 0.041)], batch=1, gamma=1, backlog=200)
     assert abs(policy.step_time(1, 1) - before) < 0.05 * before
+    assert policy.draft_cost.predict(200) > 2 * catch_up / 5  # learned for its own size

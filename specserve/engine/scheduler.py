@@ -10,10 +10,13 @@ not pay.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
 SWITCH_MARGIN = 1.05  # drafting must promise 5% more tokens per second than not drafting
+PRIOR_WEIGHT = 4.0  # trials' worth of weight of the prior (overall: prior_alpha; a row: the overall rate)
+MAX_OPTIMISTIC_ALPHA = 0.95  # a probe plans for at most this acceptance rate
 
 
 class TokenCost:
@@ -149,8 +152,8 @@ class SpeculationPolicy:
 
     # -- what we learn ----------------------------------------------------------------------
     def alpha(self, estimate: AcceptanceEstimate) -> float:
-        overall = self.global_alpha.rate(self.prior_alpha, 4.0)
-        return estimate.rate(overall, 4.0)
+        overall = self.global_alpha.rate(self.prior_alpha, PRIOR_WEIGHT)
+        return estimate.rate(overall, PRIOR_WEIGHT)
 
     def observe_acceptance(self, estimate: AcceptanceEstimate, num_accepted: int, num_draft: int) -> None:
         estimate.observe(num_accepted, num_draft, decay=0.9)
@@ -171,9 +174,13 @@ class SpeculationPolicy:
     def observe_step(self, wall: float, draft_forwards, target_forwards, batch: int = 0, gamma: int = 0,
                      backlog: int = 0) -> None:
         """A step's wall time and its forwards (ForwardTiming): prefills count as model time but
-        are kept out of the per-size costs, which describe decoding steps. With the step's batch,
-        γ and draft backlog, also how its draft forwards compared with the model's."""
-        if batch and gamma and draft_forwards and self.draft_cost.ready:
+        are kept out of the per-size costs, which describe decoding steps. With the step's batch
+        and γ, also how its draft forwards compared with the model's, unless the draft first
+        caught up on a backlog: that forward is an odd size, run eagerly where the drafts replay
+        a CUDA graph (measured on an H100: a 1.1B draft's catch-up over a 128-token prompt made
+        the step's drafting look 2.4x its cost, and the policy never drafted again at α 0.8). Its
+        cost is learned for its own size instead."""
+        if batch and gamma and draft_forwards and self.draft_cost.ready and backlog == 0:
             modelled = self._draft_seconds(batch, gamma, backlog)
             ratio = min(max(sum(f.seconds for f in draft_forwards) / max(modelled, 1e-9), 0.25), 8.0)
             old = self._draft_bias.get(batch)
@@ -220,8 +227,8 @@ class SpeculationPolicy:
         return best if rates[best] > SWITCH_MARGIN * rates[0] else 0
 
     def choose(self, alphas: list[float], backlog: int = 0) -> int:
-        """γ for the next step. While drafting does not pay, one short probe step (γ = 1) every
-        probe_every steps, backing off to 16x that while the probes keep finding it does not pay."""
+        """γ for the next step. While drafting does not pay, one probe step every probe_every
+        steps, backing off to 16x that while the probes keep finding it does not pay."""
         gamma = self.best_gamma(alphas, backlog)
         if gamma > 0 or not self.adaptive or self.max_gamma == 0:
             self._steps_without_drafts = 0
@@ -232,7 +239,22 @@ class SpeculationPolicy:
             return 0
         self._steps_without_drafts = 0
         self._probe_interval = min(2 * self._probe_interval, 16 * self.probe_every)
-        return 1
+        return self.probe_gamma(len(alphas), backlog)
+
+    def optimistic_alpha(self) -> float:
+        """The acceptance rate drafting could still have, given what was measured: the overall
+        estimate plus two standard errors over its (decayed) trials and the prior's weight."""
+        rate = self.global_alpha.rate(self.prior_alpha, PRIOR_WEIGHT)
+        trials = self.global_alpha.trials + PRIOR_WEIGHT
+        return min(rate + 2.0 * math.sqrt(rate * (1.0 - rate) / trials), MAX_OPTIMISTIC_ALPHA)
+
+    def probe_gamma(self, batch: int, backlog: int = 0) -> int:
+        """A probe's γ: what would pay if every row accepted at `optimistic_alpha`, at least 1.
+        While the estimate rests on a few trials a probe drafts a full block, so a drafter better
+        than the prior is found within a few probes (a one-token probe adds at most one trial, and
+        the back-off would have spaced the probes out long before the estimate moved); once many
+        trials say drafting loses, the bound sits near the estimate and probes draft one token."""
+        return max(self.best_gamma([self.optimistic_alpha()] * batch, backlog), 1)
 
 
 class OverlappedPolicy(SpeculationPolicy):
@@ -263,7 +285,7 @@ class OverlappedPolicy(SpeculationPolicy):
             self.guess.observe(1 if i < right else 0, 1, decay=0.99)
 
     def guess_rate(self) -> float:
-        return self.guess.rate(self.global_alpha.rate(self.prior_alpha, 4.0), 4.0)
+        return self.guess.rate(self.global_alpha.rate(self.prior_alpha, PRIOR_WEIGHT), PRIOR_WEIGHT)
 
     def observe_overlapped_step(self, wall: float, fresh_forwards, ahead_forwards, verify_forwards) -> None:
         """A pipelined step: the fresh drafts (a miss), then the verify and the next block's
