@@ -249,12 +249,33 @@ def test_adaptive_engine_turns_off_a_useless_draft(target):
 def test_probes_back_off_while_drafting_does_not_pay():
     policy = SpeculationPolicy(max_gamma=4, probe_every=4)
     policy.target_cost.observe(1, 0.08)
-    policy.target_cost.observe(2, 0.13)
-    policy.draft_cost.observe(1, 0.005)
+    policy.target_cost.observe(2, 0.0801)
+    policy.draft_cost.observe(1, 0.0001)  # a probe costs next to nothing
     chosen = [policy.choose([0.01]) for _ in range(60)]
     probes = [i for i, g in enumerate(chosen) if g]
     assert chosen[:3] == [0, 0, 0] and probes[:3] == [3, 11, 27]  # every 4, then 8, then 16 steps
     assert policy.choose([0.95]) > 0  # good acceptance turns drafting straight back on
+
+
+def test_probes_cost_at_most_their_share_of_the_time_between_them():
+    """A probe first catches the draft up on the tokens it skipped (an eager forward on a GPU):
+    probes come no more often than their extra cost is PROBE_SHARE of the steps between them."""
+    from specserve.engine.scheduler import PROBE_SHARE
+
+    policy = SpeculationPolicy(max_gamma=4, probe_every=4)
+    for n in range(1, 6):
+        policy.target_cost.observe(n, 0.010 + 0.0001 * n)
+    for n in (1, 16, 64, 256):
+        policy.draft_cost.observe(n, 0.006 + 0.0002 * n)  # a catch-up over 200 tokens: ~7x a step
+    steps = backlog = probes = 0
+    for _ in range(600):
+        gamma = policy.choose([0.01], backlog)
+        steps, backlog = steps + 1, backlog + 1
+        if gamma:
+            extra = policy.step_time(1, gamma, backlog - 1) - policy.step_time(1, 0)
+            assert extra <= PROBE_SHARE * steps * policy.step_time(1, 0) + 1e-12
+            steps, backlog, probes = 0, 0, probes + 1
+    assert probes >= 2  # spaced out, not given up
 
 
 def test_a_probe_drafts_a_block_while_little_is_known_and_one_token_once_drafting_loses():
