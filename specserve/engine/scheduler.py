@@ -152,9 +152,12 @@ class SpeculationPolicy:
         self._probe_interval = probe_every  # doubles after each probe that did not turn drafting back on
 
     # -- what we learn ----------------------------------------------------------------------
+    def overall_alpha(self) -> float:
+        """The global acceptance estimate, shrunk towards prior_alpha."""
+        return self.global_alpha.rate(self.prior_alpha, PRIOR_WEIGHT)
+
     def alpha(self, estimate: AcceptanceEstimate) -> float:
-        overall = self.global_alpha.rate(self.prior_alpha, PRIOR_WEIGHT)
-        return estimate.rate(overall, PRIOR_WEIGHT)
+        return estimate.rate(self.overall_alpha(), PRIOR_WEIGHT)
 
     def observe_acceptance(self, estimate: AcceptanceEstimate, num_accepted: int, num_draft: int) -> None:
         estimate.observe(num_accepted, num_draft, decay=0.9)
@@ -259,7 +262,7 @@ class SpeculationPolicy:
     def optimistic_alpha(self) -> float:
         """The acceptance rate drafting could still have, given what was measured: the overall
         estimate plus two standard errors over its (decayed) trials and the prior's weight."""
-        rate = self.global_alpha.rate(self.prior_alpha, PRIOR_WEIGHT)
+        rate = self.overall_alpha()
         trials = self.global_alpha.trials + PRIOR_WEIGHT
         return min(rate + 2.0 * math.sqrt(rate * (1.0 - rate) / trials), MAX_OPTIMISTIC_ALPHA)
 
@@ -300,7 +303,7 @@ class OverlappedPolicy(SpeculationPolicy):
             self.guess.observe(1 if i < right else 0, 1, decay=0.99)
 
     def guess_rate(self) -> float:
-        return self.guess.rate(self.global_alpha.rate(self.prior_alpha, PRIOR_WEIGHT), PRIOR_WEIGHT)
+        return self.guess.rate(self.overall_alpha(), PRIOR_WEIGHT)
 
     def observe_overlapped_step(self, wall: float, fresh_forwards, ahead_forwards, verify_forwards) -> None:
         """A pipelined step: the fresh drafts (a miss), then the verify and the next block's
