@@ -3,7 +3,7 @@ lossless and falls back to plain calls when it breaks.
 
 No Ray here: the Coordinator runs in this process with the real workers behind stand-in actors
 (test_pipeline's `local_coordinator`), and `InProcessGraph` executes the graph's worker nodes
-(`graph_propose` -> `graph_verify`, or `graph_step`) on those very objects, with the messages
+(`graph_solo`, `graph_propose` -> `graph_verify` [-> `graph_join`], or `graph_step`) on those very objects, with the messages
 packed and unpacked as the channels carry them. That a real compiled graph runs, breaks with a
 killed worker and is rebuilt is for the Serve tests (tests/test_serve.py) and `bench overlap`.
 """
@@ -35,6 +35,8 @@ class InProcessGraph:
         self.late_at = set(late_at)  # executions whose draft side is late
         self.fail_blocks = fail_blocks  # break the first this many executions that carry a prepared block
         self.ready, self.executions, self.builds, self.breaks = True, 0, 1, 0
+        self.solo_answers = 0  # executions that graph_solo answered (target-only steps)
+        self.target_only_calls = 0  # executions that carried a target-only step
         self.waits = []  # (expected, deadline) seconds per execution
         self.ahead = coordinator.pipeline is not None and self.draft is not None  # as StepGraph builds it
 
@@ -52,13 +54,17 @@ class InProcessGraph:
             self.discard("late")
             raise DraftLate("the draft side missed its deadline")
         packed = pack(call)
+        self.target_only_calls += call.num_positions == 0 and call.block is None and bool(call.target_rows)
         if self.draft is None:
             return step_reply(self.target.graph_step(packed))
+        solo = self.target.graph_solo(packed)
+        self.solo_answers += solo[1] is not None
         drafted = self.draft.graph_propose(packed)
-        verdict = self.target.graph_verify(drafted, packed)
+        verified = self.target.graph_verify(drafted, solo)
         if not self.ahead:
-            return step_reply(verdict)
-        return step_reply([verdict, self.draft.graph_ahead(drafted)])  # the ahead node runs after the propose
+            return step_reply(verified)
+        # the ahead node runs after the propose, the join after both
+        return step_reply(self.target.graph_join(verified, self.draft.graph_ahead(drafted)), joined=True)
 
     def discard(self, why) -> None:
         if self.ready:
@@ -199,6 +205,26 @@ def test_a_late_draft_in_the_graph_makes_that_step_target_only(local_coordinator
 
 
 @pytest.mark.parametrize("pipelined", [False, True])
+def test_the_target_answers_a_target_only_step_without_waiting_for_the_draft_side(local_coordinator, pipelined):
+    """In a worker pair's graph, graph_solo answers every target-only step as soon as the call
+    arrives and no step that verifies drafts; either way the tokens are the target's own."""
+    lengths = [21, 13]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    for gamma in (0, 3):
+        coordinator = local_coordinator(config(pipelined=pipelined, gamma=gamma))
+        graph = on_graph(coordinator)
+        outs = generate(coordinator, PROMPTS[:2], params)
+        target = coordinator.target._obj.model.runner.model
+        assert outs == [hf_greedy(target, p, n) for p, n in zip(PROMPTS, lengths)]
+        steps = coordinator._totals["graph_steps"]
+        assert steps == coordinator._totals["steps"] > 0 and graph.solo_answers == graph.target_only_calls
+        if gamma == 0:
+            assert graph.solo_answers == steps
+        else:
+            assert graph.solo_answers < steps // 2 and coordinator._totals["spec_decode_num_accepted_tokens"] > 0
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
 def test_a_draft_miss_on_the_graph_skips_the_target_and_resends(local_coordinator, pipelined):
     """A restarted draft (empty caches) answers its graph node with misses: the target does not
     verify that execution, the marks move back and the next execution rebuilds the draft's cache."""
@@ -317,8 +343,6 @@ def test_the_wait_naps_before_it_reads_and_the_nap_follows_what_executions_took(
         slept = min(nap, timeout)
         assert slept <= ref.read_at - start < slept + 0.1, (nap, timeout)
         assert timeout - slept - 0.1 < ref.timeout <= timeout - slept
-    refs = [_Ref(b"a"), _Ref(b"b")]  # a graph with two outputs: one deadline for both
-    assert _wait(refs, 1.0, 0.1) == [b"a", b"b"] and refs[0].timeout <= 0.9
 
     call = StepCall([RowInput("a", 0, [1])], 2, BatchSampling.from_params([SamplingParams(temperature=0.0)]), None,
                     [RowInput("a", 0, [1])], torch.tensor([2]), None, None)
@@ -336,8 +360,8 @@ def test_the_wait_naps_before_it_reads_and_the_nap_follows_what_executions_took(
     assert graph._nap(0.2) == pytest.approx(_EXPECTED_SHARE * 0.9 * 0.2)
 
 
-def test_after_its_nap_the_wait_looks_for_a_single_output_until_it_is_there():
-    """Past the expected time, a one-output graph's result is looked for without blocking (Ray's
+def test_after_its_nap_the_wait_looks_for_the_output_until_it_is_there():
+    """Past the expected time, the graph's one output is looked for without blocking (Ray's
     blocking read spins) until a look finds it; only then is it read, within the deadline."""
     from ray.exceptions import RayChannelTimeoutError
 

@@ -4,13 +4,21 @@ A plain actor call costs a task submission, a scheduling round and an object-sto
 each way (~1 ms on one node, far more on a loaded machine), and a speculative step makes two in
 a row. A compiled graph is built once per worker pair:
 
-    StepCall ──► draft.graph_propose ──(Reply: tokens [B, G], q [B, G, V])──► target.graph_verify ──► StepReply
-        └───────────────────────────────────────────────────────────────────────┘
-    (pipelined:)        └──► draft.graph_ahead ──(Reply without q)──────────────────────────────► its ahead
+    StepCall ─┬─► target.graph_solo ──(the call; a target-only step's StepReply)──┐  (in process)
+              └─► draft.graph_propose ──(Reply: tokens [B, G], q [B, G, V])──► target.graph_verify ──► StepReply
+    (pipelined:)        └──► draft.graph_ahead ──(Reply without q)──► target.graph_join ◄──┘
+                                                              (StepReply and the ahead's Reply, one output)
 
-The pipelined loop's graph has the third node: right after block k went to the target, the draft
+A step that verifies drafts runs in graph_verify, once the draft side's block has arrived. A
+target-only step (the policy drafts nothing, no prepared block) is answered by graph_solo as soon
+as the call arrives: the draft side's empty answer passes by off its critical path, so a replica
+whose policy turned drafting off pays one target forward per step, as a target alone does, not a
+draft process's wake-up in front of it. graph_verify then hands graph_solo's answer on.
+
+The pipelined loop's graph has the ahead node: right after block k went to the target, the draft
 drafts the step's AheadCall (block k+1) while the target verifies, keeps it with its q for the next
-step's `Block`, and returns its token ids (serve/pipeline.py).
+step's `Block`, and returns its token ids (serve/pipeline.py). graph_join puts both replies in one
+output, so the coordinator reads one channel (and can look for it without taking it, `_wait`).
 
 Each execution writes the step's inputs once into a shared-memory channel both workers read, the
 draft's proposal goes to the target through a channel of its own (q never reaches the
@@ -49,7 +57,7 @@ import dataclasses
 import logging
 import time
 
-from .wire import StepCall, StepReply, pack, unpack
+from .wire import StepCall, StepReply, pack, unpack, unpack_pair
 
 logger = logging.getLogger("specserve.graph")
 _REBUILD_BACKOFF_S = (0.5, 2.0, 5.0, 15.0, 30.0)  # after the n-th failed build in a row
@@ -106,16 +114,17 @@ class StepGraph:
         through `rebuild`). Right after a compile the first calls to the workers wait ~1-2 s
         (measured on one node): that is paid here, not in a request's deadline."""
         import ray
-        from ray.dag import InputNode, MultiOutputNode
+        from ray.dag import InputNode
 
         with InputNode() as call:
             if self.draft is None:
                 out = self.target.graph_step.bind(call)
             else:
+                solo = self.target.graph_solo.bind(call)  # a target-only step is answered here
                 drafted = self.draft.graph_propose.bind(call)
-                out = self.target.graph_verify.bind(drafted, call)
+                out = self.target.graph_verify.bind(drafted, solo)
                 if self.ahead:  # bound to block k, so the draft runs it after graph_propose, beside the verify
-                    out = MultiOutputNode([out, self.draft.graph_ahead.bind(drafted)])
+                    out = self.target.graph_join.bind(out, self.draft.graph_ahead.bind(drafted))
         dag = None
         try:
             dag = out.experimental_compile()
@@ -165,7 +174,7 @@ class StepGraph:
                     raise DraftLate(f"the draft side missed its {draft_timeout:.1f} s deadline")
             if not work.done():  # the thread's own wait ends at `total`; this guards against a stuck thread
                 await asyncio.wait_for(asyncio.shield(work), timeout=total + _GRACE_S)
-            reply = step_reply(work.result())
+            reply = step_reply(work.result(), self.ahead)
             if expected > 0 and reply.verdict is not None:  # (an answer of cache misses ran no forward)
                 self._took.append((reply.draft_seconds + reply.target_seconds) / expected)
             return reply
@@ -187,42 +196,40 @@ class StepGraph:
         self._teardown = asyncio.get_running_loop().run_in_executor(self._thread, _teardown, dag)
 
 
-def step_reply(out: bytes | list[bytes]) -> StepReply:
-    """An execution's output: the target's StepReply, with the ahead node's Reply when the graph has one."""
-    if isinstance(out, bytes):
+def step_reply(out: bytes, joined: bool = False) -> StepReply:
+    """An execution's output: the target's StepReply, with the ahead node's Reply when the graph
+    has one (`joined`: the pipelined graph's `graph_join`)."""
+    if not joined:
         return unpack(out)
-    reply, ahead = out
-    return dataclasses.replace(unpack(reply), ahead=unpack(ahead))
+    reply, ahead = unpack_pair(out)
+    return dataclasses.replace(reply, ahead=ahead)
 
 
-def _execute(dag, packed: bytes, timeout: float) -> bytes | list[bytes]:
+def _execute(dag, packed: bytes, timeout: float) -> bytes:
     return _wait(dag.execute(packed), timeout)
 
 
-def _wait(refs, timeout: float, nap: float = 0.0) -> bytes | list[bytes]:
+def _wait(ref, timeout: float, nap: float = 0.0) -> bytes:
     """An execution's output within `timeout` seconds. A compiled graph's reader spins on its
     channel while it waits, a whole core that a machine with few cores takes from the workers'
     forwards (measured on 2 cores: a worker's 2-thread matmul loop took twice as long while the
-    driver blocked in get()). So the wait first sleeps `nap` seconds (StepGraph._nap), then, for a
-    graph with one output, looks for the result every `_POLL_S` (a look that finds nothing reads
-    nothing); a graph with several outputs waits for the rest as Ray does (a look at several
-    channels could take the first output and leave the others)."""
+    driver blocked in get()). So the wait first sleeps `nap` seconds (StepGraph._nap), then looks
+    for the result every `_POLL_S` (a look that finds nothing reads nothing: the graph has one
+    output channel, see `build`)."""
     ends = time.monotonic() + timeout
     if nap > 0:
         time.sleep(min(nap, timeout))
-    if isinstance(refs, list):  # one ref per output, one deadline for all
-        return [ref.get(timeout=max(ends - time.monotonic(), 0.0)) for ref in refs]
-    poll = getattr(getattr(refs, "_dag", None), "_execute_until", None)
+    poll = getattr(getattr(ref, "_dag", None), "_execute_until", None)
     if poll is not None and nap > 0:
         from ray.exceptions import RayChannelTimeoutError
 
         while time.monotonic() < ends:
             try:
-                poll(refs._execution_index, refs._channel_index, 0)  # the result is cached for get()
+                poll(ref._execution_index, ref._channel_index, 0)  # the result is cached for get()
                 break
             except RayChannelTimeoutError:
                 time.sleep(_POLL_S)
-    return refs.get(timeout=max(ends - time.monotonic(), 0.0))
+    return ref.get(timeout=max(ends - time.monotonic(), 0.0))
 
 
 def _teardown(dag) -> None:

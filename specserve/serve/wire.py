@@ -113,6 +113,17 @@ def unpack(data: bytes):
     return _decode(pickle.loads(data))
 
 
+def pack_pair(first: bytes, second: bytes) -> bytes:
+    """Two packed messages as one `bytes` (a step's verdict and its ahead call's reply), so that
+    a graph execution has one output: its length, then each."""
+    return len(first).to_bytes(4, "little") + first + second
+
+
+def unpack_pair(data: bytes) -> tuple:
+    n = int.from_bytes(data[:4], "little")
+    return unpack(data[4:4 + n]), unpack(data[4 + n:])
+
+
 # -- tensors ---------------------------------------------------------------------------------------
 _SMALL = 64
 _LIST_DTYPES = (torch.int64, torch.float32, torch.bool, torch.int32)

@@ -30,7 +30,7 @@ from specserve.engine.engine import model_eos_ids
 from specserve.engine.step import empty_proposal, verified_counts
 from specserve.engine.sampling import BatchSampling
 
-from .wire import Block, Reply, StepCall, StepReply, light, pack, unpack
+from .wire import Block, Reply, StepCall, StepReply, light, pack, pack_pair, unpack
 from .pipeline import combine_drafts
 
 
@@ -231,11 +231,32 @@ class TargetWorker(_Worker):
             rows, draft_tokens, draft_probs, num_draft, sampling, accept_uniforms, final_uniforms))
 
     @_serialised
-    def graph_verify(self, drafted: bytes, packed: bytes) -> bytes:
-        """The target's node of the compiled step graph: (draft side's Reply, StepCall) ->
-        StepReply, all pickled. Verifies the proposal the draft side sent here directly (q
-        included) unless the draft side missed; the coordinator gets it back without q."""
-        return pack(self._verify_step(unpack(drafted), unpack(packed)))
+    def graph_solo(self, packed: bytes) -> tuple[StepCall, bytes | None]:
+        """The target's first node of a worker pair's step graph: StepCall -> (the call, the
+        packed StepReply of a target-only step, or None for a step that verifies drafts). A
+        target-only step (no drafts, no prepared block) runs here at once, so it does not wait
+        for the draft side's empty answer, which meanwhile passes by off its critical path. The
+        output stays in this process (an intra-process channel: never serialised)."""
+        call = unpack(packed)
+        if call.num_positions or call.block is not None:
+            return call, None
+        return call, pack(self._verify_step(self._propose_step(call), call))
+
+    @_serialised
+    def graph_verify(self, drafted: bytes, solo: tuple[StepCall, bytes | None]) -> bytes:
+        """The target's node after the draft side's: (draft side's Reply, graph_solo's output) ->
+        StepReply, pickled. Verifies the proposal the draft side sent here directly (q included)
+        unless the draft side missed or graph_solo already answered the step; the coordinator
+        gets it back without q."""
+        call, answered = solo
+        if answered is not None:
+            return answered
+        return pack(self._verify_step(unpack(drafted), call))
+
+    def graph_join(self, verified: bytes, ahead: bytes) -> bytes:
+        """The last node of a pipelined step graph: the verdict and the ahead call's reply as one
+        output, so the coordinator reads one channel (`wire.pack_pair`)."""
+        return pack_pair(verified, ahead)
 
     @_serialised
     def graph_step(self, packed: bytes) -> bytes:
