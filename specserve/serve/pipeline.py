@@ -35,10 +35,11 @@ through the coordinator's own recovery, exactly as in the sequential loop.
 
 Two transports. On plain actor calls (`step`) the coordinator sends the fresh propose, then the
 verify and the ahead call at once, and block k's q passes through it. On the compiled graph
-(`transport: compiled_graph`, `_step_on_graph`) a step is one execution of a three-node graph
-(serve/graph.py): `draft.graph_propose` assembles block k from the prepared drafts it holds (q
-included, under the ahead call's id) and a propose over the fresh rows, and sends it to
-`target.graph_verify`; then `draft.graph_ahead` drafts the ahead call beside the verify. The
+(`transport: compiled_graph`, `_step_on_graph`) a step is one execution of the pair's pipelined
+graph (serve/graph.py): `draft.graph_propose` assembles block k from the prepared drafts it holds
+(q included, under the ahead call's id) and a propose over the fresh rows, and sends it to
+`target.graph_verify`; then `draft.graph_ahead` drafts the ahead call beside the verify, and
+`target.graph_join` returns the verdict with the ahead's token ids as one output. The
 coordinator plans the ahead call's random numbers before the execution (`plan_step` needs no token
 values; the draft side puts each row's last draft in and skips the call when block k holds a stop
 token) and gets back token ids only. A step that prepares nothing (no prepared block in hand, and
