@@ -296,6 +296,52 @@ def test_a_probe_drafts_a_block_while_little_is_known_and_one_token_once_draftin
     assert policy.probe_gamma(1) == 1
 
 
+def test_a_request_no_step_drafted_for_is_tried_once_with_a_block():
+    """After a run of rejected drafts the overall rate says drafting loses, and a new request
+    starts at that rate. It is tried once with a full block, as soon as that probe costs at most
+    NEWCOMER_SHARE of the steps since the last probe; after that only the overall one-token
+    probes come. Where drafting could not pay even at a high rate, nobody is tried."""
+    from specserve.engine.scheduler import NEWCOMER_SHARE, AcceptanceEstimate
+
+    def low_policy(draft_seconds: float) -> SpeculationPolicy:
+        policy = SpeculationPolicy(max_gamma=4)
+        for n in range(1, 6):
+            policy.target_cost.observe(n, 0.010 + 0.0005 * n)
+        policy.draft_cost.observe(1, draft_seconds)
+        for _ in range(300):
+            policy.observe_acceptance(AcceptanceEstimate(), 0, 1)
+        return policy
+
+    policy = low_policy(0.002)
+    assert policy.best_gamma([policy.overall_alpha()]) == 0 and policy.probe_gamma(1) == 1
+    newcomer, steps, tried = True, 0, []
+    for _ in range(200):
+        gamma = policy.choose([policy.overall_alpha()], 0, newcomers=int(newcomer))
+        steps += 1
+        if gamma:
+            if newcomer:
+                extra = policy.step_time(1, gamma) - policy.step_time(1, 0)
+                assert extra <= NEWCOMER_SHARE * steps * policy.step_time(1, 0) + 1e-12
+            tried.append((newcomer, gamma))
+            newcomer, steps = False, 0
+    assert tried[0][0] and tried[0][1] >= 3  # the newcomer's probe: a block
+    assert len(tried) > 1 and all(not new and g == 1 for new, g in tried[1:])  # then the overall probes
+
+    expensive = low_policy(0.050)  # a draft forward at 4x the target's: no rate makes it pay
+    assert all(expensive.choose([expensive.overall_alpha()], 0, newcomers=1) == 0 for _ in range(15))
+
+
+def test_a_step_that_plans_drafts_for_a_row_marks_it_drafted_for(target):
+    from specserve.engine.step import new_sequence, plan_step
+
+    policy = SpeculationPolicy(max_gamma=3, adaptive=False)
+    seqs = [new_sequence(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=m, temperature=0.0), vocab_size=64,
+                         max_model_len=64, eos_token_ids=frozenset()) for i, m in enumerate((8, 1))]
+    assert not any(s.drafted_for for s in seqs)
+    plan_step(seqs, policy)
+    assert [s.drafted_for for s in seqs] == [True, False]  # the second may emit one token: no drafts
+
+
 def test_cache_memory_follows_live_requests_down(target):
     runner = ModelRunner(target)
     runner.forward([RowInput(f"r{i}", 0, [1] * (40 if i else 250)) for i in range(8)], logits="none")

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 SWITCH_MARGIN = 1.05  # drafting must promise 5% more tokens per second than not drafting
 PROBE_SHARE = 0.03  # a probe's extra cost may be at most this share of the time since the last one
+NEWCOMER_SHARE = 0.10  # the same for a probe that tries a request no step has drafted for yet
 PRIOR_WEIGHT = 4.0  # trials' worth of weight of the prior (overall: prior_alpha; a row: the overall rate)
 MAX_OPTIMISTIC_ALPHA = 0.95  # a probe plans for at most this acceptance rate
 
@@ -230,12 +231,13 @@ class SpeculationPolicy:
         best = max(range(1, len(rates)), key=rates.__getitem__)
         return best if rates[best] > SWITCH_MARGIN * rates[0] else 0
 
-    def choose(self, alphas: list[float], backlog: int = 0) -> int:
+    def choose(self, alphas: list[float], backlog: int = 0, newcomers: int = 0) -> int:
         """γ for the next step. While drafting does not pay, one probe step every probe_every
         steps, backing off to 16x that while the probes keep finding it does not pay, and never
         sooner than the steps since the last probe make its extra cost PROBE_SHARE of their time
         (a probe first catches the draft up on every token it skipped, an eager forward on a
-        GPU: measured on an H100 at a batch of 16, 55 ms against an 11 ms step)."""
+        GPU: measured on an H100 at a batch of 16, 55 ms against an 11 ms step). newcomers: rows
+        that no step has drafted for yet (see `_newcomer_probe`)."""
         gamma = self.best_gamma(alphas, backlog)
         if gamma > 0 or not self.adaptive or self.max_gamma == 0:
             self._steps_without_drafts = 0
@@ -243,15 +245,35 @@ class SpeculationPolicy:
             return gamma
         batch = len(alphas)
         self._steps_without_drafts += 1
+        probe = self._newcomer_probe(batch, backlog) if newcomers else 0
+        if probe:
+            self._steps_without_drafts = 0
+            return probe
         if self._steps_without_drafts < self._probe_interval:
             return 0
-        probe, plain = self.probe_gamma(batch, backlog), self.step_time(batch, 0)
-        spacing = math.ceil((self.step_time(batch, probe, backlog) - plain) / (PROBE_SHARE * plain))
-        if self._steps_without_drafts < spacing:
-            self._probe_interval = spacing  # priced again then, with the backlog grown
+        probe = self.probe_gamma(batch, backlog)
+        if self._steps_without_drafts < self._spacing(batch, probe, backlog, PROBE_SHARE):
+            self._probe_interval = self._spacing(batch, probe, backlog, PROBE_SHARE)  # priced again then
             return 0
         self._steps_without_drafts = 0
         self._probe_interval = min(2 * self._probe_interval, 16 * self.probe_every)
+        return probe
+
+    def _spacing(self, batch: int, probe: int, backlog: int, share: float) -> int:
+        """Steps without drafts that make a probe's extra cost `share` of their time."""
+        plain = self.step_time(batch, 0)
+        return math.ceil((self.step_time(batch, probe, backlog) - plain) / (share * plain))
+
+    def _newcomer_probe(self, batch: int, backlog: int) -> int:
+        """γ of a probe for the rows no step has drafted for, or 0 (none due). Such a row's rate
+        is the overall one, which other requests made: after a run of chat (α 0.3) a code
+        request (α 0.6) was never drafted for, and the overall probes drafted one token at a
+        time, too rarely to move its own estimate within its lifetime. So it is tried once with
+        a full block: the γ that would pay at `MAX_OPTIMISTIC_ALPHA` (none, where even that
+        would not pay), at most NEWCOMER_SHARE of the time since the last probe."""
+        probe = self.best_gamma([MAX_OPTIMISTIC_ALPHA] * batch, backlog)
+        if probe == 0 or self._steps_without_drafts < self._spacing(batch, probe, backlog, NEWCOMER_SHARE):
+            return 0
         return probe
 
     @property

@@ -67,6 +67,7 @@ class Sequence:
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
     generator: torch.Generator | None = None
+    drafted_for: bool = False  # a step has planned drafts for it (else the policy may probe it, `choose`)
 
     def __post_init__(self) -> None:
         if self.generator is None:
@@ -221,7 +222,7 @@ def plan_step(seqs: list[Sequence], policy: SpeculationPolicy) -> StepPlan:
     """Pick γ for the batch (and per row), and draw every random number the step needs."""
     alphas = [policy.alpha(s.acceptance) for s in seqs]
     backlog = sum(max(s.num_tokens - s.draft_len - 2, 0) for s in seqs)  # what the drafter prefills first
-    batch_gamma = policy.choose(alphas, backlog)
+    batch_gamma = policy.choose(alphas, backlog, sum(not s.drafted_for for s in seqs))
     # A seeded sampled request always asks for max_gamma, so that its random stream, and with it
     # its tokens, depend on nothing but its seed and its own tokens.
     own = [policy.max_gamma if s.reproducible else batch_gamma for s in seqs]
@@ -230,6 +231,8 @@ def plan_step(seqs: list[Sequence], policy: SpeculationPolicy) -> StepPlan:
     # row will not use (when another row asks for more) go to clamped junk positions.
     num_draft = [max(0, min(g, s.remaining - 1)) for g, s in zip(own, seqs)]
     positions = max(num_draft)
+    for s, g in zip(seqs, num_draft):
+        s.drafted_for = s.drafted_for or g > 0
     sampling = BatchSampling.from_params([s.params for s in seqs])
     draft_u = accept_u = final_u = None
     if not sampling.all_greedy:
