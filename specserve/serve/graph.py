@@ -12,8 +12,10 @@ a row. A compiled graph is built once per worker pair:
 A step that verifies drafts runs in graph_verify, once the draft side's block has arrived. A
 target-only step (the policy drafts nothing, no prepared block) is answered by graph_solo as soon
 as the call arrives: the draft side's empty answer passes by off its critical path, so a replica
-whose policy turned drafting off pays one target forward per step, as a target alone does, not a
-draft process's wake-up in front of it. graph_verify then hands graph_solo's answer on.
+whose policy turned drafting off no longer waits for a draft process's wake-up in front of each
+target forward. graph_verify then hands graph_solo's answer on. (What such a replica still pays
+on a machine with few cores is the idle draft actor's spinning read, docs/serving.md: 0.91x a
+target-only graph at γ 0 on 2 cores.)
 
 The pipelined loop's graph has the ahead node: right after block k went to the target, the draft
 drafts the step's AheadCall (block k+1) while the target verifies, keeps it with its q for the next
