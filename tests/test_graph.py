@@ -37,6 +37,7 @@ class InProcessGraph:
         self.ready, self.executions, self.builds, self.breaks = True, 0, 1, 0
         self.solo_answers = 0  # executions that graph_solo answered (target-only steps)
         self.target_only_calls = 0  # executions that carried a target-only step
+        self.ahead_forwards = []  # (expected seconds, the ahead call's draft forwards or 0) per execution
         self.waits = []  # (expected, deadline) seconds per execution
         self.ahead = coordinator.pipeline is not None and self.draft is not None  # as StepGraph builds it
 
@@ -44,6 +45,7 @@ class InProcessGraph:
                   ahead_timeout: float = 0.0, expected: float = 0.0):
         self.executions += 1
         self.waits.append((expected, draft_timeout + max(target_timeout, ahead_timeout)))
+        self.ahead_forwards.append((expected, call.ahead.num_tokens if call.ahead is not None else 0))
         if self.executions in self.before:
             self.before[self.executions]()
         if self.executions in self.fail_at or (call.block is not None and self.fail_blocks > 0):
@@ -157,6 +159,24 @@ def test_pipelined_on_the_graph_draws_the_sequential_numbers(local_coordinator, 
     assert totals["pipelined_prepared"] > 0 and totals["pipelined_hits"] > 0, totals
     assert totals["pipelined_steps"] < totals["steps"]  # some steps prepared nothing: sequential ones
     assert len(coordinator.draft_worker._obj._aheads) <= 2
+
+
+def test_a_pipelined_execution_is_expected_to_last_as_long_as_its_ahead_call(local_coordinator, monkeypatch):
+    """The seconds an execution should take size the nap before its result is read. In a
+    pipelined step that is the fresh drafts, then the longer of the verify and the ahead call
+    beside it: counting the verify alone, a draft slower than the verify had the coordinator
+    looking for the result long before it could be there."""
+    coordinator = local_coordinator(config(pipelined=True, gamma=2))
+    graph = on_graph(coordinator)
+    per_forward = 0.01  # predicted seconds of one forward, either model, any batch
+    monkeypatch.setattr(coordinator, "_predicted", lambda side, rows, extra=None: per_forward * (
+        1 if side == "target" or extra is None else int(extra)))
+    params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)]
+    out = generate(coordinator, PROMPTS[:1], params)
+    assert out == [hf_greedy(coordinator.target._obj.model.runner.model, PROMPTS[0], 30)]
+    with_ahead = [(expected, n) for expected, n in graph.ahead_forwards if n]
+    assert with_ahead and coordinator._totals["pipelined_hits"] > 0
+    assert all(expected >= per_forward * n - 1e-9 for expected, n in with_ahead)  # n > 1: longer than the verify
 
 
 def test_a_broken_pipelined_graph_step_gives_its_numbers_back(local_coordinator, monkeypatch):

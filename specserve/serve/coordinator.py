@@ -605,9 +605,10 @@ class Coordinator:
         return outputs
 
     async def _graph_execute(self, seqs: list[Sequence], make_call, width: int,
-                             ahead_timeout: float = 0.0) -> StepReply | None:
+                             ahead_timeout: float = 0.0, ahead_expected: float = 0.0) -> StepReply | None:
         """Execute make_call()'s StepCall on the graph, again after cache misses (whose marks it
-        moves back, as `_call` does); width: G of the verified block. None when the graph cannot
+        moves back, as `_call` does); width: G of the verified block; ahead_*: the seconds the
+        ahead call beside the verify may take and should take (pipelined). None when the graph cannot
         run it (a worker method raised, the graph broke, or the draft was late: then the draft is
         out), and the caller's recovery takes over."""
         by_id = {s.request_id: s for s in seqs}
@@ -620,7 +621,7 @@ class Coordinator:
             busy = self._draft_busy if self.draft_worker is not None and call.num_positions else None
             try:
                 reply = await self.graph.run(call, draft_timeout, target_timeout, busy, ahead_timeout,
-                                             draft_s + target_s)
+                                             draft_s + max(target_s, ahead_expected if call.ahead else 0.0))
             except DraftLate as err:
                 self._draft_lost(err)
                 return None

@@ -156,7 +156,8 @@ class StepGraph:
                   ahead_timeout: float = 0.0, expected: float = 0.0) -> StepReply:
         """One execution within draft_timeout + max(target_timeout, ahead_timeout) seconds (the
         ahead call runs beside the verify); `expected`: the seconds its forwards should take by the
-        measured costs, which size the nap before the result is read (`_nap`). When `draft_busy` is given and the
+        measured costs (the ahead call's included), which size the nap before the result is read
+        (`_nap`). When `draft_busy` is given and the
         draft's share has passed, it is asked whether the draft side is still proposing: then the
         draft is late (DraftLate). An exception raised by a worker method is re-raised with the
         graph kept; any other failure breaks the graph, then re-raises."""
@@ -178,7 +179,7 @@ class StepGraph:
                 await asyncio.wait_for(asyncio.shield(work), timeout=total + _GRACE_S)
             reply = step_reply(work.result(), self.ahead)
             if expected > 0 and reply.verdict is not None:  # (an answer of cache misses ran no forward)
-                self._took.append((reply.draft_seconds + reply.target_seconds) / expected)
+                self._took.append(_in_workers(reply) / expected)
             return reply
         except RayTaskError:
             raise
@@ -196,6 +197,13 @@ class StepGraph:
         logger.warning("compiled graph broken (%s): plain actor calls until it is rebuilt",
                        why if isinstance(why, str) else type(why).__name__)
         self._teardown = asyncio.get_running_loop().run_in_executor(self._thread, _teardown, dag)
+
+
+def _in_workers(reply: StepReply) -> float:
+    """An execution's seconds in the worker methods on its critical path: the draft side's
+    propose, then the longer of the verify and the ahead call beside it."""
+    ahead = getattr(reply.ahead, "seconds", 0.0) if reply.ahead is not None else 0.0
+    return reply.draft_seconds + max(reply.target_seconds, ahead)
 
 
 def step_reply(out: bytes, joined: bool = False) -> StepReply:

@@ -88,6 +88,7 @@ class Ahead:
     states: dict[int, torch.Tensor]  # row -> its generator's state before block k+1's draws
     launched: float  # perf_counter() at planning
     deadline: float  # seconds it may take
+    expected: float  # seconds its forwards should take by the measured costs
     ahead_id: int  # names its drafts on the draft side (compiled graph)
     future: asyncio.Future | None = None  # plain calls: -> Reply with a Proposal [B, G'+1]: guess, then block k+1
 
@@ -203,7 +204,8 @@ class Pipeline:
                 plan.final_uniforms, block, draft.sampling if block is not None and draft else None,
                 None if ahead is None else ahead.call(plan.num_draft.tolist()))
 
-        reply = await host._graph_execute(seqs, make_call, plan.num_positions, ahead.deadline if ahead else 0.0)
+        reply = await host._graph_execute(seqs, make_call, plan.num_positions, ahead.deadline if ahead else 0.0,
+                                          ahead.expected if ahead else 0.0)
         if reply is None:
             _restore(seqs, saved)  # this step's fresh and ahead draws
             if prepared is not None:
@@ -287,9 +289,9 @@ class Pipeline:
             guess = torch.full((len(seqs), 1), GUESS_UNIFORM)
             uniforms = torch.cat([guess, ahead_plan.draft_uniforms], dim=1)  # [B, G'+1]
         self.host._totals["pipelined_prepared"] += 1
-        deadline = self.host._deadline("draft", rows, ahead_plan.num_positions + 1)
+        expected = self.host._predicted("draft", rows, ahead_plan.num_positions + 1)
         return Ahead(ahead_plan, rows, uniforms, [s.num_tokens for s in optimistic], states, time.perf_counter(),
-                     deadline, next(self._ahead_ids))
+                     self.host._allowed("draft", expected), expected, next(self._ahead_ids))
 
     def _launch(self, plan: StepPlan, proposal: Proposal, widths: list[int]) -> Ahead | None:
         """Plan block k+1 and send the ahead call on a plain actor call."""
