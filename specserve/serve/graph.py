@@ -157,9 +157,8 @@ class StepGraph:
         """One execution within draft_timeout + max(target_timeout, ahead_timeout) seconds (the
         ahead call runs beside the verify); `expected`: the seconds its forwards should take by the
         measured costs (the ahead call's included), which size the nap before the result is read
-        (`_nap`). When `draft_busy` is given and the
-        draft's share has passed, it is asked whether the draft side is still proposing: then the
-        draft is late (DraftLate). An exception raised by a worker method is re-raised with the
+        (`_nap`). When `draft_busy` is given and the draft's share has passed, it is asked whether
+        the draft side is still proposing: then the draft is late (DraftLate). An exception raised by a worker method is re-raised with the
         graph kept; any other failure breaks the graph, then re-raises."""
         from ray.exceptions import RayTaskError
 
