@@ -252,8 +252,9 @@ class SpeculationPolicy:
         if self._steps_without_drafts < self._probe_interval:
             return 0
         probe = self.probe_gamma(batch, backlog)
-        if self._steps_without_drafts < self._spacing(batch, probe, backlog, PROBE_SHARE):
-            self._probe_interval = self._spacing(batch, probe, backlog, PROBE_SHARE)  # priced again then
+        spacing = self._spacing(batch, probe, backlog, PROBE_SHARE)
+        if self._steps_without_drafts < spacing:
+            self._probe_interval = spacing  # priced again then, with the backlog grown
             return 0
         self._steps_without_drafts = 0
         self._probe_interval = min(2 * self._probe_interval, 16 * self.probe_every)

@@ -621,7 +621,7 @@ class Coordinator:
             busy = self._draft_busy if self.draft_worker is not None and call.num_positions else None
             try:
                 reply = await self.graph.run(call, draft_timeout, target_timeout, busy, ahead_timeout,
-                                             draft_s + max(target_s, ahead_expected if call.ahead else 0.0))
+                                             draft_s + max(target_s, ahead_expected))
             except DraftLate as err:
                 self._draft_lost(err)
                 return None
