@@ -40,10 +40,16 @@ class InProcessGraph:
         self.ahead_forwards = []  # (expected seconds, the ahead call's draft forwards or 0) per execution
         self.waits = []  # (expected, deadline) seconds per execution
         self.ahead = coordinator.pipeline is not None and self.draft is not None  # as StepGraph builds it
+        self.nap_share = 0.0  # nap(expected) = nap_share * expected (StepGraph: learned from executions)
+        self.calls: list[StepCall] = []
+
+    def nap(self, expected: float) -> float:
+        return self.nap_share * expected
 
     async def run(self, call: StepCall, draft_timeout: float, target_timeout: float, draft_busy=None,
                   ahead_timeout: float = 0.0, expected: float = 0.0):
         self.executions += 1
+        self.calls.append(call)
         self.waits.append((expected, draft_timeout + max(target_timeout, ahead_timeout)))
         self.ahead_forwards.append((expected, call.ahead.num_tokens if call.ahead is not None else 0))
         if self.executions in self.before:
@@ -245,6 +251,80 @@ def test_the_target_answers_a_target_only_step_without_waiting_for_the_draft_sid
 
 
 @pytest.mark.parametrize("pipelined", [False, True])
+def test_a_worker_with_nothing_to_do_yet_is_told_to_sleep_through_the_other_sides_forwards(local_coordinator,
+                                                                                           monkeypatch, pipelined):
+    """A graph loop's read spins a core while it waits: in a step without drafts the draft side
+    is told to sleep for the coordinator's nap over the target's predicted forward, in a step
+    with fresh drafts the target for the nap over the drafts'; nobody else naps, and the tokens
+    stay the target's own."""
+    coordinator = local_coordinator(config(pipelined=pipelined, gamma=2))
+    graph = on_graph(coordinator)
+    graph.nap_share = 0.5
+    per_forward = 0.002  # predicted seconds of one forward, either model, any batch
+    monkeypatch.setattr(coordinator, "_predicted", lambda side, rows, extra=None: per_forward * (
+        1 if side == "target" or extra is None else int(extra)))
+    policy = coordinator.policy
+    monkeypatch.setattr(policy, "choose", lambda *a, **k: next(gammas))
+    gammas = itertools.cycle([0, 0, 2])
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)]
+    assert generate(coordinator, PROMPTS[:1], params) == [
+        hf_greedy(coordinator.target._obj.model.runner.model, PROMPTS[0], 24)]
+    steps = [c for c in graph.calls if c.target_rows]
+    fresh = [c for c in steps if c.num_positions]
+    idle = [c for c in steps if not c.num_positions and c.block is None]
+    assert fresh and idle
+    assert all(c.target_nap_s == pytest.approx(0.5 * per_forward * c.num_positions) and c.draft_nap_s == 0
+               for c in fresh)
+    assert all(c.draft_nap_s == pytest.approx(0.5 * per_forward) and c.target_nap_s == 0 for c in idle)
+    assert all(c.draft_nap_s == c.target_nap_s == 0 for c in steps if c.block is not None and not c.num_positions)
+
+
+def test_a_napping_worker_sleeps_outside_its_lock():
+    """The naps happen before the worker takes its lock (a feature head pulls from the target,
+    and probes ask the draft, while the other side works), and only where the call says so."""
+    import threading
+    import time
+
+    from specserve.serve.workers import DraftWorker, TargetWorker
+
+    class Stub:
+        def __init__(self) -> None:
+            self._lock, self._proposing, self._step, self.ran = threading.RLock(), False, None, 0
+
+        def _threads_here(self) -> None:
+            pass
+
+        def _propose_step(self, call):
+            from specserve.serve.wire import Reply
+            self.ran += 1
+            return Reply(None, 0.0)
+
+        def _verify_step(self, drafted, call):
+            from specserve.serve.wire import StepReply
+            return StepReply(None, None, {}, {}, 0.0, 0.0)
+
+    sampling = BatchSampling.from_params([SamplingParams(temperature=0.0)])
+    rows = [RowInput("a", 0, [1])]
+    idle = StepCall([], 0, sampling, None, rows, torch.tensor([0]), None, None, draft_nap_s=0.3, target_nap_s=0.3)
+    drafting = StepCall(rows, 2, sampling, None, rows, torch.tensor([2]), None, None, draft_nap_s=0.3,
+                        target_nap_s=0.3)
+    for method, napping, other in [(DraftWorker.graph_propose, idle, drafting),
+                                   (TargetWorker.graph_solo, drafting, idle)]:
+        stub = Stub()
+        began = time.monotonic()
+        worker = threading.Thread(target=method, args=(stub, pack(napping)))
+        worker.start()
+        time.sleep(0.1)
+        assert stub._lock.acquire(timeout=0.05)  # free during the nap
+        stub._lock.release()
+        worker.join()
+        assert time.monotonic() - began >= 0.3
+        began = time.monotonic()
+        method(stub, pack(other))
+        assert time.monotonic() - began < 0.2  # this side has work at once: no nap
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
 def test_a_draft_miss_on_the_graph_skips_the_target_and_resends(local_coordinator, pipelined):
     """A restarted draft (empty caches) answers its graph node with misses: the target does not
     verify that execution, the marks move back and the next execution rebuilds the draft's cache."""
@@ -367,7 +447,7 @@ def test_the_wait_naps_before_it_reads_and_the_nap_follows_what_executions_took(
     call = StepCall([RowInput("a", 0, [1])], 2, BatchSampling.from_params([SamplingParams(temperature=0.0)]), None,
                     [RowInput("a", 0, [1])], torch.tensor([2]), None, None)
     graph = StepGraph(target=None)
-    assert graph._nap(0.1) == 0.0  # nothing measured yet: no nap
+    assert graph.nap(0.1) == 0.0  # nothing measured yet: no nap
 
     async def execute(seconds, verdict=True):
         graph._dag = _FakeDag(pack(StepReply(Proposal(torch.tensor([[3]]), None),
@@ -377,7 +457,7 @@ def test_the_wait_naps_before_it_reads_and_the_nap_follows_what_executions_took(
     for seconds in (0.05, 0.09, 0.1, 0.12):  # took 0.5, 0.9, 1.0 and 1.2 of what was expected
         asyncio.run(execute(seconds))
     asyncio.run(execute(0.0, verdict=False))  # cache misses: no forward ran, not counted
-    assert graph._nap(0.2) == pytest.approx(_EXPECTED_SHARE * 0.9 * 0.2)
+    assert graph.nap(0.2) == pytest.approx(_EXPECTED_SHARE * 0.9 * 0.2)
 
 
 def test_after_its_nap_the_wait_looks_for_the_output_until_it_is_there():

@@ -1,7 +1,7 @@
 """Pipelined vs sequential speculation through the real coordinator loop on Ray, on CPU.
 
     specserve bench overlap [--out bench-results/overlap.json] [--tokens 96] [--prompts 3] [--quick]
-                            [--repeats 3]
+                            [--repeats 3] [--pairs 0.3:0.5]
 
 Every configuration runs the coordinator's own step loop (`Coordinator`, as a plain Ray actor: no
 HTTP) with a TargetWorker and a DraftWorker actor, each on one core (torch threads 1), one request
@@ -552,6 +552,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=96, help="new tokens per request")
     parser.add_argument("--prompts", type=int, default=3, help="requests per run (one at a time)")
     parser.add_argument("--quick", action="store_true", help="only α 0.8, c 0.5 and the tiny pair")
+    parser.add_argument("--pairs", default=None,
+                        help="only these controlled pairs, as α:c,α:c (an α below 0.6 adapts its γ), "
+                             "and not the tiny pair; e.g. 0.3:0.5")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=1,
                         help="rounds of every mode per pair, in rotation; rows report medians (see above)")
@@ -563,19 +566,28 @@ def main(argv: list[str] | None = None) -> int:
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     pairs = [(0.8, 0.5)] if args.quick else [(0.6, 0.2), (0.6, 0.5), (0.8, 0.2), (0.8, 0.5)]
+    pairs, tiny = [*pairs, (0.3, 0.5)], True
+    if args.pairs:
+        try:
+            pairs = [(float(a), float(c)) for a, c in (p.split(":") for p in args.pairs.split(","))]
+        except ValueError:
+            parser.error(f"--pairs takes α:c,α:c, not {args.pairs!r}")
+        if not all(0 <= a <= 1 and 0 < c for a, c in pairs):
+            parser.error("--pairs: α in [0, 1], c > 0")
+        tiny = False
     generator = torch.Generator().manual_seed(args.seed)
     prompts = [torch.randint(0, TARGET_SHAPE["vocab_size"], (_PROMPT_LEN,), generator=generator).tolist()
                for _ in range(args.prompts)]
     tiny_prompts = [[(7 * i + 3 * j) % 200 + 32 for j in range(_PROMPT_LEN)] for i in range(args.prompts)]
-    calibration = {c: calibrate_draft(c, args.seed) for c in sorted({c for _, c in pairs} | {0.5})}
+    calibration = {c: calibrate_draft(c, args.seed) for c in sorted({c for _, c in pairs})}
     start_ray()
     rows: list[Row] = []
     used: dict[str, tuple[int, int]] = {}  # pair -> the draft's (width, layers) after the in-run calibration
     ratios: dict[str, list[float]] = {}  # pair -> pipelined / sequential (graph) of each round
-    runs = (6 + 5 * (args.repeats - 1)) * (len(pairs) + 2)
+    runs = (6 + 5 * (args.repeats - 1)) * (len(pairs) + tiny)
     try:
         with tqdm(total=runs, desc="overlap", unit="run") as bar:
-            for alpha, c in [*pairs, (0.3, 0.5)]:
+            for alpha, c in pairs:
                 width, layers, _ = calibration[c]
                 workers = worker_classes(layers, width, alpha, args.seed)
                 pair = f"α{alpha} c{c}"
@@ -583,9 +595,10 @@ def main(argv: list[str] | None = None) -> int:
                     pair, requests_for(prompts, args.tokens), workers, alpha, alpha >= 0.6, bar, c, (width, layers),
                     args.seed, args.repeats)
                 rows += pair_rows
-            tiny_rows, _, ratios["tiny"] = measure_pair("tiny", requests_for(tiny_prompts, args.tokens), None, None,
-                                                        True, bar, repeats=args.repeats)
-            rows += tiny_rows
+            if tiny:
+                tiny_rows, _, ratios["tiny"] = measure_pair("tiny", requests_for(tiny_prompts, args.tokens), None,
+                                                            None, True, bar, repeats=args.repeats)
+                rows += tiny_rows
         floor = transport_floor()
     finally:
         ray.shutdown()

@@ -64,7 +64,7 @@ from .wire import StepCall, StepReply, pack, unpack, unpack_pair
 logger = logging.getLogger("specserve.graph")
 _REBUILD_BACKOFF_S = (0.5, 2.0, 5.0, 15.0, 30.0)  # after the n-th failed build in a row
 _GRACE_S = 1.0
-_EXPECTED_SHARE = 0.9  # of an execution's expected seconds, slept before its result is read (StepGraph._nap)
+_EXPECTED_SHARE = 0.9  # of an execution's expected seconds, slept before its result is read (StepGraph.nap)
 _NAP_WINDOW = 32  # recent executions whose time in the workers sizes the nap
 _POLL_S = 0.0003  # then between looks for the result (a look that finds nothing costs ~0.17 ms)
 _WARM_UP_TIMEOUT_S = 60.0
@@ -97,9 +97,10 @@ class StepGraph:
         self.breaks = 0
         self._took: collections.deque[float] = collections.deque(maxlen=_NAP_WINDOW)  # seconds in the workers / expected
 
-    def _nap(self, expected: float) -> float:
-        """Seconds to sleep before looking for an execution's result: `_EXPECTED_SHARE` of what
-        its forwards should take, scaled by how the recent executions' time in the workers
+    def nap(self, expected: float) -> float:
+        """Seconds to sleep before looking for an execution's result (or, for a worker, before
+        its graph loop reads on: StepCall.draft_nap_s / target_nap_s): `_EXPECTED_SHARE` of what
+        the forwards waited for should take, scaled by how the recent executions' time in the workers
         compared to what was expected of them (the lower quartile of those ratios: predictions
         come from costs that may be stale or high, and a nap that ends after the result costs the
         step its overshoot). 0 before any execution was measured."""
@@ -157,7 +158,7 @@ class StepGraph:
         """One execution within draft_timeout + max(target_timeout, ahead_timeout) seconds (the
         ahead call runs beside the verify); `expected`: the seconds its forwards should take by the
         measured costs (the ahead call's included), which size the nap before the result is read
-        (`_nap`). When `draft_busy` is given and the draft's share has passed, it is asked whether
+        (`nap`). When `draft_busy` is given and the draft's share has passed, it is asked whether
         the draft side is still proposing: then the draft is late (DraftLate). An exception raised by a worker method is re-raised with the
         graph kept; any other failure breaks the graph, then re-raises."""
         from ray.exceptions import RayTaskError
@@ -167,7 +168,7 @@ class StepGraph:
             # The write happens here, on the event loop: it returns at once, because the workers
             # read every execution's input before answering it, and the last execution was answered
             # (or the graph was discarded). Only the wait goes to the graph's thread.
-            nap = self._nap(expected)
+            nap = self.nap(expected)
             work = asyncio.get_running_loop().run_in_executor(self._thread, _wait, self._dag.execute(pack(call)), total,
                                                               nap)
             if draft_busy is not None:
@@ -222,7 +223,7 @@ def _wait(ref, timeout: float, nap: float = 0.0) -> bytes:
     """An execution's output within `timeout` seconds. A compiled graph's reader spins on its
     channel while it waits, a whole core that a machine with few cores takes from the workers'
     forwards (measured on 2 cores: a worker's 2-thread matmul loop took twice as long while the
-    driver blocked in get()). So the wait first sleeps `nap` seconds (StepGraph._nap), then looks
+    driver blocked in get()). So the wait first sleeps `nap` seconds (StepGraph.nap), then looks
     for the result every `_POLL_S` (a look that finds nothing reads nothing: the graph has one
     output channel, see `build`)."""
     ends = time.monotonic() + timeout

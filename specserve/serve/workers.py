@@ -230,17 +230,23 @@ class TargetWorker(_Worker):
         return self._run(rows, lambda: self.model.verify(
             rows, draft_tokens, draft_probs, num_draft, sampling, accept_uniforms, final_uniforms))
 
-    @_serialised
     def graph_solo(self, packed: bytes) -> tuple[StepCall, bytes | None]:
         """The target's first node of a worker pair's step graph: StepCall -> (the call, the
         packed StepReply of a target-only step, or None for a step that verifies drafts). A
         target-only step (no drafts, no prepared block) runs here at once, so it does not wait
-        for the draft side's empty answer, which meanwhile passes by off its critical path. The
-        output stays in this process (an intra-process channel: never serialised)."""
+        for the draft side's empty answer, which meanwhile passes by off its critical path. A
+        step with fresh drafts sleeps `target_nap_s` first (outside the lock: a feature head
+        pulls from this worker meanwhile), so that the graph's read of the draft side's block
+        does not spin through the draft's forwards. The output stays in this process (an
+        intra-process channel: never serialised)."""
         call = unpack(packed)
         if call.num_positions or call.block is not None:
+            if call.target_nap_s > 0:
+                time.sleep(call.target_nap_s)
             return call, None
-        return call, pack(self._verify_step(self._propose_step(call), call))
+        with self._lock:
+            self._threads_here()
+            return call, pack(self._verify_step(self._propose_step(call), call))
 
     @_serialised
     def graph_verify(self, drafted: bytes, solo: tuple[StepCall, bytes | None]) -> bytes:
@@ -328,12 +334,17 @@ class DraftWorker(_Worker):
     def graph_propose(self, packed: bytes) -> bytes:
         """The draft side's first node of the compiled step graph: StepCall -> Reply with block k
         (none, at once, for a target-only step), both pickled (serve/graph.py). A pipelined step's
-        block is assembled from the rows' prepared drafts and this call's fresh ones."""
+        block is assembled from the rows' prepared drafts and this call's fresh ones. A step
+        that drafts nothing sleeps `draft_nap_s` first, through the target's forward: after
+        answering, the graph's loop would spin in its read of the next step (on few cores, a
+        core taken from the target)."""
+        call = unpack(packed)
+        if call.draft_nap_s > 0 and not call.num_positions and call.block is None:
+            time.sleep(call.draft_nap_s)
         self._proposing = True
         try:
             with self._lock:
                 self._threads_here()
-                call = unpack(packed)
                 reply = self._propose_step(call)
                 if reply.result is not None and call.block is not None:
                     reply = Reply(self._assemble(call.block, reply.result), reply.seconds)
