@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from models import tiny_llama
+from specserve.bench import overlap
 from specserve.bench.overlap import PlantingProposer, bound, ceilings, next_layers
 from specserve.engine import RowInput
 from specserve.engine.sampling import BatchSampling, SamplingParams
@@ -101,3 +102,14 @@ def test_rounds_merge_into_medians_with_the_speedups_range():
     assert merged.efficiency == round(1.3 / 1.5, 3) and merged.hit_rate == 0.65 and merged.identical
     assert not merge_rounds([row(1.2, 0.9), row(1.3, 1.0, identical=False)]).identical
     assert merge_rounds([row(1.2, 0.9)]).repeats == 1
+
+
+def test_pairs_are_parsed_and_checked():
+    assert overlap.parse_pairs("0.3:0.5") == [(0.3, 0.5)]
+    assert overlap.parse_pairs("0.6:0.2,0.8:0.5") == [(0.6, 0.2), (0.8, 0.5)]
+    for bad in ("0.3", "0.3:0.5:1", "a:0.5", "1.0:0.5", "0.3:0", "0.3:1.5", ""):
+        with pytest.raises(ValueError):
+            overlap.parse_pairs(bad)
+    with pytest.raises(SystemExit) as exit_:
+        overlap.main(["--pairs", "0.3"])  # refused before any work
+    assert exit_.value.code == 2

@@ -251,77 +251,65 @@ def test_the_target_answers_a_target_only_step_without_waiting_for_the_draft_sid
 
 
 @pytest.mark.parametrize("pipelined", [False, True])
-def test_a_worker_with_nothing_to_do_yet_is_told_to_sleep_through_the_other_sides_forwards(local_coordinator,
-                                                                                           monkeypatch, pipelined):
+def test_a_draft_side_with_nothing_to_draft_is_told_to_sleep_through_the_targets_forward(local_coordinator,
+                                                                                         monkeypatch, pipelined):
     """A graph loop's read spins a core while it waits: in a step without drafts the draft side
-    is told to sleep for the coordinator's nap over the target's predicted forward, in a step
-    with fresh drafts the target for the nap over the drafts'; nobody else naps, and the tokens
-    stay the target's own."""
+    is told to sleep for the coordinator's nap over the target's predicted forward; a step that
+    drafts or verifies a prepared block has no nap, and the tokens stay the target's own."""
     coordinator = local_coordinator(config(pipelined=pipelined, gamma=2))
     graph = on_graph(coordinator)
     graph.nap_share = 0.5
     per_forward = 0.002  # predicted seconds of one forward, either model, any batch
     monkeypatch.setattr(coordinator, "_predicted", lambda side, rows, extra=None: per_forward * (
         1 if side == "target" or extra is None else int(extra)))
-    policy = coordinator.policy
-    monkeypatch.setattr(policy, "choose", lambda *a, **k: next(gammas))
-    gammas = itertools.cycle([0, 0, 2])
-    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)]
+    monkeypatch.setattr(coordinator.policy, "choose", lambda *a, **k: next(gammas))
+    gammas = itertools.cycle([0, 0, 2, 2, 2, 2])
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)]
     assert generate(coordinator, PROMPTS[:1], params) == [
-        hf_greedy(coordinator.target._obj.model.runner.model, PROMPTS[0], 24)]
+        hf_greedy(coordinator.target._obj.model.runner.model, PROMPTS[0], 40)]
     steps = [c for c in graph.calls if c.target_rows]
-    fresh = [c for c in steps if c.num_positions]
     idle = [c for c in steps if not c.num_positions and c.block is None]
-    assert fresh and idle
-    assert all(c.target_nap_s == pytest.approx(0.5 * per_forward * c.num_positions) and c.draft_nap_s == 0
-               for c in fresh)
-    assert all(c.draft_nap_s == pytest.approx(0.5 * per_forward) and c.target_nap_s == 0 for c in idle)
-    assert all(c.draft_nap_s == c.target_nap_s == 0 for c in steps if c.block is not None and not c.num_positions)
+    busy = [c for c in steps if c.num_positions or c.block is not None]
+    assert idle and busy and (not pipelined or any(c.block is not None for c in busy))
+    assert all(c.draft_nap_s == pytest.approx(0.5 * per_forward) for c in idle)
+    assert all(c.draft_nap_s == 0 for c in busy)
 
 
-def test_a_napping_worker_sleeps_outside_its_lock():
-    """The naps happen before the worker takes its lock (a feature head pulls from the target,
-    and probes ask the draft, while the other side works), and only where the call says so."""
+def test_a_draft_side_naps_outside_its_lock_and_only_when_told():
+    """The nap happens before the draft worker takes its lock (probes and `free` reach it
+    meanwhile), and only in a step that drafts nothing."""
     import threading
     import time
 
-    from specserve.serve.workers import DraftWorker, TargetWorker
+    from specserve.serve.workers import DraftWorker
 
     class Stub:
         def __init__(self) -> None:
-            self._lock, self._proposing, self._step, self.ran = threading.RLock(), False, None, 0
+            self._lock, self._proposing, self._step = threading.RLock(), False, None
 
         def _threads_here(self) -> None:
             pass
 
         def _propose_step(self, call):
             from specserve.serve.wire import Reply
-            self.ran += 1
             return Reply(None, 0.0)
-
-        def _verify_step(self, drafted, call):
-            from specserve.serve.wire import StepReply
-            return StepReply(None, None, {}, {}, 0.0, 0.0)
 
     sampling = BatchSampling.from_params([SamplingParams(temperature=0.0)])
     rows = [RowInput("a", 0, [1])]
-    idle = StepCall([], 0, sampling, None, rows, torch.tensor([0]), None, None, draft_nap_s=0.3, target_nap_s=0.3)
-    drafting = StepCall(rows, 2, sampling, None, rows, torch.tensor([2]), None, None, draft_nap_s=0.3,
-                        target_nap_s=0.3)
-    for method, napping, other in [(DraftWorker.graph_propose, idle, drafting),
-                                   (TargetWorker.graph_solo, drafting, idle)]:
-        stub = Stub()
-        began = time.monotonic()
-        worker = threading.Thread(target=method, args=(stub, pack(napping)))
-        worker.start()
-        time.sleep(0.1)
-        assert stub._lock.acquire(timeout=0.05)  # free during the nap
-        stub._lock.release()
-        worker.join()
-        assert time.monotonic() - began >= 0.3
-        began = time.monotonic()
-        method(stub, pack(other))
-        assert time.monotonic() - began < 0.2  # this side has work at once: no nap
+    idle = StepCall([], 0, sampling, None, rows, torch.tensor([0]), None, None, draft_nap_s=0.3)
+    drafting = StepCall(rows, 2, sampling, None, rows, torch.tensor([2]), None, None, draft_nap_s=0.3)
+    stub = Stub()
+    began = time.monotonic()
+    worker = threading.Thread(target=DraftWorker.graph_propose, args=(stub, pack(idle)))
+    worker.start()
+    time.sleep(0.1)
+    assert stub._lock.acquire(timeout=0.05)  # free during the nap
+    stub._lock.release()
+    worker.join()
+    assert time.monotonic() - began >= 0.3
+    began = time.monotonic()
+    DraftWorker.graph_propose(stub, pack(drafting))
+    assert time.monotonic() - began < 0.2  # drafts to make: no nap
 
 
 @pytest.mark.parametrize("pipelined", [False, True])

@@ -546,6 +546,17 @@ def start_ray(attempts: int = 4) -> None:
             time.sleep(10)
 
 
+def parse_pairs(text: str) -> list[tuple[float, float]]:
+    """"0.3:0.5,0.8:0.2" -> [(α, c), ...]; ValueError unless every α is in [0, 1) and c in (0, 1]."""
+    try:
+        pairs = [(float(a), float(c)) for a, c in (item.split(":") for item in text.split(","))]
+    except ValueError:
+        raise ValueError(f"takes α:c,α:c, not {text!r}") from None
+    if not all(0 <= a < 1 and 0 < c <= 1 for a, c in pairs):
+        raise ValueError(f"α in [0, 1) and c in (0, 1], not {text!r}")
+    return pairs
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specserve bench overlap", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="bench-results/overlap.json")
@@ -569,12 +580,9 @@ def main(argv: list[str] | None = None) -> int:
     pairs, tiny = [*pairs, (0.3, 0.5)], True
     if args.pairs:
         try:
-            pairs = [(float(a), float(c)) for a, c in (p.split(":") for p in args.pairs.split(","))]
-        except ValueError:
-            parser.error(f"--pairs takes α:c,α:c, not {args.pairs!r}")
-        if not all(0 <= a <= 1 and 0 < c for a, c in pairs):
-            parser.error("--pairs: α in [0, 1], c > 0")
-        tiny = False
+            pairs, tiny = parse_pairs(args.pairs), False
+        except ValueError as err:
+            parser.error(f"--pairs: {err}")
     generator = torch.Generator().manual_seed(args.seed)
     prompts = [torch.randint(0, TARGET_SHAPE["vocab_size"], (_PROMPT_LEN,), generator=generator).tolist()
                for _ in range(args.prompts)]

@@ -621,7 +621,7 @@ class Coordinator:
             target_timeout = self._allowed("target", target_s)
             busy = self._draft_busy if self.draft_worker is not None and call.num_positions else None
             if self.draft_worker is not None:
-                call = self._with_naps(call, draft_s, target_s)
+                call = self._with_naps(call, target_s)
             try:
                 reply = await self.graph.run(call, draft_timeout, target_timeout, busy, ahead_timeout,
                                              draft_s + max(target_s, ahead_expected))
@@ -639,15 +639,14 @@ class Coordinator:
                 return reply
         return None
 
-    def _with_naps(self, call: StepCall, draft_s: float, target_s: float) -> StepCall:
-        """The call with its workers' naps (a pair's graph): a draft side with nothing to draft
-        sleeps through the target's forward, the target through the fresh drafts, each for what
-        the coordinator itself would sleep (`StepGraph.nap`), so neither spins a core in its
-        graph loop's read meanwhile (measured on 2 cores: an idle draft's spinning read cost a
-        target-only graph ~9%)."""
-        drafts = call.num_positions > 0 or call.block is not None
-        return dataclasses.replace(call, draft_nap_s=0.0 if drafts else self.graph.nap(target_s),
-                                   target_nap_s=self.graph.nap(draft_s) if call.num_positions else 0.0)
+    def _with_naps(self, call: StepCall, target_s: float) -> StepCall:
+        """The call with the draft side's nap (a pair's graph): in a step that drafts nothing it
+        sleeps through the target's forward, for what the coordinator itself would sleep
+        (`StepGraph.nap`), instead of answering at once and spinning a core in its graph loop's
+        read of the next step (measured on 2 cores: that cost a target-only graph ~9%)."""
+        if call.num_positions > 0 or call.block is not None:
+            return call
+        return dataclasses.replace(call, draft_nap_s=self.graph.nap(target_s))
 
     async def _call(self, side: str, method, seqs: list[Sequence], mark: str, make_args, retry: bool = True,
                     deadline=None) -> Reply:

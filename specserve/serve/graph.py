@@ -13,9 +13,10 @@ A step that verifies drafts runs in graph_verify, once the draft side's block ha
 target-only step (the policy drafts nothing, no prepared block) is answered by graph_solo as soon
 as the call arrives: the draft side's empty answer passes by off its critical path, so a replica
 whose policy turned drafting off no longer waits for a draft process's wake-up in front of each
-target forward. graph_verify then hands graph_solo's answer on. (What such a replica still pays
-on a machine with few cores is the idle draft actor's spinning read, docs/serving.md: 0.91x a
-target-only graph at γ 0 on 2 cores.)
+target forward. graph_verify then hands graph_solo's answer on. A graph loop's read spins a core
+while it waits, so in a target-only step the draft side sleeps first, for the nap the coordinator
+takes itself over the target's forward (`StepGraph.nap`, sent as StepCall.draft_nap_s;
+docs/serving.md: an idle draft's spinning read cost a target-only graph ~9% on 2 cores).
 
 The pipelined loop's graph has the ahead node: right after block k went to the target, the draft
 drafts the step's AheadCall (block k+1) while the target verifies, keeps it with its q for the next
@@ -99,7 +100,7 @@ class StepGraph:
 
     def nap(self, expected: float) -> float:
         """Seconds to sleep before looking for an execution's result (or, for a worker, before
-        its graph loop reads on: StepCall.draft_nap_s / target_nap_s): `_EXPECTED_SHARE` of what
+        its graph loop reads on: StepCall.draft_nap_s): `_EXPECTED_SHARE` of what
         the forwards waited for should take, scaled by how the recent executions' time in the workers
         compared to what was expected of them (the lower quartile of those ratios: predictions
         come from costs that may be stale or high, and a nap that ends after the result costs the

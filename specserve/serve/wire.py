@@ -83,12 +83,9 @@ class StepCall:
     block: Block | None = None
     draft_sampling: BatchSampling | None = None  # of the draft rows, when not `sampling`'s rows
     ahead: AheadCall | None = None
-    # Compiled graph only: seconds a worker with nothing to do yet may sleep before its graph loop
-    # reads on (a waiting read spins a core, serve/graph.py). The draft side sleeps in a step
-    # that drafts nothing (through the target's forward); the target before it waits for the
-    # draft side's block (through the fresh drafts).
+    # Compiled graph only: seconds the draft side of a step that drafts nothing sleeps before
+    # answering, through the target's forward (a graph loop's waiting read spins a core, serve/graph.py)
     draft_nap_s: float = 0.0
-    target_nap_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -216,7 +213,7 @@ def _encode(m):
                      _rows(m.target_rows), _tensor(m.num_draft), _tensor(m.accept_uniforms),
                      _tensor(m.final_uniforms), None if m.block is None else (m.block.prepared_id, m.block.rows,
                                                                               m.block.width),
-                     _sampling(m.draft_sampling), _encode(m.ahead), m.draft_nap_s, m.target_nap_s)
+                     _sampling(m.draft_sampling), _encode(m.ahead), m.draft_nap_s)
     if kind is AheadCall:
         return "a", (m.ahead_id, _rows(m.rows), m.num_draft, m.stop_ids, m.num_tokens, _sampling(m.sampling),
                      _tensor(m.uniforms))
@@ -241,7 +238,7 @@ def _decode(e):
     if kind == "c":
         block = None if f[8] is None else Block(*f[8])
         return StepCall(_unrows(f[0]), f[1], _unsampling(f[2]), _untensor(f[3]), _unrows(f[4]), _untensor(f[5]),
-                        _untensor(f[6]), _untensor(f[7]), block, _unsampling(f[9]), _decode(f[10]), f[11], f[12])
+                        _untensor(f[6]), _untensor(f[7]), block, _unsampling(f[9]), _decode(f[10]), f[11])
     if kind == "a":
         return AheadCall(f[0], _unrows(f[1]), f[2], f[3], f[4], _unsampling(f[5]), _untensor(f[6]))
     if kind == "r":

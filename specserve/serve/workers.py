@@ -230,23 +230,17 @@ class TargetWorker(_Worker):
         return self._run(rows, lambda: self.model.verify(
             rows, draft_tokens, draft_probs, num_draft, sampling, accept_uniforms, final_uniforms))
 
+    @_serialised
     def graph_solo(self, packed: bytes) -> tuple[StepCall, bytes | None]:
         """The target's first node of a worker pair's step graph: StepCall -> (the call, the
         packed StepReply of a target-only step, or None for a step that verifies drafts). A
         target-only step (no drafts, no prepared block) runs here at once, so it does not wait
-        for the draft side's empty answer, which meanwhile passes by off its critical path. A
-        step with fresh drafts sleeps `target_nap_s` first (outside the lock: a feature head
-        pulls from this worker meanwhile), so that the graph's read of the draft side's block
-        does not spin through the draft's forwards. The output stays in this process (an
-        intra-process channel: never serialised)."""
+        for the draft side's empty answer, which meanwhile passes by off its critical path. The
+        output stays in this process (an intra-process channel: never serialised)."""
         call = unpack(packed)
         if call.num_positions or call.block is not None:
-            if call.target_nap_s > 0:
-                time.sleep(call.target_nap_s)
             return call, None
-        with self._lock:
-            self._threads_here()
-            return call, pack(self._verify_step(self._propose_step(call), call))
+        return call, pack(self._verify_step(self._propose_step(call), call))
 
     @_serialised
     def graph_verify(self, drafted: bytes, solo: tuple[StepCall, bytes | None]) -> bytes:
