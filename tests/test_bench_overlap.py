@@ -113,3 +113,17 @@ def test_pairs_are_parsed_and_checked():
     with pytest.raises(SystemExit) as exit_:
         overlap.main(["--pairs", "0.3"])  # refused before any work
     assert exit_.value.code == 2
+
+
+def test_a_ratio_above_the_one_branch_ceiling_is_flagged_with_both_modes_costs():
+    from specserve.bench.overlap import Row, above_ceiling
+
+    def row(mode: str, c: float, v: float, speedup: float) -> Row:
+        return Row("p", mode, 1, False, 0.8, 0.8, c, v, 96, 1.0, 90.0, speedup, 1.5, speedup / 1.5, None,
+                   2.0, 4.0, 2.0, 3.0, "compiled_graph", True)
+
+    rows = [row("sequential", 0.6, 1.3, 0.9), row("pipelined", 0.45, 1.0, 1.2)]
+    most = ceilings(0.8, 0.45, 1.0)["one_branch"]
+    assert above_ceiling(rows, {"p": [most - 0.01]}) == {}
+    flagged = above_ceiling(rows, {"p": [most + 0.1, most + 0.2, most - 0.5]})  # median above
+    assert "c 0.6, v 1.3" in flagged["p"] and "c 0.45, v 1.0" in flagged["p"]
