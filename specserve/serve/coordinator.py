@@ -621,7 +621,7 @@ class Coordinator:
             target_timeout = self._allowed("target", target_s)
             busy = self._draft_busy if self.draft_worker is not None and call.num_positions else None
             if self.draft_worker is not None:
-                call = self._with_naps(call, target_s)
+                call = self._with_draft_nap(call, target_s, target_timeout)
             try:
                 reply = await self.graph.run(call, draft_timeout, target_timeout, busy, ahead_timeout,
                                              draft_s + max(target_s, ahead_expected))
@@ -639,14 +639,15 @@ class Coordinator:
                 return reply
         return None
 
-    def _with_naps(self, call: StepCall, target_s: float) -> StepCall:
+    def _with_draft_nap(self, call: StepCall, target_s: float, target_timeout: float) -> StepCall:
         """The call with the draft side's nap (a pair's graph): in a step that drafts nothing it
         sleeps through the target's forward, for what the coordinator itself would sleep
-        (`StepGraph.nap`), instead of answering at once and spinning a core in its graph loop's
-        read of the next step (measured on 2 cores: that cost a target-only graph ~9%)."""
+        (`StepGraph.nap`; at most half the target's allowance, so the nap alone never makes a
+        step late), instead of answering at once and spinning a core in its graph loop's read of
+        the next step (measured on 2 cores: that cost a target-only graph ~9%)."""
         if call.num_positions > 0 or call.block is not None:
             return call
-        return dataclasses.replace(call, draft_nap_s=self.graph.nap(target_s))
+        return dataclasses.replace(call, draft_nap_s=min(self.graph.nap(target_s), 0.5 * target_timeout))
 
     async def _call(self, side: str, method, seqs: list[Sequence], mark: str, make_args, retry: bool = True,
                     deadline=None) -> Reply:

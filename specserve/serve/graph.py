@@ -99,9 +99,9 @@ class StepGraph:
         self._took: collections.deque[float] = collections.deque(maxlen=_NAP_WINDOW)  # seconds in the workers / expected
 
     def nap(self, expected: float) -> float:
-        """Seconds to sleep before looking for an execution's result (or, for a worker, before
-        its graph loop reads on: StepCall.draft_nap_s): `_EXPECTED_SHARE` of what
-        the forwards waited for should take, scaled by how the recent executions' time in the workers
+        """Seconds to sleep before looking for an execution's result (or, for the draft side of a
+        target-only step, before answering: StepCall.draft_nap_s): `_EXPECTED_SHARE` of what the
+        forwards waited for should take, scaled by how the recent executions' time in the workers
         compared to what was expected of them (the lower quartile of those ratios: predictions
         come from costs that may be stale or high, and a nap that ends after the result costs the
         step its overshoot). 0 before any execution was measured."""
