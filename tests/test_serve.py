@@ -412,6 +412,7 @@ class TestLimits:
         prompts = [f"burst {i:02d}" for i in range(12)]
         expected = {p: complete(http, p, max_tokens=100)["choices"][0]["token_ids"] for p in prompts}
         barrier = threading.Barrier(len(prompts))
+        assert limited.post("/v1/stats/reset").status_code == 200
 
         def send(prompt):
             barrier.wait()
@@ -430,7 +431,10 @@ class TestLimits:
         for prompt, r in served:
             assert r.json()["choices"][0]["token_ids"] == expected[prompt]
         stats = limited.get("/v1/stats").json()
-        assert stats["rejected_queue_full"] >= len(refused) and stats["reserved_tokens_peak"] <= 1280
+        # the coordinator refused at least one; the ingress then refuses new requests for
+        # SHED_WINDOW_S without asking it, so it counts at most what the clients saw refused
+        assert 1 <= stats["rejected_queue_full"] <= len(refused), (stats, len(refused))
+        assert stats["reserved_tokens_peak"] <= 1280
 
 
 # -- faults: a hung target, a failing draft ------------------------------------------------------------
