@@ -472,6 +472,8 @@ class FeatureDrafterProposer(DraftModelProposer):
     holds. A row whose last target feature is not there yet (its prompt has not been through the
     target: the first step) gets copies of its last token, which cost nothing and are rejected."""
 
+    can_branch = False  # its per-request token and feature stores have no fork (pipelined: one branch)
+
     def __init__(self, head: FeatureHead, vocab_size: int, max_positions: int | None = None,
                  min_confidence: float | None = None, pulled: bool = False,
                  lookup_min_n: int | None = None) -> None:

@@ -230,6 +230,30 @@ class ModelRunner:
         self._slot_owner.pop()
         self._maybe_shrink(freed_length)
 
+    def fork(self, request_id: str, branch_id: str, length: int) -> None:
+        """A new cache `branch_id` holding a copy of request_id's first `length` positions (a
+        pipelined step's branch drafts past a guessed rejection point from there; `adopt` keeps it
+        if the verdict matches, `free` drops it)."""
+        if length > self.valid_length(request_id):
+            raise CacheMiss(request_id, self.valid_length(request_id), length)
+        self.free(branch_id)
+        dst = self._slot(branch_id)
+        if length:
+            self.cache.copy_prefix(self._slot_of[request_id], dst, length)
+        self._valid[branch_id] = length
+
+    def adopt(self, branch_id: str, request_id: str) -> None:
+        """request_id's cache becomes branch_id's (its fork whose guess the verdict confirmed); the
+        request's old cache and the name branch_id are gone."""
+        if branch_id not in self._slot_of:
+            raise KeyError(f"no branch {branch_id!r} to adopt")
+        self._slot(request_id)
+        mine, theirs = self._slot_of[branch_id], self._slot_of[request_id]
+        self._slot_of[branch_id], self._slot_of[request_id] = theirs, mine
+        self._slot_owner[theirs], self._slot_owner[mine] = branch_id, request_id
+        self._valid[branch_id], self._valid[request_id] = self._valid[request_id], self._valid[branch_id]
+        self.free(branch_id)
+
     def _maybe_shrink(self, freed_length: int) -> None:
         """Give memory back once the live requests use under a quarter of the cache's allocation.
         O(1) unless a quarter of the slots emptied or the freed request was among the longest.

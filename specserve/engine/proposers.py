@@ -44,6 +44,10 @@ class Proposal:
     # [B] int64 on the host: drafts worth verifying per row, fewer than G where the drafter stopped
     # early (the feature drafter's confidence floor); None: every planned draft
     num_draft: torch.Tensor | None = None
+    # [B, G] int64: the drafter's runner-up token at each draft position (its second-likeliest),
+    # when asked for and every row is greedy: the likeliest correction if the target rejects that
+    # draft (a pipelined step prepares branches from them, specserve.serve.pipeline); else None
+    alternates: torch.Tensor | None = None
 
     @property
     def seconds(self) -> float:
@@ -51,7 +55,23 @@ class Proposal:
 
     def __reduce__(self):  # across processes (Ray) through the host: another process may lack the device
         probs = None if self.probs is None else self.probs.cpu()
-        return (Proposal, (self.tokens.cpu(), probs, tuple(self.forwards), self.deterministic, self.num_draft))
+        alternates = None if self.alternates is None else self.alternates.cpu()
+        return (Proposal, (self.tokens.cpu(), probs, tuple(self.forwards), self.deterministic, self.num_draft,
+                           alternates))
+
+
+_BRANCH = "#branch"
+
+
+def branch_id(request_id: str, position: int) -> str:
+    """The cache name of request_id's branch that drafts past a rejection at block position
+    `position` (1-based), see `DraftModelProposer.fork`."""
+    return f"{request_id}{_BRANCH}{position}"
+
+
+def branch_owner(cache_id: str) -> str:
+    """The request a cache name belongs to (itself, unless it names a branch)."""
+    return cache_id.rsplit(_BRANCH, 1)[0]
 
 
 class Proposer(Protocol):
@@ -78,6 +98,8 @@ class DraftModelProposer:
     After the call a row's cache holds its tokens plus its first G-1 drafts.
     """
 
+    can_branch = True  # `fork` / `adopt`, and runner-ups in `propose` (pipelined branches)
+
     def __init__(
         self, model: torch.nn.Module, vocab_size: int, max_positions: int | None = None, execution: str = "auto"
     ) -> None:
@@ -87,6 +109,14 @@ class DraftModelProposer:
 
     def free(self, request_id: str) -> None:
         self.runner.free(request_id)
+
+    def fork(self, request_id: str, branch: str, length: int) -> None:
+        """A cache `branch` holding request_id's first `length` positions (ModelRunner.fork)."""
+        self.runner.fork(request_id, branch, length)
+
+    def adopt(self, branch: str, request_id: str) -> None:
+        """request_id continues from its fork `branch` (ModelRunner.adopt)."""
+        self.runner.adopt(branch, request_id)
 
     def valid_length(self, request_id: str) -> int:
         return self.runner.valid_length(request_id)
@@ -108,9 +138,11 @@ class DraftModelProposer:
 
     @torch.no_grad()
     def propose(
-        self, rows: list[RowInput], num_tokens: int, sampling: BatchSampling, uniforms: torch.Tensor | None
+        self, rows: list[RowInput], num_tokens: int, sampling: BatchSampling, uniforms: torch.Tensor | None,
+        alternates: bool = False,
     ) -> Proposal:
-        """rows: B rows; uniforms [B, G] (G = num_tokens) or None when all greedy -> Proposal."""
+        """rows: B rows; uniforms [B, G] (G = num_tokens) or None when all greedy -> Proposal.
+        alternates: also return each position's runner-up token when every row is greedy."""
         runner = self.runner
         runner.check(rows)
         runner.take_forward_log()
@@ -121,19 +153,22 @@ class DraftModelProposer:
                     for r in rows]
         staged = runner.stage(rows, extra_positions=num_tokens - 1)
         flags = None if sampling.all_greedy else sampling.flags()  # host reads of host tensors
+        alternates = alternates and flags is None
         inputs = self._static_inputs(staged, num_tokens, sampling, uniforms, flags)
         began = runner.clock()
         static = runner.execution == "graph" and not staged.gather and runner.cache.ready and staged.width <= 16
         if static:
-            key = ("draft", *staged.static_key, num_tokens, flags, runner.cache.generation)
+            key = ("draft", *staged.static_key, num_tokens, flags, alternates, runner.cache.generation)
             written = (staged.block, runner.advance_block(staged))  # the loop writes the single-token block
-            tokens, probs = runner.graphs.run(key, lambda: self._loop(staged, num_tokens, flags, inputs, True), written)
-            tokens, probs = tokens.clone(), None if probs is None else probs.clone()
+            out = runner.graphs.run(key, lambda: self._loop(staged, num_tokens, flags, inputs, True, alternates),
+                                    written)
+            tokens, probs, ups = (None if t is None else t.clone() for t in out)
         else:
-            tokens, probs = self._loop(staged, num_tokens, flags, inputs, False)
+            tokens, probs, ups = self._loop(staged, num_tokens, flags, inputs, False, alternates)
         runner.record(staged.rows, began, forwards=num_tokens)
         runner.commit(staged, advanced=num_tokens - 1)
-        return Proposal(runner.unsort(staged, tokens), runner.unsort(staged, probs), runner.take_forward_log())
+        return Proposal(runner.unsort(staged, tokens), runner.unsort(staged, probs), runner.take_forward_log(),
+                        alternates=runner.unsort(staged, ups))
 
     def _static_inputs(self, staged, num_tokens, sampling, uniforms, flags) -> dict[str, torch.Tensor]:
         """This call's sampling parameters and uniforms, in sorted row order, in buffers allocated
@@ -153,9 +188,10 @@ class DraftModelProposer:
             buffers["uniforms"].copy_(uniforms.to(device, non_blocking=True).index_select(0, order))
         return buffers
 
-    def _loop(self, staged, num_tokens: int, flags, inputs, captured: bool):
-        """The G draft forwards, device only, sorted row order -> (tokens [B', G], q [B', G, V] or None).
-        captured: inside a graph capture (run the forward itself, not the runner's dispatch)."""
+    def _loop(self, staged, num_tokens: int, flags, inputs, captured: bool, alternates: bool = False):
+        """The G draft forwards, device only, sorted row order -> (tokens [B', G], q [B', G, V] or
+        None, runner-up tokens [B', G] or None). captured: inside a graph capture (run the forward
+        itself, not the runner's dispatch); alternates: every row is greedy and the runner-ups are wanted."""
         runner = self.runner
 
         def forward(s):
@@ -165,16 +201,26 @@ class DraftModelProposer:
 
         sampling = BatchSampling(inputs["temperature"], inputs["top_k"], inputs["top_p"])
         logits = forward(staged)  # [B', V']
-        tokens, probs = [], []
+        tokens, probs, ups = [], [], []
         for j in range(num_tokens):
             token, q = self._choose(logits, sampling, flags, inputs, j)
             tokens.append(token)
             probs.append(q)
+            if alternates:
+                ups.append(self._runner_up(logits, inputs, j))
             if j + 1 < num_tokens:
                 staged = runner.advance(staged, token)
                 logits = forward(staged)
         draft_probs = None if flags is None else torch.stack(probs, dim=1)  # [B', G, V]
-        return torch.stack(tokens, dim=1), draft_probs  # [B', G]
+        runner_ups = torch.stack(ups, dim=1) if alternates else None  # [B', G]
+        return torch.stack(tokens, dim=1), draft_probs, runner_ups  # [B', G]
+
+    def _runner_up(self, logits: torch.Tensor, inputs: dict[str, torch.Tensor], j: int) -> torch.Tensor:
+        """logits [B', V'] of draft position j (greedy rows) -> the second-likeliest token [B'] in
+        target ids: the likeliest correction when the target rejects the draft's first choice."""
+        if self.runner.token_map is None:
+            logits = logits[:, : self.vocab_size]
+        return self.runner.map_tokens(logits.topk(2, dim=-1).indices[:, 1])
 
     def _choose(
         self, logits: torch.Tensor, sampling: BatchSampling, flags: tuple[bool, bool] | None,

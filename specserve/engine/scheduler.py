@@ -19,6 +19,8 @@ PROBE_SHARE = 0.03  # a probe's extra cost may be at most this share of the time
 NEWCOMER_SHARE = 0.10  # the same for a probe that tries a request no step has drafted for yet
 PRIOR_WEIGHT = 4.0  # trials' worth of weight of the prior (overall: prior_alpha; a row: the overall rate)
 MAX_OPTIMISTIC_ALPHA = 0.95  # a probe plans for at most this acceptance rate
+BRANCH_MARGIN = 0.01  # a pipelined step's branch must save this share of the step's predicted time
+ALTERNATE_PRIOR = 0.3  # before measuring: how often a draft's runner-up is the target's token where it rejects
 
 
 class TokenCost:
@@ -317,9 +319,13 @@ class OverlappedPolicy(SpeculationPolicy):
     wins where drafting loses, exactly as in the sequential policy.
     """
 
-    def __init__(self, max_gamma: int, adaptive: bool = True, prior_alpha: float = 0.6, probe_every: int = 16) -> None:
+    def __init__(self, max_gamma: int, adaptive: bool = True, prior_alpha: float = 0.6, probe_every: int = 16,
+                 max_branches: int = 0) -> None:
         super().__init__(max_gamma, adaptive, prior_alpha, probe_every)
         self.guess = AcceptanceEstimate()  # bonus guesses right / made (rows that accepted every draft)
+        # rejection-point branches (all-greedy batches): runner-ups that were the target's token / tried
+        self.max_branches = max_branches
+        self.alternate = AcceptanceEstimate()
 
     def observe_guesses(self, right: int, made: int) -> None:
         for i in range(made):
@@ -327,6 +333,29 @@ class OverlappedPolicy(SpeculationPolicy):
 
     def guess_rate(self) -> float:
         return self.guess.rate(self.overall_alpha(), PRIOR_WEIGHT)
+
+    def observe_alternates(self, right: int, made: int) -> None:
+        """Rows rejected at a position that had a branch: `right` of them got the runner-up."""
+        for i in range(made):
+            self.alternate.observe(1 if i < right else 0, 1, decay=0.99)
+
+    def alternate_rate(self) -> float:
+        return self.alternate.rate(ALTERNATE_PRIOR, PRIOR_WEIGHT)
+
+    def branches_for(self, alphas: list[float], gamma: int) -> int:
+        """Rejection-point branches per row for a step with γ drafts: each one more (up to
+        `max_branches`, at most γ) while it makes the predicted pipelined step at least
+        `BRANCH_MARGIN` cheaper (a branch also holds a cache copy); unmeasured or a fixed γ: all
+        that are allowed."""
+        top = min(self.max_branches, gamma)
+        if top == 0 or not self.adaptive or not self.ready:
+            return top
+        best, best_time = 0, self.overlapped_time(len(alphas), gamma, alphas)
+        for k in range(1, top + 1):
+            seconds = self.overlapped_time(len(alphas), gamma, alphas, branches=k)
+            if seconds < best_time * (1.0 - BRANCH_MARGIN):
+                best, best_time = k, seconds
+        return best
 
     def observe_overlapped_step(self, wall: float, fresh_forwards, ahead_forwards, verify_forwards) -> None:
         """A pipelined step: the fresh drafts (a miss), then the verify and the next block's
@@ -338,15 +367,28 @@ class OverlappedPolicy(SpeculationPolicy):
         host = max(wall - critical, 0.0) / max(len(fresh_forwards) + len(verify_forwards), 1)
         self.overhead = host if self.overhead == 0.0 else 0.9 * self.overhead + 0.1 * host
 
-    def overlapped_time(self, batch: int, gamma: int, alphas: list[float], backlog: int = 0) -> float:
-        """Predicted seconds of a pipelined step with γ drafts per row (γ >= 1)."""
+    def overlapped_time(self, batch: int, gamma: int, alphas: list[float], backlog: int = 0,
+                        branches: int = 0) -> float:
+        """Predicted seconds of a pipelined step with γ drafts per row (γ >= 1), preparing
+        `branches` rejection-point blocks per row besides the full-acceptance one: the ahead call
+        drafts B (1 + k) rows (k = min(branches, γ)), and a row's next block is ready when it
+        accepts all γ and the bonus guess holds (α^γ β), or is rejected at one of the first k
+        positions and the runner-up was the target's token there (β₂ (1 - α^k))."""
+        k = min(branches, gamma)
         draft = self.draft_cost.predict(batch) + self.overhead
+        ahead = self.draft_cost.predict(batch * (1 + k)) + self.overhead
         verify = self.target_cost.predict(batch * (gamma + 1)) + self.overhead
         catch_up = self.draft_cost.predict(backlog) + self.overhead if backlog > 0 else 0.0
-        hit = self.guess_rate()
+        guess, runner_up = self.guess_rate(), self.alternate_rate() if k else 0.0
+        hit = 1.0
         for a in alphas:
-            hit *= min(max(a, 0.0), 0.999) ** gamma
-        return max(verify, (gamma + 1) * draft) + (1.0 - hit) * (gamma * draft + catch_up)
+            a = min(max(a, 0.0), 0.999)
+            hit *= a ** gamma * guess + runner_up * (1.0 - a ** k)
+        return max(verify, (gamma + 1) * ahead) + (1.0 - hit) * (gamma * draft + catch_up)
+
+    def best_overlapped_time(self, batch: int, gamma: int, alphas: list[float], backlog: int = 0) -> float:
+        """overlapped_time with the branches `branches_for` would prepare."""
+        return self.overlapped_time(batch, gamma, alphas, backlog, self.branches_for(alphas, gamma))
 
     def overlap_pays(self, alphas: list[float], gamma: int) -> bool:
         """Whether preparing the next block makes a step with γ drafts cheaper (unmeasured, or a
@@ -355,7 +397,7 @@ class OverlappedPolicy(SpeculationPolicy):
             return False
         if not self.adaptive or not self.ready:
             return True
-        return self.overlapped_time(len(alphas), gamma, alphas) < self.step_time(len(alphas), gamma)
+        return self.best_overlapped_time(len(alphas), gamma, alphas) < self.step_time(len(alphas), gamma)
 
     def best_gamma(self, alphas: list[float], backlog: int = 0) -> int:
         if not self.adaptive or self.max_gamma == 0 or not self.ready:
@@ -365,7 +407,7 @@ class OverlappedPolicy(SpeculationPolicy):
         def rate(g: int) -> float:
             seconds = self.step_time(batch, g, backlog)
             if g > 0:
-                seconds = min(seconds, self.overlapped_time(batch, g, alphas, backlog))
+                seconds = min(seconds, self.best_overlapped_time(batch, g, alphas, backlog))
             return sum(expected_tokens(a, g) for a in alphas) / max(seconds, 1e-9)
 
         rates = [rate(g) for g in range(self.max_gamma + 1)]
