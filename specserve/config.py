@@ -155,6 +155,12 @@ class SpeculationConfig(_Strict):
     # rebuild cost a compile and a 1-2 s stall of the workers' ordinary calls (docs/serving.md).
     # With pipelined, the draft drafts the next block on the graph too, beside the verify.
     transport: Literal["actor_calls", "compiled_graph"] = "actor_calls"
+    # Pipelined on the compiled graph, with a draft model: besides the block that assumes block k
+    # is accepted whole, prepare up to this many more per greedy row, each from a rejection point
+    # of block k (its first drafts) corrected to the draft's runner-up token there (speculative
+    # speculative decoding). The policy uses fewer, or none, where the extra draft rows cost more
+    # than the steps they save. Outputs are unchanged (the verdict decides which block is used).
+    branches: int = Field(1, ge=0, le=16)
 
 
 _BUILTIN_RESOURCES = frozenset({"cpu", "gpu", "memory", "object_store_memory"})

@@ -20,6 +20,7 @@ from specserve.config import AppConfig
 from specserve.engine import RowInput, SamplingParams
 from specserve.engine.sampling import BatchSampling
 from specserve.serve.graph import DraftLate, StepCall, pack, step_reply, unpack
+from specserve.serve.pipeline import branch_points
 from test_pipeline import PROMPTS, TINY, config, generate
 
 
@@ -167,6 +168,69 @@ def test_pipelined_on_the_graph_draws_the_sequential_numbers(local_coordinator, 
     assert len(coordinator.draft_worker._obj._aheads) <= 2
 
 
+def test_branch_points_are_each_rows_first_drafts():
+    assert branch_points([3, 0, 1], 2) == [(0, 1), (0, 2), (2, 1)]
+    assert branch_points([3, 2], 0) == []
+
+
+@pytest.mark.parametrize("branches", [1, 3])
+def test_pipelined_branches_on_the_graph_are_the_targets_greedy(local_coordinator, branches):
+    """With rejection-point branches, the draft side forks a row's cache at each of its first
+    drafts, feeds the fork its runner-up there and drafts block k+1 after it, beside the
+    full-acceptance block; the verdict picks which block, if any, the next step verifies (the
+    fork becomes the row's cache). Greedy output is the target's own, one request at a time and
+    all together; some steps verify a branch's block; no fork outlives its step."""
+    params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True) for _ in PROMPTS]
+    coordinator = local_coordinator(config(pipelined=True, gamma=3))
+    coordinator.policy.max_branches = branches
+    graph = on_graph(coordinator)
+    _alternate_preparing(coordinator)
+    verified = []  # (each row's committed tokens, its drafts, g_b) of every verified row
+    run = graph.run
+
+    async def recording(call, *args, **kwargs):
+        contexts = [list(coordinator.admission.get(r.request_id).tokens) for r in call.target_rows]
+        reply = await run(call, *args, **kwargs)
+        if reply is not None and reply.proposal is not None and reply.verdict is not None:
+            verified.extend(zip(contexts, reply.proposal.tokens.tolist(), call.num_draft.tolist()))
+        return reply
+
+    graph.run = recording
+    alone = [generate(coordinator, [p], [sp])[0] for p, sp in zip(PROMPTS, params)]
+    together = generate(coordinator, PROMPTS, params)
+    target = coordinator.target._obj.model.runner.model
+    expected = [hf_greedy(target, p, 30) for p in PROMPTS]
+    assert alone == expected and together == expected
+    # every verified block, a branch's included, is the draft's own greedy from the row's context:
+    # a fork that held a wrong copy, or an adoption of the wrong fork, would draft something else
+    draft_model = coordinator.draft_worker._obj.model.runner.model
+    drafted = [(context, own[:g]) for context, own, g in verified if g]
+    assert len(drafted) > 20
+    assert all(own == hf_greedy(draft_model, context, len(own)) for context, own in drafted)
+    totals = coordinator._totals
+    assert graph.breaks == 0 and totals["graph_steps"] == totals["steps"]
+    assert totals["pipelined_branch_hits"] > 0 and totals["pipelined_hits"] > totals["pipelined_branch_hits"], totals
+    assert any(c.ahead is not None and c.ahead.branches == min(branches, 3) for c in graph.calls)
+    draft = coordinator.draft_worker._obj
+    assert not draft._branches and draft.model.num_cached() == 0
+    assert asyncio.run(coordinator.num_cached()) == {"target": 0, "draft": 0}
+
+
+def test_branches_skip_a_batch_with_sampled_rows(local_coordinator):
+    """A step whose batch samples prepares only the full-acceptance block (a sampled row's
+    correction is random): seeded rows draw the sequential loop's numbers beside greedy ones."""
+    params = [SamplingParams(max_tokens=24, seed=80 + i, ignore_eos=True,
+                             **(SEEDED_TOP_K if i % 2 else dict(temperature=0.0))) for i in range(len(PROMPTS))]
+    sequential = generate(local_coordinator(config(pipelined=False, gamma=2)), PROMPTS, params)
+    coordinator = local_coordinator(config(pipelined=True, gamma=2))
+    coordinator.policy.max_branches = 2
+    graph = on_graph(coordinator)
+    _alternate_preparing(coordinator)
+    assert generate(coordinator, PROMPTS, params) == sequential
+    sampled = [c.ahead for c in graph.calls if c.ahead is not None and not c.ahead.sampling.all_greedy]
+    assert sampled and all(ahead.branches == 0 for ahead in sampled)
+
+
 def test_a_pipelined_execution_is_expected_to_last_as_long_as_its_ahead_call(local_coordinator, monkeypatch):
     """The seconds an execution should take size the nap before its result is read. In a
     pipelined step that is the fresh drafts, then the longer of the verify and the ahead call
@@ -293,7 +357,13 @@ def test_a_draft_side_naps_outside_its_lock_and_only_when_told():
         def _threads_here(self) -> None:
             pass
 
-        def _propose_step(self, call):
+        def _adopt(self, block):
+            return None
+
+        def _branching(self, ahead) -> bool:
+            return False
+
+        def _propose_step(self, call, alternates=False):
             from specserve.serve.wire import Reply
             return Reply(None, 0.0)
 

@@ -34,7 +34,7 @@ def sampling() -> BatchSampling:
 def test_a_pipelined_step_call_comes_back_whole():
     g = torch.Generator().manual_seed(0)
     ahead = AheadCall(7, [RowInput("a", 9, [0]), RowInput("b", 4, [3, 4])], [2, 0],
-                      [frozenset({2}), frozenset()], 3, sampling(), torch.rand(2, 3, generator=g))
+                      [frozenset({2}), frozenset()], 3, sampling(), torch.rand(2, 3, generator=g), branches=2)
     call = StepCall([RowInput("b", 3, [1, 2])], 2, sampling(), torch.rand(2, 2, generator=g),
                     [RowInput("a", 7, [5]), RowInput("b", 2, [5, 1, 2])], torch.tensor([2, 1]),
                     torch.rand(2, 2, generator=g), torch.rand(2, generator=g), Block(6, [0, None], 2),
@@ -49,7 +49,8 @@ def test_proposals_keep_q_and_odd_tensors_exact():
     big_q = torch.rand(2, 3, _SMALL, generator=g)  # [B, G, V] past the flat-list size: an array
     timings = [ForwardTiming(2, 0.003), ForwardTiming(2, 0.002, True)]
     for probs in (big_q, big_q.bfloat16(), big_q[:, :, :7].half(), big_q[:, 1:, :5]):
-        proposal = Proposal(torch.tensor([[3, 1, 4], [1, 5, 9]]), probs, timings, False, torch.tensor([3, 2]))
+        proposal = Proposal(torch.tensor([[3, 1, 4], [1, 5, 9]]), probs, timings, False, torch.tensor([3, 2]),
+                            torch.tensor([[2, 7, 1], [8, 2, 8]]))
         back = unpack(pack(Reply(proposal, 0.25)))
         assert same(back, Reply(proposal, 0.25))
         assert all(isinstance(t, ForwardTiming) for t in back.result.forwards)

@@ -177,7 +177,10 @@ class Coordinator:
         # a drafter inside the target worker drafts and verifies in one call (`_fused_step`)
         self.fused = self.draft is not None and self.draft_worker is None
         if config.speculation.pipelined:
-            self.policy = OverlappedPolicy(self.max_gamma, adaptive=config.speculation.adaptive)
+            # rejection-point branches need the graph (the draft side forks its caches) and a draft model
+            branching = config.speculation.transport == "compiled_graph" and config.draft is not None
+            self.policy = OverlappedPolicy(self.max_gamma, adaptive=config.speculation.adaptive,
+                                           max_branches=config.speculation.branches if branching else 0)
         else:
             self.policy = SpeculationPolicy(self.max_gamma, adaptive=config.speculation.adaptive, fused=self.fused)
         # measured costs start γ (adaptive) and size every worker call's deadline

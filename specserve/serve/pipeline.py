@@ -19,6 +19,18 @@ rewrites what the ahead call wrote (a positional cache: rollback = a shorter len
 block thrown away instead of verified takes its rows' marks back before their last token
 (`_unprepare`).
 
+Branches (`speculation.branches`, compiled graph, every row greedy): one prepared block per row is
+used only when the row accepts all of block k and the bonus guess holds, α^(γ+1) of the time. The
+ahead call can also draft from the likeliest rejection points: for each of a row's first k drafts
+(`branch_points`), the draft side forks the row's cache up to that position, feeds the fork the
+draft's runner-up there (its likeliest correction, `Proposal.alternates`) and drafts block k+1
+after it, all in the same batched forwards as the optimistic rows. The verdict picks at most one
+block per row (`_match`): the row's own, or the branch whose position was the first rejected and
+whose runner-up the target chose. The next execution tells the draft side which (`Block.rows`
+name the held rows); a used fork becomes the request's cache, the others are freed. The policy
+chooses k, none where the extra rows cost more than the misses they save (`OverlappedPolicy`).
+Which block is verified never changes a token: greedy rows verify whatever they are given.
+
 Lossless, and the same tokens as the sequential loop: block k+1's random numbers are drawn from each
 request's own generator when the ahead call is planned, by the same `plan_step` over the rows as
 they would be after a full acceptance. Before that draw each sampled row's generator state is saved;
@@ -91,11 +103,12 @@ class Ahead:
     expected: float  # seconds its forwards should take by the measured costs
     ahead_id: int  # names its drafts on the draft side (compiled graph)
     future: asyncio.Future | None = None  # plain calls: -> Reply with a Proposal [B, G'+1]: guess, then block k+1
+    branches: int = 0  # rejection points per row that get a block too (compiled graph, all rows greedy)
 
     def call(self, num_draft: list[int]) -> AheadCall:
         """The AheadCall a graph execution carries (rows with g_b > 0 hold a placeholder token)."""
         return AheadCall(self.ahead_id, self.rows, num_draft, [s.stop_ids for s in self.plan.seqs],
-                         self.plan.num_positions + 1, self.plan.sampling, self.uniforms)
+                         self.plan.num_positions + 1, self.plan.sampling, self.uniforms, self.branches)
 
 
 @dataclass
@@ -110,6 +123,7 @@ class Prepared:
     states: dict[int, torch.Tensor]  # row -> generator state before its draws (matched rows only)
     owners: list[Sequence]  # [B] the rows themselves (the plan's are optimistic copies)
     ahead_id: int | None = None  # graph: the draft side holds tokens and q under this id (probs None here)
+    sources: list[int] | None = None  # [B] each row's row among the ahead call's (a branch's: past B)
 
 
 class Pipeline:
@@ -118,7 +132,7 @@ class Pipeline:
         self.policy: OverlappedPolicy = host.policy
         self._prepared: Prepared | None = None
         self._ahead_ids = itertools.count(1)
-        for key in ("pipelined_steps", "pipelined_prepared", "pipelined_hits"):
+        for key in ("pipelined_steps", "pipelined_prepared", "pipelined_hits", "pipelined_branch_hits"):
             host._totals.setdefault(key, 0)
 
     # -- the step -------------------------------------------------------------------------------
@@ -193,7 +207,7 @@ class Pipeline:
                 _restore(seqs, saved)
             return outputs
         plan, widths = _combine_plan(seqs, used, prepared, fresh_plan)
-        block = None if prepared is None else Block(prepared.ahead_id, used, plan.num_positions)
+        block = None if prepared is None else Block(prepared.ahead_id, _held_rows(prepared, used), plan.num_positions)
         ahead = self._plan_ahead(plan, widths)
         draft = fresh_plan  # the rows the draft side proposes for (None: every row was prepared)
 
@@ -289,9 +303,13 @@ class Pipeline:
             guess = torch.full((len(seqs), 1), GUESS_UNIFORM)
             uniforms = torch.cat([guess, ahead_plan.draft_uniforms], dim=1)  # [B, G'+1]
         self.host._totals["pipelined_prepared"] += 1
-        expected = self.host._predicted("draft", rows, ahead_plan.num_positions + 1)
+        branches = 0
+        if drafts is None and ahead_plan.sampling.all_greedy:  # branches: on the graph, greedy rows
+            branches = self.policy.branches_for([self.policy.alpha(s.acceptance) for s in seqs], plan.num_positions)
+        forks = [RowInput(seqs[b].request_id, 0, [0]) for b, _ in branch_points(num_draft, branches)]  # one token each
+        expected = self.host._predicted("draft", rows + forks, ahead_plan.num_positions + 1)
         return Ahead(ahead_plan, rows, uniforms, [s.num_tokens for s in optimistic], states, time.perf_counter(),
-                     self.host._allowed("draft", expected), expected, next(self._ahead_ids))
+                     self.host._allowed("draft", expected), expected, next(self._ahead_ids), branches=branches)
 
     def _launch(self, plan: StepPlan, proposal: Proposal, widths: list[int]) -> Ahead | None:
         """Plan block k+1 and send the ahead call on a plain actor call."""
@@ -336,26 +354,52 @@ class Pipeline:
                 by_id[rid].draft_len = min(by_id[rid].draft_len, valid)
             _restore(seqs, ahead.states)
             return (), reply.seconds
-        tokens = reply.result.tokens  # [B, G'+1] guess, then block k+1
-        guesses = tokens[:, 0].tolist()
-        full = [a == g for a, g in zip(verdict.num_accepted, plan.num_draft.tolist())]
-        right = [f and nxt == guess for f, nxt, guess in zip(full, verdict.next_token, guesses)]
-        self.policy.observe_guesses(sum(right), sum(full))
-        matched = [r and s.finish_reason is None and s.num_tokens == n
-                   for r, s, n in zip(right, seqs, ahead.num_tokens)]
+        tokens = reply.result.tokens  # [B + F, G'+1]: the guess (a branch: its correction), then block k+1
+        num_draft = plan.num_draft.tolist()
+        sources, num_tokens = self._match(ahead, verdict, num_draft, tokens[:, 0].tolist())
+        matched = [src is not None and s.finish_reason is None and s.num_tokens == n
+                   for src, s, n in zip(sources, seqs, num_tokens)]
         _restore(seqs, {b: state for b, state in ahead.states.items() if not matched[b]})
         if any(matched):
             width = ahead.plan.num_positions
             for s, m in zip(seqs, matched):  # the draft holds the row plus block k+1's first G'-1 drafts
                 if m:
                     s.draft_len = s.num_tokens + width - 1
+            self.host._totals["pipelined_branch_hits"] += sum(
+                m and src >= len(seqs) for m, src in zip(matched, sources))
+            rows = [src if m else b for b, (src, m) in enumerate(zip(sources, matched))]  # [B]
             probs = reply.result.probs
             self._prepared = Prepared(
-                ahead.plan, tokens[:, 1:], None if probs is None else probs[:, 1:],
-                {s.request_id: b for b, (s, m) in enumerate(zip(seqs, matched)) if m}, list(ahead.num_tokens),
+                ahead.plan, tokens[rows, 1:], None if probs is None else probs[rows, 1:],
+                {s.request_id: b for b, (s, m) in enumerate(zip(seqs, matched)) if m}, num_tokens,
                 {b: state for b, state in ahead.states.items() if matched[b]}, list(seqs),
-                None if held_here else ahead.ahead_id)
+                None if held_here else ahead.ahead_id, rows)
         return reply.result.forwards, reply.seconds
+
+    def _match(self, ahead: Ahead, verdict: Verdict, num_draft: list[int], heads: list[int]):
+        """Which of the ahead call's rows holds each row's next block, if any: its own (every draft
+        accepted, bonus = guess) or a branch's (rejected at the branch's position, and the target's
+        token there = its correction). heads: [B + F] the token before each ahead row's block.
+        Teaches the policy both rates. -> (per row: its ahead row or None, per row: the token count
+        that ahead row assumed)."""
+        batch = len(num_draft)
+        full = [a == g for a, g in zip(verdict.num_accepted, num_draft)]
+        sources = [b if f and nxt == heads[b] else None
+                   for b, (f, nxt) in enumerate(zip(full, verdict.next_token))]
+        self.policy.observe_guesses(sum(s is not None for s in sources), sum(full))
+        num_tokens = list(ahead.num_tokens)
+        points = branch_points(num_draft, ahead.branches) if len(heads) > batch else []
+        tried = right = 0
+        for r, (b, i) in enumerate(points, start=batch):
+            if verdict.num_accepted[b] != i - 1:
+                continue
+            tried += 1
+            if verdict.next_token[b] == heads[r]:
+                right += 1
+                sources[b] = r
+                num_tokens[b] = ahead.num_tokens[b] - (num_draft[b] + 1 - i)  # its tokens, d_1..d_{i-1}, the correction
+        self.policy.observe_alternates(right, tried)
+        return sources, num_tokens
 
     def _take(self, seqs: list[Sequence]) -> tuple[Prepared | None, list[int | None]]:
         """The prepared block and, per row of this step, its row there (None: draft it afresh).
@@ -431,6 +475,19 @@ def combine_drafts(used: list[int | None], width: int, prepared: tuple, fresh: t
         if probs is not None and q is not None:
             probs[b, :g] = q[row, :g]
     return tokens, probs
+
+
+def branch_points(num_draft: list[int], branches: int) -> list[tuple[int, int]]:
+    """The ahead call's branch rows, in the order the draft side appends them after the B rows:
+    (row b, rejection position i, 1-based) for i up to min(g_b, branches). A branch drafts
+    block k+1 from the row's tokens, its first i-1 drafts and the draft's runner-up at position i."""
+    return [(b, i) for b, g in enumerate(num_draft) for i in range(1, min(g, branches) + 1)]
+
+
+def _held_rows(prepared: Prepared, used: list[int | None]) -> list[int | None]:
+    """Block.rows: per row of the step, its row among the ahead call's rows the draft side holds."""
+    sources = prepared.sources or list(range(len(prepared.owners)))
+    return [None if u is None else sources[u] for u in used]
 
 
 def _sources(used: list[int | None]) -> list[tuple[int, int]]:

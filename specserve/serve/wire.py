@@ -46,7 +46,8 @@ class Block:
     a block it prepared during the last execution, the others from this execution's propose."""
 
     prepared_id: int  # the AheadCall whose drafts the prepared rows take
-    rows: list[int | None]  # per row of the step: its row in that prepared block; None: fresh (in order)
+    rows: list[int | None]  # per row of the step: its row among that call's drafted rows (a branch's
+    # past B: its fork becomes the request's cache); None: fresh (in order)
     width: int  # G of the assembled block
 
 
@@ -64,6 +65,9 @@ class AheadCall:
     num_tokens: int  # G' + 1: the bonus guess, then block k+1
     sampling: BatchSampling
     uniforms: torch.Tensor | None  # [B, G' + 1]
+    # Rejection points per row that get a branch of their own (`pipeline.branch_points`): at each
+    # of a greedy row's first `branches` drafts, the draft's runner-up there, then block k+1 after it
+    branches: int = 0
 
 
 @dataclass(frozen=True)
@@ -104,7 +108,7 @@ class StepReply:
 
 
 def light(proposal: Proposal) -> Proposal:
-    """A proposal without q (token ids and timings only): what goes back to the coordinator."""
+    """A proposal without q or runner-ups (token ids and timings only): what goes back to the coordinator."""
     return Proposal(proposal.tokens, None, proposal.forwards, proposal.deterministic, proposal.num_draft)
 
 
@@ -216,14 +220,15 @@ def _encode(m):
                      _sampling(m.draft_sampling), _encode(m.ahead), m.draft_nap_s)
     if kind is AheadCall:
         return "a", (m.ahead_id, _rows(m.rows), m.num_draft, m.stop_ids, m.num_tokens, _sampling(m.sampling),
-                     _tensor(m.uniforms))
+                     _tensor(m.uniforms), m.branches)
     if kind is Reply:
         return "r", (_encode(m.result), m.seconds, m.misses, m.draft_misses)
     if kind is StepReply:
         return "s", (_encode(m.proposal), _encode(m.verdict), m.draft_misses, m.target_misses, m.draft_seconds,
                      m.target_seconds, _encode(m.ahead))
     if kind is Proposal:
-        return "p", (_tensor(m.tokens), _tensor(m.probs), _times(m.forwards), m.deterministic, _tensor(m.num_draft))
+        return "p", (_tensor(m.tokens), _tensor(m.probs), _times(m.forwards), m.deterministic, _tensor(m.num_draft),
+                     _tensor(m.alternates))
     if kind is Verdict:
         return "v", (m.num_accepted, m.next_token, _times(m.forwards), m.draft_tokens)
     out = io.BytesIO()
@@ -240,13 +245,13 @@ def _decode(e):
         return StepCall(_unrows(f[0]), f[1], _unsampling(f[2]), _untensor(f[3]), _unrows(f[4]), _untensor(f[5]),
                         _untensor(f[6]), _untensor(f[7]), block, _unsampling(f[9]), _decode(f[10]), f[11])
     if kind == "a":
-        return AheadCall(f[0], _unrows(f[1]), f[2], f[3], f[4], _unsampling(f[5]), _untensor(f[6]))
+        return AheadCall(f[0], _unrows(f[1]), f[2], f[3], f[4], _unsampling(f[5]), _untensor(f[6]), f[7])
     if kind == "r":
         return Reply(_decode(f[0]), f[1], f[2], f[3])
     if kind == "s":
         return StepReply(_decode(f[0]), _decode(f[1]), f[2], f[3], f[4], f[5], _decode(f[6]))
     if kind == "p":
-        return Proposal(_untensor(f[0]), _untensor(f[1]), _untimes(f[2]), f[3], _untensor(f[4]))
+        return Proposal(_untensor(f[0]), _untensor(f[1]), _untimes(f[2]), f[3], _untensor(f[4]), _untensor(f[5]))
     if kind == "v":
         return Verdict(f[0], f[1], _untimes(f[2]), f[3])
     return pickle.loads(f)

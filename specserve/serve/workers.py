@@ -26,12 +26,13 @@ import torch
 
 from specserve.config import ColocatedDrafter, FeatureDrafter, ModelSource
 from specserve.engine import CacheMiss, DraftModelProposer, Proposal, RowInput, TargetVerifier
+from specserve.engine.proposers import branch_id
 from specserve.engine.engine import model_eos_ids
 from specserve.engine.step import empty_proposal, verified_counts
 from specserve.engine.sampling import BatchSampling
 
-from .wire import Block, Reply, StepCall, StepReply, light, pack, pack_pair, unpack
-from .pipeline import combine_drafts
+from .wire import AheadCall, Block, Reply, StepCall, StepReply, light, pack, pack_pair, unpack
+from .pipeline import branch_points, combine_drafts
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,8 @@ class _Worker:
         # the draft side of a compiled step graph (DraftWorker.graph_propose / graph_ahead)
         self._proposing = False  # inside graph_propose (waiting for the lock included)
         self._step: tuple[StepCall, Proposal | None] | None = None  # the last graph_propose: call, block k
-        self._aheads: dict[int, Proposal] = {}  # ahead id -> its proposal [B, G'+1] (q included); the last two
+        self._aheads: dict[int, _Held] = {}  # ahead id -> what its call drafted (q included); the last two
+        self._branches: dict[str, str] = {}  # branch cache name -> its request (a branch lives one step)
         self._torch_threads = torch_threads
         self._thread_state = threading.local()
         self._threads_here()
@@ -141,10 +143,12 @@ class _Worker:
         """ForwardTimings of a few dummy forwards, so the coordinator's γ policy starts measured."""
         return self.model.runner.time_forwards()
 
-    def _propose_step(self, call: StepCall) -> Reply:
+    def _propose_step(self, call: StepCall, alternates: bool = False) -> Reply:
         if call.num_positions == 0:
             return Reply(empty_proposal(len(call.draft_rows)), 0.0)
         sampling = call.sampling if call.draft_sampling is None else call.draft_sampling
+        if alternates:  # runner-ups for the ahead call's branches (DraftWorker only)
+            return self.propose(call.draft_rows, call.num_positions, sampling, call.draft_uniforms, alternates=True)
         return self.propose(call.draft_rows, call.num_positions, sampling, call.draft_uniforms)
 
     def node_id(self) -> str:
@@ -320,6 +324,16 @@ class DraftWorker(_Worker):
         except Exception as err:  # the target restarting or gone: its recovery is the coordinator's
             logger.warning("feature pull failed (%s): drafting without them this step", type(err).__name__)
 
+    def free(self, request_ids: list[str]) -> None:
+        with self._lock:
+            gone = set(request_ids)
+            self._drop_branches([b for b, rid in self._branches.items() if rid in gone])
+            super().free(request_ids)
+
+    def num_cached(self) -> int:
+        with self._lock:
+            return self.model.runner.num_cached() - len(self._branches)
+
     def proposing(self) -> bool:
         """Whether graph_propose is running (the coordinator's late-draft probe; takes no lock, so
         it answers while an ahead call, which may rightly outlast the draft's deadline, runs)."""
@@ -339,30 +353,63 @@ class DraftWorker(_Worker):
         try:
             with self._lock:
                 self._threads_here()
-                reply = self._propose_step(call)
-                if reply.result is not None and call.block is not None:
-                    reply = Reply(self._assemble(call.block, reply.result), reply.seconds)
+                held = self._adopt(call.block)
+                reply = self._propose_step(call, alternates=self._branching(call.ahead))
+                if reply.result is not None and held is not None:
+                    reply = Reply(self._assemble(call.block, held, reply.result), reply.seconds)
                 self._step = (call, reply.result)
                 return pack(reply)
         finally:
             self._proposing = False
 
-    def _assemble(self, block: Block, fresh: Proposal) -> Proposal:
-        prepared = self._aheads.get(block.prepared_id)
-        if prepared is None:
+    def _branching(self, ahead: AheadCall | None) -> bool:
+        """Whether this step's ahead call drafts branches (then block k needs its runner-ups)."""
+        return ahead is not None and ahead.branches > 0 and self.model.can_branch and ahead.sampling.all_greedy
+
+    def _adopt(self, block: Block | None) -> _Held | None:
+        """Before a step: the prepared block it uses (None: none); each used branch becomes its
+        request's cache, and every other branch (they live one step) is freed."""
+        held = None if block is None else self._aheads.get(block.prepared_id)
+        if block is not None and held is None:
             raise RuntimeError(f"prepared block {block.prepared_id} is not held here")
+        for row in (block.rows if block is not None else ()):
+            name = None if row is None else held.branches[row]
+            if name is not None:
+                if name not in self._branches:
+                    raise RuntimeError(f"branch {name!r} of block {block.prepared_id} is not held here")
+                self.model.adopt(name, self._branches.pop(name))
+        self._drop_branches(list(self._branches))
+        return held
+
+    def _drop_branches(self, names: list[str]) -> None:
+        for name in names:
+            self._branches.pop(name, None)
+            self.model.free(name)
+
+    @staticmethod
+    def _assemble(block: Block, held: _Held, fresh: Proposal) -> Proposal:
+        """Block k from the held rows block.rows names and this step's fresh drafts."""
+        prepared = held.proposal
         probs = None if prepared.probs is None else prepared.probs[:, 1:]
         tokens, probs = combine_drafts(block.rows, block.width, (prepared.tokens[:, 1:], probs),
                                        (fresh.tokens, fresh.probs))
-        return Proposal(tokens, probs, fresh.forwards)
+        alternates = None
+        if prepared.alternates is not None and (fresh.alternates is not None or all(r is not None for r in block.rows)):
+            alternates = combine_drafts(block.rows, block.width, (prepared.alternates[:, 1:], None),
+                                        (fresh.alternates if fresh.alternates is not None else fresh.tokens, None))[0]
+        return Proposal(tokens, probs, fresh.forwards, alternates=alternates)
 
     @_serialised
     def graph_ahead(self, drafted: bytes) -> bytes:
         """The draft side's second node (pipelined graphs): after block k went to the target, draft
         the step's AheadCall from block k's last drafts, keep it (q included) for the next step's
         block, and return it without q. `drafted` (graph_propose's output) only orders this node
-        after it; block k and its call are the ones graph_propose kept, not unpickled again. None when there is no ahead call (or block k missed); a
-        Reply without result or misses when a row's block k holds a stop token (no ahead then)."""
+        after it; block k and its call are the ones graph_propose kept, not unpickled again. With
+        branches (greedy rows, a draft model) the same forwards draft from forks of the rows'
+        caches at their first rejection points too, appended after the B rows (`_fork`); every
+        drafted row comes back as [the token before its block k+1, block k+1]. None when there is
+        no ahead call (or block k missed); a Reply without result or misses when a row's block k
+        holds a stop token (no ahead then)."""
         call, block = self._step or (None, None)
         self._step = None
         if call is None or call.ahead is None or block is None:
@@ -373,13 +420,35 @@ class DraftWorker(_Worker):
             if any(t in stops for t in own[:g]):
                 return pack(Reply(None, 0.0))
             rows.append(row if g == 0 else RowInput(row.request_id, row.start, [own[g - 1]]))
-        reply = self.propose(rows, ahead.num_tokens, ahead.sampling, ahead.uniforms, pull_features=False)
+        forks = self._fork(ahead, block) if self._branching(ahead) and block.alternates is not None else []
+        reply = self.propose(rows + [row for _, row in forks], ahead.num_tokens, _with_branch_rows(ahead, forks),
+                             ahead.uniforms, pull_features=False, alternates=self._branching(ahead))
         if reply.result is None:
+            self._drop_branches([name for name, _ in forks])
             return pack(reply)
-        self._aheads[ahead.ahead_id] = reply.result
+        drafted = _with_corrections(reply.result, len(rows), [row.tokens[0] for _, row in forks])
+        self._aheads[ahead.ahead_id] = _Held(drafted, [None] * len(rows) + [name for name, _ in forks])
         for old in sorted(self._aheads)[:-2]:
             del self._aheads[old]
-        return pack(Reply(light(reply.result), reply.seconds))
+        return pack(Reply(light(drafted), reply.seconds))
+
+    def _fork(self, ahead: AheadCall, block: Proposal) -> list[tuple[str, RowInput]]:
+        """The ahead call's branch rows (`branch_points`, in order): each a fork of its request's
+        cache up to its rejection point, fed the draft's runner-up there. -> [(cache name, row)]."""
+        runner_ups = block.alternates.tolist()  # [B][G]
+        forks = []
+        try:
+            for b, i in branch_points(ahead.num_draft, ahead.branches):
+                row = ahead.rows[b]
+                name = branch_id(row.request_id, i)
+                at = row.start - ahead.num_draft[b] + i  # the row's tokens and its first i - 1 drafts
+                self.model.fork(row.request_id, name, at)
+                self._branches[name] = row.request_id
+                forks.append((name, RowInput(name, at, [runner_ups[b][i - 1]])))
+        except CacheMiss:  # the request's cache lags (not expected): no branches this step, all or none
+            self._drop_branches([name for name, _ in forks])
+            return []
+        return forks
 
     def max_positions(self) -> int | None:
         return self.model.runner.max_positions
@@ -387,15 +456,18 @@ class DraftWorker(_Worker):
     @_serialised
     def propose(
         self, rows: list[RowInput], num_tokens: int, sampling: BatchSampling, uniforms: torch.Tensor | None,
-        pull_features: bool = True,
+        pull_features: bool = True, alternates: bool = False,
     ) -> Reply:
         """pull_features=False: an ahead block (pipelined), drafted while the target verifies: its
-        rows run past the committed tokens, so the target has nothing more to give yet."""
+        rows run past the committed tokens, so the target has nothing more to give yet.
+        alternates: each draft's runner-up too (a draft model's greedy rows; pipelined branches)."""
         self._injected_fault("propose")
 
         def call() -> Proposal:
             if pull_features:
                 self._pull_features(rows)
+            if alternates:
+                return self.model.propose(rows, num_tokens, sampling, uniforms, alternates=True)
             return self.model.propose(rows, num_tokens, sampling, uniforms)
         return self._run(rows, call)
 
@@ -404,6 +476,37 @@ class DraftWorker(_Worker):
         """Cache a step's prompt chunks in the draft's slots (no logits); misses as for propose."""
         self._injected_fault("prefill")
         return self._run(rows, lambda: self.model.prefill(rows))
+
+
+@dataclass
+class _Held:
+    """What an ahead call drafted, kept on the draft side for the next step's block."""
+
+    proposal: Proposal  # tokens [R, G'+1]: the token before block k+1 (guess or correction), then block k+1
+    branches: list[str | None]  # [R] the cache each row drafted in: None (its request's own) or a branch
+
+
+def _with_branch_rows(ahead: AheadCall, forks: list) -> BatchSampling:
+    """The ahead call's sampling over its B rows, then each branch row as its own row's."""
+    if not forks:
+        return ahead.sampling
+    owners = torch.tensor([b for b, _ in branch_points(ahead.num_draft, ahead.branches)])  # [F]
+    s = ahead.sampling
+    return BatchSampling(*(torch.cat([t, t[owners]]) for t in (s.temperature, s.top_k, s.top_p)))
+
+
+def _with_corrections(drafted: Proposal, batch: int, corrections: list[int]) -> Proposal:
+    """An ahead call's proposal over B rows and F branch rows -> every row as [token before block
+    k+1, block k+1]: a row's own is its bonus guess already; a branch's is its correction (what it
+    was fed), so its drafts shift right by one (its last draft, one more than needed, is dropped)."""
+    if not corrections:
+        return drafted
+    tokens, ups = drafted.tokens, drafted.alternates  # [B + F, G'+1]
+    head = torch.tensor(corrections, dtype=tokens.dtype, device=tokens.device)[:, None]  # [F, 1]
+    tokens = torch.cat([tokens[:batch], torch.cat([head, tokens[batch:, :-1]], dim=1)])
+    if ups is not None:
+        ups = torch.cat([ups[:batch], torch.cat([head, ups[batch:, :-1]], dim=1)])
+    return Proposal(tokens, drafted.probs, drafted.forwards, drafted.deterministic, drafted.num_draft, ups)
 
 
 def _rss_bytes() -> int:
