@@ -17,6 +17,12 @@ def test_bounds():
     assert bound("pipelined", 0.8, 1, 0.5, 1.0) == pytest.approx(1.8 / (1.0 + 0.36 * 0.5))
     assert bound("target-only", 0.8, 0, 0.5, 1.0) == 1.0
     assert bound("oracle", 0.8, 1, 0.5, 1.0) == pytest.approx(1.8 / 1.0)  # every prepared block used
+    # a branch at the first draft, runner-up right half the time: used 0.64 + 0.5 x 0.2 of the steps
+    branch = overlap.Branching(1, 0.5)
+    assert bound("pipelined-branches", 0.8, 1, 0.5, 1.0, branch) == pytest.approx(1.8 / (1.0 + 0.26 * 0.5))
+    dear = overlap.Branching(1, 0.5, {1: 1.0, 2: 1.2})  # two draft rows cost 1.2 of one: the ahead call leads
+    assert bound("pipelined-branches", 0.8, 1, 0.5, 1.0, dear) == pytest.approx(1.8 / (1.2 + 0.26 * 0.5))
+    assert bound("pipelined", 0.8, 1, 0.5, 1.0, branch) == bound("pipelined", 0.8, 1, 0.5, 1.0)
 
 
 def test_ceilings_at_the_issues_pair():
@@ -60,6 +66,27 @@ def test_planting_drafter_plants_only_on_the_reference():
     assert hits > 15
 
 
+def test_planting_drafter_plants_runner_ups_and_follows_its_forks():
+    """Where a planted draft is wrong, its runner-up is the true token with probability `second`;
+    a fork fed that token holds the reference again and plants; the request adopts it."""
+    from specserve.engine.proposers import branch_id
+
+    vocab = 64
+    proposer = PlantingProposer(tiny_llama(1, vocab=vocab), 0.0, vocab, seed=0, max_positions=None,
+                                execution="eager", second=1.0)
+    reference = torch.randint(0, vocab, (200,), generator=torch.Generator().manual_seed(2)).tolist()
+    proposer.references = {"r": reference}
+    out = proposer.propose([RowInput("r", 0, reference[:20])], 3, GREEDY, None, alternates=True)
+    assert out.tokens[0, 0] != reference[20] and out.alternates[0, 0] == reference[20]
+    proposer.fork("r", branch_id("r", 1), 20)
+    proposer.alpha = 1.0
+    fork = proposer.propose([RowInput(branch_id("r", 1), 20, [reference[20]])], 3, GREEDY, None, alternates=True)
+    assert fork.tokens[0].tolist() == reference[21:24]
+    proposer.adopt(branch_id("r", 1), "r")
+    assert proposer.propose([RowInput("r", 23, [reference[23]])], 2, GREEDY, None).tokens[0].tolist() == \
+        reference[24:26]
+
+
 def test_planting_drafter_plants_after_a_chunked_prefill():
     """With chunked prefill the prompt reaches the draft through `prefill`, not `propose`: its
     chunks count as reference-holding positions, so the first propose after them plants."""
@@ -94,12 +121,13 @@ def test_rounds_merge_into_medians_with_the_speedups_range():
 
     def row(speedup: float, coord: float, identical: bool = True, hit: float | None = 0.6) -> Row:
         return Row("p", "pipelined", 1, False, 0.8, 0.8, 0.5, 1.1, 96, 1.0, 90.0 * speedup, speedup, 1.5, 0.0, hit,
-                   2.0, 4.0, coord, 3.0, "compiled_graph", identical)
+                   None if hit is None else hit / 2, 2.0, 4.0, coord, 3.0, "compiled_graph", identical)
 
     merged = merge_rounds([row(1.2, 0.9), row(1.5, 2.0, hit=0.7), row(1.3, 1.1, hit=None)])
     assert merged.speedup == 1.3 and merged.coordination_p50_ms == 1.1 and merged.tokens_per_s == 117.0
     assert (merged.speedup_min, merged.speedup_max, merged.repeats) == (1.2, 1.5, 3)
     assert merged.efficiency == round(1.3 / 1.5, 3) and merged.hit_rate == 0.65 and merged.identical
+    assert merged.branch_hit_rate == 0.325
     assert not merge_rounds([row(1.2, 0.9), row(1.3, 1.0, identical=False)]).identical
     assert merge_rounds([row(1.2, 0.9)]).repeats == 1
 
@@ -119,11 +147,19 @@ def test_a_ratio_above_the_one_branch_ceiling_is_flagged_with_both_modes_costs()
     from specserve.bench.overlap import Row, above_ceiling
 
     def row(mode: str, c: float, v: float, speedup: float) -> Row:
-        return Row("p", mode, 1, False, 0.8, 0.8, c, v, 96, 1.0, 90.0, speedup, 1.5, speedup / 1.5, None,
+        return Row("p", mode, 1, False, 0.8, 0.8, c, v, 96, 1.0, 90.0, speedup, 1.5, speedup / 1.5, None, None,
                    2.0, 4.0, 2.0, 3.0, "compiled_graph", True)
 
-    rows = [row("sequential", 0.6, 1.3, 0.9), row("pipelined", 0.45, 1.0, 1.2)]
-    most = ceilings(0.8, 0.45, 1.0)["one_branch"]
-    assert above_ceiling(rows, {"p": [most - 0.01]}) == {}
-    flagged = above_ceiling(rows, {"p": [most + 0.1, most + 0.2, most - 0.5]})  # median above
+    rows = [row("sequential", 0.6, 1.3, 0.9), row("pipelined", 0.45, 1.0, 1.2), row("pipelined-branches", 0.5, 1.1, 1.3)]
+    branching = {"p": overlap.Branching(1, 0.5)}
+    most = ceilings(0.8, 0.45, 1.0, branching=branching["p"])
+    assert most["with_branches"] > most["one_branch"]
+    assert above_ceiling(rows, {"p": {"pipelined": [most["one_branch"] - 0.01]}}) == {}
+    flagged = above_ceiling(rows, {"p": {"pipelined": [most["one_branch"] + 0.1, most["one_branch"] + 0.2,
+                                                       most["one_branch"] - 0.5]}})  # median above
     assert "c 0.6, v 1.3" in flagged["p"] and "c 0.45, v 1.0" in flagged["p"]
+    # a branched ratio is held to its own, higher ceiling
+    between = (most["one_branch"] + most["with_branches"]) / 2
+    assert above_ceiling(rows, {"p": {"pipelined-branches": [between]}}, branching) == {}
+    flagged = above_ceiling(rows, {"p": {"pipelined-branches": [most["with_branches"] + 0.05]}}, branching)
+    assert "c 0.5, v 1.1" in flagged["p"]

@@ -1,7 +1,7 @@
 """Pipelined vs sequential speculation through the real coordinator loop on Ray, on CPU.
 
     specserve bench overlap [--out bench-results/overlap.json] [--tokens 96] [--prompts 3] [--quick]
-                            [--repeats 3] [--pairs 0.3:0.5]
+                            [--repeats 3] [--pairs 0.3:0.5] [--branches 1] [--second 0.5]
 
 Every configuration runs the coordinator's own step loop (`Coordinator`, as a plain Ray actor: no
 HTTP) with a TargetWorker and a DraftWorker actor, each on one core (torch threads 1), one request
@@ -12,11 +12,14 @@ at a time (batch 1), greedy:
   sequential        propose, then verify, as one compiled-graph execution (transport: compiled_graph)
   sequential-calls  the same on plain actor calls (transport: actor_calls, the default)
   pipelined         the draft drafts block k+1 while the target verifies block k
-                    (speculation.pipelined, on the compiled graph)
+                    (speculation.pipelined, on the compiled graph), one prepared block per row
+  pipelined-branches  the same, with up to --branches more blocks per row from block k's first
+                    rejection points (speculation.branches)
 
 Pairs: random-weight Llama shapes with a *controlled-acceptance drafter* (as in `bench gpu`: the
 draft runs its real forwards, so its cost is real, but proposes the target's true greedy token
-with probability α, known from the target-only run), with the draft's depth chosen so that its
+with probability α, known from the target-only run, and whose runner-up where its draft is wrong
+is the true token with probability --second), with the draft's depth chosen so that its
 forward costs c of the target's (first timed in this process, then corrected by up to two more
 probe runs until c as the workers measure it in the run is within 10%), for α in {0.6, 0.8} x c
 in {0.2, 0.5} and a low α (adaptive γ: speculation should switch itself off); and the tiny pair of
@@ -26,7 +29,9 @@ Per row: γ, α (planted and measured), c and v measured in the run (draft / tar
 token; target forward over γ+1 tokens / over 1), the bound of its cost model in units of one
 target forward (target-only: 1; sequential: E / (γc + v); pipelined:
 E / (max(v, (γ+1)c) + (1 - α^(γ+1)) γc), where E = (1 - α^(γ+1)) / (1 - α) and a prepared block is
-used with probability α^(γ+1)), the measured speedup over target-only on 1 thread, efficiency =
+used with probability α^(γ+1); with k branches it is used with probability α^(γ+1) + β₂(1 - α^k)
+and the ahead call's forwards cost what the measured draft costs say 1 + k rows cost), the
+measured speedup over target-only on 1 thread, efficiency =
 speedup / bound, the pipelined hit rate, the per-step overhead p50 / p99 (step wall time minus the
 model forwards on its critical path) and the coordination p50 / p99 (step wall time minus the time
 inside the worker methods: transport, serialisation and the coordinator's own planning). Every
@@ -56,8 +61,8 @@ import torch
 from tqdm import tqdm
 
 from specserve.engine.model_runner import ModelRunner, RowInput
-from specserve.engine.proposers import DraftModelProposer
-from specserve.engine.scheduler import expected_tokens
+from specserve.engine.proposers import DraftModelProposer, branch_owner
+from specserve.engine.scheduler import ALTERNATE_PRIOR, expected_tokens
 
 TARGET_SHAPE = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8,
                     intermediate_size=1536, vocab_size=8192)
@@ -86,28 +91,46 @@ class PlantingProposer(DraftModelProposer):
     speculative context (the pipelined loop's ahead calls): per request it tracks how many leading
     positions of its cache hold the reference, and plants true tokens (with probability α per
     position) only in a call whose whole context is the reference; any other call's drafts are
-    wrong, as a real drafter's would be useless there. Greedy rows only."""
+    wrong, as a real drafter's would be useless there. Greedy rows only.
 
-    def __init__(self, draft, alpha: float, vocab_size: int, seed: int, max_positions, execution) -> None:
+    Its runner-up at a position (what a pipelined step's branches start from) is the true token
+    with probability `second` where the planted draft is wrong, and a wrong token otherwise: the
+    top-2 coverage of a drafter is chosen like its α. Branch caches (forks of a request's) track
+    their own reference-holding prefix."""
+
+    def __init__(self, draft, alpha: float, vocab_size: int, seed: int, max_positions, execution,
+                 second: float = 0.0) -> None:
         import random
 
         super().__init__(draft, vocab_size, max_positions, execution)
         self.alpha = alpha
+        self.second = second
         self.references: dict[str, list[int]] = {}
         self.rng = random.Random(seed)
-        self._good: dict[str, int] = {}  # request id -> leading cached positions equal to its reference
+        self._good: dict[str, int] = {}  # cache name -> leading cached positions equal to its reference
         self._chosen: torch.Tensor | None = None  # [B, G]
+        self._runner_ups: torch.Tensor | None = None  # [B, G]
 
     def free(self, request_id: str) -> None:
         super().free(request_id)
         self._good.pop(request_id, None)
 
-    def propose(self, rows, num_tokens, sampling, uniforms):
+    def fork(self, request_id: str, branch: str, length: int) -> None:
+        super().fork(request_id, branch, length)
+        self._good[branch] = min(self._good.get(request_id, 0), length)
+
+    def adopt(self, branch: str, request_id: str) -> None:
+        super().adopt(branch, request_id)
+        self._good[request_id] = self._good.pop(branch, 0)
+
+    def propose(self, rows, num_tokens, sampling, uniforms, alternates: bool = False):
         if not sampling.all_greedy:
             raise ValueError("the planting drafter supports greedy rows only")
         self.runner.check(rows)
-        self._chosen = torch.tensor([self._plant(r, num_tokens) for r in rows], dtype=torch.long)
-        return super().propose(rows, num_tokens, sampling, uniforms)
+        planted = [self._plant(r, num_tokens) for r in rows]
+        self._chosen = torch.tensor([chosen for chosen, _ in planted], dtype=torch.long)
+        self._runner_ups = torch.tensor([ups for _, ups in planted], dtype=torch.long)
+        return super().propose(rows, num_tokens, sampling, uniforms, alternates=alternates)
 
     def prefill(self, rows):
         """Prompt chunks (chunked prefill) extend the reference-holding prefix like any row."""
@@ -117,40 +140,52 @@ class PlantingProposer(DraftModelProposer):
 
     def _extend(self, row: RowInput) -> int:
         """Leading cached positions equal to the reference once `row` is cached."""
-        ref = self.references.get(row.request_id, [])
+        ref = self.references.get(branch_owner(row.request_id), [])
         end = row.start + len(row.tokens)
         good = min(self._good.get(row.request_id, 0), row.start)
         return end if good == row.start and ref[row.start:end] == row.tokens else good
 
-    def _plant(self, row: RowInput, num_tokens: int) -> list[int]:
-        ref = self.references.get(row.request_id, [])
+    def _plant(self, row: RowInput, num_tokens: int) -> tuple[list[int], list[int]]:
+        """-> (this row's G drafts, their runner-ups)."""
+        ref = self.references.get(branch_owner(row.request_id), [])
         end = row.start + len(row.tokens)
         good = self._extend(row)
-        chosen = []
+        chosen, ups = [], []
         for j in range(num_tokens):
             true = ref[end + j] if good == end and end + j < len(ref) else None
-            if true is not None and self.rng.random() < self.alpha:
-                chosen.append(true)
-            else:
-                wrong = self.rng.randrange(self.vocab_size)
-                chosen.append(wrong if wrong != true else (wrong + 1) % self.vocab_size)
+            right = true is not None and self.rng.random() < self.alpha
+            chosen.append(true if right else self._wrong(true))
+            covered = not right and true is not None and self.rng.random() < self.second
+            ups.append(true if covered else self._wrong(true, chosen[-1]))
         for j, token in enumerate(chosen[: num_tokens - 1]):  # the cache holds the first G-1 drafts
             if good == end + j and end + j < len(ref) and token == ref[end + j]:
                 good += 1
         self._good[row.request_id] = good
-        return chosen
+        return chosen, ups
+
+    def _wrong(self, *avoid: int | None) -> int:
+        """A random token other than those given."""
+        token = self.rng.randrange(self.vocab_size)
+        while token in avoid:
+            token = (token + 1) % self.vocab_size
+        return token
 
     def _static_inputs(self, staged, num_tokens, sampling, uniforms, flags):
         buffers = super()._static_inputs(staged, num_tokens, sampling, uniforms, flags)
         buffers["chosen"] = self._chosen.index_select(0, staged.sorted_to_caller.cpu())
+        buffers["runner_ups"] = self._runner_ups.index_select(0, staged.sorted_to_caller.cpu())
         return buffers
 
     def _choose(self, logits, sampling, flags, inputs, j):
         super()._choose(logits, sampling, flags, inputs, j)  # the real draft's own choice: computed (cost)
         return inputs["chosen"][:, j], None
 
+    def _runner_up(self, logits, inputs, j):
+        super()._runner_up(logits, inputs, j)  # the real draft's own runner-up: computed (cost)
+        return inputs["runner_ups"][:, j]
 
-def worker_classes(draft_layers: int, draft_width: int, alpha: float, seed: int):
+
+def worker_classes(draft_layers: int, draft_width: int, alpha: float, seed: int, second: float = 0.0):
     """TargetWorker / DraftWorker subclasses that build the random pair (the config's sources are
     ignored); the draft one plants tokens and takes the references."""
     from specserve.engine import TargetVerifier
@@ -167,7 +202,7 @@ def worker_classes(draft_layers: int, draft_width: int, alpha: float, seed: int)
         def __init__(self, source, vocab_size, max_model_len, torch_threads=None, execution="auto", **_):
             _Worker.__init__(self, torch_threads)
             model = llama(draft_dims(draft_width, draft_layers), seed + 1)
-            self.model = PlantingProposer(model, alpha, vocab_size, seed, max_model_len, execution)
+            self.model = PlantingProposer(model, alpha, vocab_size, seed, max_model_len, execution, second)
 
         def set_references(self, references: dict[str, list[int]]) -> None:
             self.model.references = references
@@ -222,6 +257,7 @@ def coordinator_class(workers=None):
             transport = p50_p99_ms([r.wall - r.in_workers for r in recs])
             policy, totals = self.policy, self._totals
             one = policy.target_cost.predict(1)
+            draft_one = policy.draft_cost.predict(1) if policy.draft_cost.ready else 0.0
             return dict(
                 steps=totals["steps"], drafted=totals["spec_decode_num_draft_tokens"],
                 accepted=totals["spec_decode_num_accepted_tokens"], rejections=self.rejections,
@@ -231,6 +267,9 @@ def coordinator_class(workers=None):
                 overhead_p50_ms=overhead[0], overhead_p99_ms=overhead[1],
                 coordination_p50_ms=transport[0], coordination_p99_ms=transport[1],
                 prepared=totals.get("pipelined_prepared", 0), hits=totals.get("pipelined_hits", 0),
+                branch_hits=totals.get("pipelined_branch_hits", 0),
+                second=policy.alternate_rate() if hasattr(policy, "alternate_rate") else 0.0,
+                wider={n: policy.draft_cost.predict(n) / draft_one if draft_one else 1.0 for n in range(1, 6)},
                 transport="compiled_graph" if self.graph is not None else "actor_calls")
 
     return ray.remote(num_cpus=0.1)(BenchCoordinator)
@@ -240,7 +279,7 @@ def coordinator_class(workers=None):
 @dataclass
 class Row:
     pair: str
-    mode: str  # target-only | target-only-2t | sequential | pipelined
+    mode: str  # target-only | target-only-2t | sequential | sequential-calls | pipelined | pipelined-branches
     gamma: float  # drafts per step (mean when adaptive)
     adaptive: bool
     alpha_planted: float | None
@@ -254,6 +293,7 @@ class Row:
     bound: float
     efficiency: float
     hit_rate: float | None
+    branch_hit_rate: float | None  # prepared blocks used that were a branch's, per prepared step
     overhead_p50_ms: float  # step wall time minus model forwards on its critical path
     overhead_p99_ms: float
     coordination_p50_ms: float  # step wall time minus time inside the worker methods
@@ -265,34 +305,58 @@ class Row:
     speedup_max: float | None = None
 
 
-def bound(mode: str, alpha: float, gamma: int, c: float, v: float) -> float:
+@dataclass(frozen=True)
+class Branching:
+    """What a pipelined-branches bound assumes: up to `branches` rejection-point branches per row,
+    each right (runner-up = the target's token) with probability `second`; wider[n]: a draft
+    forward over n rows / over one (measured; absent: 1, as on a GPU at small batch)."""
+
+    branches: int = 0
+    second: float = 0.0
+    wider: dict | None = None
+
+    def rows_cost(self, rows: int) -> float:
+        return 1.0 if not self.wider or rows <= 1 else float(self.wider.get(rows, self.wider[max(self.wider)]))
+
+
+def bound(mode: str, alpha: float, gamma: int, c: float, v: float, branching: Branching = Branching()) -> float:
     """Tokens per target forward by a mode's cost model. "oracle": the pipelined loop if every
     prepared block were used (every verdict foreseen: what any number of prepared branches is
-    bounded by), limited only by max(v, (γ+1)c) per step."""
+    bounded by), limited only by max(v, (γ+1)c) per step. "pipelined-branches": k = min(branches,
+    γ) more blocks per row, from its first k rejection points, so a prepared block is used with
+    probability α^(γ+1) + β₂(1 - α^k) and the ahead call drafts 1 + k rows."""
     if mode.startswith("target-only") or gamma == 0:
         return 1.0
     e = expected_tokens(alpha, gamma)
     if mode.startswith("sequential"):
         return e / (gamma * c + v)
-    hit = 1.0 if mode == "oracle" else min(max(alpha, 0.0), 0.999) ** (gamma + 1)
-    return e / (max(v, (gamma + 1) * c) + (1 - hit) * gamma * c)
+    a = min(max(alpha, 0.0), 0.999)
+    k = min(branching.branches, gamma) if mode == "pipelined-branches" else 0
+    hit = 1.0 if mode == "oracle" else a ** (gamma + 1) + branching.second * (1 - a ** k)
+    return e / (max(v, (gamma + 1) * c * branching.rows_cost(1 + k)) + (1 - hit) * gamma * c)
 
 
-def best_gamma(mode: str, alpha: float, c: float, v_of, max_gamma: int = 6) -> int:
-    return max(range(1, max_gamma + 1), key=lambda g: bound(mode, alpha, g, c, v_of(g)))
+def best_gamma(mode: str, alpha: float, c: float, v_of, max_gamma: int = 6, branching: Branching = Branching()) -> int:
+    return max(range(1, max_gamma + 1), key=lambda g: bound(mode, alpha, g, c, v_of(g), branching))
 
 
-def ceilings(alpha: float, c: float, v: float, max_gamma: int = 6) -> dict[str, float]:
+def ceilings(alpha: float, c: float, v: float, max_gamma: int = 6,
+             branching: Branching | None = None) -> dict[str, float]:
     """Pipelined / sequential by the cost models, each at its best γ (v taken as one figure for
-    every γ): with one prepared branch, and if every verdict were foreseen."""
-    best = {mode: max(bound(mode, alpha, g, c, v) for g in range(1, max_gamma + 1))
-            for mode in ("sequential", "pipelined", "oracle")}
-    return {"one_branch": round(best["pipelined"] / best["sequential"], 3),
-            "every_verdict_foreseen": round(best["oracle"] / best["sequential"], 3)}
+    every γ): with one prepared branch, with `branching`'s branches too (when given), and if every
+    verdict were foreseen."""
+    modes = ("sequential", "pipelined", "oracle") + (("pipelined-branches",) if branching else ())
+    best = {mode: max(bound(mode, alpha, g, c, v, branching or Branching()) for g in range(1, max_gamma + 1))
+            for mode in modes}
+    out = {"one_branch": round(best["pipelined"] / best["sequential"], 3),
+           "every_verdict_foreseen": round(best["oracle"] / best["sequential"], 3)}
+    if branching:
+        out["with_branches"] = round(best["pipelined-branches"] / best["sequential"], 3)
+    return out
 
 
 def app_config(gamma: int, adaptive: bool, pipelined: bool, target_threads: int = 1, tiny: bool = False,
-               transport: str = "compiled_graph"):
+               transport: str = "compiled_graph", branches: int = 0):
     from specserve.config import AppConfig
 
     source = {"kind": "tiny", "seed": 0, "layers": 2, "hidden_size": 64}
@@ -300,7 +364,7 @@ def app_config(gamma: int, adaptive: bool, pipelined: bool, target_threads: int 
     return AppConfig.model_validate(dict(
         served_model_name="bench", target=source, draft=draft if gamma > 0 else None,
         speculation=dict(num_speculative_tokens=gamma, adaptive=adaptive, pipelined=pipelined, execution="eager",
-                         transport=transport),
+                         transport=transport, branches=branches),
         max_batch_size=4, max_model_len=1024 if not tiny else 512, request_timeout_s=600,
         target_worker=dict(num_cpus=0.5, torch_threads=target_threads),
         draft_worker=dict(num_cpus=0.5, torch_threads=1)))
@@ -366,7 +430,7 @@ def probe_pair(requests, workers, refs, tiny: bool, c_wanted: float | None, shap
     """A short sequential γ 4 run whose measured c and v choose each mode's γ. For a planted pair
     the draft's depth is corrected until c, as the workers measure it in this very set-up (their
     own threads, Ray beside them), is within 10% of the c asked for: a forward timed alone in this
-    process costs a different share. planting: (α, seed) of the planted pair.
+    process costs a different share. planting: (α, seed, runner-up rate) of the planted pair.
     -> (the probe's measurements, workers, (width, layers))."""
     while True:
         probe = run_config(app_config(4, False, False, 1, tiny), requests[:1], workers, refs)[2]
@@ -386,10 +450,13 @@ def probe_pair(requests, workers, refs, tiny: bool, c_wanted: float | None, shap
 
 def measure_pair(pair: str, requests, workers, alpha: float | None, fixed: bool, bar,
                  c_wanted: float | None = None, shape: tuple[int, int] | None = None, seed: int = 0,
-                 repeats: int = 1):
-    """Target-only (1 and 2 threads), sequential and pipelined runs of one pair, `repeats` rounds
-    of them after the probe. -> (rows merged over the rounds, the draft's (width, layers) after the
-    in-run calibration, the pipelined / sequential ratios of the rounds (graph transport))."""
+                 repeats: int = 1, branching: Branching = Branching(1, 0.0)):
+    """Target-only (1 and 2 threads), sequential, pipelined and pipelined-with-branches runs of
+    one pair, `repeats` rounds of them after the probe. branching: the branches of the last mode
+    and the planted runner-up rate (None for the tiny pair's own drafter: measured in its run).
+    -> (rows merged over the rounds, the draft's (width, layers) after the in-run calibration,
+    {"pipelined" / "pipelined-branches": its ratios over sequential, per round (graph transport)},
+    the branching its bounds assumed (the probe's draft row costs))."""
     tiny = workers is None
     base_out, base_s, base_m = run_config(app_config(0, False, False, 1, tiny), requests, workers)
     bar.update()
@@ -397,14 +464,19 @@ def measure_pair(pair: str, requests, workers, alpha: float | None, fixed: bool,
     refs = None if tiny else references
     tokens = sum(len(o) for o in base_out)
     # c and v from a short sequential probe decide each mode's γ (fixed pairs); the low-α pair adapts
-    probe, workers, shape = probe_pair(requests, workers, refs, tiny, c_wanted, shape, (alpha, seed), bar)
+    probe, workers, shape = probe_pair(requests, workers, refs, tiny, c_wanted, shape,
+                                       (alpha, seed, branching.second), bar)
+    planned = dataclasses.replace(branching, wider=probe["wider"], second=branching.second or ALTERNATE_PRIOR)
     modes = {}
-    for mode in ("sequential", "sequential-calls", "pipelined"):
+    for mode in ("sequential", "sequential-calls", "pipelined", "pipelined-branches"):
         a = alpha if alpha is not None else _alpha(probe)
-        kind = "pipelined" if mode == "pipelined" else "sequential"
-        gamma = best_gamma(kind, a, probe["c"], lambda g: probe["v"].get(g, probe["v"][4]), 4) if fixed else 4
+        kind = "sequential" if mode.startswith("sequential") else mode
+        v_of = lambda g: probe["v"].get(g, probe["v"][4])
+        gamma = best_gamma(kind, a, probe["c"], v_of, 4, planned) if fixed else 4
         transport = "actor_calls" if mode == "sequential-calls" else "compiled_graph"
-        modes[mode] = (gamma, app_config(gamma, not fixed, mode == "pipelined", 1, tiny, transport))
+        branches = branching.branches if mode == "pipelined-branches" else 0
+        modes[mode] = (gamma, app_config(gamma, not fixed, mode.startswith("pipelined"), 1, tiny, transport,
+                                         branches))
     rounds: dict[str, list[Row]] = {m: [] for m in ("target-only", "target-only-2t", *modes)}
     for round_ in range(repeats):
         if round_ > 0:
@@ -419,9 +491,12 @@ def measure_pair(pair: str, requests, workers, alpha: float | None, fixed: bool,
         for mode, (gamma, config) in modes.items():
             out, s, m = run_config(config, requests, workers, refs)
             bar.update()
-            rounds[mode].append(_row(pair, mode, gamma, not fixed, alpha, out, s, m, base_s, base_out, tokens))
-    ratios = [p.speedup / q.speedup for p, q in zip(rounds["pipelined"], rounds["sequential"])]
-    return [merge_rounds(rows) for rows in rounds.values()], shape, ratios
+            mode_branching = dataclasses.replace(branching, wider=m["wider"], second=branching.second or m["second"])
+            rounds[mode].append(_row(pair, mode, gamma, not fixed, alpha, out, s, m, base_s, base_out, tokens,
+                                     mode_branching))
+    ratios = {mode: [p.speedup / q.speedup for p, q in zip(rounds[mode], rounds["sequential"])]
+              for mode in ("pipelined", "pipelined-branches")}
+    return [merge_rounds(rows) for rows in rounds.values()], shape, ratios, planned
 
 
 def merge_rounds(rows: list[Row]) -> Row:
@@ -430,13 +505,16 @@ def merge_rounds(rows: list[Row]) -> Row:
         return rows[0]
     med = lambda name: round(statistics.median(getattr(r, name) for r in rows), 3)
     hits = [r.hit_rate for r in rows if r.hit_rate is not None]
+    branch_hits = [r.branch_hit_rate for r in rows if r.branch_hit_rate is not None]
     speedups = [r.speedup for r in rows]
     merged = {name: med(name) for name in ("gamma", "alpha", "c", "v", "seconds", "tokens_per_s", "speedup", "bound",
                                             "overhead_p50_ms", "overhead_p99_ms", "coordination_p50_ms",
                                             "coordination_p99_ms")}
     return dataclasses.replace(
         rows[0], **merged, efficiency=round(merged["speedup"] / merged["bound"], 3),
-        hit_rate=round(statistics.median(hits), 3) if hits else None, identical=all(r.identical for r in rows),
+        hit_rate=round(statistics.median(hits), 3) if hits else None,
+        branch_hit_rate=round(statistics.median(branch_hits), 3) if branch_hits else None,
+        identical=all(r.identical for r in rows),
         repeats=len(rows), speedup_min=min(speedups), speedup_max=max(speedups))
 
 
@@ -446,62 +524,73 @@ def _alpha(m: dict) -> float:
     return m["accepted"] / trials if trials else 0.0
 
 
-def _row(pair, mode, gamma, adaptive, alpha, out, seconds, m, base_seconds, base_out, tokens) -> Row:
+def _row(pair, mode, gamma, adaptive, alpha, out, seconds, m, base_seconds, base_out, tokens,
+         branching: Branching = Branching()) -> Row:
     g = m["gamma_mean"] if adaptive else gamma
     a = _alpha(m) if gamma else 0.0
     v = m["v"].get(max(int(round(g)), 1), 1.0) if gamma else 1.0
-    b = bound(mode, alpha if alpha is not None else a, int(round(g)), m["c"], v)
+    b = bound(mode, alpha if alpha is not None else a, int(round(g)), m["c"], v, branching)
     speedup = base_seconds / seconds
     hit = m["hits"] / m["prepared"] if m["prepared"] else None
+    branch_hit = m["branch_hits"] / m["prepared"] if m["prepared"] and mode == "pipelined-branches" else None
     return Row(pair, mode, round(g, 2), adaptive, alpha, round(a, 3), round(m["c"], 3), round(v, 3), tokens,
                round(seconds, 3), round(tokens / seconds, 1), round(speedup, 3), round(b, 3),
-               round(speedup / b, 3), None if hit is None else round(hit, 3), round(m["overhead_p50_ms"], 2),
+               round(speedup / b, 3), None if hit is None else round(hit, 3),
+               None if branch_hit is None else round(branch_hit, 3), round(m["overhead_p50_ms"], 2),
                round(m["overhead_p99_ms"], 2), round(m["coordination_p50_ms"], 2), round(m["coordination_p99_ms"], 2),
                m["transport"], out == base_out)
 
 
-def print_table(rows: list[Row], ratios: dict[str, list[float]]) -> None:
+def print_table(rows: list[Row], ratios: dict[str, dict[str, list[float]]],
+                branching: dict[str, Branching] | None = None) -> None:
     head = ("pair", "mode", "transport", "γ", "α", "c", "v", "tok/s", "speedup", "range", "bound", "eff", "hit",
-            "ovh p50", "p99", "coord p50", "p99", "same")
+            "branch hit", "ovh p50", "p99", "coord p50", "p99", "same")
     print(" | ".join(head))
     for r in rows:
         hit = "" if r.hit_rate is None else f"{r.hit_rate:.2f}"
+        branch_hit = "" if r.branch_hit_rate is None else f"{r.branch_hit_rate:.2f}"
         spread = "" if r.speedup_min is None else f"{r.speedup_min:.3f}-{r.speedup_max:.3f}"
         print(" | ".join(str(x) for x in (
             r.pair, r.mode, r.transport, r.gamma, r.alpha, r.c, r.v, r.tokens_per_s, r.speedup, spread, r.bound,
-            r.efficiency, hit, r.overhead_p50_ms, r.overhead_p99_ms, r.coordination_p50_ms, r.coordination_p99_ms,
-            r.identical)))
-    for pair, values in ratios.items():
-        print(f"{pair}: pipelined / sequential (graph), median of {len(values)} rounds "
-              f"{statistics.median(values):.3f} (range {min(values):.3f}-{max(values):.3f})")
-    for pair, most in pair_ceilings(rows).items():
+            r.efficiency, hit, branch_hit, r.overhead_p50_ms, r.overhead_p99_ms, r.coordination_p50_ms,
+            r.coordination_p99_ms, r.identical)))
+    for pair, by_mode in ratios.items():
+        for mode, values in by_mode.items():
+            print(f"{pair}: {mode} / sequential (graph), median of {len(values)} rounds "
+                  f"{statistics.median(values):.3f} (range {min(values):.3f}-{max(values):.3f})")
+    for pair, most in pair_ceilings(rows, branching).items():
+        extra = f", {most['with_branches']:.3f} with its branches" if "with_branches" in most else ""
         print(f"{pair}: by the cost models (c, v of its pipelined row) pipelined / sequential is at most "
-              f"{most['one_branch']:.3f} with one prepared branch, {most['every_verdict_foreseen']:.3f} "
+              f"{most['one_branch']:.3f} with one prepared branch{extra}, {most['every_verdict_foreseen']:.3f} "
               "if every verdict were foreseen")
-    for pair, why in above_ceiling(rows, ratios).items():
-        print(f"{pair}: WARNING the measured ratio is above the one-branch ceiling, which no run of this "
-              f"loop can pass: {why}")
+    for pair, why in above_ceiling(rows, ratios, branching).items():
+        print(f"{pair}: WARNING a measured ratio is above its ceiling, which no run of this loop can pass: {why}")
 
 
-def above_ceiling(rows: list[Row], ratios: dict[str, list[float]]) -> dict[str, str]:
+def above_ceiling(rows: list[Row], ratios: dict[str, dict[str, list[float]]],
+                  branching: dict[str, Branching] | None = None) -> dict[str, str]:
     """{pair: why} for each pair whose median pipelined / sequential ratio passes its one-branch
-    ceiling: a measurement fault, not a result. Its usual cause on a shared machine is that the
-    two modes ran at different machine speeds (their own c and v differ); their efficiencies
-    (speedup / own bound) are then the figures to read."""
+    ceiling (pipelined-branches: its ceiling with branches): a measurement fault, not a result.
+    Its usual cause on a shared machine is that the modes ran at different machine speeds (their
+    own c and v differ); their efficiencies (speedup / own bound) are then the figures to read."""
     out = {}
-    for pair, most in pair_ceilings(rows).items():
-        if not ratios.get(pair) or statistics.median(ratios[pair]) <= most["one_branch"]:
+    for pair, most in pair_ceilings(rows, branching).items():
+        limits = {"pipelined": most["one_branch"], "pipelined-branches": most.get("with_branches")}
+        over = [mode for mode, values in ratios.get(pair, {}).items()
+                if values and limits.get(mode) is not None and statistics.median(values) > limits[mode]]
+        if not over:
             continue
         by_mode = {r.mode: r for r in rows if r.pair == pair}
-        seq, pipe = by_mode["sequential"], by_mode["pipelined"]
-        out[pair] = (f"sequential ran at c {seq.c}, v {seq.v}, γ {seq.gamma} (efficiency {seq.efficiency}), "
-                     f"pipelined at c {pipe.c}, v {pipe.v}, γ {pipe.gamma} (efficiency {pipe.efficiency})")
+        out[pair] = "; ".join(f"{mode} ran at c {by_mode[mode].c}, v {by_mode[mode].v}, γ {by_mode[mode].gamma} "
+                              f"(efficiency {by_mode[mode].efficiency})" for mode in ("sequential", *over))
     return out
 
 
-def pair_ceilings(rows: list[Row]) -> dict[str, dict[str, float]]:
-    """{pair: ceilings(...)} from each fixed pair's pipelined row (planted α, measured c and v)."""
-    return {r.pair: ceilings(r.alpha_planted, r.c, r.v) for r in rows
+def pair_ceilings(rows: list[Row], branching: dict[str, Branching] | None = None) -> dict[str, dict[str, float]]:
+    """{pair: ceilings(...)} from each fixed pair's pipelined row (planted α, measured c and v);
+    branching: per pair, what its branches assume (adds "with_branches")."""
+    branching = branching or {}
+    return {r.pair: ceilings(r.alpha_planted, r.c, r.v, branching=branching.get(r.pair)) for r in rows
             if r.mode == "pipelined" and r.alpha_planted is not None and not r.adaptive}
 
 
@@ -588,9 +677,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=1,
                         help="rounds of every mode per pair, in rotation; rows report medians (see above)")
+    parser.add_argument("--branches", type=int, default=1,
+                        help="rejection-point branches per row of the pipelined-branches mode")
+    parser.add_argument("--second", type=float, default=0.5,
+                        help="planted pairs: how often the drafter's runner-up is the target's token where "
+                             "its draft is wrong (its top-2 coverage, like α for its top-1)")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
+    if not 0 <= args.branches <= 16 or not 0 <= args.second <= 1:
+        parser.error("--branches must be in [0, 16] and --second in [0, 1]")
 
     import ray
 
@@ -610,26 +706,28 @@ def main(argv: list[str] | None = None) -> int:
     start_ray()
     rows: list[Row] = []
     used: dict[str, tuple[int, int]] = {}  # pair -> the draft's (width, layers) after the in-run calibration
-    ratios: dict[str, list[float]] = {}  # pair -> pipelined / sequential (graph) of each round
-    runs = (6 + 5 * (args.repeats - 1)) * (len(pairs) + tiny)
+    ratios: dict[str, dict[str, list[float]]] = {}  # pair -> mode -> its / sequential's (graph), each round
+    branching: dict[str, Branching] = {}  # pair -> what its branched bound assumed
+    runs = (7 + 6 * (args.repeats - 1)) * (len(pairs) + tiny)
     try:
         with tqdm(total=runs, desc="overlap", unit="run") as bar:
             for alpha, c in pairs:
                 width, layers, _ = calibration[c]
-                workers = worker_classes(layers, width, alpha, args.seed)
+                workers = worker_classes(layers, width, alpha, args.seed, args.second)
                 pair = f"α{alpha} c{c}"
-                pair_rows, used[pair], ratios[pair] = measure_pair(
+                pair_rows, used[pair], ratios[pair], branching[pair] = measure_pair(
                     pair, requests_for(prompts, args.tokens), workers, alpha, alpha >= 0.6, bar, c, (width, layers),
-                    args.seed, args.repeats)
+                    args.seed, args.repeats, Branching(args.branches, args.second))
                 rows += pair_rows
             if tiny:
-                tiny_rows, _, ratios["tiny"] = measure_pair("tiny", requests_for(tiny_prompts, args.tokens), None,
-                                                            None, True, bar, repeats=args.repeats)
+                tiny_rows, _, ratios["tiny"], _ = measure_pair(
+                    "tiny", requests_for(tiny_prompts, args.tokens), None, None, True, bar, repeats=args.repeats,
+                    branching=Branching(args.branches, 0.0))
                 rows += tiny_rows
         floor = transport_floor()
     finally:
         ray.shutdown()
-    print_table(rows, ratios)
+    print_table(rows, ratios, branching)
     print("transport floor (echo actors, 2 KB): " + "; ".join(
         f"{name} p50 {t['p50_ms']} ms, p99 {t['p99_ms']} ms" for name, t in floor.items()))
     out = Path(args.out)
@@ -637,12 +735,13 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps({
         "bench": "overlap", "machine": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
         "tokens_per_request": args.tokens, "requests": args.prompts, "repeats": args.repeats,
+        "branches": args.branches, "runner_up_planted": args.second,
         "draft_shapes": {str(c): {"width": w, "layers": n, "c_calibrated": round(r, 3)}
                          for c, (w, n, r) in calibration.items()},
         "draft_shapes_used": {pair: {"width": w, "layers": n} for pair, (w, n) in used.items()},
         "transport_floor": floor, "pipelined_over_sequential": ratios,
-        "pipelined_over_sequential_at_most": pair_ceilings(rows),
-        "above_ceiling": above_ceiling(rows, ratios), "rows": [asdict(r) for r in rows]}, indent=1))
+        "pipelined_over_sequential_at_most": pair_ceilings(rows, branching),
+        "above_ceiling": above_ceiling(rows, ratios, branching), "rows": [asdict(r) for r in rows]}, indent=1))
     print(f"wrote {out}")
     return 0 if all(r.identical for r in rows) else 1
 
