@@ -216,6 +216,24 @@ def test_pipelined_branches_on_the_graph_are_the_targets_greedy(local_coordinato
     assert asyncio.run(coordinator.num_cached()) == {"target": 0, "draft": 0}
 
 
+def test_branches_stay_within_the_kv_budget(local_coordinator):
+    """A fork is one more draft cache slot: with max_cached_tokens set, a step prepares only the
+    branches whose slots fit beside the running batch (here one request to the context limit fits,
+    its fork does not: (1 + 1) x 512 positions against (2 + 1) x 512)."""
+    params = [SamplingParams(temperature=0.0, max_tokens=251, ignore_eos=True)]
+    outs = {}
+    for budget in (None, 1024):
+        coordinator = local_coordinator(config(pipelined=True, gamma=3, max_cached_tokens=budget))
+        coordinator.policy.max_branches = 2
+        graph = on_graph(coordinator)
+        _alternate_preparing(coordinator)
+        outs[budget] = generate(coordinator, PROMPTS[:1], params)
+        aheads = [c.ahead for c in graph.calls if c.ahead is not None]
+        assert aheads and all(a.branches == (0 if budget else 2) for a in aheads if min(a.num_draft) >= 2)
+    target = coordinator.target._obj.model.runner.model
+    assert outs[None] == outs[1024] == [hf_greedy(target, PROMPTS[0], 251)]
+
+
 def test_branches_skip_a_batch_with_sampled_rows(local_coordinator):
     """A step whose batch samples prepares only the full-acceptance block (a sampled row's
     correction is random): seeded rows draw the sequential loop's numbers beside greedy ones."""

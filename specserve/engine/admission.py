@@ -74,6 +74,15 @@ class Admission:
         """Token positions the running batch may allocate on each worker (what the budget bounds)."""
         return allocation(list(self._needs.values()))
 
+    def fits_extra_slots(self, extra: int) -> bool:
+        """Whether the running batch plus `extra` more cache slots, each as long as the longest
+        running request's (a pipelined step's branch forks on the draft worker), stays within
+        the budget."""
+        if self.budget is None or extra <= 0:
+            return True
+        needs = list(self._needs.values())
+        return allocation(needs + [max(needs, default=0)] * extra) <= self.budget
+
     def _fits(self, seq: Sequence) -> bool:
         if len(self.running) >= self.max_batch_size:
             return False

@@ -123,9 +123,10 @@ class SlotKVCache:
                 keys[dst].copy_(keys[src])
                 values[dst].copy_(values[src])
 
-    def copy_prefix(self, src: int, dst: int, length: int) -> None:
-        """Copy the first `length` positions of slot src into slot dst (a fork of a request's cache),
-        growing every allocated layer first when dst lies past its slots (the scratch slot moves up)."""
+    def copy_positions(self, src: int, dst: int, start: int, end: int) -> None:
+        """Copy positions [start, end) of slot src into slot dst (a fork of a request's cache, or
+        what a fork drafted, back), growing every allocated layer first when dst lies past its
+        slots (the scratch slot moves up)."""
         self._num_slots = max(self._num_slots, dst + 2)  # dst, then scratch
         for i, keys in enumerate(self._keys):
             if keys is None:
@@ -133,7 +134,7 @@ class SlotKVCache:
             if keys.shape[0] < self._num_slots:
                 self._grow(i, keys)
             for store in (self._keys[i], self._values[i]):
-                store[dst, :, :length] = store[src, :, :length]
+                store[dst, :, start:end] = store[src, :, start:end]
 
     def allocated(self) -> tuple[int, int]:
         """(slots, positions) the storage is sized for, the scratch slot included."""

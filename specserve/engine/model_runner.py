@@ -203,6 +203,7 @@ class ModelRunner:
         self._slot_of: dict[str, int] = {}
         self._valid: dict[str, int] = {}
         self._slot_owner: list[str] = []  # slot -> request id, dense
+        self._forked_at: dict[str, tuple[str, int]] = {}  # fork -> (its request, positions copied from it)
         self._blocks: dict[tuple[int, int], torch.Tensor] = {}  # (B', Q) -> static input block
         self._pending: list[tuple] = []  # every forward since the log was last taken
         self._compiled: Callable | None = None
@@ -219,6 +220,7 @@ class ModelRunner:
         """Forget a request; the last live slot moves into its place so that live slots stay dense."""
         slot = self._slot_of.pop(request_id, None)
         freed_length = self._valid.pop(request_id, 0)
+        self._forked_at.pop(request_id, None)
         if slot is None:
             return
         last = len(self._slot_owner) - 1
@@ -239,19 +241,21 @@ class ModelRunner:
         self.free(branch_id)
         dst = self._slot(branch_id)
         if length:
-            self.cache.copy_prefix(self._slot_of[request_id], dst, length)
+            self.cache.copy_positions(self._slot_of[request_id], dst, 0, length)
         self._valid[branch_id] = length
+        self._forked_at[branch_id] = (request_id, length)
 
     def adopt(self, branch_id: str, request_id: str) -> None:
-        """request_id's cache becomes branch_id's (its fork whose guess the verdict confirmed); the
-        request's old cache and the name branch_id are gone."""
-        if branch_id not in self._slot_of:
-            raise KeyError(f"no branch {branch_id!r} to adopt")
-        self._slot(request_id)
-        mine, theirs = self._slot_of[branch_id], self._slot_of[request_id]
-        self._slot_of[branch_id], self._slot_of[request_id] = theirs, mine
-        self._slot_owner[theirs], self._slot_owner[mine] = branch_id, request_id
-        self._valid[branch_id], self._valid[request_id] = self._valid[request_id], self._valid[branch_id]
+        """request_id goes on from its fork branch_id (whose guess the verdict confirmed): the
+        positions the fork wrote past its fork point are copied into the request's slot (the
+        request's own slot holds the same prefix), and the fork is freed. Freeing forks newest
+        first keeps them the last live slots, so no slot moves."""
+        owner, at = self._forked_at.get(branch_id, (None, 0))
+        if owner != request_id or branch_id not in self._slot_of:
+            raise KeyError(f"no branch {branch_id!r} of {request_id!r} to adopt")
+        end = self._valid[branch_id]
+        self.cache.copy_positions(self._slot_of[branch_id], self._slot_of[request_id], at, end)
+        self._valid[request_id] = end
         self.free(branch_id)
 
     def _maybe_shrink(self, freed_length: int) -> None:

@@ -27,7 +27,8 @@ draft's runner-up there (its likeliest correction, `Proposal.alternates`) and dr
 after it, all in the same batched forwards as the optimistic rows. The verdict picks at most one
 block per row (`_match`): the row's own, or the branch whose position was the first rejected and
 whose runner-up the target chose. The next execution tells the draft side which (`Block.rows`
-name the held rows); a used fork becomes the request's cache, the others are freed. The policy
+name the held rows); what a used fork drafted is copied into the request's cache, and every fork
+is freed. The policy
 chooses k, none where the extra rows cost more than the misses they save (`OverlappedPolicy`).
 Which block is verified never changes a token: greedy rows verify whatever they are given.
 
@@ -306,6 +307,8 @@ class Pipeline:
         branches = 0
         if drafts is None and ahead_plan.sampling.all_greedy:  # branches: on the graph, greedy rows
             branches = self.policy.branches_for([self.policy.alpha(s.acceptance) for s in seqs], plan.num_positions)
+            while branches and not self.host.admission.fits_extra_slots(len(branch_points(num_draft, branches))):
+                branches -= 1  # their forks would take the draft's cache past max_cached_tokens
         forks = [RowInput(seqs[b].request_id, 0, [0]) for b, _ in branch_points(num_draft, branches)]  # one token each
         expected = self.host._predicted("draft", rows + forks, ahead_plan.num_positions + 1)
         return Ahead(ahead_plan, rows, uniforms, [s.num_tokens for s in optimistic], states, time.perf_counter(),

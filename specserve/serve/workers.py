@@ -372,17 +372,20 @@ class DraftWorker(_Worker):
         held = None if block is None else self._aheads.get(block.prepared_id)
         if block is not None and held is None:
             raise RuntimeError(f"prepared block {block.prepared_id} is not held here")
-        for row in (block.rows if block is not None else ()):
-            name = None if row is None else held.branches[row]
-            if name is not None:
-                if name not in self._branches:
-                    raise RuntimeError(f"branch {name!r} of block {block.prepared_id} is not held here")
-                self.model.adopt(name, self._branches.pop(name))
-        self._drop_branches(list(self._branches))
+        used = {held.branches[row] for row in block.rows if row is not None} - {None} if block else set()
+        if used - set(self._branches):
+            raise RuntimeError(f"branches {sorted(used - set(self._branches))} of block {block.prepared_id} "
+                               "are not held here")
+        for name in reversed(list(self._branches)):  # newest first: each is the last live slot
+            owner = self._branches.pop(name)
+            if name in used:
+                self.model.adopt(name, owner)
+            else:
+                self.model.free(name)
         return held
 
     def _drop_branches(self, names: list[str]) -> None:
-        for name in names:
+        for name in reversed(names):  # newest first: each is the last live slot
             self._branches.pop(name, None)
             self.model.free(name)
 
