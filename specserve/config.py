@@ -160,7 +160,8 @@ class SpeculationConfig(_Strict):
     # of block k (its first drafts) corrected to the draft's runner-up token there (speculative
     # speculative decoding). The policy uses fewer, or none, where the extra draft rows cost more
     # than the steps they save. Outputs are unchanged (the verdict decides which block is used).
-    branches: int = Field(1, ge=0, le=16)
+    # Off by default: on the 2-core CPU machine they lost in `bench overlap` (docs/serving.md).
+    branches: int = Field(0, ge=0, le=16)
 
 
 _BUILTIN_RESOURCES = frozenset({"cpu", "gpu", "memory", "object_store_memory"})
