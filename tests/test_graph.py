@@ -43,6 +43,16 @@ class InProcessGraph:
         self.ahead = coordinator.pipeline is not None and self.draft is not None  # as StepGraph builds it
         self.nap_share = 0.0  # nap(expected) = nap_share * expected (StepGraph: learned from executions)
         self.calls: list[StepCall] = []
+        self._pair, self.reshapes, self.reshaping = (self.draft, self.ahead), 0, False
+
+    @property
+    def solo(self) -> bool:
+        return self._pair[0] is not None and self.draft is None
+
+    def reshape(self, solo: bool) -> None:
+        if solo != self.solo:
+            self.draft, self.ahead = (None, False) if solo else self._pair
+            self.reshapes, self.reshaping, self.ready = self.reshapes + 1, True, False
 
     def nap(self, expected: float) -> float:
         return self.nap_share * expected
@@ -83,7 +93,7 @@ class InProcessGraph:
         return not self.ready
 
     async def rebuild(self) -> None:
-        self.ready, self.builds = True, self.builds + 1
+        self.ready, self.builds, self.reshaping = True, self.builds + 1, False
 
 
 def on_graph(coordinator, **kw) -> InProcessGraph:
@@ -247,6 +257,50 @@ def test_branches_skip_a_batch_with_sampled_rows(local_coordinator):
     assert generate(coordinator, PROMPTS, params) == sequential
     sampled = [c.ahead for c in graph.calls if c.ahead is not None and not c.ahead.sampling.all_greedy]
     assert sampled and all(ahead.branches == 0 for ahead in sampled)
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_a_pair_graph_that_stops_drafting_becomes_the_targets_alone_and_comes_back(local_coordinator, monkeypatch,
+                                                                                 pipelined):
+    """Once the last steps drafted next to nothing, the graph is rebuilt as the target's alone (an
+    idle draft actor in the pair's graph still spins a core between naps): target-only steps run
+    on it, steps with drafts on plain calls, tokens unchanged. Once steps draft again it goes back
+    to the pair's graph. Each change waits out the interval since the last."""
+    import specserve.serve.coordinator as module
+
+    monkeypatch.setattr(module, "_GRAPH_KEEPER_PERIOD_S", 3600.0)  # only the explicit checks below
+    coordinator = local_coordinator(config(pipelined=pipelined, gamma=2))
+    graph = on_graph(coordinator)
+    target = coordinator.target._obj.model.runner.model
+    params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)]
+    expected = [hf_greedy(target, PROMPTS[1], 20)]
+    coordinator._drafted.extend([False] * (module._SOLO_WINDOW - 1))
+    coordinator._maybe_reshape()
+    assert not graph.solo  # the window is not full yet
+    coordinator._drafted.extend([True] * 4)  # full, but 4 drafting steps of 64 are over the share
+    coordinator._maybe_reshape()
+    assert not graph.solo
+    coordinator._drafted.extend([False] * module._SOLO_WINDOW)
+    coordinator._maybe_reshape()
+    assert graph.solo and not graph.ready and graph.reshaping and graph.breaks == 0
+    asyncio.run(graph.rebuild())
+    executions = graph.executions
+    assert generate(coordinator, PROMPTS[1:2], params) == expected  # every step drafts (γ 2 fixed)
+    assert graph.executions == executions and coordinator._totals["graph_steps"] == 0  # all on plain calls
+    coordinator._draft_ok = False  # the draft out: target-only steps, which the target's graph runs
+    assert generate(coordinator, PROMPTS[1:2], params) == expected
+    assert graph.executions - executions == 20 == graph.target_only_calls  # one token a step
+    coordinator._draft_ok = True
+    coordinator._maybe_reshape()
+    assert graph.solo  # within the interval since the last change
+    monkeypatch.setattr(coordinator, "_reshaped_at", -module._RESHAPE_EVERY_S)
+    coordinator._drafted.extend([True] * module._PAIR_WINDOW)
+    coordinator._maybe_reshape()
+    assert not graph.solo and graph.reshapes == 2
+    asyncio.run(graph.rebuild())
+    drafting = graph.executions
+    assert generate(coordinator, PROMPTS[1:2], params) == expected
+    assert any(c.num_positions for c in graph.calls[drafting:])  # drafting steps on the pair's graph again
 
 
 def test_a_pipelined_execution_is_expected_to_last_as_long_as_its_ahead_call(local_coordinator, monkeypatch):
@@ -588,3 +642,26 @@ def test_a_worker_gives_torch_its_threads_on_every_thread_that_calls_it(monkeypa
     calls.clear()
     Probe(torch_threads=None).step()  # no setting: torch keeps its own
     assert calls == []
+
+
+def test_a_reshape_tears_the_graph_down_without_counting_a_break():
+    """StepGraph.reshape: the target's graph alone (no draft node, no ahead node) and back to the
+    pair's as it was built; the graph in hand is torn down, not counted as broken, and the keeper
+    is told to rebuild at once (`reshaping`, cleared by a build)."""
+    from specserve.serve.graph import StepGraph
+
+    async def run():
+        graph = StepGraph(target="target", draft="draft", ahead=True)
+        graph._dag = dag = _FakeDag(b"")
+        graph.reshape(True)
+        await asyncio.sleep(0.05)  # the teardown runs on the graph's thread
+        return graph, dag
+
+    graph, dag = asyncio.run(run())
+    assert graph.solo and graph.draft is None and not graph.ahead and graph.reshaping
+    assert not graph.ready and dag.torn_down and graph.breaks == 0 and graph.reshapes == 1
+    graph.reshape(True)  # already that shape: nothing
+    assert graph.reshapes == 1
+    graph.reshape(False)
+    assert not graph.solo and graph.draft == "draft" and graph.ahead and graph.reshapes == 2
+    assert not StepGraph(target="target").solo  # nothing to reshape without a draft worker

@@ -270,7 +270,8 @@ def coordinator_class(workers=None):
                 branch_hits=totals.get("pipelined_branch_hits", 0),
                 second=policy.alternate_rate() if hasattr(policy, "alternate_rate") else 0.0,
                 wider={n: policy.draft_cost.predict(n) / draft_one if draft_one else 1.0 for n in range(1, 6)},
-                transport="compiled_graph" if self.graph is not None else "actor_calls")
+                transport="compiled_graph" if self.graph is not None else "actor_calls",
+                reshapes=self.graph.reshapes if self.graph is not None else 0)
 
     return ray.remote(num_cpus=0.1)(BenchCoordinator)
 
@@ -303,6 +304,7 @@ class Row:
     repeats: int = 1  # rounds merged into this row (medians)
     speedup_min: float | None = None  # the speedup's range over the rounds
     speedup_max: float | None = None
+    reshapes: int = 0  # the step graph's changes to the target's alone and back (warm-up included)
 
 
 @dataclass(frozen=True)
@@ -538,7 +540,7 @@ def _row(pair, mode, gamma, adaptive, alpha, out, seconds, m, base_seconds, base
                round(speedup / b, 3), None if hit is None else round(hit, 3),
                None if branch_hit is None else round(branch_hit, 3), round(m["overhead_p50_ms"], 2),
                round(m["overhead_p99_ms"], 2), round(m["coordination_p50_ms"], 2), round(m["coordination_p99_ms"], 2),
-               m["transport"], out == base_out)
+               m["transport"], out == base_out, reshapes=m.get("reshapes", 0))
 
 
 def print_table(rows: list[Row], ratios: dict[str, dict[str, list[float]]],

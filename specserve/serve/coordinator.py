@@ -78,6 +78,12 @@ _CALL_ATTEMPTS = 4
 _GRAPH_KEEPER_PERIOD_S = 0.5  # how often a broken step graph is checked for a rebuild
 _GRAPH_REBUILD_BUSY_S = 30.0  # under traffic, plain calls at least this long before a rebuild
 _BUSY_PROBE_S = 0.2  # a draft worker that does not answer within this is still inside a method
+# A pair's graph becomes the target's alone (StepGraph.reshape) once at most _SOLO_SHARE of the
+# last _SOLO_WINDOW steps drafted (probes, or the draft was out), and goes back once _PAIR_SHARE
+# of the last _PAIR_WINDOW did; at most one change per _RESHAPE_EVERY_S (each costs a 1-2 s stall)
+_SOLO_WINDOW, _SOLO_SHARE = 64, 0.05
+_PAIR_WINDOW, _PAIR_SHARE = 32, 0.25
+_RESHAPE_EVERY_S = 30.0
 
 
 # -- messages between ingress and coordinator ------------------------------------------------------
@@ -212,6 +218,8 @@ class Coordinator:
         # the step's two worker calls as one compiled-graph execution (serve/graph.py)
         self.graph = None
         self._graph_task: asyncio.Task | None = None
+        self._drafted: deque[bool] = deque(maxlen=_SOLO_WINDOW)  # recent steps: whether each drafted
+        self._reshaped_at = -_RESHAPE_EVERY_S  # time.monotonic() of the graph's last reshape
         if config.speculation.transport == "compiled_graph":
             self.graph = StepGraph(self.target, self.draft_worker, ahead=self.pipeline is not None)
             self._build_graph_at_start()
@@ -366,7 +374,8 @@ class Coordinator:
                "kv_cache_usage_tokens": self._kv_usage(), "memory": await self.memory(),
                "transport": "compiled_graph" if self.graph is not None else "actor_calls"}
         if self.graph is not None:
-            out.update(graph_ready=self.graph.ready, graph_builds=self.graph.builds, graph_breaks=self.graph.breaks)
+            out.update(graph_ready=self.graph.ready, graph_builds=self.graph.builds, graph_breaks=self.graph.breaks,
+                       graph_solo=self.graph.solo, graph_reshapes=self.graph.reshapes)
         if recs:
             out.update({
                 "step_wall_p50_ms": 1e3 * statistics.median(r.wall for r in recs),
@@ -495,7 +504,7 @@ class Coordinator:
         if not self._draft_ok:
             policy = self._target_only
         plan = plan_step(seqs, policy)
-        if self._graph_ready():
+        if self._graph_ready(drafting=plan.num_positions > 0):
             outputs = await self._graph_step(plan, policy, began)
             if outputs is not None:
                 return outputs
@@ -537,10 +546,35 @@ class Coordinator:
             self._totals["target_only_steps"] += 1
             self.metrics.inc(self.metrics.target_only_steps, 1)
 
-    def _graph_ready(self) -> bool:
-        """Whether this step runs on the compiled graph: configured, built, the draft side usable."""
+    def _graph_ready(self, drafting: bool = False) -> bool:
+        """Whether this step runs on the compiled graph: configured and built, and either the
+        target's graph alone for a step without drafts, or the pair's with the draft side usable."""
         graph = self.graph
-        return graph is not None and graph.ready and (self.draft_worker is None or self._draft_ok)
+        if graph is None or not graph.ready:
+            return False
+        if graph.solo:
+            return not drafting
+        return self.draft_worker is None or self._draft_ok
+
+    def _graph_solo(self) -> bool:
+        """Whether the graph is (to be) the target's alone while a draft worker exists."""
+        return self.graph is not None and self.graph.solo
+
+    def _maybe_reshape(self) -> None:
+        """Give the graph the target alone while the steps keep drafting off (the policy's
+        choice, or the draft is out), and the pair's again once they draft (see `_SOLO_WINDOW`)."""
+        graph, recent = self.graph, list(self._drafted)
+        if self.draft_worker is None or time.monotonic() - self._reshaped_at < _RESHAPE_EVERY_S:
+            return
+        if graph.solo:
+            recent = recent[-_PAIR_WINDOW:]
+            wanted = not (len(recent) == _PAIR_WINDOW and sum(recent) >= _PAIR_SHARE * _PAIR_WINDOW)
+        else:
+            wanted = len(recent) == _SOLO_WINDOW and sum(recent) <= _SOLO_SHARE * _SOLO_WINDOW
+        if wanted != graph.solo:
+            graph.reshape(wanted)
+            self._drafted.clear()
+            self._reshaped_at = time.monotonic()
 
     async def _keep_graph(self) -> None:
         """Rebuild a broken step graph (on its own thread) once both workers answer again: while
@@ -549,14 +583,18 @@ class Coordinator:
         graph, idle_ticks, broken_ticks = self.graph, 0, 0
         while True:
             await asyncio.sleep(_GRAPH_KEEPER_PERIOD_S)
+            if graph.ready:
+                self._maybe_reshape()
             idle = not self.admission.running and not self.admission.waiting
             idle_ticks = idle_ticks + 1 if idle else 0
             broken_ticks = 0 if graph.ready else broken_ticks + 1
-            if graph.ready or not graph.may_rebuild() or (self.draft_worker is not None and not self._draft_ok):
+            solo = graph.solo
+            if graph.ready or not graph.may_rebuild() or (not solo and self.draft_worker is not None
+                                                          and not self._draft_ok):
                 continue
-            if idle_ticks < 2 and broken_ticks * _GRAPH_KEEPER_PERIOD_S < _GRAPH_REBUILD_BUSY_S:
+            if not graph.reshaping and idle_ticks < 2 and broken_ticks * _GRAPH_KEEPER_PERIOD_S < _GRAPH_REBUILD_BUSY_S:
                 continue
-            workers = [self.target] + ([self.draft_worker] if self.draft_worker is not None else [])
+            workers = [self.target] + ([self.draft_worker] if self.draft_worker is not None and not solo else [])
             if not all(await asyncio.gather(*(self._answers(w, self.deadlines.health_probe_s) for w in workers))):
                 continue
             try:
@@ -787,6 +825,7 @@ class Coordinator:
 
     def _record(self, record: StepRecord, plan: StepPlan, verdict: Verdict) -> None:
         self._records.append(record)
+        self._drafted.append(plan.num_positions > 0)
         self._totals["steps"] += 1
         num_draft = plan.num_verified.tolist()
         drafted, accepted = sum(num_draft), sum(verdict.num_accepted)

@@ -89,6 +89,9 @@ class StepGraph:
     def __init__(self, target, draft=None, ahead: bool = False) -> None:
         self.target, self.draft = target, draft
         self.ahead = ahead and draft is not None  # a third node, draft.graph_ahead (the pipelined loop)
+        self._pair = (draft, self.ahead)  # the pair's shape, which `reshape` goes back to
+        self.reshapes = 0  # changes between the pair's graph and the target's alone
+        self.reshaping = False  # torn down by `reshape`: rebuild without waiting (the keeper)
         self._dag = None
         self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="step-graph")
         self._teardown: asyncio.Future | None = None
@@ -112,6 +115,25 @@ class StepGraph:
     @property
     def ready(self) -> bool:
         return self._dag is not None
+
+    @property
+    def solo(self) -> bool:
+        """Built (or to be built) as the target's one-node graph although a draft worker exists:
+        it runs target-only steps; a step with drafts goes on plain calls."""
+        return self._pair[0] is not None and self.draft is None
+
+    def reshape(self, solo: bool) -> None:
+        """Change to the target's one-node graph (solo) or back to the pair's: the graph in hand is
+        torn down and the keeper builds the new shape at once (`reshaping`). An actor runs one
+        compiled graph at a time, so this costs a teardown and a build (the workers' ordinary
+        calls stall ~1-2 s). A replica whose policy keeps drafting off is worth one: an idle draft
+        actor in the pair's graph still spins a core in its reads between naps."""
+        if solo == self.solo:
+            return
+        self.draft, self.ahead = (None, False) if solo else self._pair
+        self.reshapes += 1
+        self.reshaping = True
+        self.discard("reshaped to the target's graph alone" if solo else "reshaped to the pair's graph", broke=False)
 
     def build(self) -> None:
         """Compile the graph and run one empty execution through it (blocking: at start-up, or
@@ -144,6 +166,7 @@ class StepGraph:
         self._dag = dag
         self._failures = 0
         self.builds += 1
+        self.reshaping = False
 
     async def rebuild(self) -> None:
         await asyncio.get_running_loop().run_in_executor(self._thread, self.build)
@@ -188,15 +211,16 @@ class StepGraph:
             self.discard(err)
             raise
 
-    def discard(self, why: BaseException | str) -> None:
+    def discard(self, why: BaseException | str, broke: bool = True) -> None:
         """Tear the graph down in the background, on the graph's thread (after the wait in
-        progress there, if any, has ended)."""
+        progress there, if any, has ended). broke=False: a `reshape`, not a failure."""
         if self._dag is None:
             return
         dag, self._dag = self._dag, None
-        self.breaks += 1
-        logger.warning("compiled graph broken (%s): plain actor calls until it is rebuilt",
-                       why if isinstance(why, str) else type(why).__name__)
+        self.breaks += broke
+        logger.log(logging.WARNING if broke else logging.INFO,
+                   "compiled graph %s (%s): plain actor calls until it is rebuilt", "broken" if broke else "torn down",
+                   why if isinstance(why, str) else type(why).__name__)
         self._teardown = asyncio.get_running_loop().run_in_executor(self._thread, _teardown, dag)
 
 

@@ -62,7 +62,7 @@ number the step drew goes back first: the sequential step that reruns it draws t
 
 The coordinator keeps the truth, the deadlines, the cache-miss protocol and the records: this class
 only calls `host._call`, `host._deadline`, `host._draft_lost`, `host._adopt_late_draft`,
-`host._graph_ready`, `host._graph_step`, `host._graph_execute` and `host._record` (the
+`host._graph_ready`, `host._graph_solo`, `host._graph_step`, `host._graph_execute` and `host._record` (the
 `Coordinator`'s own methods).
 """
 from __future__ import annotations
@@ -141,8 +141,8 @@ class Pipeline:
         """One pipelined step, or None when this step must be the coordinator's sequential one (the
         draft is out, or a target-only retry): then whatever was prepared is thrown away."""
         host = self.host
-        if policy is not host.policy or not host._draft_ok:
-            self.discard()
+        if policy is not host.policy or not host._draft_ok or host._graph_solo():
+            self.discard()  # (the target's graph alone runs target-only steps; drafting ones go on plain calls)
             return None
         if host._graph_ready():
             return await self._step_on_graph(seqs, policy)
