@@ -18,6 +18,11 @@ while it waits, so in a target-only step the draft side sleeps first, for the na
 takes itself over the target's forward (`StepGraph.nap`, sent as StepCall.draft_nap_s;
 docs/serving.md: an idle draft's spinning read cost a target-only graph ~9% on 2 cores).
 
+A replica whose steps keep drafting off changes its graph to the target's one-node graph
+(`StepGraph.reshape`, decided by the coordinator's keeper): no draft actor then spins in a graph
+read at all; a step with drafts (the policy's probe) goes on plain calls until the steps draft
+again and the pair's graph is rebuilt.
+
 The pipelined loop's graph has the ahead node: right after block k went to the target, the draft
 drafts the step's AheadCall (block k+1) while the target verifies, keeps it with its q for the next
 step's `Block`, and returns its token ids (serve/pipeline.py). graph_join puts both replies in one
