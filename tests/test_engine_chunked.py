@@ -7,6 +7,7 @@ no target forward is longer than the chunk or the step; the Ray coordinator's pr
 (chunks, cache misses after a restart) gives the same greedy tokens.
 """
 import asyncio
+import collections
 import functools
 import math
 import random
@@ -221,7 +222,7 @@ def test_coordinator_prefills_in_chunks_and_rebuilds_after_a_restart(monkeypatch
         deadlines=Deadlines(), _totals=dict.fromkeys(["prefill_tokens", "steps", "target_only_steps",
                                                       "spec_decode_num_draft_tokens",
                                                       "spec_decode_num_accepted_tokens"], 0),
-        metrics=mock.MagicMock(), _records=[], admission=Admission(8, None, 3))
+        metrics=mock.MagicMock(), _records=[], _drafted=collections.deque(maxlen=64), admission=Admission(8, None, 3))
     prompts = {"a": prompt(6, seed=1), "b": prompt(75, seed=2), "c": prompt(31, seed=3)}
     seqs = [new_sequence(rid, p, GREEDY, vocab_size=96, max_model_len=256, eos_token_ids=frozenset())
             for rid, p in prompts.items()]
