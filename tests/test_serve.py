@@ -615,15 +615,17 @@ def test_colocated_drafter_is_lossless_over_http(http, server, drafter):
 class TestPipelined:
     """Applications of the tiny models whose coordinator drafts block k+1 while the target
     verifies block k, on plain actor calls and on the compiled graph (three nodes: the ahead call
-    runs on the draft beside the verify): same tokens as the sequential app, greedy and seeded
-    (same γ: a seeded request's random stream depends on it), through worker kills, after which a
-    broken graph is rebuilt."""
+    runs on the draft beside the verify; with two rejection-point branches per greedy row, whose
+    forks of the draft's cache a killed draft loses): same tokens as the sequential app, greedy
+    and seeded (same γ: a seeded request's random stream depends on it), through worker kills,
+    after which a broken graph is rebuilt."""
 
     @pytest.fixture(scope="class", params=["actor_calls", "compiled_graph"])
     def pipelined(self, request, server):
         transport = request.param
         name = "specserve-pipelined" + ("-graph" if transport == "compiled_graph" else "")
-        speculation = {"num_speculative_tokens": 4, "adaptive": False, "pipelined": True, "transport": transport}
+        speculation = {"num_speculative_tokens": 4, "adaptive": False, "pipelined": True, "transport": transport,
+                       "branches": 2 if transport == "compiled_graph" else 0}
         with app_client(server, name, "/" + name, speculation=speculation, coordinator=ONE_REPLICA) as client:
             client.app = name
             yield client
@@ -638,6 +640,7 @@ class TestPipelined:
         assert stats["pipelined_hits"] > 0 and stats["pipelined_prepared"] > 0, stats
         if stats["transport"] == "compiled_graph":
             assert stats["graph_ready"] and stats["graph_steps"] == stats["steps"], stats
+            assert stats["pipelined_branch_hits"] > 0 and not stats["graph_solo"], stats
 
     @pytest.mark.parametrize("kind", ["target", "draft"])
     def test_killed_worker_during_a_pipelined_run_changes_nothing(self, http, pipelined, kind):
