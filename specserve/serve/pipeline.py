@@ -28,9 +28,9 @@ after it, all in the same batched forwards as the optimistic rows. The verdict p
 block per row (`_match`): the row's own, or the branch whose position was the first rejected and
 whose runner-up the target chose. The next execution tells the draft side which (`Block.rows`
 name the held rows); what a used fork drafted is copied into the request's cache, and every fork
-is freed. The policy
-chooses k, none where the extra rows cost more than the misses they save (`OverlappedPolicy`).
-Which block is verified never changes a token: greedy rows verify whatever they are given.
+is freed. The policy chooses k, none where the extra rows cost more than the misses they save
+(`OverlappedPolicy`), and fewer where the forks would not fit `max_cached_tokens`. Which block is
+verified never changes a token: greedy rows verify whatever they are given.
 
 Lossless, and the same tokens as the sequential loop: block k+1's random numbers are drawn from each
 request's own generator when the ahead call is planned, by the same `plan_step` over the rows as

@@ -367,12 +367,12 @@ class DraftWorker(_Worker):
         return ahead is not None and ahead.branches > 0 and self.model.can_branch and ahead.sampling.all_greedy
 
     def _adopt(self, block: Block | None) -> _Held | None:
-        """Before a step: the prepared block it uses (None: none); each used branch becomes its
-        request's cache, and every other branch (they live one step) is freed."""
+        """Before a step: the prepared block it uses (None: none). What each used branch drafted
+        is copied into its request's cache, and every branch (a branch lives one step) is freed."""
         held = None if block is None else self._aheads.get(block.prepared_id)
         if block is not None and held is None:
             raise RuntimeError(f"prepared block {block.prepared_id} is not held here")
-        used = {held.branches[row] for row in block.rows if row is not None} - {None} if block else set()
+        used = ({held.branches[row] for row in block.rows if row is not None} - {None}) if block else set()
         if used - set(self._branches):
             raise RuntimeError(f"branches {sorted(used - set(self._branches))} of block {block.prepared_id} "
                                "are not held here")
