@@ -35,7 +35,10 @@ measured speedup over target-only on 1 thread, efficiency =
 speedup / bound, the pipelined hit rate, the per-step overhead p50 / p99 (step wall time minus the
 model forwards on its critical path) and the coordination p50 / p99 (step wall time minus the time
 inside the worker methods: transport, serialisation and the coordinator's own planning). Every
-speculative run is checked token for token against the target-only run. Last, the transport floor:
+speculative run is checked token for token against the target-only run. A run's coordinator
+first serves one warm-up request (caches allocated, costs measured) and takes its graph-shape
+decision on it (a replica whose steps drafted next to nothing gets the target's graph alone,
+docs/serving.md), so the measured run is its steady state. Last, the transport floor:
 the same transports between two actors that only echo a step-sized message.
 
 Repeats (`--repeats N`): after the probe, a pair's modes run N times in rotation (target-only on 1
@@ -235,6 +238,20 @@ def coordinator_class(workers=None):
             super().reset_stats()
             self.rejections = 0
 
+        async def settle(self, timeout: float = 30.0) -> None:
+            """After the warm-up: take the graph's shape decision now (a replica that kept
+            drafting off gets the target's graph alone) and wait for its build, so that the
+            one-time stall of that change is not inside the measured run."""
+            import asyncio
+
+            if self.graph is None:
+                return
+            if self.graph.ready:
+                self._maybe_reshape()
+            ends = time.monotonic() + timeout
+            while not self.graph.ready and time.monotonic() < ends:
+                await asyncio.sleep(0.1)
+
         def _record(self, record, plan, verdict) -> None:
             super()._record(record, plan, verdict)
             self.rejections += sum(g > 0 and a < g for g, a in zip(plan.num_draft.tolist(), verdict.num_accepted))
@@ -401,6 +418,7 @@ def run_config(config, requests, workers=None, references=None) -> tuple[list[li
         if references is not None:
             ray.get(actor.set_references.remote(references))
         ray.get(actor.run.remote(requests[:1]))  # warm-up: caches allocated, costs measured
+        ray.get(actor.settle.remote())  # the graph's shape for what the warm-up's steps drafted
         ray.get(actor.reset_stats.remote())
         outputs, seconds = ray.get(actor.run.remote(requests))
         return outputs, seconds, ray.get(actor.measured.remote())
