@@ -488,10 +488,10 @@ def measure_pair(pair: str, requests, workers, alpha: float | None, fixed: bool,
                                        (alpha, seed, branching.second), bar)
     planned = dataclasses.replace(branching, wider=probe["wider"], second=branching.second or ALTERNATE_PRIOR)
     modes = {}
+    a = alpha if alpha is not None else _alpha(probe)
+    v_of = lambda g: probe["v"].get(g, probe["v"][4])
     for mode in ("sequential", "sequential-calls", "pipelined", "pipelined-branches"):
-        a = alpha if alpha is not None else _alpha(probe)
         kind = "sequential" if mode.startswith("sequential") else mode
-        v_of = lambda g: probe["v"].get(g, probe["v"][4])
         gamma = best_gamma(kind, a, probe["c"], v_of, 4, planned) if fixed else 4
         transport = "actor_calls" if mode == "sequential-calls" else "compiled_graph"
         branches = branching.branches if mode == "pipelined-branches" else 0

@@ -563,9 +563,9 @@ class Coordinator:
     def _maybe_reshape(self) -> None:
         """Give the graph the target alone while the steps keep drafting off (the policy's
         choice, or the draft is out), and the pair's again once they draft (see `_SOLO_WINDOW`)."""
-        graph, recent = self.graph, list(self._drafted)
         if self.draft_worker is None or time.monotonic() - self._reshaped_at < _RESHAPE_EVERY_S:
             return
+        graph, recent = self.graph, list(self._drafted)
         if graph.solo:
             recent = recent[-_PAIR_WINDOW:]
             wanted = not (len(recent) == _PAIR_WINDOW and sum(recent) >= _PAIR_SHARE * _PAIR_WINDOW)

@@ -464,7 +464,7 @@ def _combine_plan(seqs: list[Sequence], used: list[int | None], prepared: Prepar
 def combine_drafts(used: list[int | None], width: int, prepared: tuple, fresh: tuple):
     """Block k's drafts for rows from a prepared block (used[i] = its row there) and freshly drafted
     rows (the others, in order), each row's in its own first columns; prepared / fresh: (tokens
-    [B', G'], q [B', G', V] or None). Run where the drafts are: the coordinator on plain calls, the
+    [B', G'], q [B', G', V] or None; tokens may be None for a part no row takes). Run where the drafts are: the coordinator on plain calls, the
     draft worker on the compiled graph. -> (tokens [B, G], q [B, G, V] or None when no part has q)."""
     parts = [prepared, fresh]
     vocab = next((q.shape[-1] for _, q in parts if q is not None), 0)

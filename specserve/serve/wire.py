@@ -47,7 +47,7 @@ class Block:
 
     prepared_id: int  # the AheadCall whose drafts the prepared rows take
     rows: list[int | None]  # per row of the step: its row among that call's drafted rows (a branch's
-    # past B: its fork becomes the request's cache); None: fresh (in order)
+    # past B: what its fork drafted goes into the request's cache); None: fresh (in order)
     width: int  # G of the assembled block
 
 

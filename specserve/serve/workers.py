@@ -396,10 +396,10 @@ class DraftWorker(_Worker):
         probs = None if prepared.probs is None else prepared.probs[:, 1:]
         tokens, probs = combine_drafts(block.rows, block.width, (prepared.tokens[:, 1:], probs),
                                        (fresh.tokens, fresh.probs))
-        alternates = None
-        if prepared.alternates is not None and (fresh.alternates is not None or all(r is not None for r in block.rows)):
+        alternates = None  # runner-ups: when every row has them (the fresh part only if it has rows)
+        if prepared.alternates is not None and (fresh.alternates is not None or None not in block.rows):
             alternates = combine_drafts(block.rows, block.width, (prepared.alternates[:, 1:], None),
-                                        (fresh.alternates if fresh.alternates is not None else fresh.tokens, None))[0]
+                                        (fresh.alternates, None))[0]
         return Proposal(tokens, probs, fresh.forwards, alternates=alternates)
 
     @_serialised
@@ -423,9 +423,10 @@ class DraftWorker(_Worker):
             if any(t in stops for t in own[:g]):
                 return pack(Reply(None, 0.0))
             rows.append(row if g == 0 else RowInput(row.request_id, row.start, [own[g - 1]]))
-        forks = self._fork(ahead, block) if self._branching(ahead) and block.alternates is not None else []
+        branching = self._branching(ahead)
+        forks = self._fork(ahead, block) if branching and block.alternates is not None else []
         reply = self.propose(rows + [row for _, row in forks], ahead.num_tokens, _with_branch_rows(ahead, forks),
-                             ahead.uniforms, pull_features=False, alternates=self._branching(ahead))
+                             ahead.uniforms, pull_features=False, alternates=branching)
         if reply.result is None:
             self._drop_branches([name for name, _ in forks])
             return pack(reply)
