@@ -303,6 +303,32 @@ def test_a_pair_graph_that_stops_drafting_becomes_the_targets_alone_and_comes_ba
     assert any(c.num_positions for c in graph.calls[drafting:])  # drafting steps on the pair's graph again
 
 
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_steps_while_the_draft_is_out_do_not_reshape_the_graph(local_coordinator, monkeypatch, pipelined):
+    """A draft worker that was out (killed, restarting) for more steps than the window holds comes
+    back to the pair's graph: its target-only steps meanwhile were not the policy's choice. Counted,
+    they reshaped the rebuilt graph to the target's alone and kept the pair's steps off it for the
+    interval between changes."""
+    import specserve.serve.coordinator as module
+
+    monkeypatch.setattr(module, "_GRAPH_KEEPER_PERIOD_S", 3600.0)  # only the explicit checks below
+    coordinator = local_coordinator(config(pipelined=pipelined, gamma=2))
+    graph = on_graph(coordinator)
+    target = coordinator.target._obj.model.runner.model
+    tokens = module._SOLO_WINDOW + 8
+    params = [SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)]
+    coordinator._draft_ok = False  # the draft out: target-only steps, one token each
+    assert generate(coordinator, PROMPTS[1:2], params) == [hf_greedy(target, PROMPTS[1], tokens)]
+    assert coordinator._totals["steps"] >= module._SOLO_WINDOW
+    coordinator._draft_ok = True
+    coordinator._maybe_reshape()
+    assert not graph.solo and graph.reshapes == 0
+    executions = graph.executions
+    params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)]
+    assert generate(coordinator, PROMPTS[1:2], params) == [hf_greedy(target, PROMPTS[1], 20)]
+    assert any(c.num_positions for c in graph.calls[executions:])  # drafting steps on the pair's graph
+
+
 def test_a_pipelined_execution_is_expected_to_last_as_long_as_its_ahead_call(local_coordinator, monkeypatch):
     """The seconds an execution should take size the nap before its result is read. In a
     pipelined step that is the fresh drafts, then the longer of the verify and the ahead call

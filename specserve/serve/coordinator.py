@@ -79,8 +79,9 @@ _GRAPH_KEEPER_PERIOD_S = 0.5  # how often a broken step graph is checked for a r
 _GRAPH_REBUILD_BUSY_S = 30.0  # under traffic, plain calls at least this long before a rebuild
 _BUSY_PROBE_S = 0.2  # a draft worker that does not answer within this is still inside a method
 # A pair's graph becomes the target's alone (StepGraph.reshape) once at most _SOLO_SHARE of the
-# last _SOLO_WINDOW steps drafted (probes, or the draft was out), and goes back once _PAIR_SHARE
-# of the last _PAIR_WINDOW did; at most one change per _RESHAPE_EVERY_S (each costs a 1-2 s stall)
+# last _SOLO_WINDOW steps drafted (the policy's probes), and goes back once _PAIR_SHARE of the last
+# _PAIR_WINDOW did; at most one change per _RESHAPE_EVERY_S (each costs a 1-2 s stall). Steps run
+# while the draft is out are not counted: they say nothing of what drafting pays once it is back
 _SOLO_WINDOW, _SOLO_SHARE = 64, 0.05
 _PAIR_WINDOW, _PAIR_SHARE = 32, 0.25
 _RESHAPE_EVERY_S = 30.0
@@ -218,7 +219,7 @@ class Coordinator:
         # the step's two worker calls as one compiled-graph execution (serve/graph.py)
         self.graph = None
         self._graph_task: asyncio.Task | None = None
-        self._drafted: deque[bool] = deque(maxlen=_SOLO_WINDOW)  # recent steps: whether each drafted
+        self._drafted: deque[bool] = deque(maxlen=_SOLO_WINDOW)  # recent steps with the draft up: whether each drafted
         self._reshaped_at = -_RESHAPE_EVERY_S  # time.monotonic() of the graph's last reshape
         if config.speculation.transport == "compiled_graph":
             self.graph = StepGraph(self.target, self.draft_worker, ahead=self.pipeline is not None)
@@ -561,8 +562,8 @@ class Coordinator:
         return self.graph is not None and self.graph.solo
 
     def _maybe_reshape(self) -> None:
-        """Give the graph the target alone while the steps keep drafting off (the policy's
-        choice, or the draft is out), and the pair's again once they draft (see `_SOLO_WINDOW`)."""
+        """Give the graph the target alone while the policy keeps drafting off, and the pair's
+        again once the steps draft (see `_SOLO_WINDOW`)."""
         if self.draft_worker is None or time.monotonic() - self._reshaped_at < _RESHAPE_EVERY_S:
             return
         graph, recent = self.graph, list(self._drafted)
@@ -825,7 +826,8 @@ class Coordinator:
 
     def _record(self, record: StepRecord, plan: StepPlan, verdict: Verdict) -> None:
         self._records.append(record)
-        self._drafted.append(plan.num_positions > 0)
+        if self.draft_worker is None or self._draft_ok:
+            self._drafted.append(plan.num_positions > 0)
         self._totals["steps"] += 1
         num_draft = plan.num_verified.tolist()
         drafted, accepted = sum(num_draft), sum(verdict.num_accepted)
