@@ -473,7 +473,7 @@ def measure_pair(pair: str, requests, workers, alpha: float | None, fixed: bool,
                  repeats: int = 1, branching: Branching = Branching(1, 0.0)):
     """Target-only (1 and 2 threads), sequential, pipelined and pipelined-with-branches runs of
     one pair, `repeats` rounds of them after the probe. branching: the branches of the last mode
-    and the planted runner-up rate (None for the tiny pair's own drafter: measured in its run).
+    and the planted runner-up rate (0 for the tiny pair's own drafter: measured in its run).
     -> (rows merged over the rounds, the draft's (width, layers) after the in-run calibration,
     {"pipelined" / "pipelined-branches": its ratios over sequential, per round (graph transport)},
     the branching its bounds assumed (the probe's draft row costs))."""

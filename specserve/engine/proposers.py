@@ -218,9 +218,12 @@ class DraftModelProposer:
     def _runner_up(self, logits: torch.Tensor, inputs: dict[str, torch.Tensor], j: int) -> torch.Tensor:
         """logits [B', V'] of draft position j (greedy rows) -> the second-likeliest token [B'] in
         target ids: the likeliest correction when the target rejects the draft's first choice."""
-        if self.runner.token_map is None:
-            logits = logits[:, : self.vocab_size]
-        return self.runner.map_tokens(logits.topk(2, dim=-1).indices[:, 1])
+        return self.runner.map_tokens(self._greedy_logits(logits).topk(2, dim=-1).indices[:, 1])
+
+    def _greedy_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """[B', V'] -> the columns a greedy pick ranks: all of them under a token map (the draft's
+        own vocabulary), else the target's vocabulary (a draft head may be padded past it)."""
+        return logits if self.runner.token_map is not None else logits[:, : self.vocab_size]
 
     def _choose(
         self, logits: torch.Tensor, sampling: BatchSampling, flags: tuple[bool, bool] | None,
@@ -229,9 +232,7 @@ class DraftModelProposer:
         """logits [B', V'] of draft position j -> (target ids [B'], q [B', V] or None when all rows
         are greedy: flags None). inputs: the static loop inputs (uniforms [B', G])."""
         if flags is None:
-            if self.runner.token_map is None:
-                logits = logits[:, : self.vocab_size]
-            return self.runner.map_tokens(logits.argmax(-1)), None
+            return self.runner.map_tokens(self._greedy_logits(logits).argmax(-1)), None
         q = logits_to_probs(self._to_target_vocab(logits), sampling, flags)  # [B', V]
         token = sample_with_uniforms(q, inputs["uniforms"][:, j])
         greedy = sampling.temperature == 0

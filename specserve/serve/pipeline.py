@@ -123,8 +123,8 @@ class Prepared:
     num_tokens: list[int]  # [B] token count each row must still have for its block to apply
     states: dict[int, torch.Tensor]  # row -> generator state before its draws (matched rows only)
     owners: list[Sequence]  # [B] the rows themselves (the plan's are optimistic copies)
+    sources: list[int]  # [B] each row's row among the ahead call's (a branch's: past B)
     ahead_id: int | None = None  # graph: the draft side holds tokens and q under this id (probs None here)
-    sources: list[int] | None = None  # [B] each row's row among the ahead call's (a branch's: past B)
 
 
 class Pipeline:
@@ -375,8 +375,8 @@ class Pipeline:
             self._prepared = Prepared(
                 ahead.plan, tokens[rows, 1:], None if probs is None else probs[rows, 1:],
                 {s.request_id: b for b, (s, m) in enumerate(zip(seqs, matched)) if m}, num_tokens,
-                {b: state for b, state in ahead.states.items() if matched[b]}, list(seqs),
-                None if held_here else ahead.ahead_id, rows)
+                {b: state for b, state in ahead.states.items() if matched[b]}, list(seqs), rows,
+                None if held_here else ahead.ahead_id)
         return reply.result.forwards, reply.seconds
 
     def _match(self, ahead: Ahead, verdict: Verdict, num_draft: list[int], heads: list[int]):
@@ -464,8 +464,9 @@ def _combine_plan(seqs: list[Sequence], used: list[int | None], prepared: Prepar
 def combine_drafts(used: list[int | None], width: int, prepared: tuple, fresh: tuple):
     """Block k's drafts for rows from a prepared block (used[i] = its row there) and freshly drafted
     rows (the others, in order), each row's in its own first columns; prepared / fresh: (tokens
-    [B', G'], q [B', G', V] or None; tokens may be None for a part no row takes). Run where the drafts are: the coordinator on plain calls, the
-    draft worker on the compiled graph. -> (tokens [B, G], q [B, G, V] or None when no part has q)."""
+    [B', G'], q [B', G', V] or None; tokens may be None for a part no row takes). Run where the
+    drafts are: the coordinator on plain calls, the draft worker on the compiled graph.
+    -> (tokens [B, G], q [B, G, V] or None when no part has q)."""
     parts = [prepared, fresh]
     vocab = next((q.shape[-1] for _, q in parts if q is not None), 0)
     batch = len(used)
@@ -489,8 +490,7 @@ def branch_points(num_draft: list[int], branches: int) -> list[tuple[int, int]]:
 
 def _held_rows(prepared: Prepared, used: list[int | None]) -> list[int | None]:
     """Block.rows: per row of the step, its row among the ahead call's rows the draft side holds."""
-    sources = prepared.sources or list(range(len(prepared.owners)))
-    return [None if u is None else sources[u] for u in used]
+    return [None if u is None else prepared.sources[u] for u in used]
 
 
 def _sources(used: list[int | None]) -> list[tuple[int, int]]:
