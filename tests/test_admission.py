@@ -12,7 +12,8 @@ from specserve.engine import DraftModelProposer, SamplingParams, TargetVerifier
 from specserve.engine.kv_cache import capacity_for
 from specserve.engine.scheduler import SpeculationPolicy
 from specserve.engine.sharding import kv_cache_bytes_per_token
-from specserve.engine.step import new_sequence, speculative_step
+from specserve.engine.executor import speculative_step
+from specserve.engine.step import new_sequence
 from specserve.models.tiny import tiny_llama
 from specserve.engine.admission import Admission, allocation, positions_needed
 

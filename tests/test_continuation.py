@@ -12,7 +12,8 @@ import pytest
 
 from specserve.engine import DraftModelProposer, SamplingParams, TargetVerifier
 from specserve.engine.scheduler import SpeculationPolicy
-from specserve.engine.step import InvalidPrompt, new_sequence, speculative_step
+from specserve.engine.executor import speculative_step
+from specserve.engine.step import InvalidPrompt, new_sequence
 from specserve.models.tiny import tiny_llama
 from specserve.serve.coordinator import Resume, _continue
 
@@ -71,7 +72,7 @@ def test_continuation_on_a_fresh_replica_equals_the_undisturbed_run(models, lost
 def test_a_continuation_is_prefilled_in_chunks(models):
     """A continuation's prompt + delivered tokens enter the new replica's caches a chunk per step
     (not as one forward in its first step), and the output is still the undisturbed run's."""
-    from specserve.engine.step import prefill_step
+    from specserve.engine.executor import prefill_step
 
     chunk = 4
     undisturbed = [list(s.output) for s in _run(models, [_seq(i, p) for i, p in enumerate(PARAMS)])]

@@ -207,22 +207,24 @@ def test_coordinator_prefills_in_chunks_and_rebuilds_after_a_restart(monkeypatch
     from specserve.engine.scheduler import SpeculationPolicy
     from specserve.serve import workers
     from specserve.engine.admission import Admission
-    from specserve.serve.coordinator import Coordinator, ProposerSide
+    from specserve.engine.loop import StepLoop
+    from specserve.serve.calls import ProposerSide
+    from specserve.serve.executor import RemoteExecutor
 
     monkeypatch.setattr(workers, "_FAULTS_DIR", None)
     tw, dw = _workers()
     log: list = []
     t, d = _Actor(tw, log), _Actor(dw, log)
     chunk = 10
-    coordinator = object.__new__(Coordinator.func_or_class)
-    coordinator.__dict__.update(
-        config=types.SimpleNamespace(prefill_chunk_tokens=chunk), target=t, pipeline=None, graph=None, fused=False,
-        draft=ProposerSide.of_draft_worker(d), draft_worker=d, _draft_ok=True,
-        policy=SpeculationPolicy(3, adaptive=False), _target_only=SpeculationPolicy(0, adaptive=False),
-        deadlines=Deadlines(), _totals=dict.fromkeys(["prefill_tokens", "steps", "target_only_steps",
-                                                      "spec_decode_num_draft_tokens",
-                                                      "spec_decode_num_accepted_tokens"], 0),
-        metrics=mock.MagicMock(), _records=[], _drafted=collections.deque(maxlen=64), admission=Admission(8, None, 3))
+    config = types.SimpleNamespace(deadlines=Deadlines(),
+                                   speculation=types.SimpleNamespace(pipelined=False, transport="actor_calls"))
+    policy, totals = SpeculationPolicy(3, adaptive=False), dict.fromkeys(
+        ["prefill_tokens", "steps", "target_only_steps", "spec_decode_num_draft_tokens",
+         "spec_decode_num_accepted_tokens"], 0)
+    admission = Admission(8, None, 3)
+    executor = RemoteExecutor(config, t, d, ProposerSide.of_draft_worker(d), policy, admission, totals,
+                              collections.deque(), mock.MagicMock())
+    loop = StepLoop(admission, executor, policy, chunk)
     prompts = {"a": prompt(6, seed=1), "b": prompt(75, seed=2), "c": prompt(31, seed=3)}
     seqs = [new_sequence(rid, p, GREEDY, vocab_size=96, max_model_len=256, eos_token_ids=frozenset())
             for rid, p in prompts.items()]
@@ -232,7 +234,7 @@ def test_coordinator_prefills_in_chunks_and_rebuilds_after_a_restart(monkeypatch
         while any(s.finish_reason is None for s in seqs):
             iterations += 1
             live = [s for s in seqs if s.finish_reason is None]
-            await coordinator._iteration(live)
+            await loop.iterate(live)
             if iterations == 4:  # the target restarts mid-prefill: empty caches, the same object
                 tw.model = TargetVerifier(target(), None, "eager")
         return iterations
@@ -242,7 +244,7 @@ def test_coordinator_prefills_in_chunks_and_rebuilds_after_a_restart(monkeypatch
         assert s.output == reference(tuple(prompts[s.request_id])), s.request_id
     assert log.count("prefill") >= 2 * math.ceil(74 / chunk)  # b's prompt went in chunks, to both workers
     # the restart (b mid-prefill) made the target take b's first chunks again
-    assert coordinator._totals["prefill_tokens"] > sum(len(p) - 1 for p in prompts.values())
+    assert totals["prefill_tokens"] > sum(len(p) - 1 for p in prompts.values())
 
 
 def test_a_prefill_call_deadline_is_priced_by_its_padded_chunk():
@@ -250,13 +252,12 @@ def test_a_prefill_call_deadline_is_priced_by_its_padded_chunk():
     from specserve.engine import RowInput
     from specserve.engine.model_runner import ForwardTiming
     from specserve.engine.scheduler import SpeculationPolicy
-    from specserve.serve.coordinator import Coordinator
+    from specserve.serve.calls import WorkerCalls
 
     policy = SpeculationPolicy(4)
     policy.observe_costs("target", [ForwardTiming(n, 0.001 * n) for n in (1, 8, 32, 64)])
     policy.observe_costs("draft", [ForwardTiming(n, 0.0001 * n) for n in (1, 8, 32, 64)])
-    coordinator = object.__new__(Coordinator.func_or_class)
-    coordinator.__dict__.update(deadlines=Deadlines(multiple=10, target_floor_s=2, draft_floor_s=0.5), policy=policy)
+    calls = WorkerCalls(None, Deadlines(multiple=10, target_floor_s=2, draft_floor_s=0.5), policy, {})
     chunk = [RowInput("long", 1024, [1] * 512), RowInput("short", 0, [1] * 3)]  # padded: 2 x 512
-    assert coordinator._deadline("target", chunk) == pytest.approx(2 + 10 * 0.001 * 1024)
-    assert coordinator._deadline("draft", chunk) == pytest.approx(0.5 + 10 * 0.0001 * 1024)
+    assert calls.deadline("target", chunk) == pytest.approx(2 + 10 * 0.001 * 1024)
+    assert calls.deadline("draft", chunk) == pytest.approx(0.5 + 10 * 0.0001 * 1024)

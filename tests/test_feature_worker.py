@@ -56,7 +56,7 @@ def test_the_head_on_the_draft_worker_drafts_what_it_drafts_beside_the_target(lo
     beside = local_coordinator(config(head_dir, "target"))
     outs_beside = generate(beside, PROMPTS, greedy())
     coordinator = local_coordinator(config(head_dir, "draft"))
-    assert coordinator.draft_worker is not None and not coordinator.fused
+    assert coordinator.draft_worker is not None and not coordinator.executor.fused
     assert coordinator.target._obj.proposer is None and coordinator.target._obj.feature_server is not None
     outs = generate(coordinator, PROMPTS, greedy())
     assert outs == outs_beside == expected(coordinator)
@@ -72,7 +72,7 @@ def test_pipelined_and_on_the_graph_stay_lossless(local_coordinator, head_dir, g
     """With lookup rows, an ahead call past the committed tokens drafts real tokens for rows that
     repeat themselves (the head has no features there): the prepared blocks it gives stay exact."""
     coordinator = local_coordinator(config(head_dir, "draft", pipelined=True, lookup_min_n=lookup_min_n))
-    assert coordinator.pipeline is not None
+    assert coordinator.executor.pipeline is not None
     if graph:
         on_graph(coordinator)
     outs = generate(coordinator, PROMPTS, greedy())

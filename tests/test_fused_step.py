@@ -1,4 +1,4 @@
-"""A drafter inside the target worker drafts and verifies in one plain call (`Coordinator._fused_step`,
+"""A drafter inside the target worker drafts and verifies in one plain call (`RemoteExecutor._fused`,
 `TargetWorker.fused_step`): the same tokens as the two calls it replaces, with the same random
 numbers, through a failing drafter and through cache misses on either side.
 
@@ -61,7 +61,7 @@ def test_seeded_sampling_draws_the_two_calls_numbers(local_coordinator, sampling
     params = [SamplingParams(max_tokens=20, ignore_eos=True, seed=s, **sampling) for s in (1, 2, 3)]
     prompts = [PROMPT, [72, 101, 108, 108, 111], [97]]
     two_calls = local_coordinator(colocated(drafter, gamma=3))
-    two_calls.fused = False
+    two_calls.executor.fused = False
     expected = generate(two_calls, prompts, params)
     one_call = local_coordinator(colocated(drafter, gamma=3))
     assert generate(one_call, prompts, params) == expected

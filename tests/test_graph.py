@@ -40,7 +40,7 @@ class InProcessGraph:
         self.target_only_calls = 0  # executions that carried a target-only step
         self.ahead_forwards = []  # (expected seconds, the ahead call's draft forwards or 0) per execution
         self.waits = []  # (expected, deadline) seconds per execution
-        self.ahead = coordinator.pipeline is not None and self.draft is not None  # as StepGraph builds it
+        self.ahead = coordinator.executor.pipeline is not None and self.draft is not None  # as StepGraph builds it
         self.nap_share = 0.0  # nap(expected) = nap_share * expected (StepGraph: learned from executions)
         self.calls: list[StepCall] = []
         self._pair, self.reshapes, self.reshaping = (self.draft, self.ahead), 0, False
@@ -97,8 +97,8 @@ class InProcessGraph:
 
 
 def on_graph(coordinator, **kw) -> InProcessGraph:
-    coordinator.graph = InProcessGraph(coordinator, **kw)
-    return coordinator.graph
+    coordinator.executor.graph = InProcessGraph(coordinator, **kw)
+    return coordinator.executor.graph
 
 
 def test_messages_keep_every_tensor_exactly():
@@ -266,7 +266,7 @@ def test_a_pair_graph_that_stops_drafting_becomes_the_targets_alone_and_comes_ba
     idle draft actor in the pair's graph still spins a core between naps): target-only steps run
     on it, steps with drafts on plain calls, tokens unchanged. Once steps draft again it goes back
     to the pair's graph. Each change waits out the interval since the last."""
-    import specserve.serve.coordinator as module
+    import specserve.serve.executor as module
 
     monkeypatch.setattr(module, "_GRAPH_KEEPER_PERIOD_S", 3600.0)  # only the explicit checks below
     coordinator = local_coordinator(config(pipelined=pipelined, gamma=2))
@@ -274,28 +274,28 @@ def test_a_pair_graph_that_stops_drafting_becomes_the_targets_alone_and_comes_ba
     target = coordinator.target._obj.model.runner.model
     params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)]
     expected = [hf_greedy(target, PROMPTS[1], 20)]
-    coordinator._drafted.extend([False] * (module._SOLO_WINDOW - 1))
-    coordinator._maybe_reshape()
+    coordinator.executor._drafted.extend([False] * (module._SOLO_WINDOW - 1))
+    coordinator.executor.maybe_reshape()
     assert not graph.solo  # the window is not full yet
-    coordinator._drafted.extend([True] * 4)  # full, but 4 drafting steps of 64 are over the share
-    coordinator._maybe_reshape()
+    coordinator.executor._drafted.extend([True] * 4)  # full, but 4 drafting steps of 64 are over the share
+    coordinator.executor.maybe_reshape()
     assert not graph.solo
-    coordinator._drafted.extend([False] * module._SOLO_WINDOW)
-    coordinator._maybe_reshape()
+    coordinator.executor._drafted.extend([False] * module._SOLO_WINDOW)
+    coordinator.executor.maybe_reshape()
     assert graph.solo and not graph.ready and graph.reshaping and graph.breaks == 0
     asyncio.run(graph.rebuild())
     executions = graph.executions
     assert generate(coordinator, PROMPTS[1:2], params) == expected  # every step drafts (γ 2 fixed)
     assert graph.executions == executions and coordinator._totals["graph_steps"] == 0  # all on plain calls
-    coordinator._draft_ok = False  # the draft out: target-only steps, which the target's graph runs
+    coordinator.executor.draft_ok = False  # the draft out: target-only steps, which the target's graph runs
     assert generate(coordinator, PROMPTS[1:2], params) == expected
     assert graph.executions - executions == 20 == graph.target_only_calls  # one token a step
-    coordinator._draft_ok = True
-    coordinator._maybe_reshape()
+    coordinator.executor.draft_ok = True
+    coordinator.executor.maybe_reshape()
     assert graph.solo  # within the interval since the last change
-    monkeypatch.setattr(coordinator, "_reshaped_at", -module._RESHAPE_EVERY_S)
-    coordinator._drafted.extend([True] * module._PAIR_WINDOW)
-    coordinator._maybe_reshape()
+    monkeypatch.setattr(coordinator.executor, "_reshaped_at", -module._RESHAPE_EVERY_S)
+    coordinator.executor._drafted.extend([True] * module._PAIR_WINDOW)
+    coordinator.executor.maybe_reshape()
     assert not graph.solo and graph.reshapes == 2
     asyncio.run(graph.rebuild())
     drafting = graph.executions
@@ -309,7 +309,7 @@ def test_steps_while_the_draft_is_out_do_not_reshape_the_graph(local_coordinator
     back to the pair's graph: its target-only steps meanwhile were not the policy's choice. Counted,
     they reshaped the rebuilt graph to the target's alone and kept the pair's steps off it for the
     interval between changes."""
-    import specserve.serve.coordinator as module
+    import specserve.serve.executor as module
 
     monkeypatch.setattr(module, "_GRAPH_KEEPER_PERIOD_S", 3600.0)  # only the explicit checks below
     coordinator = local_coordinator(config(pipelined=pipelined, gamma=2))
@@ -317,11 +317,11 @@ def test_steps_while_the_draft_is_out_do_not_reshape_the_graph(local_coordinator
     target = coordinator.target._obj.model.runner.model
     tokens = module._SOLO_WINDOW + 8
     params = [SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)]
-    coordinator._draft_ok = False  # the draft out: target-only steps, one token each
+    coordinator.executor.draft_ok = False  # the draft out: target-only steps, one token each
     assert generate(coordinator, PROMPTS[1:2], params) == [hf_greedy(target, PROMPTS[1], tokens)]
     assert coordinator._totals["steps"] >= module._SOLO_WINDOW
-    coordinator._draft_ok = True
-    coordinator._maybe_reshape()
+    coordinator.executor.draft_ok = True
+    coordinator.executor.maybe_reshape()
     assert not graph.solo and graph.reshapes == 0
     executions = graph.executions
     params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)]
@@ -337,7 +337,7 @@ def test_a_pipelined_execution_is_expected_to_last_as_long_as_its_ahead_call(loc
     coordinator = local_coordinator(config(pipelined=True, gamma=2))
     graph = on_graph(coordinator)
     per_forward = 0.01  # predicted seconds of one forward, either model, any batch
-    monkeypatch.setattr(coordinator, "_predicted", lambda side, rows, extra=None: per_forward * (
+    monkeypatch.setattr(coordinator.executor, "predicted", lambda side, rows, extra=None: per_forward * (
         1 if side == "target" or extra is None else int(extra)))
     params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)]
     out = generate(coordinator, PROMPTS[:1], params)
@@ -350,7 +350,7 @@ def test_a_pipelined_execution_is_expected_to_last_as_long_as_its_ahead_call(loc
 def test_a_broken_pipelined_graph_step_gives_its_numbers_back(local_coordinator, monkeypatch):
     """A pipelined graph step that breaks (a prepared block in hand) reruns on plain calls with the
     very numbers it had drawn: seeded tokens stay the sequential loop's, and the graph is rebuilt."""
-    import specserve.serve.coordinator as module
+    import specserve.serve.executor as module
 
     monkeypatch.setattr(module, "_GRAPH_KEEPER_PERIOD_S", 0.0)
     monkeypatch.setattr(module, "_GRAPH_REBUILD_BUSY_S", 0.0)
@@ -366,7 +366,7 @@ def test_a_broken_pipelined_graph_step_gives_its_numbers_back(local_coordinator,
 
 
 def test_a_broken_graph_reruns_the_step_on_plain_calls_and_is_rebuilt(local_coordinator, monkeypatch):
-    import specserve.serve.coordinator as module
+    import specserve.serve.executor as module
 
     monkeypatch.setattr(module, "_GRAPH_KEEPER_PERIOD_S", 0.0)  # check for a rebuild at every turn of the loop
     monkeypatch.setattr(module, "_GRAPH_REBUILD_BUSY_S", 0.0)  # even under traffic
@@ -422,7 +422,7 @@ def test_a_draft_side_with_nothing_to_draft_is_told_to_sleep_through_the_targets
     graph = on_graph(coordinator)
     graph.nap_share = 0.5
     per_forward = 0.002  # predicted seconds of one forward, either model, any batch
-    monkeypatch.setattr(coordinator, "_predicted", lambda side, rows, extra=None: per_forward * (
+    monkeypatch.setattr(coordinator.executor, "predicted", lambda side, rows, extra=None: per_forward * (
         1 if side == "target" or extra is None else int(extra)))
     monkeypatch.setattr(coordinator.policy, "choose", lambda *a, **k: next(gammas))
     gammas = itertools.cycle([0, 0, 2, 2, 2, 2])
@@ -436,8 +436,8 @@ def test_a_draft_side_with_nothing_to_draft_is_told_to_sleep_through_the_targets
     assert all(c.draft_nap_s == pytest.approx(0.5 * per_forward) for c in idle)
     assert all(c.draft_nap_s == 0 for c in busy)
     # never more than half the target's allowance, whatever the executions taught the nap
-    assert coordinator._with_draft_nap(idle[0], 1.0, 0.4).draft_nap_s == pytest.approx(0.2)
-    assert coordinator._with_draft_nap(idle[0], 1.0, 5.0).draft_nap_s == pytest.approx(0.5)
+    assert coordinator.executor._with_draft_nap(idle[0], 1.0, 0.4).draft_nap_s == pytest.approx(0.2)
+    assert coordinator.executor._with_draft_nap(idle[0], 1.0, 5.0).draft_nap_s == pytest.approx(0.5)
 
 
 def test_a_draft_side_naps_outside_its_lock_and_only_when_told():

@@ -61,7 +61,7 @@ PROMPTS = [[72, 101, 108, 108, 111], [84, 104, 101, 32, 113, 117, 105, 99, 107],
 
 def test_pipelined_greedy_is_the_targets_greedy(local_coordinator):
     coordinator = local_coordinator(config(pipelined=True))
-    assert coordinator.pipeline is not None and isinstance(coordinator.policy, OverlappedPolicy)
+    assert coordinator.executor.pipeline is not None and isinstance(coordinator.policy, OverlappedPolicy)
     lengths = [24, 17, 30, 9]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
     # one at a time (every step can use a prepared block) and all together
@@ -99,7 +99,7 @@ def test_a_discarded_prepared_block_leaves_no_draft_mark_past_the_rows_tokens(lo
     out = generate(coordinator, PROMPTS[:1], params)
     target = coordinator.target._obj.model.runner.model
     assert out == [hf_greedy(target, PROMPTS[0], 24)]
-    assert marks and all(marks) and coordinator._draft_ok
+    assert marks and all(marks) and coordinator.executor.draft_ok
     assert coordinator._totals["pipelined_hits"] == 0 and coordinator._totals["pipelined_prepared"] > 0
 
 

@@ -180,21 +180,21 @@ def test_call_deadline_grows_with_the_tokens_a_call_carries():
     from specserve.engine import RowInput
     from specserve.engine.model_runner import ForwardTiming
     from specserve.engine.scheduler import SpeculationPolicy
+    from specserve.serve.calls import WorkerCalls
 
     policy = SpeculationPolicy(4)
     policy.observe_costs("target", [ForwardTiming(n, 0.001 * n) for n in (1, 8, 32, 64)])
     policy.observe_costs("draft", [ForwardTiming(n, 0.0001 * n) for n in (1, 8, 32, 64)])
-    coordinator = _bare_coordinator(deadlines=Deadlines(multiple=10, target_floor_s=2, draft_floor_s=0.5),
-                                    policy=policy)
+    calls = WorkerCalls(None, Deadlines(multiple=10, target_floor_s=2, draft_floor_s=0.5), policy, {})
     decode = [RowInput(f"r{i}", 100, [1]) for i in range(8)]
     prefill = decode + [RowInput("long", 0, [1] * 4001)]
     drafts = torch.zeros(8, 4, dtype=torch.long)
-    short = coordinator._deadline("target", decode, drafts)
+    short = calls.deadline("target", decode, drafts)
     assert short == pytest.approx(2 + 10 * 0.001 * 40)  # 8 rows x (1 + 4) tokens
-    long = coordinator._deadline("target", prefill, torch.zeros(9, 4, dtype=torch.long))
+    long = calls.deadline("target", prefill, torch.zeros(9, 4, dtype=torch.long))
     assert long >= 2 + 10 * 0.001 * 4000  # the prefill is priced in: 40 s, not mistaken for a hang
-    assert coordinator._deadline("draft", decode, 4) == pytest.approx(0.5 + 10 * 4 * 0.0001 * 8)
-    assert coordinator._deadline("draft", prefill, 4) > 0.5 + 10 * 0.0001 * 4000
+    assert calls.deadline("draft", decode, 4) == pytest.approx(0.5 + 10 * 4 * 0.0001 * 8)
+    assert calls.deadline("draft", prefill, 4) > 0.5 + 10 * 0.0001 * 4000
 
 
 def test_a_failed_step_fails_only_the_request_it_fails_on():
@@ -205,6 +205,7 @@ def test_a_failed_step_fails_only_the_request_it_fails_on():
     from specserve.engine.scheduler import SpeculationPolicy
     from specserve.engine.step import StepOutput, new_sequence
     from specserve.engine.admission import Admission
+    from specserve.engine.loop import StepLoop
     from specserve.serve.coordinator import Failed
 
     seqs = [new_sequence(rid, [1, 2], SamplingParams(max_tokens=4), vocab_size=10, max_model_len=64,
@@ -213,17 +214,17 @@ def test_a_failed_step_fails_only_the_request_it_fails_on():
     admission.waiting.extend(seqs)
     admission.admit()
     freed: list = []
-    coordinator = _bare_coordinator(
-        admission=admission, _aborted=set(), _target_only=SpeculationPolicy(0, adaptive=False),
-        _queues={s.request_id: asyncio.Queue() for s in seqs}, _totals={"requests_failed": 0},
-        target=types.SimpleNamespace(free=_Method(freed, "target", lambda ids: None)), draft=None)
 
     async def step(batch, policy):
         if any(s.request_id == "bad" for s in batch):
             raise RuntimeError("CUDA out of memory; internal detail")
         return [StepOutput(s.request_id, [5], None) for s in batch]
 
-    coordinator._step = step
+    executor = types.SimpleNamespace(step=step, target_only=SpeculationPolicy(0, adaptive=False),
+                                     free=lambda ids: freed.append("target"))
+    coordinator = _bare_coordinator(
+        admission=admission, _aborted=set(), executor=executor, loop=StepLoop(admission, executor, None, None),
+        _queues={s.request_id: asyncio.Queue() for s in seqs}, _totals={"requests_failed": 0})
     outputs = asyncio.run(coordinator._isolate(seqs, RuntimeError("the whole step failed")))
     assert [o.request_id for o in outputs] == ["a", "c"]
     failed = coordinator._queues["bad"].get_nowait()

@@ -231,6 +231,16 @@ def coordinator_class(workers=None):
 
         rejections = 0  # drafting steps of a row that did not accept all its drafts
 
+        def __init__(self, config) -> None:
+            super().__init__(config)
+            record = self.executor.record
+
+            def counting(rec, plan, verdict) -> None:  # every step's record, pipelined ones too
+                record(rec, plan, verdict)
+                self.rejections += sum(g > 0 and a < g for g, a in zip(plan.num_draft.tolist(), verdict.num_accepted))
+
+            self.executor.record = counting
+
         def set_references(self, references: dict[str, list[int]]) -> None:
             ray.get(self.draft_worker.set_references.remote(references))
 
@@ -244,17 +254,14 @@ def coordinator_class(workers=None):
             one-time stall of that change is not inside the measured run."""
             import asyncio
 
-            if self.graph is None:
+            graph = self.executor.graph
+            if graph is None:
                 return
-            if self.graph.ready:
-                self._maybe_reshape()
+            if graph.ready:
+                self.executor.maybe_reshape()
             ends = time.monotonic() + timeout
-            while not self.graph.ready and time.monotonic() < ends:
+            while not graph.ready and time.monotonic() < ends:
                 await asyncio.sleep(0.1)
-
-        def _record(self, record, plan, verdict) -> None:
-            super()._record(record, plan, verdict)
-            self.rejections += sum(g > 0 and a < g for g, a in zip(plan.num_draft.tolist(), verdict.num_accepted))
 
         async def run(self, requests: list[GenerateRequest]) -> tuple[list[list[int]], float]:
             """One request at a time -> (tokens per request, seconds)."""
@@ -272,7 +279,7 @@ def coordinator_class(workers=None):
             recs = list(self._records)
             overhead = p50_p99_ms([r.wall - r.forward for r in recs])
             transport = p50_p99_ms([r.wall - r.in_workers for r in recs])
-            policy, totals = self.policy, self._totals
+            policy, totals, graph = self.policy, self._totals, self.executor.graph
             one = policy.target_cost.predict(1)
             draft_one = policy.draft_cost.predict(1) if policy.draft_cost.ready else 0.0
             return dict(
@@ -287,8 +294,8 @@ def coordinator_class(workers=None):
                 branch_hits=totals.get("pipelined_branch_hits", 0),
                 second=policy.alternate_rate() if hasattr(policy, "alternate_rate") else 0.0,
                 wider={n: policy.draft_cost.predict(n) / draft_one if draft_one else 1.0 for n in range(1, 6)},
-                transport="compiled_graph" if self.graph is not None else "actor_calls",
-                reshapes=self.graph.reshapes if self.graph is not None else 0)
+                transport="compiled_graph" if graph is not None else "actor_calls",
+                reshapes=graph.reshapes if graph is not None else 0)
 
     return ray.remote(num_cpus=0.1)(BenchCoordinator)
 

@@ -17,9 +17,9 @@ from .model_runner import BATCH_BUCKETS, CALIBRATION_SIZES, ModelRunner, RowInpu
 from .proposers import DrafterSpec, DraftModelProposer, DraftModelSpec, Proposer
 from .sampling import BatchSampling, SamplingParams
 from .scheduler import SpeculationPolicy
-from .step import (
-    ContextLengthExceeded, RequestMetrics, Sequence, StepOutput, new_sequence, prefill_step, speculative_step,
-)
+from .executor import InProcessExecutor, run_sync
+from .loop import StepLoop
+from .step import ContextLengthExceeded, RequestMetrics, Sequence, StepOutput, new_sequence
 from .verifier import TargetVerifier
 
 
@@ -81,10 +81,11 @@ class SpeculativeEngine:
         limits = [self.verifier.runner.max_positions, getattr(proposer, "max_positions", None)]
         self.proposer = proposer
         self.max_model_len = min(x for x in limits if x) if any(limits) else 1 << 30
-        self.prefill_chunk_tokens = prefill_chunk_tokens or None
         self.policy = SpeculationPolicy(num_speculative_tokens, adaptive=adaptive)
         self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None else model_eos_ids(target_model))
         self.admission = Admission(max_batch_size, max_cached_tokens, num_speculative_tokens)
+        self.loop = StepLoop(self.admission, InProcessExecutor(proposer, self.verifier), self.policy,
+                             prefill_chunk_tokens)
         self._ids = itertools.count()
         self._calibrated = not (adaptive and num_speculative_tokens > 0)
         self._captured = False
@@ -104,8 +105,7 @@ class SpeculativeEngine:
     def abort(self, request_id: str) -> None:
         """Drop a request wherever it is and free its caches."""
         self.admission.drop_waiting({request_id})
-        if self.admission.release(request_id):
-            self._free(request_id)
+        self.loop.retire([request_id])
 
     def has_unfinished(self) -> bool:
         return self.admission.has_unfinished()
@@ -121,21 +121,15 @@ class SpeculativeEngine:
         """Admit waiting requests (FIFO, up to max_batch_size and the KV budget), run this step's
         prefill chunks (when chunking), then one speculative step over every request whose prompt
         is cached."""
-        self.admission.admit()
-        if not self.admission.running:
+        seqs = self.loop.admit()
+        if not seqs:
             return []
         if not self._captured:
             self.capture_graphs()
         if not self._calibrated:
             self.calibrate()
-        seqs = list(self.admission.running.values())
-        ready = seqs
-        if self.prefill_chunk_tokens is not None:
-            ready = prefill_step(seqs, self.proposer, self.verifier, self.prefill_chunk_tokens)
-        outputs = speculative_step(ready, self.proposer, self.verifier, self.policy) if ready else []
-        for seq in ready:
-            if seq.finish_reason is not None and self.admission.release(seq.request_id):
-                self._free(seq.request_id)
+        outputs = run_sync(self.loop.iterate(seqs))
+        self.loop.retire([out.request_id for out in outputs if out.finish_reason is not None])
         return outputs
 
     def sequence(self, request_id: str) -> Sequence | None:
@@ -165,11 +159,6 @@ class SpeculativeEngine:
         ]
 
     # -- internals ----------------------------------------------------------------------------
-    def _free(self, request_id: str) -> None:
-        self.verifier.free(request_id)
-        if self.proposer is not None:
-            self.proposer.free(request_id)
-
     def capture_graphs(self, progress: bool = True) -> float:
         """Capture the CUDA graphs of the usual step shapes now (see `capture_graphs`); done
         before the first step. Nothing to do unless a runner is in graph mode."""

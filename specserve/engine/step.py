@@ -2,9 +2,9 @@
 
 The caller (the in-process engine, or the Ray coordinator) holds the truth about each request:
 its tokens, its sampling parameters and random stream, and how much of it each model's cache holds.
-`plan_step` decides the drafts and random numbers, `speculative_step` runs the two calls, and
-`apply_verdict` appends the new tokens and moves the cache marks. The coordinator awaits the same
-two calls on remote workers between `plan_step` and `apply_verdict`.
+`plan_step` decides the drafts and random numbers, an executor runs the propose and the verify
+(`engine/executor.py`: `run_step` is the whole composition), and `apply_verdict` appends the new
+tokens and moves the cache marks.
 """
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 import torch
 
 from .model_runner import RowInput
-from .proposers import Proposal, Proposer
+from .proposers import Proposal
 from .sampling import BatchSampling, SamplingParams, make_generator
 from .scheduler import AcceptanceEstimate, SpeculationPolicy
-from .verifier import TargetVerifier, Verdict
+from .verifier import Verdict
 
 
 @dataclass
@@ -193,24 +193,6 @@ def advance_marks(seqs: list[Sequence], mark: str, rows: list[RowInput]) -> None
         setattr(by_id[row.request_id], mark, row.start + len(row.tokens))
 
 
-def prefill_step(
-    seqs: list[Sequence], proposer: Proposer | None, verifier: TargetVerifier, budget: int
-) -> list[Sequence]:
-    """Run this step's prefill chunks in process (target, then the draft when there is one) and
-    return the requests ready to step, in their order. A proposer without `prefill` (one written
-    before chunking) catches a prompt up in its first propose, as before."""
-    with_draft = proposer is not None and hasattr(proposer, "prefill")
-    rows = prefill_rows(seqs, "target_len", budget)
-    if rows:
-        verifier.prefill(rows)
-        advance_marks(seqs, "target_len", rows)
-    rows = prefill_rows(seqs, "draft_len", budget) if with_draft else []
-    if rows:
-        proposer.prefill(rows)
-        advance_marks(seqs, "draft_len", rows)
-    return [s for s in seqs if not prefilling(s, with_draft)]
-
-
 @dataclass(frozen=True)
 class StepOutput:
     request_id: str
@@ -296,22 +278,6 @@ def _cut(seq: Sequence, new: list[int]) -> list[int]:
     if len(new) >= limit:
         seq.finish_reason = "length"
     return new[:limit]
-
-
-def speculative_step(
-    seqs: list[Sequence], proposer: Proposer | None, verifier: TargetVerifier, policy: SpeculationPolicy
-) -> list[StepOutput]:
-    """Propose, verify and append for every sequence in the batch, in process."""
-    began = time.perf_counter()
-    plan = plan_step(seqs, policy)
-    proposal = empty_proposal(len(seqs))
-    if plan.num_positions > 0:
-        proposal = proposer.propose(plan.draft_rows(), plan.num_positions, plan.sampling, plan.draft_uniforms)
-    verdict = verifier.verify(
-        plan.target_rows(), proposal.tokens, proposal.probs, verified_counts(plan.num_draft, proposal), plan.sampling,
-        plan.accept_uniforms, plan.final_uniforms,
-    )
-    return finish_step(plan, proposal, verdict, policy, began)
 
 
 def finish_step(

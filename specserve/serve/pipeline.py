@@ -1,6 +1,6 @@
 """Pipelined speculation: the draft worker drafts block k+1 while the target worker verifies block k.
 
-The sequential loop (coordinator `_step`) leaves each worker idle while the other works. Here, as
+The sequential step (engine/executor.py `run_step`) leaves each worker idle while the other works. Here, as
 soon as block k's drafts are known, two calls go out together: `target.verify(block k)` and
 `draft.propose(ahead)`, which drafts on the optimistic assumption that the target accepts all of
 block k. The next block starts after a token nobody knows yet: the bonus token the target samples
@@ -44,7 +44,7 @@ Costs (`OverlappedPolicy`): a step costs max(verify, ahead) plus, on a miss, the
 first (when any row misses). The policy picks γ for that model, and tells the loop when preparing
 is not worth it (at large batches some row nearly always misses; then a step is the sequential
 one). A failing draft (dead, hung, raising) during either call degrades to target-only steps
-through the coordinator's own recovery, exactly as in the sequential loop.
+through the executor's own recovery, exactly as in the sequential loop.
 
 Two transports. On plain actor calls (`step`) the coordinator sends the fresh propose, then the
 verify and the ahead call at once, and block k's q passes through it. On the compiled graph
@@ -56,14 +56,13 @@ graph (serve/graph.py): `draft.graph_propose` assembles block k from the prepare
 coordinator plans the ahead call's random numbers before the execution (`plan_step` needs no token
 values; the draft side puts each row's last draft in and skips the call when block k holds a stop
 token) and gets back token ids only. A step that prepares nothing (no prepared block in hand, and
-γ 0 or overlap not paying) is the coordinator's sequential graph step, so a pipelined replica whose
+γ 0 or overlap not paying) is the executor's sequential graph step, so a pipelined replica whose
 policy turned drafting off costs what a sequential one does. When the graph cannot run a step, every
 number the step drew goes back first: the sequential step that reruns it draws the same ones.
 
-The coordinator keeps the truth, the deadlines, the cache-miss protocol and the records: this class
-only calls `host._call`, `host._deadline`, `host._draft_lost`, `host._adopt_late_draft`,
-`host._graph_ready`, `host._graph_solo`, `host._graph_step`, `host._graph_execute` and `host._record` (the
-`Coordinator`'s own methods).
+Pipelining is a capability of the remote executor (serve/executor.py, the `host`): it keeps the
+deadlines, the cache-miss protocol (`host.calls`), the draft's availability and the records; this
+class uses its public methods only.
 """
 from __future__ import annotations
 
@@ -84,6 +83,7 @@ from specserve.engine.step import (
 )
 from specserve.engine.verifier import Verdict
 
+from .calls import StepRecord, WorkerTimeout
 from .wire import AheadCall, Block, StepCall
 
 GUESS_UNIFORM = 0.5  # the uniform the bonus guess is drawn with (sampled rows); see the module docstring
@@ -134,17 +134,17 @@ class Pipeline:
         self._prepared: Prepared | None = None
         self._ahead_ids = itertools.count(1)
         for key in ("pipelined_steps", "pipelined_prepared", "pipelined_hits", "pipelined_branch_hits"):
-            host._totals.setdefault(key, 0)
+            host.totals.setdefault(key, 0)
 
     # -- the step -------------------------------------------------------------------------------
     async def step(self, seqs: list[Sequence], policy) -> list[StepOutput] | None:
-        """One pipelined step, or None when this step must be the coordinator's sequential one (the
+        """One pipelined step, or None when this step must be the executor's sequential one (the
         draft is out, or a target-only retry): then whatever was prepared is thrown away."""
         host = self.host
-        if policy is not host.policy or not host._draft_ok or host._graph_solo():
+        if policy is not host.policy or not host.draft_ok or host.graph_solo():
             self.discard()  # (the target's graph alone runs target-only steps; drafting ones go on plain calls)
             return None
-        if host._graph_ready():
+        if host.graph_ready():
             return await self._step_on_graph(seqs, policy)
         if self._prepared is not None and self._prepared.ahead_id is not None:
             self.discard()  # prepared on the graph: its q is on the draft side
@@ -157,25 +157,25 @@ class Pipeline:
         fresh_proposal = empty_proposal(len(fresh_seqs))
         if fresh_plan is not None and fresh_plan.num_positions > 0:
             try:
-                reply = await host._call("draft", host.draft.propose, fresh_seqs, "draft_len", lambda: (
+                reply = await host.calls.call("draft", host.draft.propose, fresh_seqs, "draft_len", lambda: (
                     fresh_plan.draft_rows(), fresh_plan.num_positions, fresh_plan.sampling,
                     fresh_plan.draft_uniforms), retry=False)
             except Exception as err:
                 if prepared is not None:
                     _unprepare(prepared)
-                self._draft_failed(fresh_seqs, err)
-                return None  # the coordinator re-plans this step target-only
+                host.draft_failed(fresh_seqs, err)
+                return None  # the executor re-plans this step target-only
             fresh_proposal, fresh, fresh_seconds = reply.result, reply.result.forwards, reply.seconds
         plan, widths = _combine_plan(seqs, used, prepared, fresh_plan)
         proposal = fresh_proposal
         if prepared is not None:
-            host._totals["pipelined_hits"] += len(seqs) - len(fresh_rows)
+            host.totals["pipelined_hits"] += len(seqs) - len(fresh_rows)
             tokens, probs = combine_drafts(used, plan.num_positions, (prepared.tokens, prepared.probs),
                                            (fresh_proposal.tokens, fresh_proposal.probs))
             proposal = Proposal(tokens, probs)
         ahead = self._launch(plan, proposal, widths)
         try:
-            reply = await host._call("target", host.target.verify, seqs, "target_len", lambda: (
+            reply = await host.calls.call("target", host.target.verify, seqs, "target_len", lambda: (
                 plan.target_rows(), proposal.tokens, proposal.probs, plan.num_draft, plan.sampling,
                 plan.accept_uniforms, plan.final_uniforms))
         except BaseException:
@@ -191,7 +191,7 @@ class Pipeline:
         """The pipelined step as one compiled-graph execution: the draft side assembles block k
         (the prepared rows' drafts, held there with their q, and a propose over the fresh rows),
         sends it to the target, then drafts the ahead call while the target verifies. A step that
-        prepares nothing is the coordinator's sequential graph step. None when the graph could not
+        prepares nothing is the executor's sequential graph step. None when the graph could not
         run the step: every draw it made is given back first, so the sequential step that follows
         draws the very same numbers."""
         host = self.host
@@ -203,7 +203,7 @@ class Pipeline:
         fresh_seqs = [s for s, row in zip(seqs, used) if row is None]
         fresh_plan = plan_step(fresh_seqs, policy) if fresh_seqs else None
         if prepared is None and not self._prepares(fresh_plan):
-            outputs = await host._graph_step(fresh_plan, policy, began)  # a sequential step
+            outputs = await host.graph_step(fresh_plan, policy, began)  # a sequential step
             if outputs is None:
                 _restore(seqs, saved)
             return outputs
@@ -219,7 +219,7 @@ class Pipeline:
                 plan.final_uniforms, block, draft.sampling if block is not None and draft else None,
                 None if ahead is None else ahead.call(plan.num_draft.tolist()))
 
-        reply = await host._graph_execute(seqs, make_call, plan.num_positions, ahead.deadline if ahead else 0.0,
+        reply = await host.graph_execute(seqs, make_call, plan.num_positions, ahead.deadline if ahead else 0.0,
                                           ahead.expected if ahead else 0.0)
         if reply is None:
             _restore(seqs, saved)  # this step's fresh and ahead draws
@@ -227,8 +227,8 @@ class Pipeline:
                 _unprepare(prepared)  # block k's draws, made when it was prepared, and its draft marks
             return None
         if prepared is not None:
-            host._totals["pipelined_hits"] += len(seqs) - len(fresh_seqs)
-        host._totals["graph_steps"] += 1
+            host.totals["pipelined_hits"] += len(seqs) - len(fresh_seqs)
+        host.totals["graph_steps"] += 1
         outputs = self._apply(plan, reply.proposal, reply.verdict, widths)
         ahead_forwards, ahead_seconds = self._settle_reply(ahead, plan, reply.verdict, reply.ahead, held_here=False)
         self._account(began, plan, reply.verdict, reply.proposal.forwards, ahead_forwards,
@@ -247,16 +247,14 @@ class Pipeline:
 
     def _account(self, began: float, plan: StepPlan, verdict: Verdict, fresh, ahead_forwards,
                  in_workers: float) -> None:
-        """The policy's costs and the coordinator's step record. fresh / ahead_forwards: the
+        """The policy's costs and the replica's step record. fresh / ahead_forwards: the
         draft's forwards before the verify and beside it."""
-        from .coordinator import StepRecord
-
         host = self.host
         wall = time.perf_counter() - began
         self.policy.observe_overlapped_step(wall, fresh, ahead_forwards, verdict.forwards)
-        host._totals["pipelined_steps"] += 1
+        host.totals["pipelined_steps"] += 1
         forward = sum(f.seconds for f in fresh) + max(verdict.seconds, sum(f.seconds for f in ahead_forwards))
-        host._record(StepRecord(wall, forward, in_workers, len(plan.seqs), plan.num_positions), plan, verdict)
+        host.record(StepRecord(wall, forward, in_workers, len(plan.seqs), plan.num_positions), plan, verdict)
 
     def discard(self) -> None:
         """Throw the prepared block away (see `_unprepare`)."""
@@ -303,16 +301,16 @@ class Pipeline:
         if ahead_plan.draft_uniforms is not None:
             guess = torch.full((len(seqs), 1), GUESS_UNIFORM)
             uniforms = torch.cat([guess, ahead_plan.draft_uniforms], dim=1)  # [B, G'+1]
-        self.host._totals["pipelined_prepared"] += 1
+        self.host.totals["pipelined_prepared"] += 1
         branches = 0
         if drafts is None and ahead_plan.sampling.all_greedy:  # branches: on the graph, greedy rows
             branches = self.policy.branches_for([self.policy.alpha(s.acceptance) for s in seqs], plan.num_positions)
             while branches and not self.host.admission.fits_extra_slots(len(branch_points(num_draft, branches))):
                 branches -= 1  # their forks would take the draft's cache past max_cached_tokens
         forks = [RowInput(seqs[b].request_id, 0, [0]) for b, _ in branch_points(num_draft, branches)]  # one token each
-        expected = self.host._predicted("draft", rows + forks, ahead_plan.num_positions + 1)
+        expected = self.host.predicted("draft", rows + forks, ahead_plan.num_positions + 1)
         return Ahead(ahead_plan, rows, uniforms, [s.num_tokens for s in optimistic], states, time.perf_counter(),
-                     self.host._allowed("draft", expected), expected, next(self._ahead_ids), branches=branches)
+                     self.host.calls.allowed("draft", expected), expected, next(self._ahead_ids), branches=branches)
 
     def _launch(self, plan: StepPlan, proposal: Proposal, widths: list[int]) -> Ahead | None:
         """Plan block k+1 and send the ahead call on a plain actor call."""
@@ -333,10 +331,8 @@ class Pipeline:
         except Exception as err:  # timed out, died, raised
             _restore(plan.seqs, ahead.states)
             if isinstance(err, asyncio.TimeoutError):
-                from .coordinator import WorkerTimeout
-
                 err = WorkerTimeout(f"draft worker missed its {ahead.deadline:.1f} s deadline (ahead call)")
-            self.host._draft_lost(err)
+            self.host.draft_lost(err)
             return (), 0.0
         return self._settle_reply(ahead, plan, verdict, reply, held_here=True)
 
@@ -368,7 +364,7 @@ class Pipeline:
             for s, m in zip(seqs, matched):  # the draft holds the row plus block k+1's first G'-1 drafts
                 if m:
                     s.draft_len = s.num_tokens + width - 1
-            self.host._totals["pipelined_branch_hits"] += sum(
+            self.host.totals["pipelined_branch_hits"] += sum(
                 m and src >= len(seqs) for m, src in zip(matched, sources))
             rows = [src if m else b for b, (src, m) in enumerate(zip(sources, matched))]  # [B]
             probs = reply.result.probs
@@ -421,14 +417,6 @@ class Pipeline:
         if ahead is not None:
             _restore(ahead.plan.seqs, ahead.states)
             ahead.future.add_done_callback(lambda f: f.cancelled() or f.exception())  # no unread error logs
-
-    def _draft_failed(self, seqs: list[Sequence], err: Exception) -> None:
-        from .coordinator import WorkerTimeout
-
-        if isinstance(err, WorkerTimeout) and err.late is not None:
-            asyncio.get_running_loop().create_task(
-                self.host._adopt_late_draft(err.late, {s.request_id: s.num_tokens for s in seqs}))
-        self.host._draft_lost(err)
 
 
 def _combine_plan(seqs: list[Sequence], used: list[int | None], prepared: Prepared | None,

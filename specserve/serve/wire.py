@@ -72,7 +72,7 @@ class AheadCall:
 
 @dataclass(frozen=True)
 class StepCall:
-    """One speculative step's worker inputs (what `Coordinator._step` sends with plain calls). A
+    """One speculative step's worker inputs (what `RemoteExecutor.execute` sends with plain calls). A
     pipelined step adds `block` (the draft rows are then only the fresh ones, with
     `draft_sampling`) and/or `ahead`."""
 

@@ -1,0 +1,46 @@
+"""The step loop, written once for the in-process engine and the served coordinator.
+
+    admit (FIFO, batch size and KV budget) -> prefill chunks -> one step over the ready requests
+    -> publish (the caller's) -> retire finished requests
+
+`SpeculativeEngine.step` runs it in process (`run_sync` over an `InProcessExecutor`); the
+coordinator (serve/coordinator.py) awaits it on its event loop over a remote executor, and keeps
+only request I/O, deadlines and fault policy around it. How a step's propose and verify run is
+the executor's (`engine/executor.py`).
+"""
+from __future__ import annotations
+
+from .admission import Admission
+from .executor import Executor
+from .scheduler import SpeculationPolicy
+from .step import Sequence, StepOutput, prefilling
+
+
+class StepLoop:
+    def __init__(self, admission: Admission, executor: Executor, policy: SpeculationPolicy,
+                 prefill_chunk_tokens: int | None) -> None:
+        """prefill_chunk_tokens: the most prompt tokens each model prefills per step, in a
+        forward beside the step (`prefill_rows`); None or 0: a new prompt is prefilled whole
+        inside its first step."""
+        self.admission, self.executor, self.policy = admission, executor, policy
+        self.prefill_chunk_tokens = prefill_chunk_tokens or None
+
+    def admit(self) -> list[Sequence]:
+        """Admit waiting requests; -> the running batch."""
+        self.admission.admit()
+        return list(self.admission.running.values())
+
+    async def iterate(self, seqs: list[Sequence]) -> list[StepOutput]:
+        """This step's prompt chunks, then one step over the requests whose prompts every cache
+        the step uses holds (the target's alone while no drafter runs)."""
+        ready = seqs
+        if self.prefill_chunk_tokens is not None:
+            await self.executor.prefill(seqs, self.prefill_chunk_tokens)
+            ready = [s for s in seqs if not prefilling(s, self.executor.with_draft)]
+        return await self.executor.step(ready, self.policy) if ready else []
+
+    def retire(self, request_ids: list[str]) -> None:
+        """Forget finished or aborted requests and free their caches (those still running here)."""
+        gone = [rid for rid in request_ids if self.admission.release(rid)]
+        if gone:
+            self.executor.free(gone)
