@@ -10,7 +10,7 @@ import torch
 from models import hf_greedy
 from specserve.engine import DraftModelProposer, SamplingParams, TargetVerifier
 from specserve.engine.kv_cache import capacity_for
-from specserve.engine.scheduler import SpeculationPolicy
+from specserve.engine.policy import SpeculationPolicy
 from specserve.engine.sharding import kv_cache_bytes_per_token
 from specserve.engine.executor import speculative_step
 from specserve.engine.step import new_sequence

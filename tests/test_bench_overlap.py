@@ -43,7 +43,7 @@ def test_draft_depth_moves_towards_the_wanted_cost():
 
 def test_planting_drafter_plants_only_on_the_reference():
     vocab = 64
-    proposer = PlantingProposer(tiny_llama(1, vocab=vocab), 0.7, vocab, seed=0, max_positions=None,
+    proposer = PlantingProposer(tiny_llama(1, vocab=vocab), 0.7, vocab, seed=0, max_model_len=None,
                                 execution="eager")
     reference = torch.randint(0, vocab, (400,), generator=torch.Generator().manual_seed(0)).tolist()
     proposer.references = {"r": reference}
@@ -72,7 +72,7 @@ def test_planting_drafter_plants_runner_ups_and_follows_its_forks():
     from specserve.engine.proposers import branch_id
 
     vocab = 64
-    proposer = PlantingProposer(tiny_llama(1, vocab=vocab), 0.0, vocab, seed=0, max_positions=None,
+    proposer = PlantingProposer(tiny_llama(1, vocab=vocab), 0.0, vocab, seed=0, max_model_len=None,
                                 execution="eager", second=1.0)
     reference = torch.randint(0, vocab, (200,), generator=torch.Generator().manual_seed(2)).tolist()
     proposer.references = {"r": reference}
@@ -91,7 +91,7 @@ def test_planting_drafter_plants_after_a_chunked_prefill():
     """With chunked prefill the prompt reaches the draft through `prefill`, not `propose`: its
     chunks count as reference-holding positions, so the first propose after them plants."""
     vocab = 64
-    proposer = PlantingProposer(tiny_llama(1, vocab=vocab), 1.0, vocab, seed=0, max_positions=None,
+    proposer = PlantingProposer(tiny_llama(1, vocab=vocab), 1.0, vocab, seed=0, max_model_len=None,
                                 execution="eager")
     reference = torch.randint(0, vocab, (200,), generator=torch.Generator().manual_seed(1)).tolist()
     proposer.references = {"r": reference}

@@ -12,7 +12,7 @@ from specserve.engine import DraftModelProposer, RowInput, SamplingParams
 from specserve.engine.model_runner import ForwardTiming
 from specserve.engine.proposers import branch_id, branch_owner
 from specserve.engine.sampling import BatchSampling
-from specserve.engine.scheduler import OverlappedPolicy
+from specserve.engine.policy import OverlappedPolicy
 
 GREEDY = BatchSampling.from_params([SamplingParams(temperature=0.0)])
 CONTEXT = [5, 17, 3, 42, 8, 8, 61, 2, 30, 11, 7, 19]

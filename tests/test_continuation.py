@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from specserve.engine import DraftModelProposer, SamplingParams, TargetVerifier
-from specserve.engine.scheduler import SpeculationPolicy
+from specserve.engine.policy import SpeculationPolicy
 from specserve.engine.executor import speculative_step
 from specserve.engine.step import InvalidPrompt, new_sequence
 from specserve.models.tiny import tiny_llama

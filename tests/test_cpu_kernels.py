@@ -100,7 +100,7 @@ def test_runner_selects_grouped_attention_for_its_own_forwards_only():
 
     AttentionInterface.register(attention.NAME, spy)
     try:
-        runner = ModelRunner(model, max_positions=64)
+        runner = ModelRunner(model, max_model_len=64)
         assert runner.grouped_attention
         logits = runner.forward([RowInput("a", 0, [4, 8, 15, 16, 23])], logits="all")
         assert seen and seen[0][2] == 5 and model.config._attn_implementation == "sdpa"

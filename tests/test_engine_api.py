@@ -7,7 +7,7 @@ from specserve import SamplingParams, SpeculativeEngine
 from specserve.engine import CacheMiss, ModelRunner, RowInput
 from specserve.engine.rejection import greedy_accept, rejection_sample
 from specserve.engine.sampling import BatchSampling, logits_to_probs, sample_with_uniforms
-from specserve.engine.scheduler import SpeculationPolicy, TokenCost, expected_tokens
+from specserve.engine.policy import SpeculationPolicy, TokenCost, expected_tokens
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0)
 
@@ -260,7 +260,7 @@ def test_probes_back_off_while_drafting_does_not_pay():
 def test_probes_cost_at_most_their_share_of_the_time_between_them():
     """A probe first catches the draft up on the tokens it skipped (an eager forward on a GPU):
     probes come no more often than their extra cost is PROBE_SHARE of the steps between them."""
-    from specserve.engine.scheduler import PROBE_SHARE
+    from specserve.engine.policy import PROBE_SHARE
 
     policy = SpeculationPolicy(max_gamma=4, probe_every=4)
     for n in range(1, 6):
@@ -283,7 +283,7 @@ def test_a_probe_drafts_a_block_while_little_is_known_and_one_token_once_draftin
     rests on few trials a probe drafts a block (a one-token probe adds at most one trial, and the
     back-off spaces probes out before the estimate could move). Once many trials say the drafts
     are rejected, probes draft one token."""
-    from specserve.engine.scheduler import AcceptanceEstimate
+    from specserve.engine.policy import AcceptanceEstimate
 
     policy = SpeculationPolicy(max_gamma=4)
     for n in range(1, 6):
@@ -301,7 +301,7 @@ def test_a_request_no_step_drafted_for_is_tried_once_with_a_block():
     starts at that rate. It is tried once with a full block, as soon as that probe costs at most
     NEWCOMER_SHARE of the steps since the last probe; after that only the overall one-token
     probes come. Where drafting could not pay even at a high rate, nobody is tried."""
-    from specserve.engine.scheduler import NEWCOMER_SHARE, AcceptanceEstimate
+    from specserve.engine.policy import NEWCOMER_SHARE, AcceptanceEstimate
 
     def low_policy(draft_seconds: float) -> SpeculationPolicy:
         policy = SpeculationPolicy(max_gamma=4)

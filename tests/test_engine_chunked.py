@@ -204,7 +204,7 @@ def _workers():
 
 def test_coordinator_prefills_in_chunks_and_rebuilds_after_a_restart(monkeypatch):
     from specserve.config import Deadlines
-    from specserve.engine.scheduler import SpeculationPolicy
+    from specserve.engine.policy import SpeculationPolicy
     from specserve.serve import workers
     from specserve.engine.admission import Admission
     from specserve.engine.loop import StepLoop
@@ -251,7 +251,7 @@ def test_a_prefill_call_deadline_is_priced_by_its_padded_chunk():
     from specserve.config import Deadlines
     from specserve.engine import RowInput
     from specserve.engine.model_runner import ForwardTiming
-    from specserve.engine.scheduler import SpeculationPolicy
+    from specserve.engine.policy import SpeculationPolicy
     from specserve.serve.calls import WorkerCalls
 
     policy = SpeculationPolicy(4)

@@ -1,4 +1,4 @@
-"""The fixed-shape forward (ARCHITECTURE §7): compiles whole, matches eager, keeps rows in slot order,
+"""The fixed-shape forward (docs/architecture.md §7): compiles whole, matches eager, keeps rows in slot order,
 pads to buckets through the scratch slot; and on a GPU, CUDA graphs give the eager path's tokens."""
 import pytest
 import torch

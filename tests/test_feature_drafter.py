@@ -347,7 +347,7 @@ def test_target_worker_drafts_with_a_feature_head(tmp_path):
     """The target worker (no Ray here) builds the head from its config, attaches it to its own
     verifier, and the coordinator's propose/verify loop stays lossless."""
     from specserve.config import TinySource
-    from specserve.engine.scheduler import SpeculationPolicy
+    from specserve.engine.policy import SpeculationPolicy
     from specserve.engine.step import apply_verdict, new_sequence, plan_step
     from specserve.models.loading import load_target
     from specserve.serve.workers import TargetWorker
@@ -362,7 +362,7 @@ def test_target_worker_drafts_with_a_feature_head(tmp_path):
     policy = SpeculationPolicy(3, adaptive=False)
     while seq.finish_reason is None:
         plan = plan_step([seq], policy)
-        proposal = worker.propose(plan.draft_rows(), plan.num_positions, plan.sampling, plan.draft_uniforms).result
+        proposal = worker.propose(plan.draft_rows(), plan.gamma, plan.sampling, plan.draft_uniforms).result
         verdict = worker.verify(plan.target_rows(), proposal.tokens, proposal.probs, plan.num_draft, plan.sampling,
                                 plan.accept_uniforms, plan.final_uniforms).result
         apply_verdict(plan, proposal, verdict)

@@ -24,7 +24,7 @@ def colocated(drafter: dict, gamma: int = 4) -> AppConfig:
 
 
 def drafting_steps(coordinator) -> int:
-    return sum(1 for r in coordinator._records if r.positions > 0)
+    return sum(1 for r in coordinator._records if r.gamma > 0)
 
 
 class Counting:
@@ -128,6 +128,6 @@ def test_a_feature_head_with_a_confidence_floor_verifies_fewer_in_one_call(local
     out = generate(coordinator, [PROMPT, [72, 101, 108, 108, 111]], params)
     assert out == [hf_greedy(model, PROMPT, 20), hf_greedy(model, [72, 101, 108, 108, 111], 12)]
     totals = coordinator._totals
-    planned = sum(r.positions * r.batch for r in coordinator._records)
+    planned = sum(r.gamma * r.batch for r in coordinator._records)
     assert 0 < totals["spec_decode_num_draft_tokens"] < planned, (totals, planned)
     assert totals["fused_steps"] == drafting_steps(coordinator)

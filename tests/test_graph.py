@@ -73,7 +73,7 @@ class InProcessGraph:
             self.discard("late")
             raise DraftLate("the draft side missed its deadline")
         packed = pack(call)
-        self.target_only_calls += call.num_positions == 0 and call.block is None and bool(call.target_rows)
+        self.target_only_calls += call.gamma == 0 and call.block is None and bool(call.target_rows)
         if self.draft is None:
             return step_reply(self.target.graph_step(packed))
         solo = self.target.graph_solo(packed)
@@ -300,7 +300,7 @@ def test_a_pair_graph_that_stops_drafting_becomes_the_targets_alone_and_comes_ba
     asyncio.run(graph.rebuild())
     drafting = graph.executions
     assert generate(coordinator, PROMPTS[1:2], params) == expected
-    assert any(c.num_positions for c in graph.calls[drafting:])  # drafting steps on the pair's graph again
+    assert any(c.gamma for c in graph.calls[drafting:])  # drafting steps on the pair's graph again
 
 
 @pytest.mark.parametrize("pipelined", [False, True])
@@ -326,7 +326,7 @@ def test_steps_while_the_draft_is_out_do_not_reshape_the_graph(local_coordinator
     executions = graph.executions
     params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)]
     assert generate(coordinator, PROMPTS[1:2], params) == [hf_greedy(target, PROMPTS[1], 20)]
-    assert any(c.num_positions for c in graph.calls[executions:])  # drafting steps on the pair's graph
+    assert any(c.gamma for c in graph.calls[executions:])  # drafting steps on the pair's graph
 
 
 def test_a_pipelined_execution_is_expected_to_last_as_long_as_its_ahead_call(local_coordinator, monkeypatch):
@@ -430,8 +430,8 @@ def test_a_draft_side_with_nothing_to_draft_is_told_to_sleep_through_the_targets
     assert generate(coordinator, PROMPTS[:1], params) == [
         hf_greedy(coordinator.target._obj.model.runner.model, PROMPTS[0], 40)]
     steps = [c for c in graph.calls if c.target_rows]
-    idle = [c for c in steps if not c.num_positions and c.block is None]
-    busy = [c for c in steps if c.num_positions or c.block is not None]
+    idle = [c for c in steps if not c.gamma and c.block is None]
+    busy = [c for c in steps if c.gamma or c.block is not None]
     assert idle and busy and (not pipelined or any(c.block is not None for c in busy))
     assert all(c.draft_nap_s == pytest.approx(0.5 * per_forward) for c in idle)
     assert all(c.draft_nap_s == 0 for c in busy)
@@ -547,7 +547,7 @@ class _FakeDag:
         self.threads.append(threading.get_ident())
         if self.fails is not None:
             raise self.fails
-        assert unpack(packed).num_positions == 2
+        assert unpack(packed).gamma == 2
         return _Ref(self.reply)
 
     def teardown(self) -> None:

@@ -19,7 +19,7 @@ import torch
 from models import hf_greedy, tiny_llama
 from specserve.config import AppConfig
 from specserve.engine import SamplingParams
-from specserve.engine.scheduler import AcceptanceEstimate, OverlappedPolicy, SpeculationPolicy
+from specserve.engine.policy import AcceptanceEstimate, OverlappedPolicy, SpeculationPolicy
 from specserve.engine.model_runner import ForwardTiming
 
 TINY = {"kind": "tiny", "seed": 0, "layers": 2, "hidden_size": 64}

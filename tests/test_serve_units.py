@@ -179,7 +179,7 @@ def test_call_deadline_grows_with_the_tokens_a_call_carries():
     from specserve.config import Deadlines
     from specserve.engine import RowInput
     from specserve.engine.model_runner import ForwardTiming
-    from specserve.engine.scheduler import SpeculationPolicy
+    from specserve.engine.policy import SpeculationPolicy
     from specserve.serve.calls import WorkerCalls
 
     policy = SpeculationPolicy(4)
@@ -202,7 +202,7 @@ def test_a_failed_step_fails_only_the_request_it_fails_on():
     import types
 
     from specserve.engine.sampling import SamplingParams
-    from specserve.engine.scheduler import SpeculationPolicy
+    from specserve.engine.policy import SpeculationPolicy
     from specserve.engine.step import StepOutput, new_sequence
     from specserve.engine.admission import Admission
     from specserve.engine.loop import StepLoop

@@ -60,18 +60,21 @@ def test_draft_token_map(pair):
 def test_draft_incremental_matches_full(pair):
     from transformers import DynamicCache
 
+    from specserve.engine.model_runner import cache_kwarg
+
     _, _, draft = pair
     x = torch.tensor([[1, 520, 9531, 198, 504, 3575, 282, 4649]])  # [1, 8]
     full = draft(input_ids=x).logits  # [1, 8, K]
     cache = DynamicCache()
-    draft(input_ids=x[:, :6], past_key_values=cache, use_cache=True)
+    kwarg = cache_kwarg(draft)
+    draft(input_ids=x[:, :6], use_cache=True, **{kwarg: cache})
     mask = torch.ones(1, 1, 2, 8, dtype=torch.bool).tril(6)  # [B, 1, Q, KV] causal
     step = draft(
         input_ids=x[:, 6:],
         position_ids=torch.tensor([[6, 7]]),
         attention_mask=mask,
-        past_key_values=cache,
         use_cache=True,
+        **{kwarg: cache},
         logits_to_keep=2,
     ).logits  # [1, 2, K]
     assert step.shape == (1, 2, draft.draft_token_map.numel())

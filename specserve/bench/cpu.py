@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specserve.bench.prompt_sets import GENERAL, by_category, encode, load_records, per_token_alpha
+from specserve.engine.step import per_token_alpha
+from specserve.prompts import GENERAL, by_category, encode, load_records
 from specserve.engine import RowInput, SamplingParams, SpeculativeEngine
 from specserve.engine.feature_drafter import FeatureDrafterSpec
 from specserve.engine.model_runner import ModelRunner

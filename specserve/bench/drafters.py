@@ -20,15 +20,15 @@ import dataclasses
 import json
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from specserve.bench.prompt_sets import (
-    EXTRACTION, GENERAL, SpeedAndAcceptance, by_category, encode, load_records, per_token_alpha,
-)
+from specserve.bench.rows import SpeedAndAcceptance
+from specserve.engine.step import per_token_alpha
+from specserve.prompts import EXTRACTION, GENERAL, by_category, encode, load_records
 from specserve.engine import RowInput, SamplingParams, SpeculativeEngine
 from specserve.engine.model_runner import ModelRunner
 from specserve.engine.feature_drafter import FeatureDrafterSpec
@@ -43,12 +43,6 @@ CATEGORIES = ["chat", "code", "summarise", "extraction"]
 class Result(SpeedAndAcceptance):
     category: str
     method: str
-    tokens: int
-    seconds: float
-    steps: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    rejections: int = 0
     c: float | None = None
     identical: bool = True
     extra: dict = field(default_factory=dict)
@@ -141,7 +135,7 @@ def run_engine(target, proposer, gamma: int, prompts: list[list[int]], params: S
     began = time.perf_counter()
     outs = [engine.generate([p], params)[0] for p in prompts]  # batch 1: latency
     seconds = time.perf_counter() - began
-    result = Result(category, method, sum(len(o.token_ids) for o in outs), seconds)
+    result = Result(category, method, tokens=sum(len(o.token_ids) for o in outs), seconds=seconds)
     for o in outs:
         result.add_metrics(o.metrics)
     result.extra["outputs"] = [o.token_ids for o in outs]
@@ -159,7 +153,7 @@ def run_hf(target, prompts: list[list[int]], max_new: int, category: str, lookup
         outs.append(out[0, len(prompt):].tolist())
     seconds = time.perf_counter() - began
     method = f"HF lookup({lookup_tokens})" if lookup_tokens else "HF generate"
-    result = Result(category, method, sum(map(len, outs)), seconds)
+    result = Result(category, method, tokens=sum(map(len, outs)), seconds=seconds)
     result.extra["outputs"] = outs
     return result
 
@@ -309,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _write(args, results, costs, target_forward, skip_spec, skip_source, text, note) -> None:
     def plain(r: Result) -> dict:
-        d = {k: v for k, v in asdict(r).items() if k != "extra"}
+        d = r.as_dict("extra")
         d.update(tokens_per_second=r.tokens_per_second, alpha=r.alpha, tokens_per_step=r.tokens_per_step,
                  **{k: v for k, v in r.extra.items() if k != "outputs"})
         return d

@@ -14,17 +14,17 @@ import argparse
 import copy
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from specserve.bench import prompt_sets
-from specserve.bench.prompt_sets import SpeedAndAcceptance
+from specserve import prompts as prompt_sets
+from specserve.bench.rows import SpeedAndAcceptance
 from specserve.engine import RowInput, SamplingParams, SpeculativeEngine
 from specserve.engine.model_runner import ModelRunner
-from specserve.engine.scheduler import expected_tokens
+from specserve.engine.policy import expected_tokens
 
 
 
@@ -42,12 +42,6 @@ class Row(SpeedAndAcceptance):
     label: str
     gamma: int | None  # None = adaptive
     batch: int
-    tokens: int
-    seconds: float
-    steps: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    rejections: int = 0
     identical: bool = True
     extra: dict = field(default_factory=dict)
 
@@ -121,7 +115,8 @@ def run_engine(pair: Pair, gamma: int | None, max_gamma: int, prompts: list[list
     for i in range(0, len(prompts), batch):
         outs += engine.generate(prompts[i : i + batch], params)
     seconds = time.perf_counter() - began
-    row = Row("auto" if gamma is None else f"γ={gamma}", gamma, batch, sum(len(o.token_ids) for o in outs), seconds)
+    row = Row("auto" if gamma is None else f"γ={gamma}", gamma, batch, tokens=sum(len(o.token_ids) for o in outs),
+              seconds=seconds)
     for o in outs:
         row.add_metrics(o.metrics)
     if reference is not None:
@@ -146,7 +141,7 @@ def run_hf(pair: Pair, prompts: list[list[int]], max_new: int, reference, assist
     label = "HF assisted" if assistant is not None else "HF generate"
     # HF still stops at the model's EOS, so compare up to where it stopped.
     same = all(ref[: len(out)] == out for ref, out in zip(reference, outs))
-    return Row(label, None, 1, sum(map(len, outs)), seconds, identical=same)
+    return Row(label, None, 1, tokens=sum(map(len, outs)), seconds=seconds, identical=same)
 
 
 def full_vocab_view(draft: torch.nn.Module, vocab: int) -> torch.nn.Module:
@@ -264,7 +259,7 @@ def _faster(a: Row | None, b: Row) -> Row:
 
 def _write_json(args, pair, costs, rows, throughput, table) -> None:
     def plain(r: Row) -> dict:
-        d = {k: v for k, v in asdict(r).items() if k != "extra"}
+        d = r.as_dict("extra")
         d.update(tokens_per_second=r.tokens_per_second, alpha=r.alpha, mean_accepted_length=r.mean_accepted_length)
         return d
 

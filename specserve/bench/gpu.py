@@ -34,20 +34,20 @@ import platform
 import random
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
 from tqdm import tqdm
 
-from specserve.bench.prompt_sets import SpeedAndAcceptance
-from specserve.engine.model_runner import CALIBRATION_SIZES
+from specserve.bench.rows import SpeedAndAcceptance
+from specserve.engine.model_runner import CALIBRATION_SIZES, cache_kwarg
 from specserve.engine import Proposal, RowInput, SamplingParams, SpeculativeEngine
 from specserve.engine.model_runner import ModelRunner
 from specserve.engine.proposers import DraftModelProposer
 from specserve.engine.sampling import BatchSampling
-from specserve.engine.scheduler import expected_tokens
+from specserve.engine.policy import expected_tokens
 
 # Llama shapes (public architecture hyper-parameters); weights are random.
 SHAPES: dict[str, dict] = {
@@ -113,10 +113,10 @@ class ControlledProposer(DraftModelProposer):
     """
 
     def __init__(self, draft: torch.nn.Module, alpha: float, references: dict[str, list[int]], vocab_size: int,
-                 seed: int = 0, max_positions: int | None = None, execution: str = "auto") -> None:
+                 seed: int = 0, max_model_len: int | None = None, execution: str = "auto") -> None:
         if not 0.0 <= alpha <= 1.0:
             raise ValueError("alpha must lie in [0, 1]")
-        super().__init__(draft, vocab_size, max_positions, execution)
+        super().__init__(draft, vocab_size, max_model_len, execution)
         self.alpha = alpha
         self.references = references
         self.rng = random.Random(seed)
@@ -176,12 +176,6 @@ class Run(SpeedAndAcceptance):
     batch: int
     gamma: int | None  # None: adaptive
     alpha_target: float | None
-    tokens: int
-    seconds: float
-    steps: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    rejections: int = 0
     identical: bool = True
     outputs: list[list[int]] = field(default_factory=list, repr=False)
 
@@ -257,8 +251,8 @@ def measure_configs(configs: list[Config], prompts, ids, batch: int, max_new: in
 
 
 def to_run(section: str, config: Config, batch: int, reference: list[list[int]]) -> Run:
-    run = Run(section, batch, config.gamma, config.alpha, sum(len(s.output) for s in config.seqs),
-              statistics.median(config.seconds), outputs=config.outputs or [])
+    run = Run(section, batch, config.gamma, config.alpha, tokens=sum(len(s.output) for s in config.seqs),
+              seconds=statistics.median(config.seconds), outputs=config.outputs or [])
     for s in config.seqs:
         run.add_metrics(s.metrics)
     run.identical = config.outputs == reference
@@ -341,7 +335,7 @@ def run_section(name: str, target, draft, make_proposer: ProposerFactory, prompt
 
 
 def _row(run: Run, base: Run, cost: dict) -> dict:
-    row = {k: v for k, v in asdict(run).items() if k != "outputs"}
+    row = run.as_dict("outputs")
     row.update(tokens_per_second=run.tokens_per_second, alpha=run.alpha, mean_gamma=run.mean_gamma,
                c=cost["c"], speedup=run.tokens_per_second / base.tokens_per_second)
     g = run.gamma
@@ -390,7 +384,8 @@ class StaticDecode:
 
     def _step(self, ids: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """ids [b, 1], position [1] -> next ids [b, 1]."""
-        logits = self.model(input_ids=ids, cache_position=position, past_key_values=self.cache, use_cache=True).logits
+        logits = self.model(input_ids=ids, cache_position=position, use_cache=True,
+                            **{cache_kwarg(self.model): self.cache}).logits
         return logits[:, -1].argmax(-1, keepdim=True)
 
     @torch.no_grad()
@@ -403,7 +398,7 @@ class StaticDecode:
             ids = torch.tensor(prompts[i : i + batch], device=self.device)
             length = ids.shape[1]
             logits = self.model(input_ids=ids, cache_position=torch.arange(length, device=self.device),
-                                past_key_values=self.cache, use_cache=True).logits
+                                use_cache=True, **{cache_kwarg(self.model): self.cache}).logits
             token = logits[:, -1].argmax(-1, keepdim=True)  # [b, 1]
             tokens = [token]
             for k in range(max_new - 1):

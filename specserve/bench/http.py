@@ -25,6 +25,8 @@ from pathlib import Path
 
 import httpx
 
+from specserve.bench.sse import events, ms, nearest_rank
+
 PROMPTS = [
     "Explain what speculative decoding is in two sentences.",
     "Write a short poem about the sea.",
@@ -50,13 +52,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=600.0)
 
 
-def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    values = sorted(values)
-    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
-
-
 async def _one(client: httpx.AsyncClient, args, model: str, prompt: str, gamma: int | None) -> dict:
     body = {"model": model, "max_tokens": args.max_tokens, "temperature": args.temperature, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
@@ -70,10 +65,9 @@ async def _one(client: httpx.AsyncClient, args, model: str, prompt: str, gamma: 
     async with client.stream("POST", path, json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {await r.aread()!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+        async for event in events(r):
+            if event is None:
                 continue
-            event = json.loads(line[6:])
             if event.get("usage"):
                 usage, spec = event["usage"], event.get("speculation")
             elif event.get("choices"):
@@ -105,15 +99,11 @@ async def _level(client, args, model: str, concurrency: int, gamma: int | None) 
     return {
         "gamma": "default" if gamma is None else gamma, "concurrency": concurrency, "requests": n,
         "wall_s": wall, "output_tokens": tokens, "tokens_per_s": tokens / wall,
-        "ttft_p50_ms": _ms(_pct(ttfts, 0.5)), "ttft_p99_ms": _ms(_pct(ttfts, 0.99)),
-        "itl_p50_ms": _ms(_pct(itls, 0.5)), "itl_p99_ms": _ms(_pct(itls, 0.99)),
+        "ttft_p50_ms": ms(nearest_rank(ttfts, 0.5), None), "ttft_p99_ms": ms(nearest_rank(ttfts, 0.99), None),
+        "itl_p50_ms": ms(nearest_rank(itls, 0.5), None), "itl_p99_ms": ms(nearest_rank(itls, 0.99), None),
         "acceptance_rate": accepted / drafted if drafted else None, "draft_tokens": drafted,
         "accepted_tokens": accepted, "coordinator": stats,
     }
-
-
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else 1e3 * seconds
 
 
 def _fmt(x, spec: str = ".1f") -> str:

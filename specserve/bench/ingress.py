@@ -22,10 +22,7 @@ from urllib.parse import urlparse
 
 import httpx
 
-
-def _pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+from specserve.bench.sse import nearest_rank
 
 
 async def _small(client: httpx.AsyncClient, model: str) -> float:
@@ -63,8 +60,8 @@ async def _measure(args, model: str, mb: float) -> dict:
             refusals.append(took)
             statuses.append(status)
     alone_p50, during_p50 = statistics.median(alone), statistics.median(during)
-    return {"huge_mb": mb, "huge_bytes": len(body), "alone_p50_s": alone_p50, "alone_p90_s": _pct(alone, 0.9),
-            "during_p50_s": during_p50, "during_p90_s": _pct(during, 0.9), "during_n": len(during),
+    return {"huge_mb": mb, "huge_bytes": len(body), "alone_p50_s": alone_p50, "alone_p90_s": nearest_rank(alone, 0.9),
+            "during_p50_s": during_p50, "during_p90_s": nearest_rank(during, 0.9), "during_n": len(during),
             "ratio_p50": during_p50 / alone_p50, "refuse_p50_s": statistics.median(refusals),
             "refuse_max_s": max(refusals), "huge_statuses": sorted(set(statuses))}
 

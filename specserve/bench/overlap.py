@@ -65,7 +65,7 @@ from tqdm import tqdm
 
 from specserve.engine.model_runner import ModelRunner, RowInput
 from specserve.engine.proposers import DraftModelProposer, branch_owner
-from specserve.engine.scheduler import ALTERNATE_PRIOR, expected_tokens
+from specserve.engine.policy import ALTERNATE_PRIOR, expected_tokens
 
 TARGET_SHAPE = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8,
                     intermediate_size=1536, vocab_size=8192)
@@ -101,11 +101,11 @@ class PlantingProposer(DraftModelProposer):
     top-2 coverage of a drafter is chosen like its α. Branch caches (forks of a request's) track
     their own reference-holding prefix."""
 
-    def __init__(self, draft, alpha: float, vocab_size: int, seed: int, max_positions, execution,
+    def __init__(self, draft, alpha: float, vocab_size: int, seed: int, max_model_len, execution,
                  second: float = 0.0) -> None:
         import random
 
-        super().__init__(draft, vocab_size, max_positions, execution)
+        super().__init__(draft, vocab_size, max_model_len, execution)
         self.alpha = alpha
         self.second = second
         self.references: dict[str, list[int]] = {}
@@ -285,7 +285,7 @@ def coordinator_class(workers=None):
             return dict(
                 steps=totals["steps"], drafted=totals["spec_decode_num_draft_tokens"],
                 accepted=totals["spec_decode_num_accepted_tokens"], rejections=self.rejections,
-                gamma_mean=statistics.fmean(r.positions for r in recs) if recs else 0.0,
+                gamma_mean=statistics.fmean(r.gamma for r in recs) if recs else 0.0,
                 c=policy.draft_cost.predict(1) / one if policy.draft_cost.ready else 0.0,
                 v={g: policy.target_cost.predict(g + 1) / one for g in range(1, self.max_gamma + 1)},
                 overhead_p50_ms=overhead[0], overhead_p99_ms=overhead[1],

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from specserve.bench import prompt_sets
+from specserve import prompts as prompt_sets
 from specserve.engine import SamplingParams, SpeculativeEngine
 
 

@@ -28,13 +28,14 @@ import argparse
 import asyncio
 import json
 import random
-import statistics
 import time
 from collections import Counter
 from pathlib import Path
 from urllib.parse import urlparse
 
 import httpx
+
+from specserve.bench.sse import events, ms, percentile
 
 PROMPTS = ["Hello", "The quick brown fox", "Speculative decoding is lossless.", "0123456789" * 3,
            "Once upon a time", "héllo wörld → ok", "a", "List three colours:"]
@@ -69,25 +70,21 @@ async def one_request(client: httpx.AsyncClient, model: str, max_tokens: int, rn
                     tally.outcomes[f"http_{r.status_code}"] += 1
                     return float(r.headers.get("retry-after", 1)) if r.status_code in (429, 503) else 0.5
                 done, usage = False, None
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: "):
-                        continue
-                    payload = line[len("data: "):]
-                    if payload == "[DONE]":
-                        done = True
-                        break
-                    try:
-                        event = json.loads(payload)
-                    except ValueError:
-                        tally.outcomes["bad_sse_event"] += 1
-                        return 0.5
-                    if "error" in event:
-                        tally.outcomes[f"sse_error_{event['error'].get('code')}"] += 1
-                        return 0.5
-                    if first is None and event.get("choices"):
-                        first = time.perf_counter()
-                    if event.get("usage"):
-                        usage = event["usage"]
+                try:
+                    async for event in events(r):
+                        if event is None:
+                            done = True
+                            break
+                        if "error" in event:
+                            tally.outcomes[f"sse_error_{event['error'].get('code')}"] += 1
+                            return 0.5
+                        if first is None and event.get("choices"):
+                            first = time.perf_counter()
+                        if event.get("usage"):
+                            usage = event["usage"]
+                except json.JSONDecodeError:
+                    tally.outcomes["bad_sse_event"] += 1
+                    return 0.5
                 if not done or usage is None:
                     tally.outcomes["incomplete_stream"] += 1
                     return 0.5
@@ -161,12 +158,6 @@ def memory_table(samples: list, warmup_s: float) -> list[dict]:
     return rows
 
 
-def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    return statistics.quantiles(values, n=100)[q - 1] if len(values) > 1 else values[0]
-
-
 async def run(args) -> dict:
     limits = httpx.Limits(max_connections=args.clients + 8, max_keepalive_connections=args.clients + 8)
     async with httpx.AsyncClient(base_url=args.url, timeout=args.request_timeout, limits=limits) as client:
@@ -185,14 +176,11 @@ async def run(args) -> dict:
         "outcomes": dict(tally.outcomes), "errors": tally.errors(), "intended_429": tally.outcomes[INTENDED],
         "requests_ok": tally.outcomes["ok"], "requests_per_s": round(tally.outcomes["ok"] / wall, 2),
         "output_tokens_per_s": round(tally.tokens / wall, 1),
-        "ttft_p50_ms": _ms(_pct(tally.ttft, 50)), "ttft_p99_ms": _ms(_pct(tally.ttft, 99)),
-        "latency_p50_ms": _ms(_pct(tally.latency, 50)), "latency_p99_ms": _ms(_pct(tally.latency, 99)),
+        "ttft_p50_ms": ms(percentile(tally.ttft, 50)), "ttft_p99_ms": ms(percentile(tally.ttft, 99)),
+        "latency_p50_ms": ms(percentile(tally.latency, 50)),
+        "latency_p99_ms": ms(percentile(tally.latency, 99)),
         "warmup_s": warmup, "memory": memory_table(samples, warmup), "samples": samples,
     }
-
-
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else round(1e3 * seconds, 1)
 
 
 def print_report(r: dict) -> None:

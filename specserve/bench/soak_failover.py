@@ -22,12 +22,13 @@ import asyncio
 import json
 import os
 import socket
-import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+from specserve.bench.sse import events, ms, percentile
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT_STEMS = ["Hello", "The quick brown fox", "Speculative decoding is lossless.", "0123456789",
@@ -60,7 +61,7 @@ def references(config_args: dict, texts: list[str], max_tokens: int) -> tuple[di
     from specserve.models.loading import load_target, load_tokenizer
 
     config = load_app_config(config_args)
-    target, tok = load_target(config.target), load_tokenizer(config)
+    target, tok = load_target(config.target), load_tokenizer(config.target, config.tokenizer)
     out = {}
     with torch.inference_mode():
         for text in texts:
@@ -98,14 +99,10 @@ async def one_stream(client: httpx.AsyncClient, model: str, s: Stream, max_token
 
 async def _read_events(r: httpx.Response, s: Stream) -> str:
     done = False
-    async for line in r.aiter_lines():
-        if not line.startswith("data: "):
-            continue
-        payload = line[len("data: "):]
-        if payload == "[DONE]":
+    async for event in events(r):
+        if event is None:
             done = True
             break
-        event = json.loads(payload)
         if "error" in event:
             return f"sse_error_{event['error'].get('code')}"
         if event.get("usage"):
@@ -115,16 +112,6 @@ async def _read_events(r: httpx.Response, s: Stream) -> str:
             s.text += event["choices"][0]["text"]
             s.token_ids += event["choices"][0]["token_ids"]
     return "complete" if done and s.usage is not None else "incomplete_stream"
-
-
-def _pct(values: list[float], q: int) -> float | None:
-    if not values:
-        return None
-    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
-
-
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else round(1e3 * seconds, 1)
 
 
 def ray_rss_mb() -> float:
@@ -237,8 +224,10 @@ def summarize(streams, args, wall, kill_log, memory_before, memory_after, ingres
         "requests_failed": sum(v for k, v in outcomes.items() if k not in ("ok", "wrong")),
         "ok_but_text_differs": sum(s.outcome == "ok" and s.text_differs for s in streams),
         "outcomes": outcomes, "retries_429": sum(s.retries_429 for s in streams), "kill": kill_log,
-        "ingress_continuations": ingress, "ttft_p50_ms": _ms(_pct(ttft, 50)), "ttft_p99_ms": _ms(_pct(ttft, 99)),
-        "itl_p50_ms": _ms(_pct(gaps, 50)), "itl_p99_ms": _ms(_pct(gaps, 99)), "max_gap_ms": _ms(max(gaps, default=None)),
+        "ingress_continuations": ingress,
+        "ttft_p50_ms": ms(percentile(ttft, 50, "inclusive")), "ttft_p99_ms": ms(percentile(ttft, 99, "inclusive")),
+        "itl_p50_ms": ms(percentile(gaps, 50, "inclusive")), "itl_p99_ms": ms(percentile(gaps, 99, "inclusive")),
+        "max_gap_ms": ms(max(gaps, default=None)),
         "streams_with_a_gap_over_5s": sum(any(b - a > 5.0 for a, b in zip(s.arrivals, s.arrivals[1:])) for s in streams),
         "output_tokens_per_s": round(sum((s.usage or {}).get("completion_tokens", 0) for s in streams) / wall, 1),
         "memory_before": memory_before, "memory_after": memory_after,

@@ -19,7 +19,7 @@ Pipeline (every step seeded, one CPU thread by default):
 
 Usage::
 
-    python -m specserve.models.train_draft --out specserve/models/weights/smollm2-draft
+    python -m specserve.distill.draft_model --out specserve/models/weights/smollm2-draft
 """
 
 from __future__ import annotations
@@ -37,14 +37,16 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from specserve.engine.model_runner import cache_kwarg, returned_cache
 from specserve.models.smollm2 import (
     build_draft,
     cache_root,
     load_smollm2_target,
     save_draft,
 )
+from specserve.prompts import TRAIN
 
-PROMPTS_FILE = Path(__file__).resolve().parent / "train_prompts.txt"
+PROMPTS_FILE = TRAIN
 TOPK = 32  # teacher logits kept per position
 
 
@@ -300,11 +302,11 @@ def acceptance(draft, rows) -> float:
 def forward_ms(model, ctx: int = 64, reps: int = 30) -> float:
     """Median ms of a one-token forward with a ``ctx``-token KV cache."""
     x = torch.randint(100, 1000, (1, ctx))
-    past = model(input_ids=x, use_cache=True).past_key_values
+    past = returned_cache(model(input_ids=x, use_cache=True))
     times = []
     for i in range(reps + 3):
         t = time.perf_counter()
-        model(input_ids=x[:, :1], past_key_values=past, use_cache=True, logits_to_keep=1)
+        model(input_ids=x[:, :1], use_cache=True, logits_to_keep=1, **{cache_kwarg(model): past})
         times.append(time.perf_counter() - t)
         past.crop(-1)  # drop the token just added
     return 1000 * sorted(times[3:])[reps // 2]
@@ -390,7 +392,7 @@ def main(argv=None) -> dict:
             "dtype_shipped": "float16 (cast to the target dtype at load)",
             "training_data": f"{len(rows)} target answers (sampled, T={args.temperature}, "
                              f"top_p=0.95, <= {args.max_new} new tokens) to the '## train' "
-                             "prompts of specserve/models/train_prompts.txt (chat template); "
+                             "prompts of specserve/prompts/train_prompts.txt (chat template); "
                              f"teacher = target top-{TOPK} logits per answer token; plus "
                              f"{sum(len(r['top_ids']) for r in local)} teacher-forced tokens of "
                              "installed packages' METADATA descriptions placed as the assistant "
@@ -400,7 +402,7 @@ def main(argv=None) -> dict:
             "hyperparameters": {k: v for k, v in vars(args).items()
                                 if k not in ("out", "cache_dir", "no_save")},
             "measured": result,
-            "command": "python -m specserve.models.train_draft " + " ".join(argv or sys.argv[1:]),
+            "command": "python -m specserve.distill.draft_model " + " ".join(argv or sys.argv[1:]),
         }
         save_draft(draft, args.out, meta)
     return result

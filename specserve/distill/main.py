@@ -17,7 +17,7 @@
    target's rows of the draft vocabulary, not stored unless --store-lm-head), which a serve config
    names as `drafter: {kind: eagle, path: OUT}`.
 4. report: greedy acceptance α and speed of the head against the target alone on the held-out
-   benchmark prompts (specserve/bench/prompts.jsonl, never trained on), batch 1, in OUT/report.json.
+   benchmark prompts (specserve/prompts/prompts.jsonl, never trained on), batch 1, in OUT/report.json.
 """
 from __future__ import annotations
 

@@ -3,12 +3,11 @@ from __future__ import annotations
 
 import random
 import re
-from pathlib import Path
 
-from specserve.bench.prompt_sets import EXTRACTION, GENERAL
+from specserve.prompts import EXTRACTION, GENERAL, TRAIN
 from .data import PromptRecord, code_prompts, read_prompt_file, summary_prompts, without
 
-TRAIN_PROMPTS = Path(__file__).resolve().parent.parent / "models" / "train_prompts.txt"
+TRAIN_PROMPTS = TRAIN
 
 
 def held_out() -> list[PromptRecord]:

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import time
 
-from specserve.bench.prompt_sets import GENERAL, by_category, encode, load_records, per_token_alpha
+from specserve.engine.step import per_token_alpha
+from specserve.prompts import GENERAL, by_category, encode, load_records
 from specserve.engine import SamplingParams, SpeculativeEngine
 from specserve.engine.feature_drafter import FeatureDrafterSpec
 

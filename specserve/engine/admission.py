@@ -1,7 +1,7 @@
-"""The one scheduler's queues: the waiting queue and the running batch, with admission into it
-FIFO, bounded in count and in memory. The in-process engine (`SpeculativeEngine`) and the server's
-coordinator (`serve/coordinator.py`) both keep their requests here, so both admit, order
-continuations and budget KV memory by the same rules.
+"""Requests waiting and running: the waiting queue and the running batch, with admission into it
+FIFO, bounded in count and in memory. The step loop (`engine/loop.py`) admits from here for the
+in-process engine and the server's coordinator alike, so both admit, order continuations and
+budget KV memory by the same rules.
 
 The workers' KV caches are dense (`engine/kv_cache.py`): a slot per row of the batch padded to its
 capture bucket, plus one scratch slot, every slot allocated for the same number of positions,
@@ -25,7 +25,7 @@ from .step import Sequence
 def positions_needed(seq: Sequence, max_gamma: int) -> int:
     """Cache positions a request's slot may come to hold: prompt + max_tokens (capped at the
     context) + γ draft positions written past its last real token."""
-    return min(len(seq.prompt) + seq.params.max_tokens, seq.max_positions) + max_gamma
+    return min(len(seq.prompt) + seq.params.max_tokens, seq.max_model_len) + max_gamma
 
 
 def allocation(needs: list[int]) -> int:

@@ -16,7 +16,7 @@ from .admission import Admission
 from .model_runner import BATCH_BUCKETS, CALIBRATION_SIZES, ModelRunner, RowInput, batch_bucket
 from .proposers import DrafterSpec, DraftModelProposer, DraftModelSpec, Proposer
 from .sampling import BatchSampling, SamplingParams
-from .scheduler import SpeculationPolicy
+from .policy import SpeculationPolicy
 from .executor import InProcessExecutor, run_sync
 from .loop import StepLoop
 from .step import ContextLengthExceeded, RequestMetrics, Sequence, StepOutput, new_sequence
@@ -78,7 +78,7 @@ class SpeculativeEngine:
             proposer = drafter.build(target_model, self.verifier.vocab_size, max_model_len)
         if hasattr(proposer, "attach_target"):  # a drafter that reads the target's hidden states
             proposer.attach_target(self.verifier.runner)
-        limits = [self.verifier.runner.max_positions, getattr(proposer, "max_positions", None)]
+        limits = [self.verifier.runner.max_model_len, getattr(proposer, "max_model_len", None)]
         self.proposer = proposer
         self.max_model_len = min(x for x in limits if x) if any(limits) else 1 << 30
         self.policy = SpeculationPolicy(num_speculative_tokens, adaptive=adaptive)

@@ -18,17 +18,12 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from .proposers import Proposal, Proposer
-from .scheduler import SpeculationPolicy
+from .policy import SpeculationPolicy
 from .step import (
     Sequence, StepOutput, StepPlan, advance_marks, empty_proposal, finish_step, plan_step, prefill_rows, prefilling,
     verified_counts,
 )
 from .verifier import TargetVerifier, Verdict
-
-# Attempts at one step: a plan, then (after the executor lost its draft side) the same step re-planned
-# without drafts. A second failure to run a plan without drafts is a bug, not a fault.
-_PLAN_ATTEMPTS = 2
-
 
 @dataclass(frozen=True)
 class Ran:
@@ -47,8 +42,9 @@ class Executor(Protocol):
     def with_draft(self) -> bool:
         """Whether a new prompt must be prefilled into a draft cache too before its first step."""
 
-    def policy_for(self, policy: SpeculationPolicy) -> SpeculationPolicy:
-        """The policy a step plans with: `policy`, or a target-only one while no drafter can run."""
+    def policy_for(self, policy: SpeculationPolicy, drafting: bool = True) -> SpeculationPolicy:
+        """The policy a step plans with: `policy`, or a target-only one while no drafter can run
+        (drafting=False: the target-only one, for a step whose draft side just failed)."""
 
     async def prefill(self, seqs: list[Sequence], budget: int) -> None:
         """This step's prompt chunks (`prefill_rows`) into each model's cache; moves the marks."""
@@ -70,13 +66,16 @@ class Executor(Protocol):
 async def run_step(seqs: list[Sequence], policy: SpeculationPolicy, executor: Executor) -> list[StepOutput]:
     """One speculative step: plan, execute, apply. The one composition of a sequential step."""
     began = time.perf_counter()
-    for _ in range(_PLAN_ATTEMPTS):
-        used = executor.policy_for(policy)
+    used = executor.policy_for(policy)
+    plan = plan_step(seqs, used)
+    ran = await executor.execute(plan)
+    if ran is None:  # the draft side failed: this very step again, without drafts
+        used = executor.policy_for(policy, drafting=False)
         plan = plan_step(seqs, used)
         ran = await executor.execute(plan)
-        if ran is not None:
-            return finish(plan, ran, used, began, executor)
-    raise RuntimeError("the executor ran no step, even without drafts")
+        if ran is None:
+            raise RuntimeError("the executor ran no step without drafts")
+    return finish(plan, ran, used, began, executor)
 
 
 def finish(plan: StepPlan, ran: Ran, policy: SpeculationPolicy, began: float, executor: Executor) -> list[StepOutput]:
@@ -91,14 +90,15 @@ class InProcessExecutor:
 
     def __init__(self, proposer: Proposer | None, verifier: TargetVerifier) -> None:
         self.proposer, self.verifier = proposer, verifier
+        self.target_only = SpeculationPolicy(0, adaptive=False)
 
     @property
     def with_draft(self) -> bool:
         # a proposer without `prefill` (one written before chunking) catches a prompt up in its first propose
         return self.proposer is not None and hasattr(self.proposer, "prefill")
 
-    def policy_for(self, policy: SpeculationPolicy) -> SpeculationPolicy:
-        return policy
+    def policy_for(self, policy: SpeculationPolicy, drafting: bool = True) -> SpeculationPolicy:
+        return policy if drafting else self.target_only
 
     async def prefill(self, seqs: list[Sequence], budget: int) -> None:
         """The target's chunks, then the draft's."""
@@ -113,8 +113,8 @@ class InProcessExecutor:
 
     async def execute(self, plan: StepPlan) -> Ran:
         proposal = empty_proposal(len(plan.seqs))
-        if plan.num_positions > 0:
-            proposal = self.proposer.propose(plan.draft_rows(), plan.num_positions, plan.sampling,
+        if plan.gamma > 0:
+            proposal = self.proposer.propose(plan.draft_rows(), plan.gamma, plan.sampling,
                                              plan.draft_uniforms)
         verdict = self.verifier.verify(
             plan.target_rows(), proposal.tokens, proposal.probs, verified_counts(plan.num_draft, proposal),

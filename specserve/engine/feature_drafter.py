@@ -474,12 +474,12 @@ class FeatureDrafterProposer(DraftModelProposer):
 
     can_branch = False  # its per-request token and feature stores have no fork (pipelined: one branch)
 
-    def __init__(self, head: FeatureHead, vocab_size: int, max_positions: int | None = None,
+    def __init__(self, head: FeatureHead, vocab_size: int, max_model_len: int | None = None,
                  min_confidence: float | None = None, pulled: bool = False,
                  lookup_min_n: int | None = None) -> None:
         # eager: the head reads the features set on it before each forward (module state that a
         # replayed graph would not see)
-        super().__init__(head, vocab_size, max_positions, execution="eager")
+        super().__init__(head, vocab_size, max_model_len, execution="eager")
         self.head = head
         # a row stops drafting where the product of the head's top probabilities falls below this
         # (None: every planned draft); a host read per draft position decides whether to go on
@@ -716,12 +716,12 @@ class FeatureDrafterSpec:
     min_confidence: float | None = None  # see FeatureDrafterProposer
     lookup_min_n: int | None = None  # see FeatureDrafterProposer
 
-    def build(self, target_model: torch.nn.Module, vocab_size: int, max_positions: int | None,
+    def build(self, target_model: torch.nn.Module, vocab_size: int, max_model_len: int | None,
               pulled: bool = False):
         """pulled: the target runs in another process, `target_model` holds only its embedding and
         output head (models.loading.TargetIO), and features arrive through `put_features`."""
         head = load_feature_head(resolve_head_path(self.path), target_model)
-        return FeatureDrafterProposer(head, vocab_size, max_positions, self.min_confidence, pulled, self.lookup_min_n)
+        return FeatureDrafterProposer(head, vocab_size, max_model_len, self.min_confidence, pulled, self.lookup_min_n)
 
     def server(self, runner: ModelRunner) -> FeatureServer:
         """The target side of a pulled head: taps the layers the head reads on `runner`."""

@@ -28,17 +28,17 @@ import torch
 _CAPACITY_STEP = 256  # grow the position dimension in chunks of this many tokens
 
 
-def capacity_for(positions: int, max_positions: int | None = None) -> int:
+def capacity_for(positions: int, max_model_len: int | None = None) -> int:
     """Positions a slot's storage is allocated for when it must hold `positions` of them: the one
     rounding rule that the cache, the key length of a forward and admission (which budgets what
     the cache really allocates) share."""
     grown = -(-max(positions, 1) // _CAPACITY_STEP) * _CAPACITY_STEP
-    return grown if max_positions is None else min(grown, max_positions)
+    return grown if max_model_len is None else min(grown, max_model_len)
 
 
 class SlotKVCache:
-    def __init__(self, max_positions: int | None = None) -> None:
-        self.max_positions = max_positions
+    def __init__(self, max_model_len: int | None = None) -> None:
+        self.max_model_len = max_model_len
         self._keys: list[torch.Tensor | None] = []  # per layer [S, H, C, D]
         self._values: list[torch.Tensor | None] = []
         self._num_slots = 0  # slots S every layer is (or will be) sized for, scratch included
@@ -79,11 +79,11 @@ class SlotKVCache:
     def reserve(self, num_slots: int, needed_positions: int) -> int:
         """Before a forward (host integers only): make room for `num_slots` owned or padded slots
         plus the scratch slot, and for `needed_positions`. Returns K, the key length to attend over."""
-        if self.max_positions is not None and needed_positions > self.max_positions:
+        if self.max_model_len is not None and needed_positions > self.max_model_len:
             raise ValueError(
-                f"position {needed_positions - 1} is beyond the cache limit of {self.max_positions} tokens")
+                f"position {needed_positions - 1} is beyond the cache limit of {self.max_model_len} tokens")
         self._num_slots = max(self._num_slots, num_slots + 1)
-        length = capacity_for(needed_positions, self.max_positions)
+        length = capacity_for(needed_positions, self.max_model_len)
         self._capacity = max(self._capacity, length)
         self._view_length = length
         return length

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from .admission import Admission
 from .executor import Executor
-from .scheduler import SpeculationPolicy
+from .policy import SpeculationPolicy
 from .step import Sequence, StepOutput, prefilling
 
 

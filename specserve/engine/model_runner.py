@@ -6,7 +6,7 @@ start; a start below the valid length rolls the row back, a start above it is a 
 caller must resend from `valid_length`), which is how a restarted worker rebuilds its caches from
 the tokens the coordinator holds.
 
-A forward is two halves (ARCHITECTURE §7):
+A forward is two halves (docs/architecture.md §7):
 
 - `stage` (host): slots, the row order, the shape bucket, and ONE host-to-device copy of a small
   int64 block [B', Q + 6] into a static buffer allocated once per (B', Q): token ids, start,
@@ -22,6 +22,7 @@ padded rows write to the cache's scratch slot, which no request owns.
 """
 from __future__ import annotations
 
+import inspect
 import os
 import time
 from collections.abc import Sequence
@@ -107,6 +108,31 @@ class RowInput:
     tokens: list[int]
 
 
+# The most unseen tokens a row feeds to the forward that drafts (a draft model's first forward of
+# a propose: its last token, and the one before it after a step that accepted every draft) or that
+# verifies (the target: its last token, then the drafts). A row holding more tokens catches up
+# first, all but its last token in a forward of their own that computes no logits.
+DRAFT_ROW_TOKENS = 2
+VERIFY_ROW_TOKENS = 1
+
+
+def cache_kwarg(model: torch.nn.Module) -> str:
+    """The keyword a causal LM's forward takes its KV cache by: `cache` (transformers >= 5.24,
+    where `past_key_values` is deprecated) or `past_key_values` (older versions, our own heads)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def returned_cache(outputs):
+    """The KV cache a causal LM's forward returned (`cache`, or `past_key_values` before 5.24)."""
+    cache = getattr(outputs, "cache", None)
+    return cache if cache is not None else outputs.past_key_values
+
+
+def catch_up(tokens: list[int], row_tokens: int) -> int:
+    """How many of a row's unseen tokens a catch-up forward takes first (0: none)."""
+    return len(tokens) - 1 if len(tokens) > row_tokens else 0
+
+
 class CacheMiss(RuntimeError):
     """The runner holds fewer valid positions for a request than a call assumed."""
 
@@ -166,7 +192,7 @@ class ModelRunner:
     def __init__(
         self,
         model: torch.nn.Module,
-        max_positions: int | None = None,
+        max_model_len: int | None = None,
         execution: str = "auto",
         keep_hidden: bool = False,
     ) -> None:
@@ -197,8 +223,9 @@ class ModelRunner:
             cpu_linear.install(model)
         self.last_hidden: torch.Tensor | None = None
         limit = getattr(model.config, "max_position_embeddings", None)
-        self.max_positions = min(p for p in (max_positions, limit) if p) if (max_positions or limit) else None
-        self.cache = SlotKVCache(self.max_positions)
+        self.max_model_len = min(p for p in (max_model_len, limit) if p) if (max_model_len or limit) else None
+        self.cache = SlotKVCache(self.max_model_len)
+        self.cache_arg = cache_kwarg(model)
         self.token_map: torch.Tensor | None = getattr(model, "draft_token_map", None)  # [K] target ids, or None
         self._slot_of: dict[str, int] = {}
         self._valid: dict[str, int] = {}
@@ -278,10 +305,10 @@ class ModelRunner:
         budgets, `allocation(live requests, longest)`. Growth moves the storage anyway, so this
         costs captured graphs nothing extra."""
         slots, capacity = self.cache.allocated()
-        if num_slots + 1 <= slots and capacity_for(needed, self.max_positions) <= capacity:
+        if num_slots + 1 <= slots and capacity_for(needed, self.max_model_len) <= capacity:
             return  # no growth
         keep = max(needed, max(self._valid.values(), default=0))
-        if slots > num_slots + 1 or capacity > capacity_for(keep, self.max_positions):
+        if slots > num_slots + 1 or capacity > capacity_for(keep, self.max_model_len):
             self.cache.shrink(num_slots, keep)
 
     def _slot(self, request_id: str) -> int:
@@ -334,8 +361,8 @@ class ModelRunner:
         gather = any(slots[b] != i for i, b in enumerate(order))
         # + 1: a shorter row's padding lands just past its own tokens (see _compute)
         needed = max(r.start + n for r, n in zip(rows, lengths)) + 1 + extra_positions
-        if self.max_positions is not None:
-            needed = min(needed, self.max_positions)
+        if self.max_model_len is not None:
+            needed = min(needed, self.max_model_len)
         num_slots = max(padded, len(self._slot_owner))
         self._fit(num_slots, needed)
         key_length = self.cache.reserve(num_slots, needed)
@@ -443,10 +470,10 @@ class ModelRunner:
         # a shorter row's padding all goes to the position just past its own tokens (junk the mask
         # hides), never past the longest row's end: the cache grows only as far as real rows need
         positions = torch.minimum(positions, (starts + last + 1)[:, None])
-        if self.max_positions is not None:
-            # Real tokens stay below max_positions - 1 (the caller's invariant); padding and
+        if self.max_model_len is not None:
+            # Real tokens stay below max_model_len - 1 (the caller's invariant); padding and
             # unused drafts past that all land on the last position, which nothing real attends.
-            positions = positions.clamp(max=self.max_positions - 1)
+            positions = positions.clamp(max=self.max_model_len - 1)
         self.cache.bind(write_slots, positions, read_slots if gather else None)
         extra = {"output_hidden_states": True} if self.keep_hidden else {}
         with attention.selected(self.model, self.grouped_attention), cpu_linear.selected(self.linear_kernels):
@@ -454,7 +481,7 @@ class ModelRunner:
                 input_ids=ids,
                 position_ids=positions,
                 attention_mask=self._mask(positions, key_length),
-                past_key_values=self.cache,
+                **{self.cache_arg: self.cache},
                 use_cache=True,
                 logits_to_keep={"last": width, "all": width, "none": 1}[logits],
                 **extra,
@@ -504,6 +531,14 @@ class ModelRunner:
         """Every forward since the last call, for the cost model (read lazily, see ForwardLog)."""
         log, self._pending = ForwardLog(self._pending), []
         return log
+
+    @torch.no_grad()
+    def prefill(self, rows: list[RowInput]) -> ForwardLog:
+        """Cache rows' tokens (prompt chunks), computing no logits -> the forward's timing."""
+        self.check(rows)
+        self.take_forward_log()
+        self.forward(rows, logits="none")
+        return self.take_forward_log()
 
     def time_forwards(self, sizes: tuple[int, ...] = CALIBRATION_SIZES) -> list[ForwardTiming]:
         """One forward of each size (tokens) after a short context, twice, keeping the faster:

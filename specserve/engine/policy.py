@@ -1,4 +1,4 @@
-"""How long to speculate: γ per step from live measurements (ARCHITECTURE §1.3).
+"""How long to speculate: γ per step from live measurements (docs/architecture.md §1).
 
 A step with γ drafts per row costs γ draft forwards over B tokens plus one target forward over
 B(γ+1) tokens, and yields, per row with acceptance rate α, (1 - α^(γ+1)) / (1 - α) tokens in

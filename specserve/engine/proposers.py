@@ -6,7 +6,7 @@ distributions q they were drawn from. Random numbers come from the caller (one u
 token per row), so a proposer is a deterministic function and the caller owns each request's
 random stream.
 
-Three drafters, each chosen by a small frozen spec with `build(target, vocab_size, max_positions)`:
+Three drafters, each chosen by a small frozen spec with `build(target, vocab_size, max_model_len)`:
 
 - `DraftModelSpec`  -> `DraftModelProposer`: a separate, smaller causal LM.
 - `LayerSkipSpec`   -> `LayerSkipProposer`: the target itself with some decoder layers skipped
@@ -29,7 +29,7 @@ from typing import Protocol
 
 import torch
 
-from .model_runner import CacheMiss, ForwardTiming, ModelRunner, RowInput
+from .model_runner import DRAFT_ROW_TOKENS, CacheMiss, ForwardTiming, ModelRunner, RowInput, catch_up
 from .sampling import BatchSampling, logits_to_probs, sample_with_uniforms
 
 
@@ -101,9 +101,9 @@ class DraftModelProposer:
     can_branch = True  # `fork` / `adopt`, and runner-ups in `propose` (pipelined branches)
 
     def __init__(
-        self, model: torch.nn.Module, vocab_size: int, max_positions: int | None = None, execution: str = "auto"
+        self, model: torch.nn.Module, vocab_size: int, max_model_len: int | None = None, execution: str = "auto"
     ) -> None:
-        self.runner = ModelRunner(model, max_positions, execution)
+        self.runner = ModelRunner(model, max_model_len, execution)
         self.vocab_size = vocab_size  # V, the target's
         self._inputs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # (B', G) -> static loop inputs
 
@@ -125,16 +125,13 @@ class DraftModelProposer:
         return self.runner.num_cached()
 
     @property
-    def max_positions(self) -> int | None:
-        return self.runner.max_positions
+    def max_model_len(self) -> int | None:
+        return self.runner.max_model_len
 
     @torch.no_grad()
     def prefill(self, rows: list[RowInput]) -> Sequence[ForwardTiming]:
         """Cache rows' tokens (prompt chunks) in the draft's slots, computing no logits."""
-        self.runner.check(rows)
-        self.runner.take_forward_log()
-        self.runner.forward(rows, logits="none")
-        return self.runner.take_forward_log()
+        return self.runner.prefill(rows)
 
     @torch.no_grad()
     def propose(
@@ -146,11 +143,11 @@ class DraftModelProposer:
         runner = self.runner
         runner.check(rows)
         runner.take_forward_log()
-        backlog = [RowInput(r.request_id, r.start, r.tokens[:-1]) for r in rows if len(r.tokens) > 2]
+        backlog = [RowInput(r.request_id, r.start, r.tokens[:-1]) for r in rows if catch_up(r.tokens, DRAFT_ROW_TOKENS)]
         if backlog:
             runner.forward(backlog, logits="none")
-            rows = [RowInput(r.request_id, r.start + len(r.tokens) - 1, r.tokens[-1:]) if len(r.tokens) > 2 else r
-                    for r in rows]
+            rows = [RowInput(r.request_id, r.start + len(r.tokens) - 1, r.tokens[-1:])
+                    if catch_up(r.tokens, DRAFT_ROW_TOKENS) else r for r in rows]
         staged = runner.stage(rows, extra_positions=num_tokens - 1)
         flags = None if sampling.all_greedy else sampling.flags()  # host reads of host tensors
         alternates = alternates and flags is None
@@ -262,11 +259,11 @@ class LayerSkipProposer(DraftModelProposer):
     """
 
     def __init__(
-        self, target: torch.nn.Module, skip_layers, vocab_size: int, max_positions: int | None = None
+        self, target: torch.nn.Module, skip_layers, vocab_size: int, max_model_len: int | None = None
     ) -> None:
         view = layer_skip_view(target, skip_layers)
         self.skip_layers: tuple[int, ...] = view.skip_layers
-        super().__init__(view, vocab_size, max_positions)
+        super().__init__(view, vocab_size, max_model_len)
 
 
 def decoder_layers(model: torch.nn.Module) -> tuple[str, torch.nn.ModuleList]:
@@ -331,13 +328,13 @@ class PromptLookupProposer:
     the proposal says `deterministic=True` and carries no q (the verifier never builds one).
     """
 
-    def __init__(self, vocab_size: int, min_n: int = 1, max_n: int = 3, max_positions: int | None = None) -> None:
+    def __init__(self, vocab_size: int, min_n: int = 1, max_n: int = 3, max_model_len: int | None = None) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         self.vocab_size = vocab_size  # V
         self.min_n = min_n
         self.max_n = max_n
-        self.max_positions = max_positions
+        self.max_model_len = max_model_len
         self._tokens: dict[str, list[int]] = {}  # request id -> the prefix it holds (+ its last drafts)
         self.num_lookups = 0  # rows proposed for, and how many of them found a match
         self.num_matches = 0
@@ -421,7 +418,7 @@ def find_continuation(tokens: list[int], min_n: int, max_n: int) -> int | None:
 class DrafterSpec(Protocol):
     """A drafter as configured: frozen, comparable, printable; `build` makes its proposer."""
 
-    def build(self, target_model: torch.nn.Module, vocab_size: int, max_positions: int | None) -> Proposer: ...
+    def build(self, target_model: torch.nn.Module, vocab_size: int, max_model_len: int | None) -> Proposer: ...
 
 
 @dataclass(frozen=True)
@@ -431,8 +428,8 @@ class DraftModelSpec:
     model: torch.nn.Module
     execution: str = "auto"  # see ModelRunner
 
-    def build(self, target_model: torch.nn.Module, vocab_size: int, max_positions: int | None) -> Proposer:
-        return DraftModelProposer(self.model, vocab_size, max_positions, self.execution)
+    def build(self, target_model: torch.nn.Module, vocab_size: int, max_model_len: int | None) -> Proposer:
+        return DraftModelProposer(self.model, vocab_size, max_model_len, self.execution)
 
 
 @dataclass(frozen=True)
@@ -449,8 +446,8 @@ class LayerSkipSpec:
         """The untuned baseline: skip layers 1, 3, 5, ... (keeps the first layer, about half the cost)."""
         return LayerSkipSpec(tuple(range(1, num_layers, 2)))
 
-    def build(self, target_model: torch.nn.Module, vocab_size: int, max_positions: int | None) -> Proposer:
-        return LayerSkipProposer(target_model, self.skip_layers, vocab_size, max_positions)
+    def build(self, target_model: torch.nn.Module, vocab_size: int, max_model_len: int | None) -> Proposer:
+        return LayerSkipProposer(target_model, self.skip_layers, vocab_size, max_model_len)
 
 
 @dataclass(frozen=True)
@@ -464,8 +461,8 @@ class PromptLookupSpec:
         if not 1 <= self.min_n <= self.max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got min_n={self.min_n}, max_n={self.max_n}")
 
-    def build(self, target_model: torch.nn.Module, vocab_size: int, max_positions: int | None) -> Proposer:
-        return PromptLookupProposer(vocab_size, self.min_n, self.max_n, max_positions)
+    def build(self, target_model: torch.nn.Module, vocab_size: int, max_model_len: int | None) -> Proposer:
+        return PromptLookupProposer(vocab_size, self.min_n, self.max_n, max_model_len)
 
 
 def target_vocab_size(model: torch.nn.Module) -> int:

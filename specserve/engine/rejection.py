@@ -39,8 +39,8 @@ def greedy_accept(
     target_argmax: torch.Tensor, draft_tokens: torch.Tensor, num_draft: torch.Tensor
 ) -> AcceptResult:
     """Greedy rule. target_argmax [B, G+1], draft_tokens [B, G], num_draft [B] (g_b <= G)."""
-    num_positions = draft_tokens.shape[1]
-    in_range = torch.arange(num_positions, device=draft_tokens.device)[None, :] < num_draft[:, None]  # [B, G]
+    gamma = draft_tokens.shape[1]
+    in_range = torch.arange(gamma, device=draft_tokens.device)[None, :] < num_draft[:, None]  # [B, G]
     num_accepted = _leading_true((draft_tokens == target_argmax[:, :-1]) & in_range)  # [B]
     next_token = target_argmax.gather(1, num_accepted[:, None]).squeeze(1)  # [B]
     return AcceptResult(num_accepted, next_token)
@@ -60,11 +60,11 @@ def rejection_sample(
     token was sampled from); num_draft [B] (g_b <= G); accept_uniforms [B, G] and final_uniforms [B]
     in [0, 1). Positions j >= g_b of a row are ignored.
     """
-    batch, num_positions = draft_tokens.shape
+    batch, gamma = draft_tokens.shape
     idx = draft_tokens[..., None]  # [B, G, 1]
     p_of_x = target_probs[:, :-1].gather(-1, idx).squeeze(-1)  # [B, G]
     q_of_x = draft_probs.gather(-1, idx).squeeze(-1)  # [B, G]
-    in_range = torch.arange(num_positions, device=draft_tokens.device)[None, :] < num_draft[:, None]
+    in_range = torch.arange(gamma, device=draft_tokens.device)[None, :] < num_draft[:, None]
     # u < p/q, written without the division (q(x) > 0 because x was drawn from q).
     accepted = (accept_uniforms.to(p_of_x.dtype) * q_of_x < p_of_x) & in_range  # [B, G]
     num_accepted = _leading_true(accepted)  # [B]
@@ -96,9 +96,9 @@ def rejection_sample_deterministic(
     target_probs [B, G+1, V]; draft_tokens [B, G]; num_draft [B]; accept_uniforms [B, G];
     final_uniforms [B].
     """
-    batch, num_positions = draft_tokens.shape
+    batch, gamma = draft_tokens.shape
     p_of_x = target_probs[:, :-1].gather(-1, draft_tokens[..., None]).squeeze(-1)  # [B, G]
-    in_range = torch.arange(num_positions, device=draft_tokens.device)[None, :] < num_draft[:, None]
+    in_range = torch.arange(gamma, device=draft_tokens.device)[None, :] < num_draft[:, None]
     num_accepted = _leading_true((accept_uniforms.to(p_of_x.dtype) < p_of_x) & in_range)  # [B]
     rows = torch.arange(batch, device=draft_tokens.device)
     p_next = target_probs[rows, num_accepted]  # [B, V]

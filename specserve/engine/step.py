@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .model_runner import RowInput
+from .model_runner import DRAFT_ROW_TOKENS, RowInput
 from .proposers import Proposal
 from .sampling import BatchSampling, SamplingParams, make_generator
-from .scheduler import AcceptanceEstimate, SpeculationPolicy
+from .policy import AcceptanceEstimate, SpeculationPolicy
 from .verifier import Verdict
 
 
@@ -50,6 +50,13 @@ class RequestMetrics:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
 
+def per_token_alpha(accepted: int, rejections: int) -> float | None:
+    """α as the speedup arithmetic uses it: the chance that a draft is accepted given that every
+    draft before it in its step was (the geometric model's MLE: accepted / (accepted + steps that
+    rejected a draft)). Unlike accepted / drafted, it does not fall as γ grows. None: no trials."""
+    return accepted / (accepted + rejections) if accepted + rejections else None
+
+
 @dataclass
 class Sequence:
     """A request as the coordinator holds it."""
@@ -58,7 +65,7 @@ class Sequence:
     prompt: list[int]
     params: SamplingParams
     stop_ids: frozenset[int]
-    max_positions: int  # tokens the request may reach (prompt + output)
+    max_model_len: int  # tokens the request may reach (prompt + output)
     max_gamma: int | None = None  # this request's own cap on drafts per step (None: the engine's)
     output: list[int] = field(default_factory=list)
     target_len: int = 0  # leading tokens whose keys the target's cache holds
@@ -83,7 +90,7 @@ class Sequence:
 
     @property
     def remaining(self) -> int:
-        return min(self.params.max_tokens - len(self.output), self.max_positions - self.num_tokens)
+        return min(self.params.max_tokens - len(self.output), self.max_model_len - self.num_tokens)
 
     @property
     def reproducible(self) -> bool:
@@ -127,7 +134,7 @@ def new_sequence(
 @dataclass
 class StepPlan:
     seqs: list[Sequence]
-    num_positions: int  # G: drafts per row proposed this step
+    gamma: int  # G: drafts per row proposed this step
     num_draft: torch.Tensor  # [B] int64, g_b <= G drafts each row may accept
     sampling: BatchSampling
     draft_uniforms: torch.Tensor | None  # [B, G]
@@ -203,7 +210,8 @@ class StepOutput:
 def plan_step(seqs: list[Sequence], policy: SpeculationPolicy) -> StepPlan:
     """Pick γ for the batch (and per row), and draw every random number the step needs."""
     alphas = [policy.alpha(s.acceptance) for s in seqs]
-    backlog = sum(max(s.num_tokens - s.draft_len - 2, 0) for s in seqs)  # what the drafter prefills first
+    # what the drafter catches up on first (the policy's estimate: tokens past a drafting row's own)
+    backlog = sum(max(s.num_tokens - s.draft_len - DRAFT_ROW_TOKENS, 0) for s in seqs)
     batch_gamma = policy.choose(alphas, backlog, sum(not s.drafted_for for s in seqs))
     # A seeded sampled request always asks for max_gamma, so that its random stream, and with it
     # its tokens, depend on nothing but its seed and its own tokens.
@@ -252,8 +260,8 @@ def apply_verdict(plan: StepPlan, proposal: Proposal, verdict: Verdict) -> list[
         s.metrics.record(g, accepted)
         n = s.num_tokens
         s.target_len = n + accepted
-        if plan.num_positions > 0:
-            s.draft_len = n + min(accepted, plan.num_positions - 1)
+        if plan.gamma > 0:
+            s.draft_len = n + min(accepted, plan.gamma - 1)
         new = _cut(s, drafts[b][:accepted] + [verdict.next_token[b]])
         s.output.extend(new)
         outputs.append(StepOutput(s.request_id, new, s.finish_reason))
@@ -290,5 +298,5 @@ def finish_step(
     outputs = apply_verdict(plan, proposal, verdict)
     observe_verified(policy, plan, verdict)
     policy.observe_step(time.perf_counter() - began, proposal.forwards, verdict.forwards, len(plan.seqs),
-                        plan.num_positions, plan.backlog)
+                        plan.gamma, plan.backlog)
     return outputs

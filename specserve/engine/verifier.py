@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .model_runner import ForwardLog, ForwardTiming, ModelRunner, RowInput
+from .model_runner import VERIFY_ROW_TOKENS, ForwardLog, ForwardTiming, ModelRunner, RowInput, catch_up
 from .rejection import AcceptResult, greedy_accept, rejection_sample, rejection_sample_deterministic
 from .sampling import BatchSampling, logits_to_probs, sample_with_uniforms
 
@@ -25,12 +25,12 @@ class Verdict:
 
 class TargetVerifier:
     def __init__(
-        self, model: torch.nn.Module, max_positions: int | None = None, execution: str = "auto",
+        self, model: torch.nn.Module, max_model_len: int | None = None, execution: str = "auto",
         keep_hidden: bool = False,
     ) -> None:
         """execution: see ModelRunner. keep_hidden: after `verify`, `runner.last_hidden` holds the
         target's final hidden states of the verify forward, [B, G+1, H] (for feature drafters)."""
-        self.runner = ModelRunner(model, max_positions, execution, keep_hidden)
+        self.runner = ModelRunner(model, max_model_len, execution, keep_hidden)
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
 
     def free(self, request_id: str) -> None:
@@ -42,10 +42,7 @@ class TargetVerifier:
     @torch.no_grad()
     def prefill(self, rows: list[RowInput]) -> ForwardLog:
         """Cache rows' tokens (prompt chunks), computing no logits -> the forward's timing."""
-        self.runner.check(rows)
-        self.runner.take_forward_log()
-        self.runner.forward(rows, logits="none")
-        return self.runner.take_forward_log()
+        return self.runner.prefill(rows)
 
     @torch.no_grad()
     def verify(
@@ -69,7 +66,7 @@ class TargetVerifier:
             draft_probs = None if draft_probs is None else draft_probs[:, :width]
             accept_uniforms = None if accept_uniforms is None else accept_uniforms[:, :width]
         self.runner.take_forward_log()
-        backlog = [RowInput(r.request_id, r.start, r.tokens[:-1]) for r in rows if len(r.tokens) > 1]
+        backlog = [RowInput(r.request_id, r.start, r.tokens[:-1]) for r in rows if catch_up(r.tokens, VERIFY_ROW_TOKENS)]
         if backlog:
             self.runner.forward(backlog, logits="none")
         step_rows = [RowInput(r.request_id, r.start + len(r.tokens) - 1, r.tokens[-1:]) for r in rows]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from specserve.config import AppConfig, HFSource, ModelSource, SmolLM2Source, TinySource
+from specserve.config import HFSource, ModelSource, SmolLM2Source, TinySource
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -109,13 +109,13 @@ def _load_hf(source: HFSource, gpus: list[int]) -> torch.nn.Module:
     return model.eval()
 
 
-def load_tokenizer(config: AppConfig):
-    """The tokenizer the ingress uses (the target's, unless config.tokenizer names a directory)."""
+def load_tokenizer(source: ModelSource, directory: str | None = None):
+    """The tokenizer the ingress uses: the target source's, unless `directory` (the app's
+    `tokenizer` setting) names one."""
     from transformers import AutoTokenizer
 
-    if config.tokenizer:
-        return AutoTokenizer.from_pretrained(config.tokenizer, local_files_only=True)
-    source = config.target
+    if directory:
+        return AutoTokenizer.from_pretrained(directory, local_files_only=True)
     if isinstance(source, TinySource):
         from .tiny import byte_tokenizer
 

@@ -8,7 +8,7 @@ safetensors checkpoint in a local cache directory
 later loads take a couple of seconds.
 
 The draft is a small ``LlamaForCausalLM`` (few layers, target-initialised,
-distilled from the target by ``specserve.models.train_draft``) whose output
+distilled from the target by ``specserve.distill.draft_model``) whose output
 head covers only the K most frequent target tokens:
 
 * ``draft(...).logits`` has shape ``[B, Q, K]`` with ``K < vocab``;

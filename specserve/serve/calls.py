@@ -20,7 +20,8 @@ from ray.exceptions import RayActorError
 
 from specserve.config import Deadlines
 from specserve.engine import RowInput
-from specserve.engine.scheduler import SpeculationPolicy, TokenCost
+from specserve.engine.model_runner import DRAFT_ROW_TOKENS, VERIFY_ROW_TOKENS, catch_up
+from specserve.engine.policy import SpeculationPolicy, TokenCost
 from specserve.engine.step import Sequence
 
 from .wire import Reply
@@ -43,7 +44,7 @@ class StepRecord:
     forward: float  # seconds in model forwards (draft + target verify)
     in_workers: float  # seconds inside the worker methods
     batch: int
-    positions: int  # G
+    gamma: int  # G: drafts per row the step proposed
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ class ProposerSide:
     propose: object
     free: object
     num_cached: object
-    max_positions: object
+    max_model_len: object
     time_forwards: object
     ready: object
     memory: object
@@ -63,7 +64,7 @@ class ProposerSide:
 
     @staticmethod
     def of_draft_worker(actor) -> "ProposerSide":
-        return ProposerSide(actor.propose, actor.free, actor.num_cached, actor.max_positions, actor.time_forwards,
+        return ProposerSide(actor.propose, actor.free, actor.num_cached, actor.max_model_len, actor.time_forwards,
                             actor.ready, actor.memory, actor.prefill)
 
     @staticmethod
@@ -136,7 +137,7 @@ class WorkerCalls:
         cost = self.policy.target_cost if side == "target" else self.policy.draft_cost
         if extra is None:
             return _predict(cost, len(rows) * max((len(r.tokens) for r in rows), default=0))
-        backlog = sum(max(len(r.tokens) - 1, 0) for r in rows)
+        backlog = sum(catch_up(r.tokens, VERIFY_ROW_TOKENS if side == "target" else DRAFT_ROW_TOKENS) for r in rows)
         if side == "target":
             width = 1 + (extra.shape[1] if hasattr(extra, "shape") else int(extra))
             return _predict(cost, backlog) + _predict(cost, len(rows) * width)

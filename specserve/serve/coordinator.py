@@ -52,7 +52,7 @@ from specserve.config import AppConfig, Resources
 from specserve.engine.admission import Admission
 from specserve.engine.loop import StepLoop
 from specserve.engine.sampling import SamplingParams
-from specserve.engine.scheduler import OverlappedPolicy, SpeculationPolicy
+from specserve.engine.policy import OverlappedPolicy, SpeculationPolicy
 from specserve.engine.step import ContextLengthExceeded, InvalidPrompt, Sequence, StepOutput, new_sequence
 
 from .calls import ProposerSide, StepRecord, answers
@@ -125,7 +125,7 @@ class Coordinator:
             config.target, config.max_model_len, threads, config.drafter, execution=config.speculation.execution)
         info = ray.get(self.target.info.remote())
         self.vocab_size, self.eos_token_ids = info.vocab_size, info.eos_token_ids
-        limits = [config.max_model_len, info.max_positions]
+        limits = [config.max_model_len, info.max_model_len]
         self.draft = None  # the remote methods of the draft side (ProposerSide), if anything drafts
         self.draft_worker = None  # the DraftWorker actor, if the draft side is one (else: the target)
         if config.has_draft_worker:  # a draft model, or a feature head that pulls from this target
@@ -138,7 +138,7 @@ class Coordinator:
         elif config.drafter is not None:
             self.draft = ProposerSide.colocated(self.target)
         if self.draft is not None:
-            limits.append(ray.get(self.draft.max_positions.remote()))
+            limits.append(ray.get(self.draft.max_model_len.remote()))
         self.max_model_len = min(x for x in limits if x) if any(limits) else 1 << 30
         fused = self.draft is not None and self.draft_worker is None  # one call drafts and verifies
         if config.speculation.pipelined:
@@ -315,7 +315,7 @@ class Coordinator:
                 "overhead_p50_ms": 1e3 * statistics.median(r.wall - r.forward for r in recs),
                 "rpc_overhead_p50_ms": 1e3 * statistics.median(r.wall - r.in_workers for r in recs),
                 "batch_mean": statistics.fmean(r.batch for r in recs),
-                "positions_mean": statistics.fmean(r.positions for r in recs),
+                "gamma_mean": statistics.fmean(r.gamma for r in recs),
             })
         return out
 

@@ -30,7 +30,7 @@ from collections import deque
 from specserve.engine import RowInput
 from specserve.engine.admission import Admission
 from specserve.engine.executor import Ran, finish, run_step
-from specserve.engine.scheduler import SpeculationPolicy
+from specserve.engine.policy import SpeculationPolicy
 from specserve.engine.step import (
     Sequence, StepOutput, StepPlan, advance_marks, empty_proposal, prefill_rows, verified_counts,
 )
@@ -90,8 +90,8 @@ class RemoteExecutor:
     def with_draft(self) -> bool:
         return self.draft is not None and self.draft_ok
 
-    def policy_for(self, policy: SpeculationPolicy) -> SpeculationPolicy:
-        return policy if self.draft_ok else self.target_only
+    def policy_for(self, policy: SpeculationPolicy, drafting: bool = True) -> SpeculationPolicy:
+        return policy if drafting and self.draft_ok else self.target_only
 
     async def step(self, seqs: list[Sequence], policy: SpeculationPolicy) -> list[StepOutput]:
         if self.pipeline is not None:
@@ -102,11 +102,11 @@ class RemoteExecutor:
 
     async def execute(self, plan: StepPlan) -> Ran | None:
         """The plan on the graph, else on a fused call, else on two calls (see the module docstring)."""
-        if self.graph_ready(drafting=plan.num_positions > 0):
+        if self.graph_ready(drafting=plan.gamma > 0):
             ran = await self._on_graph(plan)
             if ran is not None or not self.draft_ok:  # (the draft was late in the graph: re-plan)
                 return ran
-        elif self.fused and plan.num_positions > 0:
+        elif self.fused and plan.gamma > 0:
             ran = await self._fused(plan)
             if ran is not None:
                 return ran
@@ -120,7 +120,7 @@ class RemoteExecutor:
             self.totals[f"{ran.via}_steps"] += 1
         forward = ran.proposal.seconds + ran.verdict.seconds
         self.record(StepRecord(time.perf_counter() - began, forward, ran.in_workers, len(plan.seqs),
-                               plan.num_positions), plan, ran.verdict)
+                               plan.gamma), plan, ran.verdict)
 
     def free(self, request_ids: list[str]) -> None:
         """(After the step that used them: actor calls from this process run in submission order.)"""
@@ -162,10 +162,10 @@ class RemoteExecutor:
     async def _two_calls(self, plan: StepPlan) -> Ran | None:
         """draft.propose, then target.verify. None: the draft failed (it is out now)."""
         seqs, proposal, in_workers = plan.seqs, empty_proposal(len(plan.seqs)), 0.0
-        if plan.num_positions > 0:
+        if plan.gamma > 0:
             try:
                 reply = await self.calls.call("draft", self.draft.propose, seqs, "draft_len", lambda: (
-                    plan.draft_rows(), plan.num_positions, plan.sampling, plan.draft_uniforms), retry=False)
+                    plan.draft_rows(), plan.gamma, plan.sampling, plan.draft_uniforms), retry=False)
             except Exception as err:
                 # Any draft failure (dead, restarting, hung, out of memory, a bug): the step is planned
                 # again without it. Greedy rows are unaffected; seeded sampled rows draw fresh numbers
@@ -183,8 +183,8 @@ class RemoteExecutor:
         verify); None when that call failed or was late: the caller then reruns this very step as
         two calls (same plan, same random numbers), whose recovery takes over."""
         call = lambda: (step_call(plan),)
-        deadline = lambda c: (self.calls.deadline("draft", c.draft_rows, c.num_positions)
-                              + self.calls.deadline("target", c.target_rows, c.num_positions))
+        deadline = lambda c: (self.calls.deadline("draft", c.draft_rows, c.gamma)
+                              + self.calls.deadline("target", c.target_rows, c.gamma))
         try:
             reply = await self.calls.call("target", self.target.fused_step, plan.seqs, "target_len", call,
                                           retry=False, deadline=deadline)
@@ -195,7 +195,7 @@ class RemoteExecutor:
 
     async def _on_graph(self, plan: StepPlan) -> Ran | None:
         """The plan as compiled-graph executions; None when the graph cannot run it (`graph_execute`)."""
-        reply = await self.graph_execute(plan.seqs, lambda: step_call(plan), plan.num_positions)
+        reply = await self.graph_execute(plan.seqs, lambda: step_call(plan), plan.gamma)
         if reply is None:
             return None
         return Ran(reply.proposal, reply.verdict, reply.draft_seconds + reply.target_seconds, "graph")
@@ -210,7 +210,7 @@ class RemoteExecutor:
     def record(self, record: StepRecord, plan: StepPlan, verdict) -> None:
         self.records.append(record)
         if self.draft_worker is None or self.draft_ok:
-            self._drafted.append(plan.num_positions > 0)
+            self._drafted.append(plan.gamma > 0)
         self.totals["steps"] += 1
         num_draft = plan.num_verified.tolist()
         drafted, accepted = sum(num_draft), sum(verdict.num_accepted)
@@ -378,11 +378,11 @@ class RemoteExecutor:
         by_id = {s.request_id: s for s in seqs}
         for _ in range(CALL_ATTEMPTS):
             call = make_call()
-            draft_s = self.predicted("draft", call.draft_rows, call.num_positions) if call.num_positions else 0.0
+            draft_s = self.predicted("draft", call.draft_rows, call.gamma) if call.gamma else 0.0
             target_s = self.predicted("target", call.target_rows, width)
-            draft_timeout = self.calls.allowed("draft", draft_s) if call.num_positions else 0.0
+            draft_timeout = self.calls.allowed("draft", draft_s) if call.gamma else 0.0
             target_timeout = self.calls.allowed("target", target_s)
-            busy = self._draft_busy if self.draft_worker is not None and call.num_positions else None
+            busy = self._draft_busy if self.draft_worker is not None and call.gamma else None
             if self.draft_worker is not None:
                 call = self._with_draft_nap(call, target_s, target_timeout)
             try:
@@ -412,13 +412,13 @@ class RemoteExecutor:
         (`StepGraph.nap`; at most half the target's allowance, so the nap alone never makes a
         step late), instead of answering at once and spinning a core in its graph loop's read of
         the next step (measured on 2 cores: that cost a target-only graph ~9%)."""
-        if call.num_positions > 0 or call.block is not None:
+        if call.gamma > 0 or call.block is not None:
             return call
         return dataclasses.replace(call, draft_nap_s=min(self.graph.nap(target_s), 0.5 * target_timeout))
 
 
 def step_call(plan: StepPlan) -> StepCall:
     """A sequential step's worker inputs, for one call or one graph execution."""
-    return StepCall(plan.draft_rows(), plan.num_positions, plan.sampling, plan.draft_uniforms, plan.target_rows(),
+    return StepCall(plan.draft_rows(), plan.gamma, plan.sampling, plan.draft_uniforms, plan.target_rows(),
                     plan.num_draft, plan.accept_uniforms, plan.final_uniforms)
 

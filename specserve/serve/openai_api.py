@@ -321,7 +321,7 @@ class OpenAIServer:
 
         self.coordinator = coordinator
         self.config = config
-        self.tokenizer = load_tokenizer(config)
+        self.tokenizer = load_tokenizer(config.target, config.tokenizer)
         self._info: dict | None = None
         self._shed_until = 0.0  # after a full coordinator queue: refuse at once until then (monotonic s)
         # requests continued on another coordinator replica after losing theirs, and given up on

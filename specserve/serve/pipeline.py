@@ -77,7 +77,7 @@ import torch
 from specserve.engine import RowInput
 from specserve.engine.proposers import Proposal
 from specserve.engine.sampling import BatchSampling
-from specserve.engine.scheduler import OverlappedPolicy
+from specserve.engine.policy import OverlappedPolicy
 from specserve.engine.step import (
     Sequence, StepOutput, StepPlan, apply_verdict, empty_proposal, observe_verified, plan_step,
 )
@@ -109,7 +109,7 @@ class Ahead:
     def call(self, num_draft: list[int]) -> AheadCall:
         """The AheadCall a graph execution carries (rows with g_b > 0 hold a placeholder token)."""
         return AheadCall(self.ahead_id, self.rows, num_draft, [s.stop_ids for s in self.plan.seqs],
-                         self.plan.num_positions + 1, self.plan.sampling, self.uniforms, self.branches)
+                         self.plan.gamma + 1, self.plan.sampling, self.uniforms, self.branches)
 
 
 @dataclass
@@ -155,10 +155,10 @@ class Pipeline:
         fresh, fresh_seconds = (), 0.0
         fresh_plan = plan_step(fresh_seqs, policy) if fresh_seqs else None
         fresh_proposal = empty_proposal(len(fresh_seqs))
-        if fresh_plan is not None and fresh_plan.num_positions > 0:
+        if fresh_plan is not None and fresh_plan.gamma > 0:
             try:
                 reply = await host.calls.call("draft", host.draft.propose, fresh_seqs, "draft_len", lambda: (
-                    fresh_plan.draft_rows(), fresh_plan.num_positions, fresh_plan.sampling,
+                    fresh_plan.draft_rows(), fresh_plan.gamma, fresh_plan.sampling,
                     fresh_plan.draft_uniforms), retry=False)
             except Exception as err:
                 if prepared is not None:
@@ -170,7 +170,7 @@ class Pipeline:
         proposal = fresh_proposal
         if prepared is not None:
             host.totals["pipelined_hits"] += len(seqs) - len(fresh_rows)
-            tokens, probs = combine_drafts(used, plan.num_positions, (prepared.tokens, prepared.probs),
+            tokens, probs = combine_drafts(used, plan.gamma, (prepared.tokens, prepared.probs),
                                            (fresh_proposal.tokens, fresh_proposal.probs))
             proposal = Proposal(tokens, probs)
         ahead = self._launch(plan, proposal, widths)
@@ -208,18 +208,18 @@ class Pipeline:
                 _restore(seqs, saved)
             return outputs
         plan, widths = _combine_plan(seqs, used, prepared, fresh_plan)
-        block = None if prepared is None else Block(prepared.ahead_id, _held_rows(prepared, used), plan.num_positions)
+        block = None if prepared is None else Block(prepared.ahead_id, _held_rows(prepared, used), plan.gamma)
         ahead = self._plan_ahead(plan, widths)
         draft = fresh_plan  # the rows the draft side proposes for (None: every row was prepared)
 
         def make_call() -> StepCall:
             return StepCall(
-                draft.draft_rows() if draft else [], draft.num_positions if draft else 0, plan.sampling,
+                draft.draft_rows() if draft else [], draft.gamma if draft else 0, plan.sampling,
                 draft.draft_uniforms if draft else None, plan.target_rows(), plan.num_draft, plan.accept_uniforms,
                 plan.final_uniforms, block, draft.sampling if block is not None and draft else None,
                 None if ahead is None else ahead.call(plan.num_draft.tolist()))
 
-        reply = await host.graph_execute(seqs, make_call, plan.num_positions, ahead.deadline if ahead else 0.0,
+        reply = await host.graph_execute(seqs, make_call, plan.gamma, ahead.deadline if ahead else 0.0,
                                           ahead.expected if ahead else 0.0)
         if reply is None:
             _restore(seqs, saved)  # this step's fresh and ahead draws
@@ -254,7 +254,7 @@ class Pipeline:
         self.policy.observe_overlapped_step(wall, fresh, ahead_forwards, verdict.forwards)
         host.totals["pipelined_steps"] += 1
         forward = sum(f.seconds for f in fresh) + max(verdict.seconds, sum(f.seconds for f in ahead_forwards))
-        host.record(StepRecord(wall, forward, in_workers, len(plan.seqs), plan.num_positions), plan, verdict)
+        host.record(StepRecord(wall, forward, in_workers, len(plan.seqs), plan.gamma), plan, verdict)
 
     def discard(self) -> None:
         """Throw the prepared block away (see `_unprepare`)."""
@@ -269,7 +269,7 @@ class Pipeline:
         if plan is None:
             return False
         alphas = [self.policy.alpha(s.acceptance) for s in plan.seqs]
-        return plan.num_positions > 0 and self.policy.overlap_pays(alphas, plan.num_positions)
+        return plan.gamma > 0 and self.policy.overlap_pays(alphas, plan.gamma)
 
     def _plan_ahead(self, plan: StepPlan, widths: list[int], drafts: list[list[int]] | None = None) -> Ahead | None:
         """Plan block k+1 for the rows as they would be after a full acceptance of block k; None
@@ -294,7 +294,7 @@ class Pipeline:
             rows.append(RowInput(s.request_id, s.num_tokens + g - 1, [last]))
         states = {b: s.generator.get_state() for b, s in enumerate(seqs) if not s.params.greedy}
         ahead_plan = plan_step(optimistic, self.policy)
-        if ahead_plan.num_positions == 0:
+        if ahead_plan.gamma == 0:
             _restore(seqs, states)
             return None
         uniforms = None
@@ -304,11 +304,11 @@ class Pipeline:
         self.host.totals["pipelined_prepared"] += 1
         branches = 0
         if drafts is None and ahead_plan.sampling.all_greedy:  # branches: on the graph, greedy rows
-            branches = self.policy.branches_for([self.policy.alpha(s.acceptance) for s in seqs], plan.num_positions)
+            branches = self.policy.branches_for([self.policy.alpha(s.acceptance) for s in seqs], plan.gamma)
             while branches and not self.host.admission.fits_extra_slots(len(branch_points(num_draft, branches))):
                 branches -= 1  # their forks would take the draft's cache past max_cached_tokens
         forks = [RowInput(seqs[b].request_id, 0, [0]) for b, _ in branch_points(num_draft, branches)]  # one token each
-        expected = self.host.predicted("draft", rows + forks, ahead_plan.num_positions + 1)
+        expected = self.host.predicted("draft", rows + forks, ahead_plan.gamma + 1)
         return Ahead(ahead_plan, rows, uniforms, [s.num_tokens for s in optimistic], states, time.perf_counter(),
                      self.host.calls.allowed("draft", expected), expected, next(self._ahead_ids), branches=branches)
 
@@ -316,7 +316,7 @@ class Pipeline:
         """Plan block k+1 and send the ahead call on a plain actor call."""
         ahead = self._plan_ahead(plan, widths, proposal.tokens.tolist())  # [B][G] host ints (from the wire)
         if ahead is not None:
-            ref = self.host.draft.propose.remote(ahead.rows, ahead.plan.num_positions + 1, ahead.plan.sampling,
+            ref = self.host.draft.propose.remote(ahead.rows, ahead.plan.gamma + 1, ahead.plan.sampling,
                                                  ahead.uniforms, pull_features=False)
             ahead.future = asyncio.ensure_future(ref)
         return ahead
@@ -360,7 +360,7 @@ class Pipeline:
                    for src, s, n in zip(sources, seqs, num_tokens)]
         _restore(seqs, {b: state for b, state in ahead.states.items() if not matched[b]})
         if any(matched):
-            width = ahead.plan.num_positions
+            width = ahead.plan.gamma
             for s, m in zip(seqs, matched):  # the draft holds the row plus block k+1's first G'-1 drafts
                 if m:
                     s.draft_len = s.num_tokens + width - 1
@@ -426,13 +426,13 @@ def _combine_plan(seqs: list[Sequence], used: list[int | None], prepared: Prepar
     uniforms in its own first columns (the rule ignores positions past a row's g_b). Without a
     prepared block, the fresh plan itself. -> (plan, each row's own width)."""
     if prepared is None:
-        return fresh_plan, [fresh_plan.num_positions] * len(seqs)
+        return fresh_plan, [fresh_plan.gamma] * len(seqs)
     ahead = prepared.plan
     if fresh_plan is None and used == list(range(len(ahead.seqs))):  # every row, in the prepared order
-        return (StepPlan(list(seqs), ahead.num_positions, ahead.num_draft, ahead.sampling, None,
-                         ahead.accept_uniforms, ahead.final_uniforms), [ahead.num_positions] * len(seqs))
+        return (StepPlan(list(seqs), ahead.gamma, ahead.num_draft, ahead.sampling, None,
+                         ahead.accept_uniforms, ahead.final_uniforms), [ahead.gamma] * len(seqs))
     parts = [ahead] + ([fresh_plan] if fresh_plan is not None else [])
-    width = max(p.num_positions for p in parts)
+    width = max(p.gamma for p in parts)
     sampling = BatchSampling.from_params([s.params for s in seqs])
     batch = len(seqs)
     num_draft = torch.zeros(batch, dtype=torch.long)  # [B]
@@ -441,7 +441,7 @@ def _combine_plan(seqs: list[Sequence], used: list[int | None], prepared: Prepar
     widths = []
     for b, (part, row) in enumerate(_sources(used)):
         plan = parts[part]
-        g = plan.num_positions
+        g = plan.gamma
         widths.append(g)
         num_draft[b] = plan.num_draft[row]
         if accept is not None and plan.accept_uniforms is not None:

@@ -77,7 +77,7 @@ class StepCall:
     `draft_sampling`) and/or `ahead`."""
 
     draft_rows: list[RowInput]
-    num_positions: int  # G (0: a target-only step; the draft side returns at once)
+    gamma: int  # G (0: a target-only step; the draft side returns at once)
     sampling: BatchSampling
     draft_uniforms: torch.Tensor | None  # [B, G]
     target_rows: list[RowInput]
@@ -213,7 +213,7 @@ def _encode(m):
         return None
     kind = type(m)
     if kind is StepCall:
-        return "c", (_rows(m.draft_rows), m.num_positions, _sampling(m.sampling), _tensor(m.draft_uniforms),
+        return "c", (_rows(m.draft_rows), m.gamma, _sampling(m.sampling), _tensor(m.draft_uniforms),
                      _rows(m.target_rows), _tensor(m.num_draft), _tensor(m.accept_uniforms),
                      _tensor(m.final_uniforms), None if m.block is None else (m.block.prepared_id, m.block.rows,
                                                                               m.block.width),

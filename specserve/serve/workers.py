@@ -38,7 +38,7 @@ from .pipeline import branch_points, combine_drafts
 @dataclass(frozen=True)
 class ModelInfo:
     vocab_size: int
-    max_positions: int | None
+    max_model_len: int | None
     eos_token_ids: frozenset[int]
 
 
@@ -120,8 +120,7 @@ class _Worker:
 
     @_serialised
     def free(self, request_ids: list[str]) -> None:
-        for rid in request_ids:
-            self.model.free(rid)
+        _free(self.model, request_ids)
 
     @_serialised
     def num_cached(self) -> int:
@@ -144,12 +143,12 @@ class _Worker:
         return self.model.runner.time_forwards()
 
     def _propose_step(self, call: StepCall, alternates: bool = False) -> Reply:
-        if call.num_positions == 0:
+        if call.gamma == 0:
             return Reply(empty_proposal(len(call.draft_rows)), 0.0)
         sampling = call.sampling if call.draft_sampling is None else call.draft_sampling
         if alternates:  # runner-ups for the ahead call's branches (DraftWorker only)
-            return self.propose(call.draft_rows, call.num_positions, sampling, call.draft_uniforms, alternates=True)
-        return self.propose(call.draft_rows, call.num_positions, sampling, call.draft_uniforms)
+            return self.propose(call.draft_rows, call.gamma, sampling, call.draft_uniforms, alternates=True)
+        return self.propose(call.draft_rows, call.gamma, sampling, call.draft_uniforms)
 
     def node_id(self) -> str:
         """The Ray node this actor runs on (hex id), for placement checks."""
@@ -167,7 +166,7 @@ class TargetWorker(_Worker):
 
         self.model = TargetVerifier(load_target(source, _assigned_gpus()), max_model_len, execution)
         eos = model_eos_ids(self.model.runner.model)
-        self.info_ = ModelInfo(self.model.vocab_size, self.model.runner.max_positions, frozenset(eos))
+        self.info_ = ModelInfo(self.model.vocab_size, self.model.runner.max_model_len, frozenset(eos))
         here = drafter is not None and getattr(drafter, "worker", "target") == "target"
         self.proposer = drafter.engine_spec().build(
             self.model.runner.model, self.model.vocab_size, max_model_len) if here else None
@@ -189,15 +188,14 @@ class TargetWorker(_Worker):
 
     @_serialised
     def proposer_free(self, request_ids: list[str]) -> None:
-        for rid in request_ids:
-            self.proposer.free(rid)
+        _free(self.proposer, request_ids)
 
     @_serialised
     def proposer_num_cached(self) -> int:
         return self.proposer.num_cached()
 
     def proposer_max_positions(self) -> int | None:
-        return self.proposer.max_positions
+        return self.proposer.max_model_len
 
     @_serialised
     def proposer_time_forwards(self) -> list:
@@ -242,7 +240,7 @@ class TargetWorker(_Worker):
         for the draft side's empty answer, which meanwhile passes by off its critical path. The
         output stays in this process (an intra-process channel: never serialised)."""
         call = unpack(packed)
-        if call.num_positions or call.block is not None:
+        if call.gamma or call.block is not None:
             return call, None
         return call, pack(self._verify_step(self._propose_step(call), call))
 
@@ -347,7 +345,7 @@ class DraftWorker(_Worker):
         answering, the graph's loop would spin in its read of the next step (on few cores, a
         core taken from the target)."""
         call = unpack(packed)
-        if call.draft_nap_s > 0 and not call.num_positions and call.block is None:
+        if call.draft_nap_s > 0 and not call.gamma and call.block is None:
             time.sleep(call.draft_nap_s)
         self._proposing = True
         try:
@@ -454,8 +452,8 @@ class DraftWorker(_Worker):
             return []
         return forks
 
-    def max_positions(self) -> int | None:
-        return self.model.runner.max_positions
+    def max_model_len(self) -> int | None:
+        return self.model.runner.max_model_len
 
     @_serialised
     def propose(
@@ -511,6 +509,12 @@ def _with_corrections(drafted: Proposal, batch: int, corrections: list[int]) -> 
     if ups is not None:
         ups = torch.cat([ups[:batch], torch.cat([head, ups[batch:, :-1]], dim=1)])
     return Proposal(tokens, drafted.probs, drafted.forwards, drafted.deterministic, drafted.num_draft, ups)
+
+
+def _free(holder, request_ids: list[str]) -> None:
+    """Free these requests' caches in a model holder (verifier, proposer)."""
+    for rid in request_ids:
+        holder.free(rid)
 
 
 def _rss_bytes() -> int:

@@ -3,7 +3,7 @@
     python -m specserve.tuning.layer_skip --model smollm2 --trials 80 --time-budget 600
 
 An Optuna TPE search over skip sets (one yes/no per decoder layer). Each trial measures, on a few
-prompts of `specserve/bench/prompts.jsonl`:
+prompts of `specserve/prompts/prompts.jsonl`:
 
 - α: the engine runs greedy with the layer-skip drafter at a fixed γ (all prompts in one batch);
   α = accepted / (accepted + rejections), the per-token rate of the geometric model;
@@ -11,7 +11,7 @@ prompts of `specserve/bench/prompts.jsonl`:
   measured side by side (interleaved) so that load on a shared machine hits both alike;
 
 and maximises the speedup bound (1 - α^(γ+1)) / ((1 - α)(γc + v(γ))), with v(γ) the target's cost
-of verifying γ+1 tokens over one token (measured once at the start; ARCHITECTURE §1.2), at the
+of verifying γ+1 tokens over one token (measured once at the start; docs/architecture.md §1), at the
 best γ <= --gamma (α measured at one γ holds for all under the geometric model), or, with
 `--objective speed`, the measured tokens/s over target-only tokens/s at the same batch and γ.
 The untuned baseline (skip every other layer) is the first trial. Writes the best skip set as a
@@ -31,11 +31,12 @@ from pathlib import Path
 
 import torch
 
-from specserve.bench.prompt_sets import GENERAL, encode, interleaved, load_records, per_token_alpha
+from specserve.engine.step import per_token_alpha
+from specserve.prompts import GENERAL, encode, interleaved, load_records
 from specserve.engine import RowInput, SamplingParams, SpeculativeEngine
 from specserve.engine.model_runner import ModelRunner
 from specserve.engine.proposers import LayerSkipProposer, LayerSkipSpec, decoder_layers, target_vocab_size
-from specserve.engine.scheduler import expected_tokens
+from specserve.engine.policy import expected_tokens
 
 
 @dataclass
