@@ -7,7 +7,7 @@
       max_resumes                              continuations of a request after its replica is lost
       api_key                                  optional Bearer key(s) (or env SPECSERVE_API_KEY)
       front_door:       FrontDoorConfig  (ingress threads, body / list limits, per-key limits)
-      target / draft:   ModelSource  (tiny | smollm2 | hf)
+      target / draft:   ModelSource  (tiny | smollm2 | hf | random)
       speculation:      SpeculationConfig
       ingress / coordinator: DeploymentConfig (Serve resources, autoscaling, max_ongoing_requests)
       target_worker / draft_worker: Resources (the coordinator's placement-group bundles)
@@ -74,7 +74,45 @@ class HFSource(_Strict):
         return self
 
 
-ModelSource = Annotated[Union[TinySource, SmolLM2Source, HFSource], Field(discriminator="kind")]
+# Named shapes of `kind: random` (Llama-2-7B's and TinyLlama-1.1B's), as transformers config fields
+RANDOM_SHAPES: dict[str, dict] = {
+    "llama-7b": dict(model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                     num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                     max_position_embeddings=4096),
+    "llama-1b": dict(model_type="llama", vocab_size=32000, hidden_size=2048, intermediate_size=5632,
+                     num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
+                     max_position_embeddings=2048),
+}
+
+
+class RandomSource(_Strict):
+    """Random weights of a model's shape, for load tests without any weights (like vLLM's
+    `load_format: dummy`): every forward, cache and memory figure is the shape's own, the tokens
+    are noise. `shape` names one of RANDOM_SHAPES or gives transformers config fields (a
+    `model_type` and what that model needs). The weights are drawn from `seed` on the device they
+    live on (the worker's first GPU, else the CPU), so a 7B model is ready in seconds. The config
+    declares no EOS token: every request runs to its max_tokens. The ingress uses the byte-level
+    tokenizer of `kind: tiny` (ids past its 259 decode to no text; token counts stay exact)."""
+
+    kind: Literal["random"] = "random"
+    shape: str | dict = "llama-1b"
+    dtype: Dtype = "bfloat16"
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _shape(self) -> "RandomSource":
+        if isinstance(self.shape, str) and self.shape not in RANDOM_SHAPES:
+            raise ValueError(f"random: shape {self.shape!r} is not one of {sorted(RANDOM_SHAPES)} (or give config "
+                             "fields as a mapping)")
+        if isinstance(self.shape, dict) and "model_type" not in self.shape:
+            raise ValueError("random: a shape given as config fields needs a model_type (e.g. llama)")
+        return self
+
+    def config_fields(self) -> dict:
+        return dict(RANDOM_SHAPES[self.shape] if isinstance(self.shape, str) else self.shape)
+
+
+ModelSource = Annotated[Union[TinySource, SmolLM2Source, HFSource, RandomSource], Field(discriminator="kind")]
 
 
 # -- drafters that run inside the target worker (a separate draft model is `draft:`) -------------

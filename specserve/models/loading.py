@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from specserve.config import HFSource, ModelSource, SmolLM2Source, TinySource
+from specserve.config import HFSource, ModelSource, RandomSource, SmolLM2Source, TinySource
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -21,7 +21,31 @@ def load_target(source: ModelSource, gpus: list[int] | None = None) -> torch.nn.
 
         model, _ = load_smollm2_target(source.cache_dir, dtype=_dtype(source.dtype))
         return model
+    if isinstance(source, RandomSource):
+        return load_random(source, gpus or [])
     return _load_hf(source, gpus or [])
+
+
+def load_random(source: RandomSource, gpus: list[int]) -> torch.nn.Module:
+    """A model of the source's shape with seeded random weights, made where it will live (the
+    first of `gpus`, else the CPU) in its dtype: no float32 copy, no transfer."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = source.config_fields()
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    config.eos_token_id = None  # load tests: every request runs to its max_tokens
+    config.bos_token_id = config.pad_token_id = None
+    device = torch.device(f"cuda:{gpus[0]}" if gpus else "cpu")
+    default = torch.get_default_dtype()
+    torch.manual_seed(source.seed)
+    try:
+        torch.set_default_dtype(_dtype(source.dtype))
+        with device:
+            model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    finally:
+        torch.set_default_dtype(default)
+    model.generation_config.eos_token_id = None
+    return model.eval().requires_grad_(False)
 
 
 def load_draft(source: ModelSource, gpus: list[int] | None = None) -> torch.nn.Module:
@@ -116,7 +140,7 @@ def load_tokenizer(source: ModelSource, directory: str | None = None):
 
     if directory:
         return AutoTokenizer.from_pretrained(directory, local_files_only=True)
-    if isinstance(source, TinySource):
+    if isinstance(source, (TinySource, RandomSource)):
         from .tiny import byte_tokenizer
 
         return byte_tokenizer()

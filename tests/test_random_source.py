@@ -1,0 +1,66 @@
+"""`kind: random` model sources (load tests without weights): named and given shapes, seeded weights
+made in their dtype, and speculation over them as lossless as over any model, in process and through
+the coordinator with its real workers."""
+from __future__ import annotations
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from models import hf_greedy
+from specserve import SamplingParams, SpeculativeEngine
+from specserve.config import RANDOM_SHAPES, AppConfig, RandomSource
+from specserve.models.loading import load_draft, load_target, load_tokenizer
+
+SHAPE = {"model_type": "llama", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=20)
+
+
+def test_named_and_given_shapes_validate_and_unknown_ones_are_refused():
+    assert RandomSource(shape="llama-7b").config_fields()["hidden_size"] == 4096
+    assert set(RANDOM_SHAPES) == {"llama-7b", "llama-1b"}
+    config = AppConfig.model_validate({"served_model_name": "r", "target": {"kind": "random", "shape": SHAPE, "dtype": "float32"},
+                                       "draft": {"kind": "random", "shape": SHAPE, "seed": 1, "dtype": "float32"}})
+    assert isinstance(config.target, RandomSource) and config.draft.seed == 1
+    with pytest.raises(ValidationError, match="not one of"):
+        RandomSource(shape="llama-70b")
+    with pytest.raises(ValidationError, match="model_type"):
+        RandomSource(shape={"hidden_size": 64})
+
+
+def test_weights_are_seeded_in_the_sources_dtype_and_declare_no_eos():
+    a = load_target(RandomSource(shape=SHAPE, dtype="bfloat16", seed=3))
+    b = load_target(RandomSource(shape=SHAPE, dtype="bfloat16", seed=3))
+    c = load_draft(RandomSource(shape=SHAPE, dtype="bfloat16", seed=4))
+    assert {p.dtype for p in a.parameters()} == {torch.bfloat16} and torch.get_default_dtype() == torch.float32
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    assert not torch.equal(a.lm_head.weight, c.lm_head.weight)
+    assert a.config.num_hidden_layers == 2 and a.config.eos_token_id is None
+    assert load_tokenizer(RandomSource(shape=SHAPE)).decode([72, 105]) == "Hi"
+
+
+def test_speculation_over_random_models_is_the_targets_greedy():
+    target = load_target(RandomSource(shape=SHAPE, dtype="float32", seed=0))
+    draft = load_target(RandomSource(shape=SHAPE, dtype="float32", seed=0))  # the same weights: α near 1
+    prompts = [[5, 17, 230, 4], [299, 1, 2]]
+    outs = SpeculativeEngine(target, draft, num_speculative_tokens=3, adaptive=False).generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == [hf_greedy(target, p, 20) for p in prompts]
+    assert all(o.finish_reason == "length" for o in outs)  # no EOS: every request runs to max_tokens
+    assert sum(o.metrics.num_accepted_tokens for o in outs) > 0
+
+
+def test_the_coordinator_serves_random_models_with_its_real_workers(local_coordinator):
+    from test_pipeline import generate
+
+    config = AppConfig.model_validate(dict(
+        served_model_name="random", target={"kind": "random", "shape": SHAPE, "dtype": "float32", "seed": 0},
+        draft={"kind": "random", "shape": SHAPE, "dtype": "float32", "seed": 0},
+        speculation=dict(num_speculative_tokens=2, adaptive=False, execution="eager", transport="actor_calls"),
+        max_model_len=256))
+    coordinator = local_coordinator(config)
+    prompts = [[5, 17, 230, 4], [299, 1, 2]]
+    outs = generate(coordinator, prompts, [GREEDY] * len(prompts))
+    target = coordinator.target._obj.model.runner.model
+    assert outs == [hf_greedy(target, p, 20) for p in prompts]
+    assert coordinator._totals["spec_decode_num_accepted_tokens"] > 0
