@@ -389,7 +389,8 @@ def main(argv=None) -> dict:
             "embedding": "not shipped: model.embed_tokens is the target's (frozen during "
                          "training), shared from the target at load time",
             "token_map": "tensor 'draft_token_map' [K]: target token id of each draft logit",
-            "dtype_shipped": "float16 (cast to the target dtype at load)",
+            "dtype_shipped": "int8 matrices with a float16 scale per output channel, float16 vectors "
+                             "(dequantised to the target dtype at load)",
             "training_data": f"{len(rows)} target answers (sampled, T={args.temperature}, "
                              f"top_p=0.95, <= {args.max_new} new tokens) to the '## train' "
                              "prompts of specserve/prompts/train_prompts.txt (chat template); "

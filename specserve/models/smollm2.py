@@ -17,7 +17,10 @@ head covers only the K most frequent target tokens:
 
 Only the trained layers, final norm and head are shipped (in
 ``specserve/models/weights/smollm2-draft/``); the frozen token embedding is
-identical to the target's and is shared with the target at load time.
+identical to the target's and is shared with the target at load time. The
+matrices are stored as int8 with one float16 scale per output channel
+(``quantize_int8``) and dequantised at load: half the bytes of float16, so the
+repository and Ray fit one transfer to a GPU machine.
 """
 
 from __future__ import annotations
@@ -175,13 +178,44 @@ def draft_trainable_state(draft: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v for k, v in draft.state_dict().items() if not k.startswith("model.embed_tokens")}
 
 
-def save_draft(draft: nn.Module, out_dir, meta: dict, dtype=torch.float16) -> None:
-    """Write ``draft.safetensors`` (no embedding) + ``draft_config.json``."""
+SCALE_SUFFIX = ".int8_scale"  # a matrix stored as int8 has its [out] scales under its name + this
+
+
+def quantize_int8(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each matrix [out, in] as int8 with a float16 scale per output row (its largest magnitude
+    / 127, rounded to nearest); vectors (norms) stay float16."""
+    out = {}
+    for name, t in tensors.items():
+        if t.dim() != 2:
+            out[name] = t.detach().to(torch.float16).contiguous()
+            continue
+        w = t.detach().float()
+        scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12).to(torch.float16)  # [out]
+        out[name] = torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+        out[name + SCALE_SUFFIX] = scale.contiguous()
+    return out
+
+
+def dequantize(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The inverse of `quantize_int8` (and a plain cast for tensors stored as floats), in dtype."""
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith(SCALE_SUFFIX):
+            continue
+        scale = tensors.get(name + SCALE_SUFFIX)
+        out[name] = (t.float() * scale.float()[:, None] if scale is not None else t).to(dtype)
+    return out
+
+
+def save_draft(draft: nn.Module, out_dir, meta: dict, int8: bool = True) -> None:
+    """Write ``draft.safetensors`` (no embedding; matrices as int8 unless int8=False, then float16)
+    + ``draft_config.json``."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().to(dtype).contiguous() for k, v in draft_trainable_state(draft).items()}
+    state = draft_trainable_state(draft)
+    tensors = quantize_int8(state) if int8 else {k: v.detach().half().contiguous() for k, v in state.items()}
     tensors["draft_token_map"] = draft.draft_token_map.to(torch.int32).contiguous()
     save_file(tensors, str(out / DRAFT_TENSORS))
     (out / DRAFT_META).write_text(json.dumps(meta, indent=2) + "\n")
@@ -203,8 +237,7 @@ def load_smollm2_draft(target: nn.Module, cache_dir=None, weights_dir=None) -> n
     tensors = load_file(str(folder / DRAFT_TENSORS))
     token_map = tensors.pop("draft_token_map").long()  # [K]
     draft = build_draft(target, meta["init_layers"], token_map)
-    dtype = target.model.embed_tokens.weight.dtype
-    tensors = {k: v.to(dtype) for k, v in tensors.items()}
+    tensors = dequantize(tensors, target.model.embed_tokens.weight.dtype)
     missing, unexpected = draft.load_state_dict(tensors, strict=False)
     missing = [k for k in missing if not k.startswith("model.embed_tokens")]
     if missing or unexpected:
