@@ -97,3 +97,34 @@ def test_draft_greedy_acceptance(pair):
         hits += int((pred == want).sum())
         total += want.numel()
     assert hits / total >= ACCEPTANCE_FLOOR, f"acceptance {hits}/{total}"
+
+
+def test_int8_storage_round_trips_each_group_within_half_a_step():
+    """The shipped matrices are int8 with one scale per GROUP weights of a row: dequantised, each
+    value is within half a quantisation step (its group's max / 254) of the original; vectors
+    stay float16."""
+    from specserve.models.smollm2 import GROUP, SCALE_SUFFIX, dequantize, quantize_int8
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"w": torch.randn(64, 4 * GROUP, generator=g) * torch.linspace(0.01, 3.0, 4 * GROUP),
+               "norm": torch.rand(32, generator=g) + 0.5}
+    stored = quantize_int8(tensors)
+    assert stored["w"].dtype == torch.int8 and stored["w" + SCALE_SUFFIX].shape == (64, 4)
+    assert stored["norm"].dtype == torch.float16 and "norm" + SCALE_SUFFIX not in stored
+    back = dequantize(stored, torch.float32)
+    assert set(back) == {"w", "norm"}
+    step = (tensors["w"].reshape(64, 4, GROUP).abs().amax(dim=-1, keepdim=True) / 127).expand(64, 4, GROUP)
+    step = step.reshape(64, 4 * GROUP)
+    assert bool(((back["w"] - tensors["w"]).abs() <= 0.5 * step * 1.01 + 1e-6).all())
+    torch.testing.assert_close(back["norm"], tensors["norm"], atol=1e-3, rtol=1e-3)
+
+
+def test_the_shipped_draft_is_stored_as_int8():
+    from safetensors import safe_open
+
+    from specserve.models.smollm2 import DRAFT_TENSORS, DRAFT_WEIGHTS_DIR, SCALE_SUFFIX
+
+    with safe_open(str(DRAFT_WEIGHTS_DIR / DRAFT_TENSORS), "pt") as f:
+        names = set(f.keys())
+        assert f.get_tensor("lm_head.weight").dtype == torch.int8
+    assert "lm_head.weight" + SCALE_SUFFIX in names

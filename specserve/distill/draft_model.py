@@ -389,7 +389,7 @@ def main(argv=None) -> dict:
             "embedding": "not shipped: model.embed_tokens is the target's (frozen during "
                          "training), shared from the target at load time",
             "token_map": "tensor 'draft_token_map' [K]: target token id of each draft logit",
-            "dtype_shipped": "int8 matrices with a float16 scale per output channel, float16 vectors "
+            "dtype_shipped": "int8 matrices with a float16 scale per 32 weights of a row, float16 vectors "
                              "(dequantised to the target dtype at load)",
             "training_data": f"{len(rows)} target answers (sampled, T={args.temperature}, "
                              f"top_p=0.95, <= {args.max_new} new tokens) to the '## train' "
