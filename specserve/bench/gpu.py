@@ -378,6 +378,7 @@ class StaticDecode:
 
         self.model, self.device = model, device
         self.cache = StaticCache(config=model.config, max_cache_len=max_len)
+        self.cache_arg = cache_kwarg(model)  # (read once: the step below is compiled whole)
         self.compiled = device.startswith("cuda")
         step = self._step
         self.step = torch.compile(step, mode="reduce-overhead", fullgraph=True) if self.compiled else step
@@ -385,7 +386,7 @@ class StaticDecode:
     def _step(self, ids: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """ids [b, 1], position [1] -> next ids [b, 1]."""
         logits = self.model(input_ids=ids, cache_position=position, use_cache=True,
-                            **{cache_kwarg(self.model): self.cache}).logits
+                            **{self.cache_arg: self.cache}).logits
         return logits[:, -1].argmax(-1, keepdim=True)
 
     @torch.no_grad()
@@ -398,7 +399,7 @@ class StaticDecode:
             ids = torch.tensor(prompts[i : i + batch], device=self.device)
             length = ids.shape[1]
             logits = self.model(input_ids=ids, cache_position=torch.arange(length, device=self.device),
-                                use_cache=True, **{cache_kwarg(self.model): self.cache}).logits
+                                use_cache=True, **{self.cache_arg: self.cache}).logits
             token = logits[:, -1].argmax(-1, keepdim=True)  # [b, 1]
             tokens = [token]
             for k in range(max_new - 1):

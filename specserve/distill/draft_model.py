@@ -302,11 +302,11 @@ def acceptance(draft, rows) -> float:
 def forward_ms(model, ctx: int = 64, reps: int = 30) -> float:
     """Median ms of a one-token forward with a ``ctx``-token KV cache."""
     x = torch.randint(100, 1000, (1, ctx))
-    past = returned_cache(model(input_ids=x, use_cache=True))
+    past, kwarg = returned_cache(model(input_ids=x, use_cache=True)), cache_kwarg(model)
     times = []
     for i in range(reps + 3):
         t = time.perf_counter()
-        model(input_ids=x[:, :1], use_cache=True, logits_to_keep=1, **{cache_kwarg(model): past})
+        model(input_ids=x[:, :1], use_cache=True, logits_to_keep=1, **{kwarg: past})
         times.append(time.perf_counter() - t)
         past.crop(-1)  # drop the token just added
     return 1000 * sorted(times[3:])[reps // 2]
