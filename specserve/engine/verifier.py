@@ -66,7 +66,8 @@ class TargetVerifier:
             draft_probs = None if draft_probs is None else draft_probs[:, :width]
             accept_uniforms = None if accept_uniforms is None else accept_uniforms[:, :width]
         self.runner.take_forward_log()
-        backlog = [RowInput(r.request_id, r.start, r.tokens[:-1]) for r in rows if catch_up(r.tokens, VERIFY_ROW_TOKENS)]
+        backlog = [RowInput(r.request_id, r.start, r.tokens[:-1])
+                   for r in rows if catch_up(r.tokens, VERIFY_ROW_TOKENS)]
         if backlog:
             self.runner.forward(backlog, logits="none")
         step_rows = [RowInput(r.request_id, r.start + len(r.tokens) - 1, r.tokens[-1:]) for r in rows]

@@ -27,6 +27,8 @@ import logging
 import time
 from collections import deque
 
+import ray
+
 from specserve.engine import RowInput
 from specserve.engine.admission import Admission
 from specserve.engine.executor import Ran, finish, run_step
@@ -267,8 +269,6 @@ class RemoteExecutor:
     async def _watch_draft(self) -> None:
         """Probe the draft until it answers; a separate draft worker that stays silent for
         health_misses probes is hung and is killed for Ray to restart it (once per outage)."""
-        import ray
-
         delay, misses, killed = 0.2, 0, False
         while True:
             if await answers(self.draft, self.deadlines.health_probe_s):
