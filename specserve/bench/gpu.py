@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import random
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -43,10 +42,10 @@ from tqdm import tqdm
 
 from specserve.bench.rows import SpeedAndAcceptance
 from specserve.engine.model_runner import CALIBRATION_SIZES, cache_kwarg
-from specserve.engine import Proposal, RowInput, SamplingParams, SpeculativeEngine
+from specserve.engine import RowInput, SamplingParams, SpeculativeEngine
 from specserve.engine.model_runner import ModelRunner
+from specserve.engine.planted import PlantedProposer
 from specserve.engine.proposers import DraftModelProposer
-from specserve.engine.sampling import BatchSampling
 from specserve.engine.policy import expected_tokens
 
 # Llama shapes (public architecture hyper-parameters); weights are random.
@@ -96,77 +95,6 @@ def random_llama(shape: str, device: str, dtype: torch.dtype, seed: int, peaked:
 
 def num_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
-
-
-# -- the controlled-acceptance drafter -------------------------------------------------------------
-class ControlledProposer(DraftModelProposer):
-    """A Proposer whose acceptance rate is α by construction, at the real draft model's cost.
-
-    Every draft position runs the draft model's forward and its argmax, exactly as
-    DraftModelProposer does (the same device loop, the same CUDA graph in graph mode); the token it
-    then proposes is the target's true greedy token with probability α (from `references`: per
-    request id, prompt + target-only output), otherwise a token that is certainly wrong. The
-    choices are made on the host before the forwards (they depend only on the reference) and
-    reach the device in one copy. With greedy verification, a row then accepts k drafts with
-    probability α^k (1-α) (the i.i.d. model of Leviathan et al.). Rows that left their reference
-    (should not happen; counted in `off_reference`) get wrong tokens. Greedy only.
-    """
-
-    def __init__(self, draft: torch.nn.Module, alpha: float, references: dict[str, list[int]], vocab_size: int,
-                 seed: int = 0, max_model_len: int | None = None, execution: str = "auto") -> None:
-        if not 0.0 <= alpha <= 1.0:
-            raise ValueError("alpha must lie in [0, 1]")
-        super().__init__(draft, vocab_size, max_model_len, execution)
-        self.alpha = alpha
-        self.references = references
-        self.rng = random.Random(seed)
-        self.off_reference = 0  # draft positions proposed for rows that had left their reference
-        self.planted = 0  # draft positions given the true token
-        self.proposed = 0
-        self._diverged: set[str] = set()
-        self._chosen: torch.Tensor | None = None  # [B, G] this call's drafts, caller order (host)
-
-    def free(self, request_id: str) -> None:
-        super().free(request_id)
-        self._diverged.discard(request_id)
-
-    def propose(self, rows: list[RowInput], num_tokens: int, sampling: BatchSampling,
-                uniforms: torch.Tensor | None) -> Proposal:
-        if not sampling.all_greedy:
-            raise ValueError("the controlled drafter supports greedy rows only")
-        self.runner.check(rows)
-        for r in rows:
-            ref = self.references.get(r.request_id)
-            if ref is None or ref[r.start : r.start + len(r.tokens)] != r.tokens:
-                self._diverged.add(r.request_id)
-        ends = [r.start + len(r.tokens) for r in rows]  # sequence length = index of draft 0
-        chosen = [[self._control(r.request_id, end + j) for j in range(num_tokens)] for r, end in zip(rows, ends)]
-        self._chosen = torch.tensor(chosen, dtype=torch.long).view(len(rows), num_tokens)
-        return super().propose(rows, num_tokens, sampling, uniforms)
-
-    def _static_inputs(self, staged, num_tokens, sampling, uniforms, flags):
-        buffers = super()._static_inputs(staged, num_tokens, sampling, uniforms, flags)
-        if "chosen" not in buffers:
-            buffers["chosen"] = torch.zeros(staged.padded, num_tokens, dtype=torch.long, device=self.runner.device)
-        chosen = self._chosen.to(self.runner.device, non_blocking=True)
-        buffers["chosen"].copy_(chosen.index_select(0, staged.sorted_to_caller))  # sorted order
-        return buffers
-
-    def _choose(self, logits, sampling, flags, inputs, j):
-        super()._choose(logits, sampling, flags, inputs, j)  # the real draft's own choice: computed (cost)
-        return inputs["chosen"][:, j], None
-
-    def _control(self, request_id: str, position: int) -> int:
-        self.proposed += 1
-        ref = self.references.get(request_id, [])
-        if request_id in self._diverged or position >= len(ref):
-            self.off_reference += request_id in self._diverged
-            return self.rng.randrange(self.vocab_size)
-        true = ref[position]
-        if self.rng.random() < self.alpha:
-            self.planted += 1
-            return true
-        return (true + 1 + self.rng.randrange(self.vocab_size - 1)) % self.vocab_size
 
 
 # -- measurements ---------------------------------------------------------------------------------
@@ -319,8 +247,8 @@ def run_section(name: str, target, draft, make_proposer: ProposerFactory, prompt
         base_run = to_run(name, base, batch, reference)
         for config in configs:
             row = _row(to_run(name, config, batch, reference), base_run, cost)
-            if isinstance(config.proposer, ControlledProposer):
-                row["off_reference"] = config.proposer.off_reference
+            if isinstance(config.proposer, PlantedProposer):
+                row["off_reference"] = config.proposer.counts.off_reference
             rows.append(row)
         for config in configs:
             del config.engine
@@ -620,7 +548,7 @@ def _random_section(args, gammas: list[int], alphas: list[float], batches: list[
     seeds = iter(range(args.seed, args.seed + (1 << 30)))
 
     def make(alpha, references):
-        return ControlledProposer(draft, alpha, references, vocab, seed=next(seeds), execution=args.execution)
+        return PlantedProposer(draft, vocab, alpha, references.values(), seed=next(seeds), execution=args.execution)
 
     _warm_up(target, args.device)
     rows, costs, anchors = run_section("random", target, draft, make, prompt_sets(pool, batches, args.prompts),

@@ -63,8 +63,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specserve.engine.model_runner import ModelRunner, RowInput
-from specserve.engine.proposers import DraftModelProposer, branch_owner
+from specserve.engine.model_runner import ModelRunner
+from specserve.engine.planted import PlantedProposer
 from specserve.engine.policy import ALTERNATE_PRIOR, expected_tokens
 
 TARGET_SHAPE = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8,
@@ -89,105 +89,6 @@ def draft_dims(width: int, layers: int) -> dict:
                 intermediate_size=3 * width, vocab_size=TARGET_SHAPE["vocab_size"])
 
 
-class PlantingProposer(DraftModelProposer):
-    """The controlled-acceptance drafter of `bench gpu`, made exact for calls that draft from
-    speculative context (the pipelined loop's ahead calls): per request it tracks how many leading
-    positions of its cache hold the reference, and plants true tokens (with probability α per
-    position) only in a call whose whole context is the reference; any other call's drafts are
-    wrong, as a real drafter's would be useless there. Greedy rows only.
-
-    Its runner-up at a position (what a pipelined step's branches start from) is the true token
-    with probability `second` where the planted draft is wrong, and a wrong token otherwise: the
-    top-2 coverage of a drafter is chosen like its α. Branch caches (forks of a request's) track
-    their own reference-holding prefix."""
-
-    def __init__(self, draft, alpha: float, vocab_size: int, seed: int, max_model_len, execution,
-                 second: float = 0.0) -> None:
-        import random
-
-        super().__init__(draft, vocab_size, max_model_len, execution)
-        self.alpha = alpha
-        self.second = second
-        self.references: dict[str, list[int]] = {}
-        self.rng = random.Random(seed)
-        self._good: dict[str, int] = {}  # cache name -> leading cached positions equal to its reference
-        self._chosen: torch.Tensor | None = None  # [B, G]
-        self._runner_ups: torch.Tensor | None = None  # [B, G]
-
-    def free(self, request_id: str) -> None:
-        super().free(request_id)
-        self._good.pop(request_id, None)
-
-    def fork(self, request_id: str, branch: str, length: int) -> None:
-        super().fork(request_id, branch, length)
-        self._good[branch] = min(self._good.get(request_id, 0), length)
-
-    def adopt(self, branch: str, request_id: str) -> None:
-        super().adopt(branch, request_id)
-        self._good[request_id] = self._good.pop(branch, 0)
-
-    def propose(self, rows, num_tokens, sampling, uniforms, alternates: bool = False):
-        if not sampling.all_greedy:
-            raise ValueError("the planting drafter supports greedy rows only")
-        self.runner.check(rows)
-        planted = [self._plant(r, num_tokens) for r in rows]
-        self._chosen = torch.tensor([chosen for chosen, _ in planted], dtype=torch.long)
-        self._runner_ups = torch.tensor([ups for _, ups in planted], dtype=torch.long)
-        return super().propose(rows, num_tokens, sampling, uniforms, alternates=alternates)
-
-    def prefill(self, rows):
-        """Prompt chunks (chunked prefill) extend the reference-holding prefix like any row."""
-        for row in rows:
-            self._good[row.request_id] = self._extend(row)
-        return super().prefill(rows)
-
-    def _extend(self, row: RowInput) -> int:
-        """Leading cached positions equal to the reference once `row` is cached."""
-        ref = self.references.get(branch_owner(row.request_id), [])
-        end = row.start + len(row.tokens)
-        good = min(self._good.get(row.request_id, 0), row.start)
-        return end if good == row.start and ref[row.start:end] == row.tokens else good
-
-    def _plant(self, row: RowInput, num_tokens: int) -> tuple[list[int], list[int]]:
-        """-> (this row's G drafts, their runner-ups)."""
-        ref = self.references.get(branch_owner(row.request_id), [])
-        end = row.start + len(row.tokens)
-        good = self._extend(row)
-        chosen, ups = [], []
-        for j in range(num_tokens):
-            true = ref[end + j] if good == end and end + j < len(ref) else None
-            right = true is not None and self.rng.random() < self.alpha
-            chosen.append(true if right else self._wrong(true))
-            covered = not right and true is not None and self.rng.random() < self.second
-            ups.append(true if covered else self._wrong(true, chosen[-1]))
-        for j, token in enumerate(chosen[: num_tokens - 1]):  # the cache holds the first G-1 drafts
-            if good == end + j and end + j < len(ref) and token == ref[end + j]:
-                good += 1
-        self._good[row.request_id] = good
-        return chosen, ups
-
-    def _wrong(self, *avoid: int | None) -> int:
-        """A random token other than those given."""
-        token = self.rng.randrange(self.vocab_size)
-        while token in avoid:
-            token = (token + 1) % self.vocab_size
-        return token
-
-    def _static_inputs(self, staged, num_tokens, sampling, uniforms, flags):
-        buffers = super()._static_inputs(staged, num_tokens, sampling, uniforms, flags)
-        buffers["chosen"] = self._chosen.index_select(0, staged.sorted_to_caller.cpu())
-        buffers["runner_ups"] = self._runner_ups.index_select(0, staged.sorted_to_caller.cpu())
-        return buffers
-
-    def _choose(self, logits, sampling, flags, inputs, j):
-        super()._choose(logits, sampling, flags, inputs, j)  # the real draft's own choice: computed (cost)
-        return inputs["chosen"][:, j], None
-
-    def _runner_up(self, logits, inputs, j):
-        super()._runner_up(logits, inputs, j)  # the real draft's own runner-up: computed (cost)
-        return inputs["runner_ups"][:, j]
-
-
 def worker_classes(draft_layers: int, draft_width: int, alpha: float, seed: int, second: float = 0.0):
     """TargetWorker / DraftWorker subclasses that build the random pair (the config's sources are
     ignored); the draft one plants tokens and takes the references."""
@@ -205,10 +106,11 @@ def worker_classes(draft_layers: int, draft_width: int, alpha: float, seed: int,
         def __init__(self, source, vocab_size, max_model_len, torch_threads=None, execution="auto", **_):
             _Worker.__init__(self, torch_threads)
             model = llama(draft_dims(draft_width, draft_layers), seed + 1)
-            self.model = PlantingProposer(model, alpha, vocab_size, seed, max_model_len, execution, second)
+            self.model = PlantedProposer(model, vocab_size, alpha, seed=seed, second=second, max_model_len=max_model_len,
+                                         execution=execution)
 
         def set_references(self, references: dict[str, list[int]]) -> None:
-            self.model.references = references
+            self.model.set_references(references.values())
 
     return Target, Draft
 
