@@ -98,6 +98,9 @@ class RandomSource(_Strict):
     shape: str | dict = "llama-1b"
     dtype: Dtype = "bfloat16"
     seed: int = 0
+    # a target whose greedy token cannot flip between kernels (specserve.models.peaked), so that a
+    # planted drafter's references stay its outputs at every batch size and γ (speculation.planted)
+    peaked: bool = False
 
     @model_validator(mode="after")
     def _shape(self) -> "RandomSource":
@@ -179,6 +182,20 @@ ColocatedDrafter = Annotated[
 
 
 # -- speculation and resources -------------------------------------------------------------------
+class PlantedAcceptance(_Strict):
+    """Benchmarks and load tests only: the draft model runs (its cost is real) but, for a greedy
+    request whose prompt opens one of the `references` (prompt + the target's greedy output, one
+    {"tokens": [...]} per line), proposes the reference's next token with probability `alpha` per
+    position and a wrong one otherwise, so that acceptance is set over HTTP rather than hoped
+    for (specserve.engine.planted). Other requests draft as the model would. Outputs are always
+    the target's."""
+
+    alpha: float = Field(ge=0.0, le=1.0)
+    references: str = Field(min_length=1)  # a JSON-lines file readable where the draft worker runs
+    seed: int = 0
+    second: float = Field(0.0, ge=0.0, le=1.0)  # a wrong draft's runner-up is the true token this often
+
+
 class SpeculationConfig(_Strict):
     num_speculative_tokens: int = Field(4, ge=0, le=16)  # γ, the most drafts per row and step
     adaptive: bool = True  # choose γ <= num_speculative_tokens from live measurements
@@ -200,6 +217,8 @@ class SpeculationConfig(_Strict):
     # than the steps they save. Outputs are unchanged (the verdict decides which block is used).
     # Off by default: on the 2-core CPU machine they lost in `bench overlap` (docs/serving.md).
     branches: int = Field(0, ge=0, le=16)
+    # Benchmarks only: acceptance planted in the draft model's proposals (needs draft:).
+    planted: PlantedAcceptance | None = None
 
 
 _BUILTIN_RESOURCES = frozenset({"cpu", "gpu", "memory", "object_store_memory"})
@@ -373,6 +392,8 @@ class AppConfig(_Strict):
         if self.speculation.pipelined and not self.has_draft_worker:
             raise ValueError("speculation.pipelined needs a draft worker (a draft model, or a feature drafter with "
                              "worker: draft): a drafter inside the target worker cannot run while the target verifies")
+        if self.speculation.planted is not None and self.draft is None:
+            raise ValueError("speculation.planted needs a draft model (draft:) whose proposals it plants")
         if self.draft is None and self.drafter is None and self.speculation.num_speculative_tokens > 0:
             raise ValueError("speculation.num_speculative_tokens > 0 needs a draft model or a drafter (or set it to 0)")
         if self.draft is not None and self.draft.kind != self.target.kind and "tiny" in (self.draft.kind, self.target.kind):

@@ -64,3 +64,56 @@ def test_the_coordinator_serves_random_models_with_its_real_workers(local_coordi
     target = coordinator.target._obj.model.runner.model
     assert outs == [hf_greedy(target, p, 20) for p in prompts]
     assert coordinator._totals["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_peaked_weights_keep_the_shape_and_make_greedy_robust():
+    plain = load_target(RandomSource(shape=SHAPE, dtype="float32", seed=2))
+    peaked = load_target(RandomSource(shape=SHAPE, dtype="float32", seed=2, peaked=True))
+    assert [p.shape for p in plain.parameters()] == [p.shape for p in peaked.parameters()]
+    logits = peaked(torch.tensor([[5, 17, 230, 4]])).logits[0, -1].float()
+    top2 = logits.topk(2).values
+    assert (top2[0] - top2[1]) / logits.std() > 5  # the greedy token wins by a wide margin
+    with pytest.raises(ValueError, match="output head of its own"):
+        load_target(RandomSource(shape={**SHAPE, "tie_word_embeddings": True}, dtype="float32", peaked=True))
+
+
+def test_planted_acceptance_needs_a_draft_model():
+    with pytest.raises(ValidationError, match="needs a draft model"):
+        AppConfig.model_validate(dict(served_model_name="r", target={"kind": "random", "shape": SHAPE},
+                                      drafter={"kind": "prompt_lookup"},
+                                      speculation={"planted": {"alpha": 0.8, "references": "refs.jsonl"}}))
+    with pytest.raises(ValidationError):
+        AppConfig.model_validate(dict(served_model_name="r", target={"kind": "random", "shape": SHAPE},
+                                      draft={"kind": "random", "shape": SHAPE},
+                                      speculation={"planted": {"alpha": 1.5, "references": "refs.jsonl"}}))
+
+
+@pytest.mark.parametrize("alpha", [1.0, 0.0])
+def test_acceptance_is_planted_through_the_coordinator(local_coordinator, tmp_path, alpha):
+    """A served config plants α: with α 1 every draft of the referenced prompts is accepted, with
+    α 0 none is; a prompt with no reference drafts as the model would; outputs are the target's."""
+    from specserve.engine.planted import write_references
+    from test_pipeline import generate
+
+    target_source = {"kind": "random", "shape": SHAPE, "dtype": "float32", "seed": 0, "peaked": True}
+    target = load_target(RandomSource.model_validate(target_source))
+    prompts = [[5, 17, 230, 4], [299, 1, 2]]
+    references = [p + hf_greedy(target, p, 20) for p in prompts]
+    write_references(tmp_path / "refs.jsonl", references)
+    config = AppConfig.model_validate(dict(
+        served_model_name="random", target=target_source,
+        draft={"kind": "random", "shape": SHAPE, "dtype": "float32", "seed": 7},
+        speculation=dict(num_speculative_tokens=3, adaptive=False, execution="eager", transport="actor_calls",
+                         planted=dict(alpha=alpha, references=str(tmp_path / "refs.jsonl"))),
+        max_model_len=256))
+    coordinator = local_coordinator(config)
+    outs = generate(coordinator, prompts, [GREEDY] * len(prompts))
+    assert [p + o for p, o in zip(prompts, outs)] == references
+    totals = coordinator._totals
+    drafted, accepted = totals["spec_decode_num_draft_tokens"], totals["spec_decode_num_accepted_tokens"]
+    assert drafted > 0 and accepted == (drafted if alpha == 1.0 else 0)
+    counts = coordinator.draft_worker._obj.model.counts
+    assert counts.proposed > 0 and counts.own == 0 and counts.off_reference == 0
+    unknown = [[7, 7, 7, 8]]
+    assert generate(coordinator, unknown, [GREEDY]) == [hf_greedy(target, unknown[0], 20)]
+    assert counts.own > 0

@@ -47,6 +47,7 @@ from specserve.engine.model_runner import ModelRunner
 from specserve.engine.planted import PlantedProposer
 from specserve.engine.proposers import DraftModelProposer
 from specserve.engine.policy import expected_tokens
+from specserve.models.peaked import peak
 
 # Llama shapes (public architecture hyper-parameters); weights are random.
 SHAPES: dict[str, dict] = {
@@ -63,18 +64,14 @@ SHAPES: dict[str, dict] = {
     "tiny-draft": dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
                        intermediate_size=64, vocab_size=512),
 }
-EMBED_STD = 16.0  # see random_llama: makes the target's greedy choice robust to kernel noise
 
 
 # -- models -------------------------------------------------------------------------------------
 def random_llama(shape: str, device: str, dtype: torch.dtype, seed: int, peaked: bool) -> torch.nn.Module:
     """A Llama of the named shape with random weights, built directly on `device` in `dtype`.
 
-    peaked: the embedding gets a large scale and the output head is the embedding with its rows
-    permuted, so the residual stream is dominated by the current token and the target's greedy
-    next token wins by a wide margin (tens of standard deviations). Greedy outputs then do not
-    flip between kernels (a γ+1-token verify vs a 1-token decode in bf16), which the controlled
-    drafter needs: it plants the target-only run's tokens. Costs are those of the shape alone.
+    peaked: the target's greedy choice made robust to kernel noise (specserve.models.peaked), which
+    the planted drafter needs: it plants the target-only run's tokens. Costs are the shape's alone.
     """
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -84,12 +81,7 @@ def random_llama(shape: str, device: str, dtype: torch.dtype, seed: int, peaked:
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     if peaked:
-        with torch.no_grad():
-            generator = torch.Generator(device=device).manual_seed(seed)
-            embed = model.get_input_embeddings().weight  # [V, H]
-            embed.normal_(0.0, EMBED_STD, generator=generator)
-            perm = torch.randperm(embed.shape[0], generator=torch.Generator().manual_seed(seed)).to(device)
-            model.get_output_embeddings().weight.copy_(embed[perm] / EMBED_STD)  # [V, H]
+        peak(model, seed)
     return model.eval()
 
 

@@ -45,6 +45,10 @@ def load_random(source: RandomSource, gpus: list[int]) -> torch.nn.Module:
     finally:
         torch.set_default_dtype(default)
     model.generation_config.eos_token_id = None
+    if source.peaked:
+        from .peaked import peak
+
+        peak(model, source.seed)
     return model.eval().requires_grad_(False)
 
 

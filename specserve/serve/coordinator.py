@@ -133,7 +133,7 @@ class Coordinator:
             self.draft_worker = _actor(self.draft_worker_class, config.draft_worker, 2, f"{tag}:draft").remote(
                 config.draft or config.target, info.vocab_size, config.max_model_len,
                 config.draft_worker.torch_threads, execution=config.speculation.execution, feature_head=head,
-                target=self.target if head is not None else None)
+                target=self.target if head is not None else None, planted=config.speculation.planted)
             self.draft = ProposerSide.of_draft_worker(self.draft_worker)
         elif config.drafter is not None:
             self.draft = ProposerSide.colocated(self.target)

@@ -24,8 +24,9 @@ from pathlib import Path
 import ray
 import torch
 
-from specserve.config import ColocatedDrafter, FeatureDrafter, ModelSource
+from specserve.config import ColocatedDrafter, FeatureDrafter, ModelSource, PlantedAcceptance
 from specserve.engine import CacheMiss, DraftModelProposer, Proposal, RowInput, TargetVerifier
+from specserve.engine.planted import PlantedProposer, read_references
 from specserve.engine.proposers import branch_id
 from specserve.engine.engine import model_eos_ids
 from specserve.engine.step import empty_proposal, verified_counts
@@ -134,8 +135,14 @@ class _Worker:
         return os.getpid()
 
     def memory(self) -> dict[str, int]:
-        """This process's resident memory and the bytes its KV-cache storage holds (for stats / soak)."""
-        return {"rss_bytes": _rss_bytes(), "kv_cache_bytes": self.model.runner.cache.memory_bytes()}
+        """This process's resident memory, the bytes its KV-cache storage holds and, on a GPU, what
+        its CUDA allocator holds now and at most (for stats / soak / bench serve-gpu)."""
+        out = {"rss_bytes": _rss_bytes(), "kv_cache_bytes": self.model.runner.cache.memory_bytes()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            out.update(cuda_allocated_bytes=torch.cuda.memory_allocated(),
+                       cuda_peak_allocated_bytes=torch.cuda.max_memory_allocated(),
+                       cuda_reserved_bytes=torch.cuda.memory_reserved())
+        return out
 
     @_serialised
     def time_forwards(self) -> list:
@@ -298,12 +305,17 @@ class DraftWorker(_Worker):
 
     def __init__(self, source: ModelSource, vocab_size: int, max_model_len: int | None,
                  torch_threads: int | None = None, execution: str = "auto",
-                 feature_head: FeatureDrafter | None = None, target=None) -> None:
+                 feature_head: FeatureDrafter | None = None, target=None,
+                 planted: PlantedAcceptance | None = None) -> None:
         super().__init__(torch_threads)
         from specserve.models.loading import load_draft, load_target_io
 
         self.target = target
-        if feature_head is None:
+        if planted is not None:  # benchmarks: acceptance planted in the draft model's proposals
+            self.model = PlantedProposer(load_draft(source, _assigned_gpus()), vocab_size, planted.alpha,
+                                         read_references(planted.references), planted.seed, planted.second,
+                                         max_model_len, execution)
+        elif feature_head is None:
             self.model = DraftModelProposer(load_draft(source, _assigned_gpus()), vocab_size, max_model_len,
                                             execution)
         else:
