@@ -734,3 +734,16 @@ def test_small_requests_stay_fast_while_a_huge_one_is_refused(fake, monkeypatch)
     alone, during, refusal = asyncio.run(scenario())
     assert during <= 3 * alone, (alone, during)
     assert refusal < 1.0, refusal
+
+
+def test_tokens_without_text_still_stream_as_token_ids(client, fake):
+    """Tokens that decode to no text (special tokens here; most of a random model's vocabulary under
+    the byte tokenizer) get a chunk each time they arrive when token ids are asked for, so a load
+    test sees its time to first token and its inter-token gaps; without token ids nothing empty is sent."""
+    body = {"model": MODEL, "prompt": [256, 257, 257], "max_tokens": 9, "temperature": 0.0, "ignore_eos": True}
+    fake.wrap = 1000  # the prompt's tokens come back as they are
+    text, chunks = _stream_text(client, "/v1/completions", {**body, "return_token_ids": True})
+    with_ids = [c["choices"][0]["token_ids"] for c in chunks if c["choices"]]
+    assert text == "" and with_ids == [[256, 257, 257]] * 3  # one chunk per delta (3 tokens each)
+    text, chunks = _stream_text(client, "/v1/completions", body)
+    assert text == "" and len([c for c in chunks if c["choices"]]) == 2  # the first and the finishing chunk

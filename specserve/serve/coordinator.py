@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import statistics
 import time
 import uuid
@@ -309,14 +310,14 @@ class Coordinator:
             out.update(graph_ready=graph.ready, graph_builds=graph.builds, graph_breaks=graph.breaks,
                        graph_solo=graph.solo, graph_reshapes=graph.reshapes)
         if recs:
-            out.update({
-                "step_wall_p50_ms": 1e3 * statistics.median(r.wall for r in recs),
-                "forward_p50_ms": 1e3 * statistics.median(r.forward for r in recs),
-                "overhead_p50_ms": 1e3 * statistics.median(r.wall - r.forward for r in recs),
-                "rpc_overhead_p50_ms": 1e3 * statistics.median(r.wall - r.in_workers for r in recs),
-                "batch_mean": statistics.fmean(r.batch for r in recs),
-                "gamma_mean": statistics.fmean(r.gamma for r in recs),
-            })
+            for name, values in (("step_wall", [r.wall for r in recs]), ("forward", [r.forward for r in recs]),
+                                 ("overhead", [r.wall - r.forward for r in recs]),
+                                 ("rpc_overhead", [r.wall - r.in_workers for r in recs])):
+                values.sort()
+                out[f"{name}_p50_ms"] = 1e3 * statistics.median(values)
+                out[f"{name}_p99_ms"] = 1e3 * values[min(len(values) - 1, math.ceil(0.99 * len(values)) - 1)]
+            out.update(batch_mean=statistics.fmean(r.batch for r in recs),
+                       gamma_mean=statistics.fmean(r.gamma for r in recs))
         return out
 
     def reset_stats(self) -> None:

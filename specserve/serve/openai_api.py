@@ -256,7 +256,8 @@ class _Format:
         try:
             async for piece in pieces:
                 last = piece
-                if piece.text or piece.finish_reason or first:
+                new_ids = return_token_ids and len(piece.token_ids) > sent_ids
+                if piece.text or piece.finish_reason or first or new_ids:
                     chunk = self._envelope([self._choice(piece.text, piece.finish_reason, first, True)], True)
                     if return_token_ids:
                         chunk["choices"][0]["token_ids"] = piece.token_ids[sent_ids:]
@@ -633,7 +634,7 @@ class OpenAIServer:
                     gen.finished = final
                     yield Piece(out, "stop" if stopped else item.finish_reason, len(token_ids), spec, token_ids)
                     return
-                if out:
+                if out or item.token_ids:  # tokens whose text is held back still show as token_ids
                     yield Piece(out, None, len(token_ids), spec, token_ids)
         finally:
             self.door.limits.charge(key, len(token_ids))
