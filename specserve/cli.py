@@ -6,6 +6,7 @@
     specserve bench ingress [--url ...]                              one huge request vs small ones (specserve.bench.ingress)
     specserve bench overlap [...]                                     pipelined vs sequential speculation on Ray (specserve.bench.overlap)
     specserve bench soak [--streams 500]                             500 streams, a coordinator replica killed (specserve.bench.soak)
+    specserve bench serve-gpu [--tiny] [--mps] --out DIR             the Serve app vs the in-process engine (specserve.bench.serve_gpu)
 
 A subcommand is one entry in COMMANDS (name -> help, add_arguments, run); a benchmark is one entry
 in BENCHES (name -> module with `main(argv)`).
@@ -112,6 +113,7 @@ BENCHES = {  # name -> module with `main(argv: list[str]) -> int`; its own argpa
     "prefill": "specserve.bench.prefill",
     "overlap": "specserve.bench.overlap",
     "soak": "specserve.bench.soak",
+    "serve-gpu": "specserve.bench.serve_gpu",
 }
 
 

@@ -1,0 +1,67 @@
+"""`specserve bench serve-gpu`: its rows, table and plot, its app config, and one tiny run of the
+real Serve app against the in-process engine on the CPU (in a child process: a Ray of its own)."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from specserve.bench import serve_gpu
+from specserve.config import AppConfig
+
+
+def test_app_args_validate_with_planted_acceptance_and_gpu_shares(tmp_path):
+    args = serve_gpu.parse_args(["--out", str(tmp_path)])
+    config = AppConfig.model_validate(serve_gpu.app_args(args, "pipelined", 0.8, tmp_path / "refs.jsonl", gpu=True))
+    assert config.target.shape == "llama-7b" and config.target.peaked and config.draft.shape == "llama-1b"
+    assert config.speculation.pipelined and config.speculation.transport == "compiled_graph"
+    assert config.speculation.planted.alpha == 0.8 and not config.speculation.adaptive
+    assert config.target_worker.num_gpus + config.draft_worker.num_gpus == 1.0
+    assert config.max_batch_size == 32 and args.levels == [1, 8, 32]
+    tiny = serve_gpu.parse_args(["--tiny"])
+    config = AppConfig.model_validate(serve_gpu.app_args(tiny, "sequential", 0.6, tmp_path / "r", gpu=False))
+    assert config.target.dtype == "float32" and config.target_worker.num_gpus == 0 and not config.speculation.pipelined
+
+
+def test_a_row_is_same_only_when_every_token_is_and_meets_its_engine_row():
+    refs = [[1, 2, 10, 11, 12], [3, 4, 20, 21, 22]]
+    results = [{"tokens": [10, 11, 12], "ttft": 0.01, "itl": 0.002, "speculation": {"num_draft_tokens": 4,
+                                                                                     "num_accepted_tokens": 2}},
+               {"tokens": [20, 21, 22], "ttft": 0.03, "itl": 0.004, "speculation": {}}]
+    stats = {"rpc_overhead_p50_ms": 0.4, "overhead_p99_ms": 2.0, "transport": "compiled_graph",
+             "memory": {"target": {"cuda_peak_allocated_bytes": 3 << 30}, "draft": {"cuda_peak_allocated_bytes": 1 << 30}}}
+    row = serve_gpu.served_row("sequential", 0.8, 2, results, 0.5, stats, refs, prompt_len=2)
+    assert row["same"] and row["tokens_per_s"] == 12.0 and row["acceptance"] == 0.5
+    assert row["coordination_p50_ms"] == 0.4 and row["overhead_p99_ms"] == 2.0 and row["cuda_peak_bytes"] == 4 << 30
+    results[1]["tokens"] = [20, 21, 23]
+    assert not serve_gpu.served_row("sequential", 0.8, 2, results, 0.5, stats, refs, prompt_len=2)["same"]
+    engine = [{"mode": "sequential", "alpha": 0.8, "concurrency": 2, "tokens_per_s": 24.0},
+              {"mode": "γ=0", "alpha": None, "concurrency": 2, "tokens_per_s": 12.0}]
+    assert serve_gpu.with_engine(row, engine, "pipelined", 0.8)["ratio"] == 0.5
+    assert serve_gpu.with_engine({**row, "alpha": None}, engine, "γ=0", None)["ratio"] == 1.0
+    lines = serve_gpu.table([row]).splitlines()
+    assert lines[0].split()[:3] == ["mode", "α", "acc"] and "0.50" in lines[1] and "4.0" in lines[1]
+
+
+@pytest.mark.serve
+def test_tiny_run_serves_the_engines_tokens(tmp_path):
+    """The whole bench on tiny shapes: in-process engine, then the Serve app pipelined on the
+    compiled graph at α 0.8, every served token the engine's, a table, JSON and a plot."""
+    out = tmp_path / "out"
+    argv = ["--tiny", "--out", str(out), "--modes", "pipelined", "--alphas", "0.8", "--concurrency", "1,3",
+            "--max-tokens", "10"]
+    done = subprocess.run([sys.executable, "-m", "specserve.bench.serve_gpu", *argv], capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((out / "serve-gpu.json").read_text())
+    served = report["served"]
+    assert [(r["mode"], r["concurrency"]) for r in served] == [("pipelined", 1), ("pipelined", 3), ("γ=0", 1),
+                                                               ("γ=0", 3)]
+    assert report["all_same"] and all(r["same"] for r in served)
+    assert all(r["tokens_per_s"] > 0 and r["engine_tokens_per_s"] > 0 for r in served)
+    assert served[0]["transport"] == "compiled_graph" and served[0]["acceptance"] > 0
+    assert {(r["mode"], r["concurrency"]) for r in report["engine"]} == {(m, c) for m in ("γ=0", "sequential")
+                                                                        for c in (1, 3)}
+    assert "every served and in-process token the same: True" in done.stdout
+    assert (out / "serve-gpu.png").exists()
+    assert serve_gpu.main(["--plot", str(out / "serve-gpu.json")]) == 0
