@@ -293,6 +293,8 @@ class DeploymentConfig(_Strict):
     # Serve's own queue at each caller (the proxy, or an ingress's handle) once every replica holds
     # max_ongoing_requests: beyond it a request is refused at once (HTTP 429 + Retry-After).
     max_queued_requests: int = Field(BURST_ONGOING, ge=0)
+    # at most this many replicas per node (Serve's option): spreads ingress replicas over CPU nodes
+    max_replicas_per_node: int | None = Field(None, ge=1)
     health_check_period_s: float = Field(10.0, gt=0)  # Serve calls the replica's check_health this often
     health_check_timeout_s: float = Field(30.0, gt=0)  # and marks it unhealthy if it takes longer
 
@@ -311,6 +313,11 @@ class Deadlines(_Strict):
     restart_timeout_s: float = Field(600.0, gt=0)  # a restarted worker (model load) must answer within
     health_probe_s: float = Field(10.0, gt=0)  # each health check waits this long for each worker
     health_misses: int = Field(3, ge=1)  # consecutive unanswered health checks that fail the replica
+    # A target worker whose placement-group bundle has had no node this long (its node gone, and no
+    # other with the resources it asks for) is lost: the replica gives its requests up to the other
+    # replicas (the ingress continues them from the tokens delivered) and leaves, and Serve builds
+    # a new group when capacity allows (serve/placement.py, docs/multi-gpu.md "Failure domains").
+    worker_lost_s: float = Field(5.0, gt=0)
 
 
 # -- the ingress's front door --------------------------------------------------------------------
@@ -399,6 +406,10 @@ class AppConfig(_Strict):
         if self.draft is not None and self.draft.kind != self.target.kind and "tiny" in (self.draft.kind, self.target.kind):
             raise ValueError("a tiny draft only fits a tiny target (they share the byte tokenizer)")
         self._check_limits()
+        self._check_failure_domains()
+        if self.coordinator.max_replicas_per_node is not None:
+            raise ValueError("coordinator.max_replicas_per_node: a coordinator replica is a placement group, which "
+                             "Serve places by its bundles (see placement_group_strategy and custom resources)")
         if self.deadlines.health_probe_s >= self.coordinator.health_check_timeout_s:
             raise ValueError("deadlines.health_probe_s must be below coordinator.health_check_timeout_s")
         return self
@@ -414,6 +425,18 @@ class AppConfig(_Strict):
         the other limits need (a coordinator: its batch and queue plus room for control calls)."""
         least = self.max_batch_size + self.max_queued_requests + CONTROL_HEADROOM if deployment == "coordinator" else 1
         return getattr(self, deployment).max_ongoing_requests or max(BURST_ONGOING, least)
+
+    def _check_failure_domains(self) -> None:
+        """Workers pinned to node kinds (custom resources) put groups on chosen GPU nodes; an
+        unpinned coordinator bundle could then land on *another* group's GPU node, and one lost node
+        would break two groups. Pin it (to CPU-only nodes, or a share of its target's resource)."""
+        workers = [self.target_worker] + ([self.draft_worker] if self.has_draft_worker else [])
+        pinned = any(w.custom_request() for w in workers)
+        if pinned and not self.coordinator.resources.custom_request() and self.placement_group_strategy != "STRICT_PACK":
+            raise ValueError("the workers are pinned to nodes by custom resources but the coordinator's bundle is not: "
+                             "under PACK or SPREAD it may land on another group's GPU node, and one lost node would "
+                             "break two groups. Set coordinator.resources.custom, e.g. {cpu_node: 0.01} with CPU-only "
+                             "nodes that declare it (docs/multi-gpu.md, \"Failure domains\")")
 
     def _check_limits(self) -> None:
         """Limits that contradict each other make overload unbounded or the budget unusable."""

@@ -84,7 +84,7 @@ class FakeCoordinator:
         from ray.exceptions import ActorDiedError
 
         from specserve.engine.step import ContextLengthExceeded, InvalidPrompt, new_sequence
-        from specserve.serve.coordinator import Accepted, Delta, Rejected
+        from specserve.serve.coordinator import Accepted, Delta, Lost, Rejected
 
         self.requests.append(request)
         if self.mode == "queue_full":
@@ -98,13 +98,20 @@ class FakeCoordinator:
             code = "context_length_exceeded" if isinstance(err, ContextLengthExceeded) else "invalid_prompt"
             yield Rejected(str(err), code)
             return
+        if self.mode == "leaving_at_once" and len(self.requests) == 1:  # its first answer
+            yield Lost("the target worker's node is gone")
+            return
         yield Accepted(len(seq.prompt))
         n, step = seq.params.max_tokens, 0
         produced = len(request.resume.generated) if request.resume else 0
         dies = self.mode == "lost" or (self.mode == "lost_once" and request.resume is None)
+        leaves = self.mode == "leaving_once" and request.resume is None
         while produced < n:
             if dies and step == self.lost_after:
                 raise ActorDiedError()
+            if leaves and step == self.lost_after:
+                yield Lost("the target worker's node is gone")
+                return
             k = min(3, n - produced)
             tokens = [seq.prompt[(produced + i) % len(seq.prompt)] % self.wrap for i in range(k)]
             produced += k
@@ -747,3 +754,23 @@ def test_tokens_without_text_still_stream_as_token_ids(client, fake):
     assert text == "" and with_ids == [[256, 257, 257]] * 3  # one chunk per delta (3 tokens each)
     text, chunks = _stream_text(client, "/v1/completions", body)
     assert text == "" and len([c for c in chunks if c["choices"]]) == 2  # the first and the finishing chunk
+
+
+@pytest.mark.parametrize("mode", ["leaving_once", "leaving_at_once"])
+def test_a_replica_that_leaves_hands_its_requests_on(client, fake, mode):
+    """A coordinator whose target has no node left sends Lost (mid-stream, or as its first answer):
+    the ingress continues the request on the next replica, and the client sees one unbroken answer."""
+    body = {"model": MODEL, "prompt": "abcdefgh", "max_tokens": 14, "temperature": 0.0, "return_token_ids": True}
+    clean = client.post("/v1/completions", json=body).json()
+    fake.mode = mode
+    fake.requests.clear()
+    whole = client.post("/v1/completions", json=body).json()
+    assert whole["choices"] == clean["choices"] and whole["usage"] == clean["usage"]
+    first, again = fake.requests
+    if mode == "leaving_once":  # a loss mid-stream: a continuation from the 6 tokens delivered
+        assert again.request_id == f"{first.request_id}.1" and len(again.resume.generated) == 6
+    else:  # a leaving replica took nothing over: the request is simply sent again
+        assert again == first
+    fake.requests.clear()
+    text, chunks = _stream_text(client, "/v1/completions", body)
+    assert text == clean["choices"][0]["text"] and chunks[-1]["usage"] == clean["usage"]

@@ -29,7 +29,9 @@ def _options(name: str, config: AppConfig) -> dict:
         actor["memory"] = dep.resources.memory
     if dep.resources.custom_request():
         actor["resources"] = dep.resources.custom_request()
-    return {"autoscaling_config": auto, "max_ongoing_requests": config.max_ongoing(name), "ray_actor_options": actor,
+    placement = {} if dep.max_replicas_per_node is None else {"max_replicas_per_node": dep.max_replicas_per_node}
+    return {**placement, "autoscaling_config": auto, "max_ongoing_requests": config.max_ongoing(name),
+            "ray_actor_options": actor,
             # Serve's queue at each caller: refused beyond it with 429 + Retry-After, never unbounded
             "max_queued_requests": dep.max_queued_requests,
             "backpressure_config": {"status_code": 429, "retry_after_s": RETRY_AFTER_S},

@@ -2,7 +2,8 @@
 
 The coordinator replica that runs a request holds its state (tokens, caches, random stream); the
 ingress has already delivered every generated token to the client. So when that replica dies or is
-replaced mid-request (the handle's stream raises one of `LOST`), the ingress submits the request
+replaced mid-request (the handle's stream raises one of `LOST`, or the replica sends `Lost` as it
+leaves because its target has no node left), the ingress submits the request
 again with those tokens as `GenerateRequest.resume`: the next replica prefills prompt + them and
 goes on, and the caller sees one unbroken sequence of Deltas (speculation totals added up across
 replicas). Greedy output is the same as an undisturbed run's; a seeded sampled request carries its
@@ -30,7 +31,7 @@ from typing import AsyncIterator, Callable
 from ray.exceptions import NodeDiedError, ObjectLostError, RayActorError, WorkerCrashedError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 
-from .coordinator import Accepted, Delta, Failed, GenerateRequest, Rejected, Resume
+from .coordinator import Accepted, Delta, Failed, GenerateRequest, Lost, Rejected, Resume
 
 logger = logging.getLogger("specserve.ingress")
 
@@ -39,6 +40,7 @@ logger = logging.getLogger("specserve.ingress")
 LOST = (RayActorError, ReplicaUnavailableError, DeploymentUnavailableError, WorkerCrashedError, NodeDiedError,
         ObjectLostError)
 BACKOFF_S = (0.05, 0.2, 0.5, 1.0)  # before each continuation: the router learns the replica is gone
+LEAVING_RETRY_S = 0.1  # before asking again after a leaving replica's Lost
 
 
 class EngineLost(RuntimeError):
@@ -47,6 +49,10 @@ class EngineLost(RuntimeError):
 
 class _EarlyEnd(RuntimeError):
     """A coordinator stream that ended before its final Delta (treated as a lost replica)."""
+
+
+class _Leaving(RuntimeError):
+    """A coordinator replica that gave the request up (`Lost`: its target has no node left)."""
 
 
 class Continuation:
@@ -74,9 +80,13 @@ class Continuation:
         while True:
             self.stream = self._submit(self._attempt_request())
             try:
-                return await self._first()
+                first = await self._first()
             except LOST as err:
                 await self._lost(err)
+                continue
+            if not isinstance(first, Lost):
+                return first
+            await self._leaving()
 
     async def items(self) -> AsyncIterator[Delta | Failed]:
         """Deltas (token ids new since the last one; totals over the whole request) until one has a
@@ -84,6 +94,8 @@ class Continuation:
         while True:
             try:
                 async for item in self.stream:
+                    if isinstance(item, Lost):
+                        raise _Leaving(item.message)
                     if isinstance(item, Failed):
                         self.finished = True
                         yield item
@@ -95,7 +107,7 @@ class Continuation:
                     if self.finished:
                         return
                 raise _EarlyEnd("the coordinator stream ended before the request finished")
-            except (*LOST, _EarlyEnd) as err:
+            except (*LOST, _EarlyEnd, _Leaving) as err:
                 await self._lost(err)
                 await self._resume()
 
@@ -148,11 +160,23 @@ class Continuation:
             except (*LOST, BackPressureError) as err:  # (Serve's queue full: try again, as bounded)
                 await self._lost(err)
                 continue
+            if isinstance(first, Lost):
+                await self._leaving()
+                continue
             if isinstance(first, Accepted):
                 return
             self._cancel_quietly()
             self.counts["given_up"] = self.counts.get("given_up", 0) + 1
             raise EngineLost(f"no engine replica took the request over ({first.code}: {first.message})")
+
+    async def _leaving(self) -> None:
+        """The replica chosen is leaving (`Lost` as its first answer: it took nothing over): ask
+        again shortly, not counted as a loss; it exits within moments and the router drops it."""
+        self._cancel_quietly()
+        if time.monotonic() > self.deadline:
+            self.counts["given_up"] = self.counts.get("given_up", 0) + 1
+            raise EngineLost("no engine replica took the request over before its deadline")
+        await asyncio.sleep(LEAVING_RETRY_S)
 
     def _record(self, delta: Delta) -> Delta:
         self.token_ids.extend(delta.token_ids)

@@ -25,7 +25,9 @@ probe sees it answer, then speculation resumes and the draft rebuilds its caches
 otherwise is retried row by row, so that only the requests it really fails on get a `Failed`
 (a generic message with an error id; the exception goes to the log under that id).
 `check_health` fails after `deadlines.health_misses` unanswered probes in a row, and Serve
-replaces the whole group.
+replaces the whole group. A target whose *node* is gone (its placement-group bundle without a node
+for `deadlines.worker_lost_s`, serve/placement.py) cannot come back: the replica sends each request
+a `Lost` (the ingress continues them elsewhere) and exits, and Serve builds a new group.
 
 A lost replica's requests are continued by the ingress on another one (serve/continuation.py): a
 `GenerateRequest.resume` carries the tokens already delivered (and a seeded request's random
@@ -36,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import statistics
 import time
 import uuid
@@ -59,10 +62,12 @@ from specserve.engine.step import ContextLengthExceeded, InvalidPrompt, Sequence
 from .calls import ProposerSide, StepRecord, answers
 from .executor import RemoteExecutor
 from .metrics import CoordinatorMetrics
+from .placement import POLL_S, TARGET_BUNDLE, PlacementWatch
 from .workers import DraftWorker, TargetWorker
 
 logger = logging.getLogger("specserve.coordinator")
 WORKER_NAMESPACE = "specserve"
+LEAVE_S = 0.2  # after giving its requests up, a leaving replica exits this much later (the Lost messages out first)
 
 
 # -- messages between ingress and coordinator ------------------------------------------------------
@@ -110,6 +115,14 @@ class Delta:
 class Failed:
     message: str  # for the client: no internal text (the log has the details under the error id)
     code: str = "engine_error"  # | "request_timeout"
+
+
+@dataclass(frozen=True)
+class Lost:
+    """This replica cannot finish the request (its target worker has no node left): the ingress
+    continues it on another replica from the tokens it has delivered, as after a lost replica."""
+
+    message: str
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.1})
@@ -172,6 +185,11 @@ class Coordinator:
         self.executor = RemoteExecutor(config, self.target, self.draft_worker, self.draft, self.policy,
                                        self.admission, self._totals, self._records, self.metrics)
         self.loop = StepLoop(self.admission, self.executor, self.policy, config.prefill_chunk_tokens)
+        # failure domains: the group's bundles watched for a node that is gone (serve/placement.py)
+        pg = ray.util.get_current_placement_group() if ray.is_initialized() else None  # (None: in-process tests)
+        self._placement = None if pg is None else PlacementWatch(pg, config.deadlines.worker_lost_s)
+        self._watch_task: asyncio.Task | None = None
+        self._lost: str | None = None  # why this replica gave its requests up and is leaving
 
     def info(self) -> dict:
         return {"max_model_len": self.max_model_len, "vocab_size": self.vocab_size,
@@ -189,6 +207,9 @@ class Coordinator:
 
         Cancelling the stream (client gone, stop string hit) aborts the request and frees its caches."""
         self._ensure_loop()
+        if self._lost is not None:
+            yield Lost(self._lost)
+            return
         arrival = time.monotonic()
         seq_or_rejection = self._check_new(request)
         if isinstance(seq_or_rejection, Rejected):
@@ -216,7 +237,7 @@ class Coordinator:
                                  "retry it with fewer max_tokens or later", "request_timeout")
                     return
                 item = _merge([first] + _drain(queue))
-                finished = isinstance(item, Failed) or item.finish_reason is not None
+                finished = isinstance(item, (Failed, Lost)) or item.finish_reason is not None
                 yield item
         finally:
             self._queues.pop(rid, None)
@@ -263,6 +284,9 @@ class Coordinator:
         answer a probe within `deadlines.health_probe_s`; after `deadlines.health_misses` misses in a
         row this raises, and Serve replaces the whole group. A slow or restarting worker that answers
         again in time resets its count."""
+        if self._lost is not None:
+            raise RuntimeError(self._lost)
+        self._ensure_watch()
         workers = {"target": self.target}
         if self.draft_worker is not None:
             workers["draft"] = self.draft_worker
@@ -326,9 +350,42 @@ class Coordinator:
 
     # -- the step loop ------------------------------------------------------------------------
     def _ensure_loop(self) -> None:
+        if self._lost is not None:
+            return
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = asyncio.get_running_loop().create_task(self._loop())
         self.executor.keep_graph()
+        self._ensure_watch()
+
+    # -- failure domains: a target whose node is gone ---------------------------------------------
+    def _ensure_watch(self) -> None:
+        if self._placement is not None and (self._watch_task is None or self._watch_task.done()):
+            self._watch_task = asyncio.get_running_loop().create_task(self._watch_placement())
+
+    async def _watch_placement(self) -> None:
+        """Every POLL_S: leave once the target's bundle has had no node for deadlines.worker_lost_s."""
+        while self._lost is None:
+            await asyncio.sleep(POLL_S)
+            try:
+                lost = await asyncio.to_thread(self._placement.check)
+            except Exception as err:  # the GCS busy or restarting: look again next time
+                logger.warning("reading this replica's placement group failed: %s", err)
+                continue
+            if TARGET_BUNDLE in lost:
+                self._leave(f"the target worker's node is gone and no node took its bundle within "
+                            f"{self.deadlines.worker_lost_s:g} s")
+
+    def _leave(self, why: str) -> None:
+        """Give every request up as Lost (the ingress continues them on other replicas from what
+        they delivered), stop stepping, fail health checks, and exit the process after LEAVE_S so
+        that Serve replaces the group (its placement group and workers go with this actor)."""
+        logger.error("%s: giving %d requests up to other replicas and leaving", why, len(self._queues))
+        self._lost = why
+        for queue in self._queues.values():
+            queue.put_nowait(Lost(why))
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+        asyncio.get_running_loop().call_later(LEAVE_S, _exit_process)
 
     async def _loop(self) -> None:
         """The engine's step loop (`StepLoop`) with this replica's request I/O around it: aborted
@@ -443,11 +500,12 @@ class Coordinator:
 
 
 # -- helpers ---------------------------------------------------------------------------------------
-def _merge(items: list) -> Delta | Failed:
-    """Several queued Deltas -> one (tokens concatenated, latest totals); a Failed wins."""
-    failed = [i for i in items if isinstance(i, Failed)]
-    if failed:
-        return failed[0]
+def _merge(items: list) -> Delta | Failed | Lost:
+    """Several queued Deltas -> one (tokens concatenated, latest totals); a Failed or Lost wins
+    (after a Lost, the continuation regenerates what the Deltas queued before it held)."""
+    ended = [i for i in items if isinstance(i, (Failed, Lost))]
+    if ended:
+        return ended[0]
     last = items[-1]
     tokens = [t for d in items for t in d.token_ids]
     return Delta(tokens, last.finish_reason, last.num_draft_tokens, last.num_accepted_tokens, last.num_steps,
@@ -478,6 +536,10 @@ def _drain(queue: asyncio.Queue) -> list:
     while not queue.empty():
         items.append(queue.get_nowait())
     return items
+
+
+def _exit_process() -> None:
+    os._exit(1)  # a Serve replica that leaves: the controller replaces it (tests replace this function)
 
 
 def _replica_tag() -> str:
