@@ -62,3 +62,18 @@ def test_serving_pods_are_ready_only_when_the_app_would_serve():
         assert container["readinessProbe"]["timeoutSeconds"] > 4  # the wget timeouts fit inside it
         assert "/health" not in json.dumps(container.get("livenessProbe", {}))
     assert {"/health", "/live"} <= FrontDoor.OPEN_PATHS
+
+
+def test_ingress_replicas_are_pinned_to_a_resource_the_cpu_head_declares():
+    """A lost GPU node must cut no client connection: the ingress asks for a resource that only
+    the CPU-only head declares, in both cluster manifests (docs/multi-gpu.md, "Failure domains")."""
+    app = load_app_config(load("configs/gpu-70b.yaml")["applications"][0]["args"])
+    wanted = set(app.ingress.resources.custom_request())
+    assert wanted == {"cpu_node"}
+    head = load("cluster/rayservice.yaml")["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"]
+    assert head["num-gpus"] == "0" and set(json.loads(json.loads(head["resources"]))) == wanted
+    assert "health_check_period_ms" in json.loads(json.loads(head["system-config"]))
+    launcher = load("cluster/ray-cluster-aws.yaml")
+    assert wanted <= set(launcher["available_node_types"]["head"]["resources"])
+    assert "GPU" not in launcher["available_node_types"]["head"]["resources"]
+    assert any("--system-config" in c for c in launcher["head_start_ray_commands"])

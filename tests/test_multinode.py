@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from models import hf_greedy
-from multinode_scenario import NODE_A, NODE_B, RESULT_MARKER, app_args
+from multinode_scenario import NODE_A, NODE_B, RESULT_MARKER, app_args, node_loss_args
 from serve_helpers import free_port
 
 pytestmark = [pytest.mark.serve, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
@@ -32,22 +32,23 @@ MAX_NEW = 24
 DEADLINE_S = 150  # the scenario's own limit; the subprocess is killed 45 s after that
 
 
-def expected_outputs() -> list[list[int]]:
-    """The in-process SpeculativeEngine on the same config, checked against plain greedy decoding."""
+def expected_outputs(args: dict | None = None, prompts: list[str] = PROMPTS, max_new: int = MAX_NEW,
+                     check: bool = True) -> list[list[int]]:
+    """The in-process SpeculativeEngine on the same config (checked against plain greedy decoding)."""
     from specserve import SamplingParams, SpeculativeEngine
     from specserve.config import load_app_config
     from specserve.models.loading import load_draft, load_target
     from specserve.models.tiny import byte_tokenizer
 
-    config = load_app_config(app_args())
+    config = load_app_config(args or app_args())
     target, draft = load_target(config.target), load_draft(config.draft)
     tok = byte_tokenizer()
     engine = SpeculativeEngine(target, draft, config.speculation.num_speculative_tokens, adaptive=False,
                                max_model_len=config.max_model_len)
-    ids = [tok(p).input_ids for p in PROMPTS]
-    outs = engine.generate(ids, SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True))
+    ids = [tok(p).input_ids for p in prompts]
+    outs = engine.generate(ids, SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True))
     for prompt_ids, out in zip(ids, outs):
-        assert out.token_ids == hf_greedy(target, prompt_ids, MAX_NEW)
+        assert not check or out.token_ids == hf_greedy(target, prompt_ids, max_new)
     return [out.token_ids for out in outs]
 
 
@@ -76,18 +77,18 @@ def kill_stragglers(marker: str, grace_s: float = 5.0) -> list[int]:
     return pids
 
 
-def run_scenario() -> dict:
+def run_scenario(spec: dict | None = None, expected=expected_outputs, deadline_s: float = DEADLINE_S) -> dict:
     ray_tmp = tempfile.mkdtemp(prefix="ssmn-", dir="/tmp")  # short: Ray's unix sockets live under it
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": ray_tmp, "RAY_USAGE_STATS_ENABLED": "0",
            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # keep ray.init on 127.0.0.1: see the scenario's docstring
     env.pop("RAY_ADDRESS", None)  # the scenario makes its own cluster
-    spec = {"port": free_port(), "prompts": PROMPTS, "max_tokens": MAX_NEW, "deadline_s": DEADLINE_S}
+    spec = {"port": free_port(), "prompts": PROMPTS, "max_tokens": MAX_NEW, **(spec or {}), "deadline_s": deadline_s}
     proc = subprocess.Popen([sys.executable, str(SCENARIO), json.dumps(spec)], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        expected = expected_outputs()  # meanwhile, in this process
+        references = expected()  # meanwhile, in this process
         try:
-            stdout, stderr = proc.communicate(timeout=DEADLINE_S + 45)
+            stdout, stderr = proc.communicate(timeout=deadline_s + 45)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGTERM)
             try:
@@ -108,7 +109,7 @@ def run_scenario() -> dict:
     assert lines, f"no result (rc {proc.returncode}); stderr tail:\n{stderr[-4000:]}"
     result = json.loads(lines[-1][len(RESULT_MARKER):])
     assert result["ok"], f"{result['error']}\n{result['traceback']}\nstderr tail:\n{stderr[-4000:]}"
-    result["expected"] = expected
+    result["expected"] = references
     return result
 
 
@@ -136,3 +137,31 @@ def test_workers_on_two_nodes_match_engine():
     assert group["bundles"]["1"].get(NODE_A) == 1 and group["bundles"]["2"].get(NODE_B) == 1
     assert group["bundles_to_node_id"]["1"] == node_a[0] and group["bundles_to_node_id"]["2"] == node_b[0]
     print("timings", result["timings"])
+
+
+LOSS_PROMPTS = [f"stream {i}: the node under it may go at any moment" for i in range(16)]
+LOSS_MAX_NEW = 400
+
+
+def test_a_lost_node_loses_no_stream():
+    """Two groups, 16 greedy streams. The node of one group's target is removed mid-stream: that
+    group gives its requests up within seconds and the other group continues them; when an A node
+    comes back, Serve rebuilds the group. Then a draft's node is removed: its group goes target-only.
+    Every stream completes with the reference tokens, no stream pauses more than 10 s, /health
+    stays 200 (the other group serves)."""
+    result = run_scenario({"scenario": "node_loss", "prompts": LOSS_PROMPTS, "max_tokens": LOSS_MAX_NEW},
+                          lambda: expected_outputs(node_loss_args(), LOSS_PROMPTS, LOSS_MAX_NEW, check=False),
+                          deadline_s=300)
+    for name, round_ in result["rounds"].items():
+        records = round_["records"]
+        print(name, round_["fault"], f"wall {round_['wall_s']:.1f} s",
+              f"longest gap {max(r['max_gap_s'] or 0 for r in records):.2f} s",
+              f"gaps at the fault {sorted(round(r['gap_at_fault_s'] or 0, 2) for r in records)}",
+              f"full capacity again after {round_.get('full_capacity_s')}")
+        assert [r["error"] for r in records] == [None] * len(records), name
+        length = LOSS_MAX_NEW if name == "target node" else LOSS_MAX_NEW // 3
+        assert [r["tokens"] for r in records] == [e[:length] for e in result["expected"]], name
+        assert all(r["chunks_before_fault"] > 0 and r["running_at_fault"] for r in records), name  # mid-stream
+        assert max(r["max_gap_s"] for r in records) <= 10.0, name
+        assert round_["health_after"] == 200, name
+    assert result["rounds"]["target node"]["full_capacity_s"] is not None
