@@ -157,6 +157,27 @@ def test_openai_client(server):
         client.completions.create(model="no-such-model", prompt="x", max_tokens=2)
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL, prompt="x", max_tokens=2, n=2)
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+    penalised = client.completions.create(model=MODEL, prompt="Hello", max_tokens=8, temperature=0,
+                                          presence_penalty=1.0, frequency_penalty=0.5, logit_bias={"101": 5})
+    assert penalised.usage.completion_tokens == 8 or penalised.choices[0].finish_reason == "stop"
+
+
+def test_penalties_and_bias_are_the_same_with_and_without_speculation(http):
+    """Greedy with presence/frequency/repetition penalties and a logit bias: the speculative app's
+    tokens equal its own target-only decoding (num_speculative_tokens 0), and the processing is
+    real (the tokens differ from unpenalised decoding)."""
+    extra = {"presence_penalty": 1.2, "frequency_penalty": 0.7, "repetition_penalty": 1.3,
+             "logit_bias": {"32": 4.0, "101": -100}}
+    for prompt in ("the the the the the", "Hello, world", "abcabcabc"):
+        spec = complete(http, prompt, **extra)
+        alone = complete(http, prompt, num_speculative_tokens=0, **extra)
+        assert spec["choices"][0]["token_ids"] == alone["choices"][0]["token_ids"], prompt
+        assert spec["speculation"]["num_draft_tokens"] > 0 and alone["speculation"]["num_draft_tokens"] == 0
+        assert 101 not in spec["choices"][0]["token_ids"]
+        assert spec["choices"][0]["token_ids"] != complete(http, prompt)["choices"][0]["token_ids"]
 
 
 # -- errors ----------------------------------------------------------------------------------------

@@ -238,6 +238,12 @@ def _post(client, body, path="/v1/completions", **kw):
     ("prompt null", {"model": MODEL, "prompt": None}),
     ("body is a list", [1, 2, 3]),
     ("nested junk", {"model": MODEL, "prompt": "x", "stop": [{"a": 1}]}),
+    ("presence penalty above 2", {"model": MODEL, "prompt": "x", "presence_penalty": 2.5}),
+    ("frequency penalty below -2", {"model": MODEL, "prompt": "x", "frequency_penalty": -3}),
+    ("repetition penalty zero", {"model": MODEL, "prompt": "x", "repetition_penalty": 0}),
+    ("logit_bias key not a token id", {"model": MODEL, "prompt": "x", "logit_bias": {"abc": 1.0}}),
+    ("logit_bias key past the vocabulary", {"model": MODEL, "prompt": "x", "logit_bias": {"259": 1.0}}),
+    ("logit_bias value above 100", {"model": MODEL, "prompt": "x", "logit_bias": {"5": 101}}),
 ])
 def test_bad_values_are_400(client, name, body):
     _error(_post(client, body), 400)
@@ -774,3 +780,27 @@ def test_a_replica_that_leaves_hands_its_requests_on(client, fake, mode):
     fake.requests.clear()
     text, chunks = _stream_text(client, "/v1/completions", body)
     assert text == clean["choices"][0]["text"] and chunks[-1]["usage"] == clean["usage"]
+
+
+def test_penalties_and_logit_bias_reach_the_engine(client, fake):
+    """OpenAI's presence/frequency penalties and logit_bias (string keys) and the repetition_penalty
+    extension arrive in the request's SamplingParams (the engine applies them: test_processing.py)."""
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 3, "presence_penalty": 0.5, "frequency_penalty": -1.25,
+            "repetition_penalty": 1.2, "logit_bias": {"97": -100, "5": 2.5}}
+    fake.requests.clear()
+    assert client.post("/v1/completions", json=body).status_code == 200
+    chat = {**body, "messages": [{"role": "user", "content": "hi"}]}
+    del chat["prompt"]
+    assert client.post("/v1/chat/completions", json=chat).status_code == 200
+    for request in fake.requests:
+        p = request.params
+        assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -1.25, 1.2)
+        assert p.logit_bias == ((5, 2.5), (97, -100.0))
+
+
+def test_one_model_is_retrieved_by_its_id(client):
+    card = client.get(f"/v1/models/{MODEL}").json()
+    assert card["id"] == MODEL and card["object"] == "model" and card["max_model_len"] > 0
+    assert card == client.get("/v1/models").json()["data"][0]
+    err = _error(client.get("/v1/models/gpt-9"), 404)
+    assert err["code"] == "model_not_found" and err["param"] == "model"

@@ -7,8 +7,12 @@ function, which is what makes the rejection rule in `rejection.py` exact.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .processing import LogitsProcessing
 
 
 GREEDY_BELOW = 1e-5  # a temperature below this decodes greedily (see SamplingParams)
@@ -32,6 +36,11 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    # processing that depends on the tokens so far (specserve.engine.processing)
+    presence_penalty: float = 0.0  # OpenAI's, in [-2, 2]
+    frequency_penalty: float = 0.0  # OpenAI's, in [-2, 2]
+    repetition_penalty: float = 1.0  # HF's / vLLM's, > 0 (1 = off)
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)  # (token, added logit in [-100, 100])
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
@@ -47,10 +56,25 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        if not 0.0 < self.repetition_penalty < float("inf"):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        bias = tuple(sorted((int(t), float(v)) for t, v in dict(self.logit_bias).items()))
+        if any(t < 0 or not -100.0 <= v <= 100.0 for t, v in bias):
+            raise ValueError("logit_bias maps token ids >= 0 to values in [-100, 100]")
+        object.__setattr__(self, "logit_bias", bias)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def processed(self) -> bool:
+        """Whether penalties or a logit bias change the target's logits (LogitsProcessing)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
 
 
 @dataclass(frozen=True)
@@ -60,13 +84,17 @@ class BatchSampling:
     temperature: torch.Tensor  # [B] float32; 0 = greedy
     top_k: torch.Tensor  # [B] int64; 0 = off
     top_p: torch.Tensor  # [B] float32; 1 = off
+    # penalties / logit bias of the target's logits (the verifier applies them; drafts never do)
+    processing: LogitsProcessing | None = None
 
     @staticmethod
-    def from_params(params: list[SamplingParams], device: torch.device | str = "cpu") -> "BatchSampling":
+    def from_params(params: list[SamplingParams], device: torch.device | str = "cpu",
+                    processing: LogitsProcessing | None = None) -> "BatchSampling":
         return BatchSampling(
             temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            processing=processing,
         )
 
     @property
@@ -81,7 +109,8 @@ class BatchSampling:
         return filtering, bool((self.temperature == 0).any())
 
     def to(self, device: torch.device | str) -> "BatchSampling":
-        return BatchSampling(self.temperature.to(device), self.top_k.to(device), self.top_p.to(device))
+        return BatchSampling(self.temperature.to(device), self.top_k.to(device), self.top_p.to(device),
+                             self.processing)
 
     def repeat_rows(self, n: int) -> "BatchSampling":
         """Each row repeated n times in place: [B] -> [B * n] (row b's copies are adjacent)."""

@@ -15,6 +15,7 @@ import torch
 
 from .model_runner import DRAFT_ROW_TOKENS, RowInput
 from .proposers import Proposal
+from .processing import LogitsProcessing
 from .sampling import BatchSampling, SamplingParams, make_generator
 from .policy import AcceptanceEstimate, SpeculationPolicy
 from .verifier import Verdict
@@ -223,7 +224,7 @@ def plan_step(seqs: list[Sequence], policy: SpeculationPolicy) -> StepPlan:
     positions = max(num_draft)
     for s, g in zip(seqs, num_draft):
         s.drafted_for = s.drafted_for or g > 0
-    sampling = BatchSampling.from_params([s.params for s in seqs])
+    sampling = step_sampling(seqs)
     draft_u = accept_u = final_u = None
     if not sampling.all_greedy:
         draft_u = torch.full((len(seqs), positions), 0.5)
@@ -236,6 +237,12 @@ def plan_step(seqs: list[Sequence], policy: SpeculationPolicy) -> StepPlan:
             draft_u[b, :g], accept_u[b, :g], final_u[b] = draws[:g], draws[g : 2 * g], draws[2 * g]
     return StepPlan(seqs, positions, torch.tensor(num_draft, dtype=torch.long), sampling, draft_u, accept_u, final_u,
                     backlog=backlog)
+
+
+def step_sampling(seqs: list[Sequence]) -> BatchSampling:
+    """The rows' sampling parameters, with the penalties / logit bias of the target's logits as of
+    the tokens they hold now (None when no row has any)."""
+    return BatchSampling.from_params([s.params for s in seqs], processing=LogitsProcessing.of(seqs))
 
 
 def verified_counts(num_draft: torch.Tensor, proposal: Proposal) -> torch.Tensor:

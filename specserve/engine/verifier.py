@@ -84,6 +84,8 @@ class TargetVerifier:
     def _accept(self, logits, draft_tokens, draft_probs, num_draft, sampling, accept_uniforms, final_uniforms):
         device = logits.device
         draft_tokens, num_draft = draft_tokens.to(device), num_draft.to(device)
+        if sampling.processing is not None:  # penalties / bias, per position through the drafts
+            logits = sampling.processing.apply(logits, draft_tokens)
         if sampling.all_greedy:
             return greedy_accept(logits.argmax(-1), draft_tokens, num_draft)
         batch, width, vocab = logits.shape

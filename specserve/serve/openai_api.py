@@ -36,7 +36,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import AsyncIterator, Literal
+from typing import Annotated, AsyncIterator, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -97,12 +97,14 @@ class _SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # accepted only at their no-op values (anything else is a clear 400)
+    # accepted only at its no-op value (anything else is a clear 400)
     n: int = 1
-    presence_penalty: float = Field(0.0, allow_inf_nan=False)
-    frequency_penalty: float = Field(0.0, allow_inf_nan=False)
-    logit_bias: dict[str, float] | None = None
+    # applied to the target's logits at every position, drafts included (specserve.engine.processing)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]] | None = None
     # extensions
+    repetition_penalty: float = Field(1.0, gt=0.0, le=100.0, allow_inf_nan=False)  # HF's / vLLM's
     ignore_eos: bool = False
     num_speculative_tokens: int | None = Field(None, ge=0)
     # the generated token ids ride along in the choice (streaming: the ids new since the last chunk)
@@ -113,11 +115,6 @@ class _SamplingRequest(BaseModel):
         bad = []
         if self.n != 1:
             bad.append(("n", "only n=1 is supported"))
-        if self.presence_penalty or self.frequency_penalty:
-            bad.append(("presence_penalty" if self.presence_penalty else "frequency_penalty",
-                        "presence/frequency penalties are not supported"))
-        if self.logit_bias:
-            bad.append(("logit_bias", "logit_bias is not supported"))
         if self.stream_options is not None and not self.stream:
             bad.append(("stream_options", "stream_options needs stream=true"))
         return bad
@@ -430,11 +427,20 @@ class OpenAIServer:
 
     @app.get("/v1/models")
     async def models(self) -> dict:
+        return {"object": "list", "data": [await self._model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(self, model_id: str) -> dict:
+        """One model (the openai client's `models.retrieve`); 404 for any other id."""
+        if model_id != self.config.served_model_name:
+            raise OpenAIError(404, f"model {model_id!r} does not exist; this server serves "
+                                   f"{self.config.served_model_name!r}", "model", "model_not_found")
+        return await self._model_card()
+
+    async def _model_card(self) -> dict:
         info = await self.info()
-        return {"object": "list", "data": [{
-            "id": self.config.served_model_name, "object": "model", "created": 0, "owned_by": "specserve",
-            "max_model_len": info["max_model_len"],
-        }]}
+        return {"id": self.config.served_model_name, "object": "model", "created": 0, "owned_by": "specserve",
+                "max_model_len": info["max_model_len"]}
 
     @app.get("/v1/stats")
     async def stats(self) -> dict:
@@ -539,6 +545,18 @@ class OpenAIServer:
             raise OpenAIError(400, f"num_speculative_tokens must be <= "
                                    f"{self.config.speculation.num_speculative_tokens}", "num_speculative_tokens")
 
+    async def _logit_bias(self, body: _SamplingRequest) -> dict[int, float]:
+        """logit_bias's keys as token ids of the model's vocabulary (OpenAI sends them as strings)."""
+        if not body.logit_bias:
+            return {}
+        vocab = (await self.info())["vocab_size"]
+        bias = {}
+        for key, value in body.logit_bias.items():
+            if not key.strip().isdigit() or int(key) >= vocab:
+                raise OpenAIError(400, f"logit_bias keys must be token ids in [0, {vocab}), got {key!r}", "logit_bias")
+            bias[int(key)] = value
+        return bias
+
     def _check_limits(self, body: _SamplingRequest) -> None:
         """The lists and strings a client controls (the prompt's size is _precheck's)."""
         front = self.config.front_door
@@ -555,9 +573,12 @@ class OpenAIServer:
 
     async def _respond(self, body: _SamplingRequest, prompt_ids: list[int], max_tokens: int, chat: bool, key: int,
                        length_param: str = "max_tokens"):
+        bias = await self._logit_bias(body)
         try:
             params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_k=max(body.top_k, 0),
-                                    top_p=body.top_p, seed=body.seed, ignore_eos=body.ignore_eos)
+                                    top_p=body.top_p, seed=body.seed, ignore_eos=body.ignore_eos,
+                                    presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                                    repetition_penalty=body.repetition_penalty, logit_bias=bias)
         except ValueError as err:  # the engine's own checks: a client error, never a 500
             raise OpenAIError(400, str(err)) from err
         if time.monotonic() < self._shed_until:  # a burst: the surplus gets its 429 without a round trip

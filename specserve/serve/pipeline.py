@@ -76,10 +76,9 @@ import torch
 
 from specserve.engine import RowInput
 from specserve.engine.proposers import Proposal
-from specserve.engine.sampling import BatchSampling
 from specserve.engine.policy import OverlappedPolicy
 from specserve.engine.step import (
-    Sequence, StepOutput, StepPlan, apply_verdict, empty_proposal, observe_verified, plan_step,
+    Sequence, StepOutput, StepPlan, apply_verdict, empty_proposal, observe_verified, plan_step, step_sampling,
 )
 from specserve.engine.verifier import Verdict
 
@@ -428,12 +427,12 @@ def _combine_plan(seqs: list[Sequence], used: list[int | None], prepared: Prepar
     if prepared is None:
         return fresh_plan, [fresh_plan.gamma] * len(seqs)
     ahead = prepared.plan
+    sampling = step_sampling(seqs)  # (penalties count the tokens of the step the block was drafted ahead of)
     if fresh_plan is None and used == list(range(len(ahead.seqs))):  # every row, in the prepared order
-        return (StepPlan(list(seqs), ahead.gamma, ahead.num_draft, ahead.sampling, None,
+        return (StepPlan(list(seqs), ahead.gamma, ahead.num_draft, sampling, None,
                          ahead.accept_uniforms, ahead.final_uniforms), [ahead.gamma] * len(seqs))
     parts = [ahead] + ([fresh_plan] if fresh_plan is not None else [])
     width = max(p.gamma for p in parts)
-    sampling = BatchSampling.from_params([s.params for s in seqs])
     batch = len(seqs)
     num_draft = torch.zeros(batch, dtype=torch.long)  # [B]
     accept = None if sampling.all_greedy else torch.zeros(batch, width)  # [B, G]

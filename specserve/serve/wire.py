@@ -192,11 +192,12 @@ def _unrows(rows: list[tuple]) -> list[RowInput]:
 
 
 def _sampling(s: BatchSampling | None):
-    return None if s is None else (_tensor(s.temperature), _tensor(s.top_k), _tensor(s.top_p))
+    # (processing: a small dataclass of host lists, pickled as it is; None for most steps)
+    return None if s is None else (_tensor(s.temperature), _tensor(s.top_k), _tensor(s.top_p), s.processing)
 
 
 def _unsampling(s) -> BatchSampling | None:
-    return None if s is None else BatchSampling(*(_untensor(t) for t in s))
+    return None if s is None else BatchSampling(*(_untensor(t) for t in s[:3]), s[3])
 
 
 def _times(forwards) -> list[tuple]:

@@ -1,0 +1,104 @@
+"""Logit processing that depends on the tokens before each position: penalties and logit bias.
+
+OpenAI's `presence_penalty` and `frequency_penalty`, the `repetition_penalty` extension (as in HF
+and vLLM) and `logit_bias` change the target's distribution at every position as a function of
+the tokens already there. Inside a verified block the tokens before position j are the row's
+output so far *plus drafts 0..j-1*, so the counts must advance through the drafts, and with them
+fall back to the committed tokens once the verdict rejects some: computed per position here from
+the committed tokens (host lists, sent with the step) and the block's drafts (device), nothing
+kept between steps, so a rejected draft leaves no trace. The rejection rule then needs only p
+exact (`TargetVerifier._accept` applies this before argmax / softmax); the draft proposes from its
+own unprocessed q, which the rule corrects for (it only costs acceptance).
+
+Per row and position j, in this order, on float32 logits [V]:
+  + logit_bias[v]                                            (OpenAI: added to the logits)
+  repetition r != 1, seen = prompt + output + drafts before j:  l > 0: l / r, else l * r   (HF's rule)
+  - frequency * count_j[v] - presence * (count_j[v] > 0), count over output + drafts before j (OpenAI)
+
+A step without any such row carries `processing = None` and pays nothing.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class LogitsProcessing:
+    """The per-row processing of one step's B rows, as host lists (small, pickled with the step)."""
+
+    presence: list[float]  # [B]
+    frequency: list[float]  # [B]
+    repetition: list[float]  # [B]; 1 = off
+    bias: list[tuple[tuple[int, float], ...]]  # [B] (token, added logit) pairs
+    generated: list[list[int]]  # [B] each row's output tokens so far
+    context: list[list[int]] | None  # [B] prompt + output, when some row has a repetition penalty
+
+    @staticmethod
+    def of(seqs: Sequence) -> "LogitsProcessing | None":
+        """For these sequences (anything with `.params`, `.output`, `.prompt`); None when no row
+        asks for any processing."""
+        params = [s.params for s in seqs]
+        if not any(p.processed for p in params):
+            return None
+        repeat = any(p.repetition_penalty != 1.0 for p in params)
+        return LogitsProcessing(
+            [p.presence_penalty for p in params], [p.frequency_penalty for p in params],
+            [p.repetition_penalty for p in params], [p.logit_bias for p in params],
+            [list(s.output) if p.presence_penalty or p.frequency_penalty else [] for s, p in zip(seqs, params)],
+            [list(s.prompt) + list(s.output) if p.repetition_penalty != 1.0 else [] for s, p in zip(seqs, params)]
+            if repeat else None)
+
+    def apply(self, logits: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+        """logits [B, W, V] (position j follows drafts 0..j-1), drafts [B, >= W-1] -> processed
+        float32 logits [B, W, V]."""
+        batch, width, vocab = logits.shape
+        device = logits.device
+        logits = logits.float()
+        bias = self._bias(batch, vocab, device)
+        if bias is not None:
+            logits = logits + bias[:, None]
+        before = _drafts_before(drafts[:, : width - 1], width, vocab, device)  # [B, W, V]
+        if self.context is not None:
+            seen = (_counts(self.context, vocab, device)[:, None] + before) > 0  # [B, W, V]
+            r = torch.tensor(self.repetition, device=device)[:, None, None]  # [B, 1, 1]
+            logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
+        if any(self.presence) or any(self.frequency):
+            counts = _counts(self.generated, vocab, device)[:, None] + before  # [B, W, V]
+            frequency = torch.tensor(self.frequency, device=device)[:, None, None]
+            presence = torch.tensor(self.presence, device=device)[:, None, None]
+            logits = logits - frequency * counts - presence * (counts > 0).float()
+        return logits
+
+    def _bias(self, batch: int, vocab: int, device) -> torch.Tensor | None:
+        """[B, V] the rows' logit biases (None when no row has any)."""
+        entries = [(b, token, value) for b, pairs in enumerate(self.bias) for token, value in pairs]
+        if not entries:
+            return None
+        rows, tokens, values = zip(*entries)
+        bias = torch.zeros(batch, vocab, device=device)
+        bias[torch.tensor(rows, device=device), torch.tensor(tokens, device=device)] = torch.tensor(
+            values, device=device)
+        return bias
+
+
+def _counts(token_lists: list[list[int]], vocab: int, device) -> torch.Tensor:
+    """[B] lists of token ids -> [B, V] float32 occurrence counts."""
+    width = max((len(t) for t in token_lists), default=0)
+    padded = torch.full((len(token_lists), width + 1), vocab, dtype=torch.long)  # vocab: a spare column
+    for b, tokens in enumerate(token_lists):
+        padded[b, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+    counts = torch.zeros(len(token_lists), vocab + 1, device=device)
+    counts.scatter_add_(1, padded.to(device), torch.ones(padded.shape, device=device))
+    return counts[:, :vocab]
+
+
+def _drafts_before(drafts: torch.Tensor, width: int, vocab: int, device) -> torch.Tensor:
+    """drafts [B, W-1] -> [B, W, V] float32: at position j, the count of each token among drafts 0..j-1."""
+    batch = drafts.shape[0]
+    step = torch.zeros(batch, width, vocab, device=device)
+    if width > 1:
+        step[:, 1:].scatter_(2, drafts.to(device).long().clamp(0, vocab - 1)[..., None], 1.0)  # (junk past g_b)
+    return step.cumsum(dim=1)

@@ -1,0 +1,160 @@
+"""Penalties and logit bias under speculation (specserve.engine.processing): greedy output identical
+to the target alone with the same processing (an independent from-scratch reference) through every
+drafter, γ 1 and 4, rows with different settings in one batch; sampled output follows the processed
+target's distribution (chi-square); and a verifier that forgets to count the drafts is caught."""
+from __future__ import annotations
+
+import collections
+import functools
+
+import pytest
+import torch
+
+import specserve.engine.processing as processing_module
+from models import tiny_llama
+from specserve import SamplingParams, SpeculativeEngine
+from specserve.engine.proposers import DraftModelProposer, LayerSkipSpec, PromptLookupSpec, target_vocab_size
+from specserve.engine.sampling import BatchSampling, logits_to_probs
+from test_drafters import prompts
+from test_feature_drafter import build as build_head, head_dir, target  # noqa: F401 (head_dir: a fixture)
+from test_sampling_distribution import NUM_SEQUENCES, PROMPT, VOCAB, chi_square_pvalue
+
+MAX_NEW = 24
+SETTINGS = [  # one per row of a ragged batch
+    dict(presence_penalty=1.5, frequency_penalty=0.5),
+    dict(repetition_penalty=1.6),
+    dict(logit_bias={5: 6.0, 17: -100.0, 40: 3.0}),
+    dict(),
+    dict(presence_penalty=-0.5, frequency_penalty=1.0, repetition_penalty=0.8, logit_bias={7: 2.5}),
+]
+
+
+def params(setting: dict, **extra) -> SamplingParams:
+    return SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, **{**setting, **extra})
+
+
+def processed_naively(logits: torch.Tensor, prompt: list[int], out: list[int], p: SamplingParams) -> torch.Tensor:
+    """The documented rule, one position, in plain Python over a float64 copy."""
+    logits = logits.double().clone()
+    for token, value in p.logit_bias:
+        logits[token] += value
+    if p.repetition_penalty != 1.0:
+        for token in set(prompt + out):
+            value = logits[token]
+            logits[token] = value / p.repetition_penalty if value > 0 else value * p.repetition_penalty
+    for token, count in collections.Counter(out).items():
+        logits[token] -= p.frequency_penalty * count + p.presence_penalty
+    return logits
+
+
+@functools.lru_cache(maxsize=None)
+def reference(prompt: tuple[int, ...], p: SamplingParams) -> list[int]:
+    """The target alone, a full forward per token, processing from scratch."""
+    model, tokens, out = target(), list(prompt), []
+    with torch.no_grad():
+        for _ in range(p.max_tokens):
+            logits = model(input_ids=torch.tensor([tokens])).logits[0, -1]
+            token = int(processed_naively(logits, list(prompt), out, p).argmax())
+            out.append(token)
+            tokens.append(token)
+    return out
+
+
+def drafter(name: str, head):
+    model = target()
+    if name == "draft-model":  # the target itself: every unprocessed guess is the target's own argmax
+        return DraftModelProposer(tiny_llama(0, layers=4), target_vocab_size(model))
+    if name == "feature-head":
+        return build_head(head)
+    spec = {"layer-skip": LayerSkipSpec((1, 2)), "prompt-lookup": PromptLookupSpec(1, 3)}[name]
+    return spec.build(model, target_vocab_size(model), None)
+
+
+@pytest.mark.parametrize("name", ["draft-model", "feature-head", "layer-skip", "prompt-lookup"])
+@pytest.mark.parametrize("gamma", [1, 4])
+def test_greedy_identical_to_the_processed_target_alone(name, gamma, head_dir):  # noqa: F811
+    batch = prompts(len(SETTINGS), seed=7)
+    rows = [params(s) for s in SETTINGS]
+    engine = SpeculativeEngine(target(), proposer=drafter(name, head_dir), num_speculative_tokens=gamma,
+                               adaptive=False)
+    outs = engine.generate(batch, rows)
+    for prompt, p, out in zip(batch, rows, outs):
+        assert out.token_ids == reference(tuple(prompt), p), (name, gamma, p)
+    assert sum(o.metrics.num_accepted_tokens for o in outs) > 0
+    # the processing is real: the penalised rows differ from plain greedy decoding
+    plain = [reference(tuple(prompt), params({})) for prompt in batch]
+    assert sum(o.token_ids != q for o, q in zip(outs, plain)) >= 3
+
+
+def test_counts_advance_through_the_drafts():
+    """At position j the counts include drafts 0..j-1 (and never the draft at j itself)."""
+    from specserve.engine.processing import LogitsProcessing
+
+    proc = LogitsProcessing([0.5], [1.0], [2.0], [((9, 4.0),)], [[5]], [[1, 5]])
+    logits = torch.ones(1, 3, 12)
+    out = proc.apply(logits, torch.tensor([[5, 7]]))[0]  # [W=3, V]
+    assert out[:, 5].tolist() == [0.5 - 1.5, 0.5 - 2.5, 0.5 - 2.5]  # /2 (seen), then 1 then 2 counted
+    assert out[:, 7].tolist() == [1.0, 1.0, 0.5 - 1.5]  # only once draft 1 is before it
+    assert out[:, 9].tolist() == [5.0, 5.0, 5.0] and out[:, 1].tolist() == [0.5] * 3
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_a_verifier_that_does_not_count_the_drafts_is_caught(monkeypatch, broken):
+    """Prompt lookup proposes a run of token 11 that a bias favours and a frequency penalty wears
+    down: counting only the committed tokens would accept more of the run than the processed
+    target chooses. The real rule matches the reference; the broken one is caught."""
+    if broken:
+        monkeypatch.setattr(processing_module, "_drafts_before",
+                            lambda drafts, width, vocab, device: torch.zeros(drafts.shape[0], width, vocab))
+    prompt = [11] * 12
+    p = params(dict(logit_bias={11: 12.0}, frequency_penalty=2.0))
+    engine = SpeculativeEngine(target(), proposer=drafter("prompt-lookup", None), num_speculative_tokens=4,
+                               adaptive=False)
+    (out,) = engine.generate([prompt], [p])
+    assert (out.token_ids == reference(tuple(prompt), p)) != broken
+    assert out.token_ids[:2] == [11, 11] and out.metrics.num_accepted_tokens > 0
+
+
+# -- sampling: the processed distribution, exactly ------------------------------------------------------
+SAMPLED = SamplingParams(max_tokens=3, temperature=1.0, presence_penalty=0.8, frequency_penalty=0.6,
+                         repetition_penalty=1.5, logit_bias={3: 1.0, 6: -1.5})
+
+
+def exact_processed_marginals(model, p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact P(2nd token) and P(3rd token) [V] under the processing, by enumerating prefixes."""
+    def dist(out: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([PROMPT + out])).logits[0, -1]
+        processed = processed_naively(logits, PROMPT, out, p).float()[None]
+        return logits_to_probs(processed, BatchSampling.from_params([p]))[0].double()
+
+    p1 = dist([])
+    p2 = torch.stack([dist([a]) for a in range(VOCAB)])  # [a, b]
+    joint = p1[:, None] * p2
+    p3 = torch.stack([torch.stack([dist([a, b]) for b in range(VOCAB)]) for a in range(VOCAB)])  # [a, b, c]
+    return joint.sum(0), (joint[..., None] * p3).sum((0, 1))
+
+
+def test_sampling_follows_the_processed_target():
+    small = dict(vocab=VOCAB, init_range=0.3, layers=1, hidden=16)
+    model, draft = tiny_llama(0, **small), tiny_llama(5, **small)
+    exact2, exact3 = exact_processed_marginals(model, SAMPLED)
+    engine = SpeculativeEngine(model, draft, num_speculative_tokens=2, adaptive=False, max_batch_size=2500)
+    seeded = [SamplingParams(**{**SAMPLED.__dict__, "seed": i}) for i in range(NUM_SEQUENCES)]
+    outs = engine.generate([PROMPT] * NUM_SEQUENCES, seeded)
+    assert sum(o.metrics.num_accepted_tokens for o in outs) > 0.1 * NUM_SEQUENCES
+    count = lambda pos: torch.tensor(  # noqa: E731
+        [sum(o.token_ids[pos] == v for o in outs) for v in range(VOCAB)], dtype=torch.float64)
+    assert chi_square_pvalue(count(1), exact2) > 1e-4
+    assert chi_square_pvalue(count(2), exact3) > 1e-4
+
+
+def test_parameters_are_checked():
+    with pytest.raises(ValueError, match="presence_penalty"):
+        SamplingParams(presence_penalty=2.5)
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        SamplingParams(repetition_penalty=0.0)
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={3: 101.0})
+    assert SamplingParams(logit_bias={"9": 1, 2: -1.0}).logit_bias == ((2, -1.0), (9, 1.0))
+    assert not SamplingParams().processed and SamplingParams(repetition_penalty=1.1).processed
