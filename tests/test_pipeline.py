@@ -184,3 +184,41 @@ def test_overlapped_policy_drafts_longer_than_sequential_where_overlap_pays_and_
     # a draft as slow as the target, with poor acceptance: γ 0 in both models
     for policy in (_policy(OverlappedPolicy, 1.0, 1.0), _policy(SpeculationPolicy, 1.0, 1.0)):
         assert policy.best_gamma([0.1, 0.1]) == 0
+
+
+def test_pipelined_penalties_and_logprobs_are_the_sequential_ones(local_coordinator):
+    """Penalties counted through the drafts and log-probabilities of each token: a prepared block
+    verified one step later sees the tokens of the step it was drafted ahead of, so pipelined
+    output and log-probabilities equal the sequential loop's."""
+    from specserve.serve.coordinator import Delta, GenerateRequest
+
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2, presence_penalty=0.4,
+                             frequency_penalty=0.2, logit_bias={72: 1.0}),
+              SamplingParams(temperature=0.0, max_tokens=35, ignore_eos=True, logprobs=0, repetition_penalty=1.1)]
+
+    def run(coordinator) -> list[tuple[list[int], list[float]]]:
+        async def one(prompt, p):
+            tokens, logprobs = [], []
+            async for item in coordinator.generate(GenerateRequest(uuid.uuid4().hex, prompt, p)):
+                if isinstance(item, Delta):
+                    tokens += item.token_ids
+                    logprobs += item.logprobs
+            return tokens, logprobs
+
+        async def both():
+            try:
+                return await asyncio.gather(*(one(pr, p) for pr, p in zip(PROMPTS, params)))
+            finally:
+                coordinator._loop_task.cancel()
+
+        return asyncio.run(both())
+
+    pipelined = local_coordinator(config(pipelined=True))
+    got = run(pipelined)
+    expected = run(local_coordinator(config(pipelined=False)))
+    assert [t for t, _ in got] == [t for t, _ in expected]
+    for (_, a), (_, b) in zip(got, expected):
+        assert len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b)) < 1e-4
+    assert pipelined._totals["pipelined_hits"] > 0
+    plain = [SamplingParams(temperature=0.0, max_tokens=p.max_tokens, ignore_eos=True) for p in params]
+    assert generate(local_coordinator(config(pipelined=False)), PROMPTS[:2], plain) != [t for t, _ in got]

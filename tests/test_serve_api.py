@@ -116,7 +116,11 @@ class FakeCoordinator:
             tokens = [seq.prompt[(produced + i) % len(seq.prompt)] % self.wrap for i in range(k)]
             produced += k
             step += 1
-            yield Delta(tokens, "length" if produced >= n else None, 4 * step, 2 * step, step)
+            k = request.params.logprobs
+            logprobs = None if k is None else [-0.25 * (i + 1) for i in range(len(tokens))]
+            tops = None if k is None else [([(t, lp)] + [(1, -9.0)] * (k - 1)) if k else []
+                                           for t, lp in zip(tokens, logprobs)]
+            yield Delta(tokens, "length" if produced >= n else None, 4 * step, 2 * step, step, None, logprobs, tops)
             await asyncio.sleep(0)
 
 
@@ -804,3 +808,28 @@ def test_one_model_is_retrieved_by_its_id(client):
     assert card == client.get("/v1/models").json()["data"][0]
     err = _error(client.get("/v1/models/gpt-9"), 404)
     assert err["code"] == "model_not_found" and err["param"] == "model"
+
+
+def test_logprobs_in_openai_shapes_whole_and_streamed(client):
+    """Completions: tokens / token_logprobs / top_logprobs / text_offset; chat: content entries with
+    token, logprob, bytes and top_logprobs; a stream carries each chunk's tokens' entries, and
+    they add up to the whole answer's."""
+    body = {"model": MODEL, "prompt": "abcdef", "max_tokens": 6, "temperature": 0.0, "logprobs": 2}
+    whole = client.post("/v1/completions", json=body).json()["choices"][0]
+    lp = whole["logprobs"]
+    assert lp["tokens"] == list("abcdef") and lp["token_logprobs"] == [-0.25, -0.5, -0.75] * 2
+    assert lp["top_logprobs"][0] == {"a": -0.25, "\x01": -9.0} and lp["text_offset"] == [0, 1, 2, 3, 4, 5]
+    _, chunks = _stream_text(client, "/v1/completions", body)
+    streamed = [c["choices"][0]["logprobs"] for c in chunks if c["choices"] and c["choices"][0]["logprobs"]]
+    assert [t for s in streamed for t in s["tokens"]] == lp["tokens"]
+    assert [o for s in streamed for o in s["text_offset"]] == lp["text_offset"]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "logprobs": True,
+            "top_logprobs": 1}
+    content = client.post("/v1/chat/completions", json=chat).json()["choices"][0]["logprobs"]["content"]
+    assert len(content) == 3 and content[0]["logprob"] == -0.25
+    assert content[0]["bytes"] == list(content[0]["token"].encode())
+    assert [a["token"] for a in content[0]["top_logprobs"]] == [content[0]["token"]]
+    assert client.post("/v1/chat/completions", json={**chat, "logprobs": False}).status_code == 400  # top without
+    plain = client.post("/v1/completions", json={**body, "logprobs": None}).json()["choices"][0]
+    assert plain["logprobs"] is None
+    _error(client.post("/v1/completions", json={**body, "logprobs": 21}), 400)

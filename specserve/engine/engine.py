@@ -35,6 +35,8 @@ class CompletionOutput:
     token_ids: list[int]  # generated tokens only
     finish_reason: str  # "length" | "stop"
     metrics: RequestMetrics
+    logprobs: list[float] | None = None  # per generated token, when SamplingParams.logprobs was set
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # [(token, logprob)] k alternatives each
 
 
 class SpeculativeEngine:
@@ -154,9 +156,7 @@ class SpeculativeEngine:
         finally:
             for rid in ids:
                 self.abort(rid)
-        return [
-            CompletionOutput(r, seqs[r].prompt, seqs[r].output, seqs[r].finish_reason, seqs[r].metrics) for r in ids
-        ]
+        return [_output(seqs[r]) for r in ids]
 
     # -- internals ----------------------------------------------------------------------------
     def capture_graphs(self, progress: bool = True) -> float:
@@ -222,3 +222,9 @@ def model_eos_ids(model: torch.nn.Module) -> list[int]:
         if eos is not None:
             return [eos] if isinstance(eos, int) else list(eos)
     return []
+
+
+def _output(seq: Sequence) -> CompletionOutput:
+    asked = seq.params.logprobs is not None
+    return CompletionOutput(seq.request_id, seq.prompt, seq.output, seq.finish_reason, seq.metrics,
+                            seq.logprobs if asked else None, seq.top_logprobs if asked else None)

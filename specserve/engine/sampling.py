@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
 
 GREEDY_BELOW = 1e-5  # a temperature below this decodes greedily (see SamplingParams)
+MAX_LOGPROBS = 20  # the most alternatives a token's log-probabilities may list (OpenAI's top_logprobs limit)
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI's, in [-2, 2]
     repetition_penalty: float = 1.0  # HF's / vLLM's, > 0 (1 = off)
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)  # (token, added logit in [-100, 100])
+    # None: no log-probabilities; k >= 0: each generated token's, and the k likeliest alternatives'
+    # (the verifier's `token_logprobs`: the processed target distribution at the row's temperature)
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
@@ -65,6 +69,8 @@ class SamplingParams:
         if any(t < 0 or not -100.0 <= v <= 100.0 for t, v in bias):
             raise ValueError("logit_bias maps token ids >= 0 to values in [-100, 100]")
         object.__setattr__(self, "logit_bias", bias)
+        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:
@@ -86,15 +92,18 @@ class BatchSampling:
     top_p: torch.Tensor  # [B] float32; 1 = off
     # penalties / logit bias of the target's logits (the verifier applies them; drafts never do)
     processing: LogitsProcessing | None = None
+    # the most alternatives any row wants with its tokens' log-probabilities (None: no row wants any)
+    logprobs: int | None = None
 
     @staticmethod
     def from_params(params: list[SamplingParams], device: torch.device | str = "cpu",
                     processing: LogitsProcessing | None = None) -> "BatchSampling":
+        wanted = [p.logprobs for p in params if p.logprobs is not None]
         return BatchSampling(
             temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            processing=processing,
+            processing=processing, logprobs=max(wanted) if wanted else None,
         )
 
     @property
@@ -110,7 +119,7 @@ class BatchSampling:
 
     def to(self, device: torch.device | str) -> "BatchSampling":
         return BatchSampling(self.temperature.to(device), self.top_k.to(device), self.top_p.to(device),
-                             self.processing)
+                             self.processing, self.logprobs)
 
     def repeat_rows(self, n: int) -> "BatchSampling":
         """Each row repeated n times in place: [B] -> [B * n] (row b's copies are adjacent)."""

@@ -76,6 +76,9 @@ class Sequence:
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
     generator: torch.Generator | None = None
     drafted_for: bool = False  # a step has planned drafts for it (else the policy may probe it, `choose`)
+    # params.logprobs set: per generated token (this engine's), its log-probability and alternatives
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.generator is None:
@@ -206,6 +209,8 @@ class StepOutput:
     request_id: str
     new_token_ids: list[int]
     finish_reason: str | None
+    logprobs: list[float] | None = None  # per new token, when the request asked (SamplingParams.logprobs)
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 def plan_step(seqs: list[Sequence], policy: SpeculationPolicy) -> StepPlan:
@@ -271,8 +276,20 @@ def apply_verdict(plan: StepPlan, proposal: Proposal, verdict: Verdict) -> list[
             s.draft_len = n + min(accepted, plan.gamma - 1)
         new = _cut(s, drafts[b][:accepted] + [verdict.next_token[b]])
         s.output.extend(new)
-        outputs.append(StepOutput(s.request_id, new, s.finish_reason))
+        outputs.append(StepOutput(s.request_id, new, s.finish_reason, *_logprobs(s, verdict, b, len(new))))
     return outputs
+
+
+def _logprobs(seq: Sequence, verdict: Verdict, row: int, count: int) -> tuple[list | None, list | None]:
+    """The log-probabilities (and alternatives) of a row's `count` new tokens, if it asked."""
+    k = seq.params.logprobs
+    if k is None or verdict.logprobs is None:
+        return None, None
+    values = verdict.logprobs[row][:count]
+    tops = [alternatives[:k] for alternatives in verdict.top_logprobs[row][:count]]
+    seq.logprobs.extend(values)
+    seq.top_logprobs.extend(tops)
+    return values, tops
 
 
 def observe_verified(policy: SpeculationPolicy, plan: StepPlan, verdict: Verdict) -> None:

@@ -1,6 +1,7 @@
 """The target side of a step: one forward over [last token + drafts] for every row, then the rule."""
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -17,6 +18,11 @@ class Verdict:
     next_token: list[int]  # per row, the recovered or bonus token
     forwards: Sequence[ForwardTiming] = ()  # each model forward, prefill included
     draft_tokens: list[list[int]] | None = None  # [B][G] the drafts verified, copied back with the verdict
+    # when some row asked (BatchSampling.logprobs): per row, the log-probability of each token the
+    # row may emit this step (drafts 0..a-1, then the next token: [B][a + 1 <= G + 1]), and the k
+    # likeliest alternatives at each ([B][a + 1][k] (token, logprob))
+    logprobs: list[list[float]] | None = None
+    top_logprobs: list[list[list[tuple[int, float]]]] | None = None
 
     @property
     def seconds(self) -> float:
@@ -75,17 +81,20 @@ class TargetVerifier:
         tail = drafts if drafts.shape[1] else None
         logits = self.runner.forward(step_rows, logits="all", tail=tail)  # [B, G+1, V']
         logits = logits[..., : self.vocab_size]
+        if sampling.processing is not None:  # penalties / bias, per position through the drafts
+            logits = sampling.processing.apply(logits, drafts)
         result = self._accept(logits, drafts, draft_probs, num_draft, sampling, accept_uniforms, final_uniforms)
         # The step's one device-to-host copy: [B, 2 + G] = accepted count, next token, drafts.
         packed = torch.cat([result.num_accepted[:, None], result.next_token[:, None], drafts], dim=1).cpu()
-        return Verdict(packed[:, 0].tolist(), packed[:, 1].tolist(), self.runner.take_forward_log(),
-                       packed[:, 2:].tolist())
+        verdict = Verdict(packed[:, 0].tolist(), packed[:, 1].tolist(), self.runner.take_forward_log(),
+                          packed[:, 2:].tolist())
+        if sampling.logprobs is None:
+            return verdict
+        return token_logprobs(verdict, logits, drafts, result, sampling)
 
     def _accept(self, logits, draft_tokens, draft_probs, num_draft, sampling, accept_uniforms, final_uniforms):
         device = logits.device
         draft_tokens, num_draft = draft_tokens.to(device), num_draft.to(device)
-        if sampling.processing is not None:  # penalties / bias, per position through the drafts
-            logits = sampling.processing.apply(logits, draft_tokens)
         if sampling.all_greedy:
             return greedy_accept(logits.argmax(-1), draft_tokens, num_draft)
         batch, width, vocab = logits.shape
@@ -103,3 +112,27 @@ class TargetVerifier:
         return rejection_sample(
             probs, draft_tokens, draft_probs.to(device), num_draft, accept_uniforms.to(device), final_uniforms
         )
+
+
+def token_logprobs(verdict: Verdict, logits: torch.Tensor, drafts: torch.Tensor, result: AcceptResult,
+                   sampling: BatchSampling) -> Verdict:
+    """The verdict with the log-probabilities of each row's emitted tokens (drafts 0..a-1 and the
+    next token) and their k likeliest alternatives (k = sampling.logprobs), from the processed
+    logits [B, W, V] at each row's temperature (1 for greedy rows), before top-k / top-p: the
+    distribution the rule samples from. One more device-to-host copy, only when a row asked."""
+    batch, width, _ = logits.shape
+    temperature = sampling.temperature.to(logits.device)
+    scale = torch.where(temperature == 0, torch.ones_like(temperature), temperature)  # [B]
+    logp = torch.log_softmax(logits.float() / scale[:, None, None], dim=-1)  # [B, W, V]
+    emitted = torch.cat([drafts[:, : width - 1], drafts.new_zeros(batch, 1)], dim=1)  # [B, W]
+    emitted = emitted.scatter(1, result.num_accepted[:, None], result.next_token[:, None])
+    chosen = logp.gather(-1, emitted[..., None])  # [B, W, 1]
+    k = sampling.logprobs
+    top = logp.topk(k, dim=-1) if k else None
+    parts = [chosen.double()] + ([top.values.double(), top.indices.double()] if top is not None else [])
+    host = torch.cat(parts, dim=-1).cpu()  # [B, W, 1 + 2k]: float64 holds every token id exactly
+    ends = [a + 1 for a in verdict.num_accepted]
+    logprobs = [host[b, : ends[b], 0].tolist() for b in range(batch)]
+    tops = [[list(zip(map(int, host[b, j, 1 + k:].tolist()), host[b, j, 1 : 1 + k].tolist()))
+             for j in range(ends[b])] for b in range(batch)]
+    return dataclasses.replace(verdict, logprobs=logprobs, top_logprobs=tops)

@@ -186,7 +186,8 @@ class Continuation:
         self._totals = (d + delta.num_draft_tokens, a + delta.num_accepted_tokens, s + delta.num_steps)
         if self._base == (0, 0, 0):
             return delta
-        return Delta(delta.token_ids, delta.finish_reason, *self._totals, delta.rng_state)
+        return dataclasses.replace(delta, num_draft_tokens=self._totals[0], num_accepted_tokens=self._totals[1],
+                                   num_steps=self._totals[2])
 
     def _cancel_quietly(self) -> None:
         try:

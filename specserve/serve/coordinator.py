@@ -109,6 +109,10 @@ class Delta:
     # seeded sampling only: the request's generator state after these tokens, so that a
     # continuation on another replica draws the numbers this one would have drawn
     rng_state: bytes | None = None
+    # when the request asked (SamplingParams.logprobs): per token of token_ids, its log-probability
+    # and its k likeliest alternatives [(token, logprob)]
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass(frozen=True)
@@ -468,7 +472,7 @@ class Coordinator:
                 m = seq.metrics
                 rng = seq.generator.get_state().numpy().tobytes() if seq.reproducible else None
                 queue.put_nowait(Delta(out.new_token_ids, out.finish_reason, m.num_draft_tokens,
-                                       m.num_accepted_tokens, m.num_steps, rng))
+                                       m.num_accepted_tokens, m.num_steps, rng, out.logprobs, out.top_logprobs))
             if out.finish_reason is not None:
                 done.append(out.request_id)
         self._release(done)
@@ -508,8 +512,10 @@ def _merge(items: list) -> Delta | Failed | Lost:
         return ended[0]
     last = items[-1]
     tokens = [t for d in items for t in d.token_ids]
+    logprobs = None if last.logprobs is None else [v for d in items for v in d.logprobs or ()]
+    tops = None if last.top_logprobs is None else [t for d in items for t in d.top_logprobs or ()]
     return Delta(tokens, last.finish_reason, last.num_draft_tokens, last.num_accepted_tokens, last.num_steps,
-                 last.rng_state)
+                 last.rng_state, logprobs, tops)
 
 
 def _continue(seq: Sequence, resume: Resume, vocab_size: int) -> None:

@@ -48,7 +48,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specserve.config import AppConfig
-from specserve.engine.sampling import SamplingParams
+from specserve.engine.sampling import MAX_LOGPROBS, SamplingParams
 
 from .continuation import Continuation, EngineLost
 from .coordinator import Accepted, Delta, Failed, GenerateRequest, Rejected
@@ -122,19 +122,23 @@ class _SamplingRequest(BaseModel):
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
+    def logprobs_wanted(self) -> int | None:
+        """None: no log-probabilities; k: each token's, with k alternatives."""
+        if isinstance(self, ChatCompletionRequest):
+            return (self.top_logprobs or 0) if self.logprobs else None
+        return self.logprobs
+
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # alternatives per token (0: the token's own)
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
 
     def unsupported(self) -> list[tuple[str, str]]:
         bad = super().unsupported()
-        if self.logprobs is not None:
-            bad.append(("logprobs", "logprobs are not supported"))
         if self.echo:
             bad.append(("echo", "echo is not supported"))
         if self.best_of not in (None, 1):
@@ -167,15 +171,15 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list | None = None
     tool_choice: str | dict | None = None
     response_format: dict | None = None
 
     def unsupported(self) -> list[tuple[str, str]]:
         bad = super().unsupported()
-        if self.logprobs or self.top_logprobs is not None:
-            bad.append(("logprobs", "logprobs are not supported"))
+        if self.top_logprobs is not None and not self.logprobs:
+            bad.append(("top_logprobs", "top_logprobs needs logprobs: true"))
         if self.tools or self.tool_choice not in (None, "none"):
             bad.append(("tools", "tool calling is not supported"))
         if self.response_format not in (None, {"type": "text"}):
@@ -191,6 +195,8 @@ class Piece:
     completion_tokens: int
     speculation: dict
     token_ids: list[int]  # generated so far
+    logprobs: list[float] | None = None  # per token of token_ids, when asked
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class _StreamFailed(RuntimeError):
@@ -210,21 +216,50 @@ class _Format:
     chat: bool
     prompt_tokens: int
     gen: Continuation
+    tokenizer: object = None  # renders tokens of log-probabilities
+    logprobs: int | None = None  # asked: alternatives per token
 
     def __post_init__(self) -> None:
         self.created = int(time.time())
+        self._texts: dict[int, str] = {}
+        self._offset = 0  # characters of text before the next token whose log-probability goes out
+
+    def _token(self, token: int) -> str:
+        if token not in self._texts:
+            self._texts[token] = self.tokenizer.decode([token])
+        return self._texts[token]
+
+    def _logprobs_body(self, piece: Piece, start: int) -> dict | None:
+        """OpenAI's logprobs object for the tokens piece.token_ids[start:] (None when not asked)."""
+        if self.logprobs is None or piece.logprobs is None:
+            return None
+        ids, values = piece.token_ids[start:], piece.logprobs[start:]
+        tops = piece.top_logprobs[start:]
+        if self.chat:
+            def entry(token: int, value: float) -> dict:
+                text = self._token(token)
+                return {"token": text, "logprob": value, "bytes": list(text.encode())}
+            return {"content": [{**entry(t, v), "top_logprobs": [entry(a, av) for a, av in top]}
+                                for t, v, top in zip(ids, values, tops)], "refusal": None}
+        offsets = []
+        for token in ids:
+            offsets.append(self._offset)
+            self._offset += len(self._token(token))
+        return {"tokens": [self._token(t) for t in ids], "token_logprobs": values,
+                "top_logprobs": [{self._token(a): av for a, av in top} for top in tops], "text_offset": offsets}
 
     def _usage(self, piece: Piece) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": piece.completion_tokens,
                 "total_tokens": self.prompt_tokens + piece.completion_tokens}
 
-    def _choice(self, text: str, finish: str | None, first: bool = False, delta: bool = False) -> dict:
+    def _choice(self, text: str, finish: str | None, first: bool = False, delta: bool = False,
+                logprobs: dict | None = None) -> dict:
         if not self.chat:
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
         if delta:
             content = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-            return {"index": 0, "delta": content, "logprobs": None, "finish_reason": finish}
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            return {"index": 0, "delta": content, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                 "finish_reason": finish}
 
     def _envelope(self, choices: list[dict], chunk: bool) -> dict:
@@ -240,7 +275,8 @@ class _Format:
         finally:
             await pieces.aclose()  # runs _pieces' cleanup now, not at garbage collection
             self.gen.close()
-        body = self._envelope([self._choice("".join(texts), last.finish_reason)], chunk=False)
+        body = self._envelope([self._choice("".join(texts), last.finish_reason, logprobs=self._logprobs_body(last, 0))],
+                              chunk=False)
         if return_token_ids:
             body["choices"][0]["token_ids"] = list(last.token_ids)
         body["usage"] = self._usage(last)
@@ -253,12 +289,14 @@ class _Format:
         try:
             async for piece in pieces:
                 last = piece
-                new_ids = return_token_ids and len(piece.token_ids) > sent_ids
+                new_ids = (return_token_ids or self.logprobs is not None) and len(piece.token_ids) > sent_ids
                 if piece.text or piece.finish_reason or first or new_ids:
-                    chunk = self._envelope([self._choice(piece.text, piece.finish_reason, first, True)], True)
+                    logprobs = self._logprobs_body(piece, sent_ids)
+                    chunk = self._envelope([self._choice(piece.text, piece.finish_reason, first, True, logprobs)],
+                                           True)
                     if return_token_ids:
                         chunk["choices"][0]["token_ids"] = piece.token_ids[sent_ids:]
-                        sent_ids = len(piece.token_ids)
+                    sent_ids = len(piece.token_ids)
                     if piece.finish_reason is not None:
                         chunk["speculation"] = piece.speculation
                     yield _sse(chunk)
@@ -578,7 +616,8 @@ class OpenAIServer:
             params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_k=max(body.top_k, 0),
                                     top_p=body.top_p, seed=body.seed, ignore_eos=body.ignore_eos,
                                     presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-                                    repetition_penalty=body.repetition_penalty, logit_bias=bias)
+                                    repetition_penalty=body.repetition_penalty, logit_bias=bias,
+                                    logprobs=body.logprobs_wanted())
         except ValueError as err:  # the engine's own checks: a client error, never a 500
             raise OpenAIError(400, str(err)) from err
         if time.monotonic() < self._shed_until:  # a burst: the surplus gets its 429 without a round trip
@@ -614,7 +653,8 @@ class OpenAIServer:
         assert isinstance(first, Accepted)
         self.door.limits.charge(key, first.num_prompt_tokens)
         pieces = self._pieces(gen, prompt_ids, body.stop_list(), key)
-        fmt = _Format(rid, self.config.served_model_name, chat, first.num_prompt_tokens, gen)
+        fmt = _Format(rid, self.config.served_model_name, chat, first.num_prompt_tokens, gen, self.tokenizer,
+                      params.logprobs)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(fmt.sse(pieces, usage, body.return_token_ids), media_type="text/event-stream")
@@ -636,6 +676,8 @@ class OpenAIServer:
         with them as if nothing happened."""
         detok, stopper = IncrementalDetokenizer(self.tokenizer, prompt_ids), StopStrings(stops)
         token_ids: list[int] = []
+        logprobs: list[float] | None = None  # (when the request asked: the Deltas carry them)
+        tops: list | None = None
         stream = _guarded(gen)
         try:
             async for item in stream:
@@ -646,6 +688,10 @@ class OpenAIServer:
                     raise _StreamFailed(OpenAIError(status, item.message, None, item.code, "server_error"))
                 assert isinstance(item, Delta)
                 token_ids.extend(item.token_ids)
+                if item.logprobs is not None:
+                    logprobs, tops = (logprobs, tops) if logprobs is not None else ([], [])
+                    logprobs.extend(item.logprobs)
+                    tops.extend(item.top_logprobs or [[] for _ in item.logprobs])
                 final = item.finish_reason is not None
                 text = detok.push(item.token_ids) + (detok.flush() if final else "")
                 out, stopped = stopper.feed(text, final)
@@ -653,10 +699,11 @@ class OpenAIServer:
                         "num_steps": item.num_steps}
                 if stopped or final:
                     gen.finished = final
-                    yield Piece(out, "stop" if stopped else item.finish_reason, len(token_ids), spec, token_ids)
+                    yield Piece(out, "stop" if stopped else item.finish_reason, len(token_ids), spec, token_ids,
+                                logprobs, tops)
                     return
                 if out or item.token_ids:  # tokens whose text is held back still show as token_ids
-                    yield Piece(out, None, len(token_ids), spec, token_ids)
+                    yield Piece(out, None, len(token_ids), spec, token_ids, logprobs, tops)
         finally:
             self.door.limits.charge(key, len(token_ids))
             await stream.aclose()

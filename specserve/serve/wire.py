@@ -193,11 +193,12 @@ def _unrows(rows: list[tuple]) -> list[RowInput]:
 
 def _sampling(s: BatchSampling | None):
     # (processing: a small dataclass of host lists, pickled as it is; None for most steps)
-    return None if s is None else (_tensor(s.temperature), _tensor(s.top_k), _tensor(s.top_p), s.processing)
+    return None if s is None else (_tensor(s.temperature), _tensor(s.top_k), _tensor(s.top_p), s.processing,
+                                   s.logprobs)
 
 
 def _unsampling(s) -> BatchSampling | None:
-    return None if s is None else BatchSampling(*(_untensor(t) for t in s[:3]), s[3])
+    return None if s is None else BatchSampling(*(_untensor(t) for t in s[:3]), s[3], s[4])
 
 
 def _times(forwards) -> list[tuple]:
@@ -231,7 +232,7 @@ def _encode(m):
         return "p", (_tensor(m.tokens), _tensor(m.probs), _times(m.forwards), m.deterministic, _tensor(m.num_draft),
                      _tensor(m.alternates))
     if kind is Verdict:
-        return "v", (m.num_accepted, m.next_token, _times(m.forwards), m.draft_tokens)
+        return "v", (m.num_accepted, m.next_token, _times(m.forwards), m.draft_tokens, m.logprobs, m.top_logprobs)
     out = io.BytesIO()
     _Pickler(out, protocol=pickle.HIGHEST_PROTOCOL).dump(m)
     return "x", out.getvalue()
@@ -254,5 +255,5 @@ def _decode(e):
     if kind == "p":
         return Proposal(_untensor(f[0]), _untensor(f[1]), _untimes(f[2]), f[3], _untensor(f[4]), _untensor(f[5]))
     if kind == "v":
-        return Verdict(f[0], f[1], _untimes(f[2]), f[3])
+        return Verdict(f[0], f[1], _untimes(f[2]), f[3], f[4], f[5])
     return pickle.loads(f)
