@@ -26,6 +26,14 @@ def server():
     stop_local_serve()
 
 
+@pytest.fixture(scope="session")
+def head_dir(tmp_path_factory):
+    """A feature head trained briefly on test_feature_drafter's target (once per session)."""
+    from test_feature_drafter import target as head_target, train_tiny_head
+
+    return train_tiny_head(head_target(), tmp_path_factory.mktemp("head"))
+
+
 @pytest.fixture
 def local_coordinator(monkeypatch):
     """config -> a Coordinator running in this process with its real workers (tests/local_actors.py)."""

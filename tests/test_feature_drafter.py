@@ -71,11 +71,6 @@ def train_tiny_head(model, out):
     return out
 
 
-@pytest.fixture(scope="module")
-def head_dir(tmp_path_factory):
-    return train_tiny_head(target(), tmp_path_factory.mktemp("head"))
-
-
 def build(path, model=None, min_confidence=None, lookup_min_n=None):
     model = model or target()
     return FeatureDrafterSpec(str(path), min_confidence, lookup_min_n).build(model, target_vocab_size(model), None)

@@ -9,7 +9,7 @@ import torch
 
 from specserve import SamplingParams, SpeculativeEngine
 from test_drafters import prompts
-from test_feature_drafter import head_dir, target  # noqa: F401 (head_dir: a fixture)
+from test_feature_drafter import target
 from test_processing import drafter, processed_naively
 
 K = 3
@@ -33,7 +33,7 @@ def reference(prompt: list[int], out: list[int], p: SamplingParams) -> torch.Ten
 
 @pytest.mark.parametrize("name", ["draft-model", "feature-head", "layer-skip", "prompt-lookup"])
 @pytest.mark.parametrize("gamma", [1, 4])
-def test_logprobs_equal_a_one_forward_reference(name, gamma, head_dir):  # noqa: F811
+def test_logprobs_equal_a_one_forward_reference(name, gamma, head_dir):
     batch = prompts(len(ROWS), seed=11)
     engine = SpeculativeEngine(target(), proposer=drafter(name, head_dir), num_speculative_tokens=gamma,
                                adaptive=False)

@@ -16,7 +16,7 @@ from specserve import SamplingParams, SpeculativeEngine
 from specserve.engine.proposers import DraftModelProposer, LayerSkipSpec, PromptLookupSpec, target_vocab_size
 from specserve.engine.sampling import BatchSampling, logits_to_probs
 from test_drafters import prompts
-from test_feature_drafter import build as build_head, head_dir, target  # noqa: F401 (head_dir: a fixture)
+from test_feature_drafter import build as build_head, target
 from test_sampling_distribution import NUM_SEQUENCES, PROMPT, VOCAB, chi_square_pvalue
 
 MAX_NEW = 24
@@ -72,7 +72,7 @@ def drafter(name: str, head):
 
 @pytest.mark.parametrize("name", ["draft-model", "feature-head", "layer-skip", "prompt-lookup"])
 @pytest.mark.parametrize("gamma", [1, 4])
-def test_greedy_identical_to_the_processed_target_alone(name, gamma, head_dir):  # noqa: F811
+def test_greedy_identical_to_the_processed_target_alone(name, gamma, head_dir):
     batch = prompts(len(SETTINGS), seed=7)
     rows = [params(s) for s in SETTINGS]
     engine = SpeculativeEngine(target(), proposer=drafter(name, head_dir), num_speculative_tokens=gamma,
