@@ -28,32 +28,31 @@ Prompts and outputs are never logged.
 that class as a Serve deployment. Tests may run the routes in process with another coordinator.
 """
 import asyncio
-import json
 import logging
 import os
 import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Annotated, AsyncIterator, Literal
+from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specserve.config import AppConfig
-from specserve.engine.sampling import MAX_LOGPROBS, SamplingParams
+from specserve.engine.sampling import SamplingParams
 
 from .continuation import Continuation, EngineLost
 from .coordinator import Accepted, Delta, Failed, GenerateRequest, Rejected
 from .front_door import (Door, FrontDoor, KeyLimits, OpenAIError, check_unicode, is_loopback, parse_keys,
                          token_floor)
+from .responses import Piece, ResponseFormat, StreamFailed
+from .schema import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from .text import IncrementalDetokenizer, StopStrings
 
 logger = logging.getLogger("specserve.ingress")
@@ -77,251 +76,6 @@ def overloaded(message: str) -> OpenAIError:
 
 def unavailable(message: str) -> OpenAIError:
     return OpenAIError(503, message, None, "engine_unavailable", "server_error", {"Retry-After": str(RETRY_AFTER_S)})
-
-
-# -- request schemas -----------------------------------------------------------------------------
-class StreamOptions(BaseModel):
-    include_usage: bool = False
-
-
-class _SamplingRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    model: str
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)
-    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
-    top_k: int = Field(0, ge=-1, le=2**31 - 1)  # extension
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    user: str | None = None
-    # accepted only at its no-op value (anything else is a clear 400)
-    n: int = 1
-    # applied to the target's logits at every position, drafts included (specserve.engine.processing)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
-    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]] | None = None
-    # extensions
-    repetition_penalty: float = Field(1.0, gt=0.0, le=100.0, allow_inf_nan=False)  # HF's / vLLM's
-    ignore_eos: bool = False
-    num_speculative_tokens: int | None = Field(None, ge=0)
-    # the generated token ids ride along in the choice (streaming: the ids new since the last chunk)
-    return_token_ids: bool = False
-
-    def unsupported(self) -> list[tuple[str, str]]:
-        """(param, why) for every option set to something this server does not do."""
-        bad = []
-        if self.n != 1:
-            bad.append(("n", "only n=1 is supported"))
-        if self.stream_options is not None and not self.stream:
-            bad.append(("stream_options", "stream_options needs stream=true"))
-        return bad
-
-    def stop_list(self) -> list[str]:
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-
-    def logprobs_wanted(self) -> int | None:
-        """None: no log-probabilities; k: each token's, with k alternatives."""
-        if isinstance(self, ChatCompletionRequest):
-            return (self.top_logprobs or 0) if self.logprobs else None
-        return self.logprobs
-
-
-class CompletionRequest(_SamplingRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # alternatives per token (0: the token's own)
-    echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
-
-    def unsupported(self) -> list[tuple[str, str]]:
-        bad = super().unsupported()
-        if self.echo:
-            bad.append(("echo", "echo is not supported"))
-        if self.best_of not in (None, 1):
-            bad.append(("best_of", "best_of is not supported"))
-        if self.suffix:
-            bad.append(("suffix", "suffix is not supported"))
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)) \
-                and len(self.prompt) != 1:
-            bad.append(("prompt", "one prompt per request (batched prompts are not supported)"))
-        return bad
-
-
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
-    name: str | None = None
-
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-
-
-class ChatCompletionRequest(_SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list | None = None
-    tool_choice: str | dict | None = None
-    response_format: dict | None = None
-
-    def unsupported(self) -> list[tuple[str, str]]:
-        bad = super().unsupported()
-        if self.top_logprobs is not None and not self.logprobs:
-            bad.append(("top_logprobs", "top_logprobs needs logprobs: true"))
-        if self.tools or self.tool_choice not in (None, "none"):
-            bad.append(("tools", "tool calling is not supported"))
-        if self.response_format not in (None, {"type": "text"}):
-            bad.append(("response_format", "only response_format {'type': 'text'} is supported"))
-        return bad
-
-
-# -- one generation, as events -------------------------------------------------------------------
-@dataclass
-class Piece:
-    text: str
-    finish_reason: str | None
-    completion_tokens: int
-    speculation: dict
-    token_ids: list[int]  # generated so far
-    logprobs: list[float] | None = None  # per token of token_ids, when asked
-    top_logprobs: list[list[tuple[int, float]]] | None = None
-
-
-class _StreamFailed(RuntimeError):
-    """A request that ended in failure after it was accepted: `error` is what the client is told."""
-
-    def __init__(self, error: OpenAIError) -> None:
-        super().__init__(error.message)
-        self.error = error
-
-
-@dataclass
-class _Format:
-    """OpenAI response bodies for one request (completion or chat; whole or SSE chunks)."""
-
-    rid: str
-    model: str
-    chat: bool
-    prompt_tokens: int
-    gen: Continuation
-    tokenizer: object = None  # renders tokens of log-probabilities
-    logprobs: int | None = None  # asked: alternatives per token
-
-    def __post_init__(self) -> None:
-        self.created = int(time.time())
-        self._texts: dict[int, str] = {}
-        self._offset = 0  # characters of text before the next token whose log-probability goes out
-
-    def _token(self, token: int) -> str:
-        if token not in self._texts:
-            self._texts[token] = self.tokenizer.decode([token])
-        return self._texts[token]
-
-    def _logprobs_body(self, piece: Piece, start: int) -> dict | None:
-        """OpenAI's logprobs object for the tokens piece.token_ids[start:] (None when not asked)."""
-        if self.logprobs is None or piece.logprobs is None:
-            return None
-        ids, values = piece.token_ids[start:], piece.logprobs[start:]
-        tops = piece.top_logprobs[start:]
-        if self.chat:
-            def entry(token: int, value: float) -> dict:
-                text = self._token(token)
-                return {"token": text, "logprob": value, "bytes": list(text.encode())}
-            return {"content": [{**entry(t, v), "top_logprobs": [entry(a, av) for a, av in top]}
-                                for t, v, top in zip(ids, values, tops)], "refusal": None}
-        offsets = []
-        for token in ids:
-            offsets.append(self._offset)
-            self._offset += len(self._token(token))
-        return {"tokens": [self._token(t) for t in ids], "token_logprobs": values,
-                "top_logprobs": [{self._token(a): av for a, av in top} for top in tops], "text_offset": offsets}
-
-    def _usage(self, piece: Piece) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": piece.completion_tokens,
-                "total_tokens": self.prompt_tokens + piece.completion_tokens}
-
-    def _choice(self, text: str, finish: str | None, first: bool = False, delta: bool = False,
-                logprobs: dict | None = None) -> dict:
-        if not self.chat:
-            return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
-        if delta:
-            content = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-            return {"index": 0, "delta": content, "logprobs": logprobs, "finish_reason": finish}
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                "finish_reason": finish}
-
-    def _envelope(self, choices: list[dict], chunk: bool) -> dict:
-        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
-        return {"id": self.rid, "object": kind, "created": self.created, "model": self.model, "choices": choices}
-
-    async def whole(self, pieces: AsyncIterator[Piece], return_token_ids: bool = False) -> dict:
-        texts, last = [], None
-        try:
-            async for piece in pieces:
-                texts.append(piece.text)
-                last = piece
-        finally:
-            await pieces.aclose()  # runs _pieces' cleanup now, not at garbage collection
-            self.gen.close()
-        body = self._envelope([self._choice("".join(texts), last.finish_reason, logprobs=self._logprobs_body(last, 0))],
-                              chunk=False)
-        if return_token_ids:
-            body["choices"][0]["token_ids"] = list(last.token_ids)
-        body["usage"] = self._usage(last)
-        body["speculation"] = last.speculation
-        return body
-
-    async def sse(self, pieces: AsyncIterator[Piece], include_usage: bool,
-                  return_token_ids: bool = False) -> AsyncIterator[str]:
-        first, last, sent_ids = True, None, 0
-        try:
-            async for piece in pieces:
-                last = piece
-                new_ids = (return_token_ids or self.logprobs is not None) and len(piece.token_ids) > sent_ids
-                if piece.text or piece.finish_reason or first or new_ids:
-                    logprobs = self._logprobs_body(piece, sent_ids)
-                    chunk = self._envelope([self._choice(piece.text, piece.finish_reason, first, True, logprobs)],
-                                           True)
-                    if return_token_ids:
-                        chunk["choices"][0]["token_ids"] = piece.token_ids[sent_ids:]
-                    sent_ids = len(piece.token_ids)
-                    if piece.finish_reason is not None:
-                        chunk["speculation"] = piece.speculation
-                    yield _sse(chunk)
-                    first = False
-        except _StreamFailed as err:
-            yield _sse(err.error.body())
-        finally:
-            await pieces.aclose()
-            self.gen.close()
-        if include_usage and last is not None:
-            chunk = self._envelope([], True)
-            chunk["usage"] = self._usage(last)
-            chunk["speculation"] = last.speculation
-            yield _sse(chunk)
-        yield "data: [DONE]\n\n"
-
-
-# Characters that JSON leaves raw but some line splitters (Python's str.splitlines, used by
-# several SSE clients) treat as line breaks: escaped, so that one event is always one line.
-_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029",
-                              "\x1c": "\\u001c", "\x1d": "\\u001d", "\x1e": "\\u001e"})
-
-
-def _sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False).translate(_LINE_BREAKS)}\n\n"
 
 
 app = FastAPI(title="specserve", docs_url=None, redoc_url=None)
@@ -568,7 +322,7 @@ class OpenAIServer:
                               "context_length_exceeded")
         return room
 
-    def _check(self, body: _SamplingRequest) -> None:
+    def _check(self, body: SamplingRequest) -> None:
         self._refresh_readiness()
         if body.model != self.config.served_model_name:
             raise OpenAIError(404, f"model {body.model!r} does not exist; this server serves "
@@ -583,7 +337,7 @@ class OpenAIServer:
             raise OpenAIError(400, f"num_speculative_tokens must be <= "
                                    f"{self.config.speculation.num_speculative_tokens}", "num_speculative_tokens")
 
-    async def _logit_bias(self, body: _SamplingRequest) -> dict[int, float]:
+    async def _logit_bias(self, body: SamplingRequest) -> dict[int, float]:
         """logit_bias's keys as token ids of the model's vocabulary (OpenAI sends them as strings)."""
         if not body.logit_bias:
             return {}
@@ -595,7 +349,7 @@ class OpenAIServer:
             bias[int(key)] = value
         return bias
 
-    def _check_limits(self, body: _SamplingRequest) -> None:
+    def _check_limits(self, body: SamplingRequest) -> None:
         """The lists and strings a client controls (the prompt's size is _precheck's)."""
         front = self.config.front_door
         stops = body.stop_list()
@@ -609,7 +363,7 @@ class OpenAIServer:
         if body.logit_bias is not None and len(body.logit_bias) > front.max_logit_bias_entries:
             raise OpenAIError(400, f"at most {front.max_logit_bias_entries} logit_bias entries", "logit_bias")
 
-    async def _respond(self, body: _SamplingRequest, prompt_ids: list[int], max_tokens: int, chat: bool, key: int,
+    async def _respond(self, body: SamplingRequest, prompt_ids: list[int], max_tokens: int, chat: bool, key: int,
                        length_param: str = "max_tokens"):
         bias = await self._logit_bias(body)
         try:
@@ -653,14 +407,14 @@ class OpenAIServer:
         assert isinstance(first, Accepted)
         self.door.limits.charge(key, first.num_prompt_tokens)
         pieces = self._pieces(gen, prompt_ids, body.stop_list(), key)
-        fmt = _Format(rid, self.config.served_model_name, chat, first.num_prompt_tokens, gen, self.tokenizer,
+        fmt = ResponseFormat(rid, self.config.served_model_name, chat, first.num_prompt_tokens, gen, self.tokenizer,
                       params.logprobs)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(fmt.sse(pieces, usage, body.return_token_ids), media_type="text/event-stream")
         try:
             return await fmt.whole(pieces, body.return_token_ids)
-        except _StreamFailed as err:
+        except StreamFailed as err:
             raise err.error from err
 
     def _submit(self, request: GenerateRequest):
@@ -685,7 +439,7 @@ class OpenAIServer:
                 if isinstance(item, Failed):
                     gen.finished = True
                     status = 504 if item.code == "request_timeout" else 500
-                    raise _StreamFailed(OpenAIError(status, item.message, None, item.code, "server_error"))
+                    raise StreamFailed(OpenAIError(status, item.message, None, item.code, "server_error"))
                 assert isinstance(item, Delta)
                 token_ids.extend(item.token_ids)
                 if item.logprobs is not None:
@@ -739,9 +493,9 @@ async def _guarded(gen: Continuation) -> AsyncIterator:
         async for item in gen.items():
             yield item
     except EngineLost as err:
-        raise _StreamFailed(unavailable(f"{err}; the request did not complete, retry it")) from err
+        raise StreamFailed(unavailable(f"{err}; the request did not complete, retry it")) from err
     except Exception as err:
-        raise _StreamFailed(unavailable(
+        raise StreamFailed(unavailable(
             f"the engine failed while serving this request ({type(err).__name__}); the request did not "
             "complete, retry it")) from err
 

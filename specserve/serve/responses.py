@@ -1,0 +1,148 @@
+"""One generation's OpenAI response bodies: whole, or as server-sent events (chunks, the usage
+chunk, [DONE]), with log-probabilities rendered in the completions or the chat shape."""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from .continuation import Continuation
+from .front_door import OpenAIError
+
+
+# -- one generation, as events -------------------------------------------------------------------
+@dataclass
+class Piece:
+    text: str
+    finish_reason: str | None
+    completion_tokens: int
+    speculation: dict
+    token_ids: list[int]  # generated so far
+    logprobs: list[float] | None = None  # per token of token_ids, when asked
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+class StreamFailed(RuntimeError):
+    """A request that ended in failure after it was accepted: `error` is what the client is told."""
+
+    def __init__(self, error: OpenAIError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+@dataclass
+class ResponseFormat:
+    """OpenAI response bodies for one request (completion or chat; whole or SSE chunks)."""
+
+    rid: str
+    model: str
+    chat: bool
+    prompt_tokens: int
+    gen: Continuation
+    tokenizer: object = None  # renders tokens of log-probabilities
+    logprobs: int | None = None  # asked: alternatives per token
+
+    def __post_init__(self) -> None:
+        self.created = int(time.time())
+        self._texts: dict[int, str] = {}
+        self._offset = 0  # characters of text before the next token whose log-probability goes out
+
+    def _token(self, token: int) -> str:
+        if token not in self._texts:
+            self._texts[token] = self.tokenizer.decode([token])
+        return self._texts[token]
+
+    def _logprobs_body(self, piece: Piece, start: int) -> dict | None:
+        """OpenAI's logprobs object for the tokens piece.token_ids[start:] (None when not asked)."""
+        if self.logprobs is None or piece.logprobs is None:
+            return None
+        ids, values = piece.token_ids[start:], piece.logprobs[start:]
+        tops = piece.top_logprobs[start:]
+        if self.chat:
+            def entry(token: int, value: float) -> dict:
+                text = self._token(token)
+                return {"token": text, "logprob": value, "bytes": list(text.encode())}
+            return {"content": [{**entry(t, v), "top_logprobs": [entry(a, av) for a, av in top]}
+                                for t, v, top in zip(ids, values, tops)], "refusal": None}
+        offsets = []
+        for token in ids:
+            offsets.append(self._offset)
+            self._offset += len(self._token(token))
+        return {"tokens": [self._token(t) for t in ids], "token_logprobs": values,
+                "top_logprobs": [{self._token(a): av for a, av in top} for top in tops], "text_offset": offsets}
+
+    def _usage(self, piece: Piece) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": piece.completion_tokens,
+                "total_tokens": self.prompt_tokens + piece.completion_tokens}
+
+    def _choice(self, text: str, finish: str | None, first: bool = False, delta: bool = False,
+                logprobs: dict | None = None) -> dict:
+        if not self.chat:
+            return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        if delta:
+            content = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+            return {"index": 0, "delta": content, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                "finish_reason": finish}
+
+    def _envelope(self, choices: list[dict], chunk: bool) -> dict:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
+        return {"id": self.rid, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+
+    async def whole(self, pieces: AsyncIterator[Piece], return_token_ids: bool = False) -> dict:
+        texts, last = [], None
+        try:
+            async for piece in pieces:
+                texts.append(piece.text)
+                last = piece
+        finally:
+            await pieces.aclose()  # runs _pieces' cleanup now, not at garbage collection
+            self.gen.close()
+        body = self._envelope([self._choice("".join(texts), last.finish_reason, logprobs=self._logprobs_body(last, 0))],
+                              chunk=False)
+        if return_token_ids:
+            body["choices"][0]["token_ids"] = list(last.token_ids)
+        body["usage"] = self._usage(last)
+        body["speculation"] = last.speculation
+        return body
+
+    async def sse(self, pieces: AsyncIterator[Piece], include_usage: bool,
+                  return_token_ids: bool = False) -> AsyncIterator[str]:
+        first, last, sent_ids = True, None, 0
+        try:
+            async for piece in pieces:
+                last = piece
+                new_ids = (return_token_ids or self.logprobs is not None) and len(piece.token_ids) > sent_ids
+                if piece.text or piece.finish_reason or first or new_ids:
+                    logprobs = self._logprobs_body(piece, sent_ids)
+                    chunk = self._envelope([self._choice(piece.text, piece.finish_reason, first, True, logprobs)],
+                                           True)
+                    if return_token_ids:
+                        chunk["choices"][0]["token_ids"] = piece.token_ids[sent_ids:]
+                    sent_ids = len(piece.token_ids)
+                    if piece.finish_reason is not None:
+                        chunk["speculation"] = piece.speculation
+                    yield sse_event(chunk)
+                    first = False
+        except StreamFailed as err:
+            yield sse_event(err.error.body())
+        finally:
+            await pieces.aclose()
+            self.gen.close()
+        if include_usage and last is not None:
+            chunk = self._envelope([], True)
+            chunk["usage"] = self._usage(last)
+            chunk["speculation"] = last.speculation
+            yield sse_event(chunk)
+        yield "data: [DONE]\n\n"
+
+
+# Characters that JSON leaves raw but some line splitters (Python's str.splitlines, used by
+# several SSE clients) treat as line breaks: escaped, so that one event is always one line.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029",
+                              "\x1c": "\\u001c", "\x1d": "\\u001d", "\x1e": "\\u001e"})
+
+
+def sse_event(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False).translate(_LINE_BREAKS)}\n\n"

@@ -1,0 +1,117 @@
+"""The OpenAI request bodies the ingress accepts (pydantic): completions and chat, with the
+extensions of docs/serving.md ("API"), and what each refuses with a 400 naming the parameter."""
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from specserve.engine.sampling import MAX_LOGPROBS
+
+
+# -- request schemas -----------------------------------------------------------------------------
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int = Field(0, ge=-1, le=2**31 - 1)  # extension
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # accepted only at its no-op value (anything else is a clear 400)
+    n: int = 1
+    # applied to the target's logits at every position, drafts included (specserve.engine.processing)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]] | None = None
+    # extensions
+    repetition_penalty: float = Field(1.0, gt=0.0, le=100.0, allow_inf_nan=False)  # HF's / vLLM's
+    ignore_eos: bool = False
+    num_speculative_tokens: int | None = Field(None, ge=0)
+    # the generated token ids ride along in the choice (streaming: the ids new since the last chunk)
+    return_token_ids: bool = False
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        """(param, why) for every option set to something this server does not do."""
+        bad = []
+        if self.n != 1:
+            bad.append(("n", "only n=1 is supported"))
+        if self.stream_options is not None and not self.stream:
+            bad.append(("stream_options", "stream_options needs stream=true"))
+        return bad
+
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def logprobs_wanted(self) -> int | None:
+        """None: no log-probabilities; k: each token's, with k alternatives."""
+        if isinstance(self, ChatCompletionRequest):
+            return (self.top_logprobs or 0) if self.logprobs else None
+        return self.logprobs
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # alternatives per token (0: the token's own)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        bad = super().unsupported()
+        if self.echo:
+            bad.append(("echo", "echo is not supported"))
+        if self.best_of not in (None, 1):
+            bad.append(("best_of", "best_of is not supported"))
+        if self.suffix:
+            bad.append(("suffix", "suffix is not supported"))
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)) \
+                and len(self.prompt) != 1:
+            bad.append(("prompt", "one prompt per request (batched prompts are not supported)"))
+        return bad
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    response_format: dict | None = None
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        bad = super().unsupported()
+        if self.top_logprobs is not None and not self.logprobs:
+            bad.append(("top_logprobs", "top_logprobs needs logprobs: true"))
+        if self.tools or self.tool_choice not in (None, "none"):
+            bad.append(("tools", "tool calling is not supported"))
+        if self.response_format not in (None, {"type": "text"}):
+            bad.append(("response_format", "only response_format {'type': 'text'} is supported"))
+        return bad
