@@ -629,7 +629,8 @@ def test_lone_surrogates_are_400(client, path, body, param):
     ("too many messages", {"messages": [{"role": "user", "content": "m"}] * 1025}, "messages"),
     ("too many content parts", {"messages": [{"role": "user", "content": [{"type": "text", "text": "p"}] * 257}]},
      "messages"),
-    ("several prompts", {"prompt": ["a", "b"]}, "prompt"),
+    ("too many choices", {"prompt": ["a", "b"], "n": 33}, "n"),
+    ("n zero", {"prompt": "a", "n": 0}, "n"),
     ("token ids over the context", {"prompt": [65] * 600}, "prompt"),
 ])
 def test_client_controlled_lists_are_limited(client, name, body, param):
@@ -833,3 +834,27 @@ def test_logprobs_in_openai_shapes_whole_and_streamed(client):
     plain = client.post("/v1/completions", json={**body, "logprobs": None}).json()["choices"][0]
     assert plain["logprobs"] is None
     _error(client.post("/v1/completions", json={**body, "logprobs": 21}), 400)
+
+
+def test_batched_prompts_and_n_choices_whole_and_streamed(client, fake):
+    """A list of prompts and n > 1: one generation per (prompt, i), choices indexed prompt-major,
+    seeded choices with seed + their index, usage with each prompt counted once; a stream
+    interleaves the choices' chunks, each with its index, then one usage chunk."""
+    body = {"model": MODEL, "prompt": [[97, 98], [99, 100, 101]], "n": 2, "max_tokens": 4, "seed": 7}
+    fake.requests.clear()
+    whole = client.post("/v1/completions", json=body).json()
+    assert [c["index"] for c in whole["choices"]] == [0, 1, 2, 3]
+    assert [c["text"] for c in whole["choices"]] == ["abab", "abab", "cdec", "cdec"]
+    assert whole["usage"] == {"prompt_tokens": 2 + 3, "completion_tokens": 16, "total_tokens": 21}
+    assert [r.params.seed for r in fake.requests] == [7, 8, 9, 10]
+    assert len({r.request_id for r in fake.requests}) == 4
+    text, chunks = _stream_text(client, "/v1/completions", body)
+    per_choice: dict[int, str] = {}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            per_choice[choice["index"]] = per_choice.get(choice["index"], "") + choice["text"]
+    assert per_choice == {c["index"]: c["text"] for c in whole["choices"]}
+    assert chunks[-1]["usage"] == whole["usage"] and not chunks[-1]["choices"]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "n": 3}
+    answer = client.post("/v1/chat/completions", json=chat).json()
+    assert [c["index"] for c in answer["choices"]] == [0, 1, 2] and answer["usage"]["completion_tokens"] == 9

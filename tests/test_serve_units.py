@@ -50,11 +50,13 @@ def test_custom_resources_join_the_bundles_and_the_actor_options():
     base = {"served_model_name": "x", "target": {"kind": "tiny"}, "draft": {"kind": "tiny"}}
     config = load_app_config({**base, "target_worker": {"num_cpus": 0.2, "custom": {"gpu_node_a": 1}},
                               "draft_worker": {"num_gpus": 1, "custom": {"accelerator_type:H100": 0.001, "z": 0}},
-                              "ingress": {"resources": {"num_cpus": 0.1, "custom": {"edge": 1}}}})
-    assert config.coordinator_bundles()[1:] == [{"CPU": 0.2, "gpu_node_a": 1.0},
-                                                 {"CPU": 0.25, "GPU": 1.0, "accelerator_type:H100": 0.001}]
+                              "ingress": {"resources": {"num_cpus": 0.1, "custom": {"edge": 1}}},
+                              "coordinator": {"resources": {"num_cpus": 0.1, "custom": {"cpu_node": 0.01}}}})
+    assert config.coordinator_bundles() == [{"CPU": 0.1, "cpu_node": 0.01}, {"CPU": 0.2, "gpu_node_a": 1.0},
+                                            {"CPU": 0.25, "GPU": 1.0, "accelerator_type:H100": 0.001}]
     assert _options("ingress", config)["ray_actor_options"]["resources"] == {"edge": 1.0}
-    assert "resources" not in _options("coordinator", config)["ray_actor_options"]
+    assert _options("coordinator", config)["ray_actor_options"]["resources"] == {"cpu_node": 0.01}
+    assert "resources" not in _options("coordinator", load_app_config(base))["ray_actor_options"]
     for bad in [{"GPU": 1}, {"cpu": 1}, {"memory": 1}, {"object_store_memory": 1}, {"": 1}, {"a": -1},
                 {"a": float("nan")}, {"a": float("inf")}, {"a": "lots"}]:
         with pytest.raises(pydantic.ValidationError):

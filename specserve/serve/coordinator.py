@@ -132,6 +132,9 @@ class Lost:
 @serve.deployment(ray_actor_options={"num_cpus": 0.1})
 class Coordinator:
     target_worker_class, draft_worker_class = TargetWorker, DraftWorker  # (a benchmark swaps in its own)
+    _lost: str | None = None  # why this replica gave its requests up and is leaving (see _leave)
+    _placement: PlacementWatch | None = None  # its placement group, watched (None: not in one)
+    _watch_task: asyncio.Task | None = None
 
     def __init__(self, config: AppConfig) -> None:
         self.config = config
@@ -192,8 +195,6 @@ class Coordinator:
         # failure domains: the group's bundles watched for a node that is gone (serve/placement.py)
         pg = ray.util.get_current_placement_group() if ray.is_initialized() else None  # (None: in-process tests)
         self._placement = None if pg is None else PlacementWatch(pg, config.deadlines.worker_lost_s)
-        self._watch_task: asyncio.Task | None = None
-        self._lost: str | None = None  # why this replica gave its requests up and is leaving
 
     def info(self) -> dict:
         return {"max_model_len": self.max_model_len, "vocab_size": self.vocab_size,

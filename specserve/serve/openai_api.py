@@ -28,6 +28,7 @@ Prompts and outputs are never logged.
 that class as a Serve deployment. Tests may run the routes in process with another coordinator.
 """
 import asyncio
+import dataclasses
 import logging
 import os
 import threading
@@ -51,7 +52,7 @@ from .continuation import Continuation, EngineLost
 from .coordinator import Accepted, Delta, Failed, GenerateRequest, Rejected
 from .front_door import (Door, FrontDoor, KeyLimits, OpenAIError, check_unicode, is_loopback, parse_keys,
                          token_floor)
-from .responses import Piece, ResponseFormat, StreamFailed
+from .responses import Piece, ResponseFormat, StreamFailed, sse_stream, whole_body
 from .schema import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from .text import IncrementalDetokenizer, StopStrings
 
@@ -249,18 +250,19 @@ class OpenAIServer:
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request):
         self._check(body)
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]
         # an explicit null means the default, as OpenAI's API treats it
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
-        if isinstance(prompt, str):
-            await self._precheck(prompt, None, max_tokens, "prompt")
-            ids = await self._offload(self._encode, prompt, "prompt", True)
-        else:
-            await self._precheck(None, len(prompt), max_tokens, "prompt")
-            ids = list(prompt)
-        return await self._respond(body, ids, max_tokens, chat=False, key=_key(request))
+        prompts = body.prompts()
+        self._check_choices(len(prompts) * body.n)
+        batch = []
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                await self._precheck(prompt, None, max_tokens, "prompt")
+                batch.append(await self._offload(self._encode, prompt, "prompt", True))
+            else:
+                await self._precheck(None, len(prompt), max_tokens, "prompt")
+                batch.append(list(prompt))
+        return await self._respond(body, batch, max_tokens, chat=False, key=_key(request))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
@@ -278,7 +280,8 @@ class OpenAIServer:
         await self._precheck(text, None, sent or 1, "messages")
         ids = await self._offload(self._encode, text, "messages", False)
         max_tokens = sent if sent is not None else await self._room(len(ids))
-        return await self._respond(body, ids, max_tokens, chat=True, key=_key(request),
+        self._check_choices(body.n)
+        return await self._respond(body, [ids], max_tokens, chat=True, key=_key(request),
                                    length_param="max_tokens" if sent is not None else "messages")
 
     # -- helpers ----------------------------------------------------------------------------------
@@ -363,21 +366,50 @@ class OpenAIServer:
         if body.logit_bias is not None and len(body.logit_bias) > front.max_logit_bias_entries:
             raise OpenAIError(400, f"at most {front.max_logit_bias_entries} logit_bias entries", "logit_bias")
 
-    async def _respond(self, body: SamplingRequest, prompt_ids: list[int], max_tokens: int, chat: bool, key: int,
-                       length_param: str = "max_tokens"):
-        bias = await self._logit_bias(body)
-        try:
-            params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_k=max(body.top_k, 0),
-                                    top_p=body.top_p, seed=body.seed, ignore_eos=body.ignore_eos,
-                                    presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-                                    repetition_penalty=body.repetition_penalty, logit_bias=bias,
-                                    logprobs=body.logprobs_wanted())
-        except ValueError as err:  # the engine's own checks: a client error, never a 500
-            raise OpenAIError(400, str(err)) from err
+    async def _respond(self, body: SamplingRequest, prompts: list[list[int]], max_tokens: int, chat: bool,
+                       key: int, length_param: str = "max_tokens"):
+        """Generate body.n choices for each prompt (each a request of its own), whole or streamed."""
+        params = self._params(body, max_tokens, await self._logit_bias(body))
         if time.monotonic() < self._shed_until:  # a burst: the surplus gets its 429 without a round trip
             raise overloaded("the server is overloaded; retry later")
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        request = GenerateRequest(rid, prompt_ids, params, body.num_speculative_tokens)
+        runs = [(i, prompt) for i, prompt in enumerate(prompts) for _ in range(body.n)]
+        choices: list = []
+        try:
+            for k, (i, prompt) in enumerate(runs):
+                seeded = params if params.seed is None else dataclasses.replace(params, seed=params.seed + k)
+                gen, first = await self._start(GenerateRequest(rid if len(runs) == 1 else f"{rid}-{k}", prompt,
+                                                               seeded, body.num_speculative_tokens), length_param)
+                self.door.limits.charge(key, first.num_prompt_tokens)
+                fmt = ResponseFormat(rid, self.config.served_model_name, chat, first.num_prompt_tokens, gen,
+                                     self.tokenizer, params.logprobs, k, i)
+                choices.append((fmt, self._pieces(gen, prompt, body.stop_list(), key)))
+        except BaseException:
+            for fmt, _ in choices:
+                fmt.gen.close()
+            raise
+        if body.stream:
+            include = body.stream_options is not None and body.stream_options.include_usage
+            return StreamingResponse(sse_stream(choices, include, body.return_token_ids),
+                                     media_type="text/event-stream")
+        try:
+            return await whole_body(choices, body.return_token_ids)
+        except StreamFailed as err:
+            raise err.error from err
+
+    def _params(self, body: SamplingRequest, max_tokens: int, bias: dict[int, float]) -> SamplingParams:
+        try:
+            return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_k=max(body.top_k, 0),
+                                  top_p=body.top_p, seed=body.seed, ignore_eos=body.ignore_eos,
+                                  presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                                  repetition_penalty=body.repetition_penalty, logit_bias=bias,
+                                  logprobs=body.logprobs_wanted())
+        except ValueError as err:  # the engine's own checks: a client error, never a 500
+            raise OpenAIError(400, str(err)) from err
+
+    async def _start(self, request: GenerateRequest, length_param: str) -> tuple[Continuation, Accepted]:
+        """Submit one generation; its Continuation once a coordinator accepted it, or the error the
+        client gets (429, 503, 400)."""
         gen = Continuation(self._submit, request, self.config.max_resumes,
                            time.monotonic() + self.config.request_timeout_s, self.continuations)
         try:
@@ -396,26 +428,25 @@ class OpenAIServer:
             gen.close()
             raise
         if isinstance(first, Rejected):
-            if first.code == "queue_full":
-                self._shed_until = time.monotonic() + SHED_WINDOW_S
-                raise overloaded(first.message)
-            if first.code == "context_length_exceeded" and length_param == "messages":
-                raise OpenAIError(400, f"the messages ({len(prompt_ids)} tokens) leave no room for a reply within "
-                                       "the server's limits", "messages", first.code)
-            param = length_param if first.code == "context_length_exceeded" else "prompt"
-            raise OpenAIError(400, first.message, param, first.code)
+            raise self._refused(first, len(request.prompt_token_ids), length_param)
         assert isinstance(first, Accepted)
-        self.door.limits.charge(key, first.num_prompt_tokens)
-        pieces = self._pieces(gen, prompt_ids, body.stop_list(), key)
-        fmt = ResponseFormat(rid, self.config.served_model_name, chat, first.num_prompt_tokens, gen, self.tokenizer,
-                      params.logprobs)
-        if body.stream:
-            usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(fmt.sse(pieces, usage, body.return_token_ids), media_type="text/event-stream")
-        try:
-            return await fmt.whole(pieces, body.return_token_ids)
-        except StreamFailed as err:
-            raise err.error from err
+        return gen, first
+
+    def _refused(self, first: Rejected, prompt_tokens: int, length_param: str) -> OpenAIError:
+        if first.code == "queue_full":
+            self._shed_until = time.monotonic() + SHED_WINDOW_S
+            return overloaded(first.message)
+        if first.code == "context_length_exceeded" and length_param == "messages":
+            return OpenAIError(400, f"the messages ({prompt_tokens} tokens) leave no room for a reply within "
+                                    "the server's limits", "messages", first.code)
+        param = length_param if first.code == "context_length_exceeded" else "prompt"
+        return OpenAIError(400, first.message, param, first.code)
+
+    def _check_choices(self, count: int) -> None:
+        limit = self.config.front_door.max_choices
+        if count > limit:
+            raise OpenAIError(400, f"at most {limit} choices per request (prompts x n), got {count}", "n",
+                              "too_many_choices")
 
     def _submit(self, request: GenerateRequest):
         """Send a request (or its continuation) to a coordinator replica: a stream of its messages."""

@@ -2,6 +2,7 @@
 chunk, [DONE]), with log-probabilities rendered in the completions or the chat shape."""
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass
@@ -42,11 +43,14 @@ class ResponseFormat:
     gen: Continuation
     tokenizer: object = None  # renders tokens of log-probabilities
     logprobs: int | None = None  # asked: alternatives per token
+    index: int = 0  # the choice's index (several prompts and/or n > 1)
+    prompt_index: int = 0  # which prompt it answers (usage counts each prompt once)
 
     def __post_init__(self) -> None:
         self.created = int(time.time())
         self._texts: dict[int, str] = {}
         self._offset = 0  # characters of text before the next token whose log-probability goes out
+        self.last: Piece | None = None  # the latest piece of this choice (its totals)
 
     def _token(self, token: int) -> str:
         if token not in self._texts:
@@ -79,11 +83,11 @@ class ResponseFormat:
     def _choice(self, text: str, finish: str | None, first: bool = False, delta: bool = False,
                 logprobs: dict | None = None) -> dict:
         if not self.chat:
-            return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            return {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
         if delta:
             content = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-            return {"index": 0, "delta": content, "logprobs": logprobs, "finish_reason": finish}
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+            return {"index": self.index, "delta": content, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": self.index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                 "finish_reason": finish}
 
     def _envelope(self, choices: list[dict], chunk: bool) -> dict:
@@ -91,28 +95,28 @@ class ResponseFormat:
         return {"id": self.rid, "object": kind, "created": self.created, "model": self.model, "choices": choices}
 
     async def whole(self, pieces: AsyncIterator[Piece], return_token_ids: bool = False) -> dict:
-        texts, last = [], None
+        """This choice's whole body (raises StreamFailed)."""
+        texts = []
         try:
             async for piece in pieces:
                 texts.append(piece.text)
-                last = piece
+                self.last = piece
         finally:
             await pieces.aclose()  # runs _pieces' cleanup now, not at garbage collection
             self.gen.close()
+        last = self.last
         body = self._envelope([self._choice("".join(texts), last.finish_reason, logprobs=self._logprobs_body(last, 0))],
                               chunk=False)
         if return_token_ids:
             body["choices"][0]["token_ids"] = list(last.token_ids)
-        body["usage"] = self._usage(last)
-        body["speculation"] = last.speculation
         return body
 
-    async def sse(self, pieces: AsyncIterator[Piece], include_usage: bool,
-                  return_token_ids: bool = False) -> AsyncIterator[str]:
-        first, last, sent_ids = True, None, 0
+    async def chunks(self, pieces: AsyncIterator[Piece], return_token_ids: bool = False) -> AsyncIterator[dict]:
+        """This choice's stream chunks (raises StreamFailed); no usage chunk, no [DONE]."""
+        first, sent_ids = True, 0
         try:
             async for piece in pieces:
-                last = piece
+                self.last = piece
                 new_ids = (return_token_ids or self.logprobs is not None) and len(piece.token_ids) > sent_ids
                 if piece.text or piece.finish_reason or first or new_ids:
                     logprobs = self._logprobs_body(piece, sent_ids)
@@ -123,19 +127,82 @@ class ResponseFormat:
                     sent_ids = len(piece.token_ids)
                     if piece.finish_reason is not None:
                         chunk["speculation"] = piece.speculation
-                    yield sse_event(chunk)
+                    yield chunk
                     first = False
-        except StreamFailed as err:
-            yield sse_event(err.error.body())
         finally:
             await pieces.aclose()
             self.gen.close()
-        if include_usage and last is not None:
-            chunk = self._envelope([], True)
-            chunk["usage"] = self._usage(last)
-            chunk["speculation"] = last.speculation
-            yield sse_event(chunk)
-        yield "data: [DONE]\n\n"
+
+
+Choice = tuple[ResponseFormat, AsyncIterator[Piece]]  # one generation's format and its pieces
+
+
+def usage(formats: list[ResponseFormat]) -> tuple[dict, dict]:
+    """(usage, speculation) over every choice: each prompt's tokens once, every choice's output."""
+    prompts = {f.prompt_index: f.prompt_tokens for f in formats}
+    done = [f.last for f in formats if f.last is not None]
+    completion = sum(p.completion_tokens for p in done)
+    speculation: dict = {}
+    for p in done:
+        for name, value in p.speculation.items():
+            speculation[name] = speculation.get(name, 0) + value
+    return ({"prompt_tokens": sum(prompts.values()), "completion_tokens": completion,
+             "total_tokens": sum(prompts.values()) + completion}, speculation)
+
+
+async def whole_body(choices: list[Choice], return_token_ids: bool = False) -> dict:
+    """One response body for every choice (raises StreamFailed: the first that fails; the other
+    generations are cancelled)."""
+    tasks = [asyncio.ensure_future(fmt.whole(pieces, return_token_ids)) for fmt, pieces in choices]
+    try:
+        bodies = await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+    body = bodies[0]
+    body["choices"] = [b["choices"][0] for b in bodies]
+    body["usage"], body["speculation"] = usage([fmt for fmt, _ in choices])
+    return body
+
+
+async def sse_stream(choices: list[Choice], include_usage: bool, return_token_ids: bool = False
+                     ) -> AsyncIterator[str]:
+    """Every choice's chunks as they come (interleaved, each with its index), then the usage chunk
+    and [DONE]; a choice that fails ends the stream with its error event (the others cancelled)."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(fmt: ResponseFormat, pieces) -> None:
+        try:
+            async for chunk in fmt.chunks(pieces, return_token_ids):
+                await queue.put(chunk)
+        except StreamFailed as err:
+            await queue.put(err)
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.ensure_future(pump(fmt, pieces)) for fmt, pieces in choices]
+    failed = False
+    try:
+        running = len(tasks)
+        while running:
+            item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, StreamFailed):
+                failed = True
+                yield sse_event(item.error.body())
+                break
+            else:
+                yield sse_event(item)
+    finally:
+        for task in tasks:
+            task.cancel()
+    formats = [fmt for fmt, _ in choices]
+    if include_usage and not failed and any(f.last is not None for f in formats):
+        chunk = formats[0]._envelope([], True)
+        chunk["usage"], chunk["speculation"] = usage(formats)
+        yield sse_event(chunk)
+    yield "data: [DONE]\n\n"
 
 
 # Characters that JSON leaves raw but some line splitters (Python's str.splitlines, used by

@@ -27,8 +27,7 @@ class SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # accepted only at its no-op value (anything else is a clear 400)
-    n: int = 1
+    n: int = Field(1, ge=1)  # choices per prompt, each its own generation (seeded: seed + its index)
     # applied to the target's logits at every position, drafts included (specserve.engine.processing)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
@@ -43,8 +42,6 @@ class SamplingRequest(BaseModel):
     def unsupported(self) -> list[tuple[str, str]]:
         """(param, why) for every option set to something this server does not do."""
         bad = []
-        if self.n != 1:
-            bad.append(("n", "only n=1 is supported"))
         if self.stream_options is not None and not self.stream:
             bad.append(("stream_options", "stream_options needs stream=true"))
         return bad
@@ -75,10 +72,14 @@ class CompletionRequest(SamplingRequest):
             bad.append(("best_of", "best_of is not supported"))
         if self.suffix:
             bad.append(("suffix", "suffix is not supported"))
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)) \
-                and len(self.prompt) != 1:
-            bad.append(("prompt", "one prompt per request (batched prompts are not supported)"))
         return bad
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of the request: one text or token-id list, or a list of them (a batch)."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            return list(prompt)
+        return [prompt]
 
 
 class TextPart(BaseModel):
