@@ -10,7 +10,8 @@ the API key, the per-key limits and the body size (413) without reading or parsi
 text that cannot fit the context by its character count alone is refused before it is tokenized;
 every list a client controls has a limit (`front_door.*`).
 
-Extensions beyond OpenAI's fields: `top_k` (0 or -1 = off), `ignore_eos`, `return_token_ids`
+Besides OpenAI's own fields (penalties, logit_bias, logprobs, n, batched prompts: docs/serving.md),
+extensions: `repetition_penalty`, `top_k` (0 or -1 = off), `ignore_eos`, `return_token_ids`
 (the generated ids in the choice; streaming: each chunk's choice carries the ids new since the previous
 chunk), and `num_speculative_tokens` (a per-request cap on γ, 0 = no speculation; at most
 the configured γ).
