@@ -770,3 +770,27 @@ def stream_killing_workers(client, body: dict, app: str, kind: str) -> str:
                 assert "error" not in event, event
                 texts.append(event["choices"][0]["text"])
     return "".join(texts)
+
+
+def test_echo_scores_the_prompt_as_one_forward_of_the_target_does(http):
+    """echo + logprobs + max_tokens 0 (a log-likelihood evaluation): each prompt token's logprob
+    equals the target's own forward over the prompt within 1e-4; with max_tokens > 0 the prompt's
+    entries come first, then the generated tokens'."""
+    import torch
+
+    from serve_helpers import tiny_app_spec
+    from specserve.config import load_app_config
+    from specserve.models.loading import load_target
+
+    prompt = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114]
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 2}
+    lp = http.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    target = load_target(load_app_config(tiny_app_spec()["args"]).target)
+    with torch.no_grad():
+        ref = torch.log_softmax(target(input_ids=torch.tensor([prompt])).logits[0].float(), dim=-1)
+    assert lp["token_logprobs"][0] is None and len(lp["token_logprobs"]) == len(prompt)
+    for j in range(1, len(prompt)):
+        assert abs(lp["token_logprobs"][j] - ref[j - 1, prompt[j]].item()) < 1e-4
+    both = http.post("/v1/completions", json={**body, "max_tokens": 5, "temperature": 0.0}).json()["choices"][0]
+    assert both["logprobs"]["token_logprobs"][: len(prompt)] == lp["token_logprobs"]
+    assert len(both["logprobs"]["tokens"]) == len(prompt) + 5

@@ -67,6 +67,7 @@ class FakeCoordinator:
         self.stats = _Call(self._stats)
         self.reset_stats = _Call(self._stats)
         self.generate = _Call(lambda request: FakeStream(self._generate(request)))
+        self.prompt_logprobs = _Call(self._prompt_logprobs)
 
     def options(self, stream: bool = False) -> "FakeCoordinator":
         return self
@@ -79,6 +80,11 @@ class FakeCoordinator:
 
     async def _ready(self) -> bool:
         return True
+
+    async def _prompt_logprobs(self, tokens: list[int], k: int) -> list:
+        """As the target worker answers: None for the first token, then (logprob, k alternatives)."""
+        return [None] + [(-1.0 - j, [(t, -1.0 - j)] + [(1, -9.0)] * (k - 1) if k else [])
+                         for j, t in enumerate(tokens[1:])]
 
     async def _generate(self, request):
         from ray.exceptions import ActorDiedError
@@ -858,3 +864,24 @@ def test_batched_prompts_and_n_choices_whole_and_streamed(client, fake):
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "n": 3}
     answer = client.post("/v1/chat/completions", json=chat).json()
     assert [c["index"] for c in answer["choices"]] == [0, 1, 2] and answer["usage"]["completion_tokens"] == 9
+
+
+def test_echo_returns_the_prompt_before_the_output_with_its_logprobs(client):
+    """echo: the prompt's text before the completion, and with logprobs its tokens first (the first
+    with none); max_tokens 0 scores the prompt alone (log-likelihood evaluation); streamed, the
+    prompt comes as the first chunk."""
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 3, "temperature": 0.0, "echo": True}
+    assert client.post("/v1/completions", json=body).json()["choices"][0]["text"] == "abcabc"
+    scored = client.post("/v1/completions", json={**body, "logprobs": 1}).json()["choices"][0]
+    lp = scored["logprobs"]
+    assert lp["tokens"] == list("abcabc") and lp["token_logprobs"][:3] == [None, -1.0, -2.0]
+    assert lp["top_logprobs"][0] is None and lp["top_logprobs"][1] == {"b": -1.0}
+    assert lp["text_offset"] == [0, 1, 2, 3, 4, 5] and lp["token_logprobs"][3:] == [-0.25, -0.5, -0.75]
+    only = client.post("/v1/completions", json={**body, "max_tokens": 0, "logprobs": 0}).json()
+    assert only["choices"][0]["text"] == "abc" and only["choices"][0]["logprobs"]["token_logprobs"] == [None, -1.0, -2.0]
+    assert only["usage"] == {"prompt_tokens": 3, "completion_tokens": 0, "total_tokens": 3}
+    text, chunks = _stream_text(client, "/v1/completions", {**body, "logprobs": 1})
+    assert text == "abcabc" and chunks[0]["choices"][0]["text"] == "abc"
+    assert chunks[0]["choices"][0]["logprobs"]["token_logprobs"] == [None, -1.0, -2.0]
+    err = _error(client.post("/v1/completions", json={**body, "echo": False, "max_tokens": 0}), 400)
+    assert err["param"] == "max_tokens"

@@ -136,3 +136,28 @@ def token_logprobs(verdict: Verdict, logits: torch.Tensor, drafts: torch.Tensor,
     tops = [[list(zip(map(int, host[b, j, 1 + k:].tolist()), host[b, j, 1 : 1 + k].tolist()))
              for j in range(ends[b])] for b in range(batch)]
     return dataclasses.replace(verdict, logprobs=logprobs, top_logprobs=tops)
+
+
+PROMPT_LOGPROBS_CHUNK = 256  # positions projected onto the vocabulary at a time (never [L, V] at once)
+
+
+@torch.no_grad()
+def prompt_logprobs(model: torch.nn.Module, tokens: list[int], k: int, vocab_size: int | None = None,
+                    chunk: int = PROMPT_LOGPROBS_CHUNK) -> list[tuple[float, list[tuple[int, float]]] | None]:
+    """Each prompt token's log-probability under the raw model given the tokens before it, and the
+    k likeliest alternatives there; None for the first token (nothing precedes it). One forward of
+    the decoder (no KV cache touched), then the output head over `chunk` positions at a time."""
+    device = model.get_output_embeddings().weight.device
+    hidden = model.base_model(input_ids=torch.tensor([tokens], device=device)).last_hidden_state[0]  # [L, H]
+    head = model.get_output_embeddings()
+    ids = torch.tensor(tokens[1:], device=hidden.device)  # [L-1] each position's next token
+    out: list = [None]
+    for begin in range(0, len(tokens) - 1, chunk):
+        logits = head(hidden[begin : begin + chunk]).float()  # [c, V']
+        logp = torch.log_softmax(logits[:, :vocab_size] if vocab_size else logits, dim=-1)  # [c, V]
+        chosen = logp.gather(1, ids[begin : begin + chunk, None])[:, 0].tolist()
+        top = logp.topk(k, dim=-1) if k else None
+        alternatives = ([list(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
+                        if top is not None else [[] for _ in chosen])
+        out += [(value, alts) for value, alts in zip(chosen, alternatives)]
+    return out

@@ -277,6 +277,12 @@ class Coordinator:
             return Rejected(f"the server is overloaded ({waiting} requests waiting); retry later", "queue_full")
         return seq
 
+    async def prompt_logprobs(self, tokens: list[int], k: int) -> list:
+        """The prompt's log-probabilities on this replica's target (for `echo` with `logprobs`)."""
+        if not 0 < len(tokens) <= self.max_model_len or min(tokens) < 0 or max(tokens) >= self.vocab_size:
+            raise ValueError("prompt tokens out of range")
+        return await self.target.prompt_logprobs.remote(list(tokens), k)
+
     async def num_cached(self) -> dict[str, int]:
         """Requests holding a cache slot on each worker (0 after every request finished or aborted)."""
         counts = {"target": await self.target.num_cached.remote()}

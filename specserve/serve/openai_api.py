@@ -53,7 +53,8 @@ from .continuation import Continuation, EngineLost
 from .coordinator import Accepted, Delta, Failed, GenerateRequest, Rejected
 from .front_door import (Door, FrontDoor, KeyLimits, OpenAIError, check_unicode, is_loopback, parse_keys,
                          token_floor)
-from .responses import Piece, ResponseFormat, StreamFailed, sse_stream, whole_body
+from .responses import (Echo, NoGeneration, Piece, ResponseFormat, StreamFailed, nothing_generated, sse_stream,
+                        whole_body)
 from .schema import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from .text import IncrementalDetokenizer, StopStrings
 
@@ -258,12 +259,26 @@ class OpenAIServer:
         batch = []
         for prompt in prompts:
             if isinstance(prompt, str):
-                await self._precheck(prompt, None, max_tokens, "prompt")
+                await self._precheck(prompt, None, max(max_tokens, 1), "prompt")
                 batch.append(await self._offload(self._encode, prompt, "prompt", True))
             else:
-                await self._precheck(None, len(prompt), max_tokens, "prompt")
+                await self._precheck(None, len(prompt), max(max_tokens, 1), "prompt")
                 batch.append(list(prompt))
-        return await self._respond(body, batch, max_tokens, chat=False, key=_key(request))
+        echoes = [await self._echo(p, ids, body.logprobs) for p, ids in zip(prompts, batch)] if body.echo else None
+        return await self._respond(body, batch, max_tokens, chat=False, key=_key(request), echoes=echoes)
+
+    async def _echo(self, prompt: str | list[int], ids: list[int], logprobs: int | None) -> Echo:
+        """A prompt as `echo` shows it, scored by the target when logprobs are asked."""
+        text = prompt if isinstance(prompt, str) else await self._offload(self.tokenizer.decode, ids)
+        if logprobs is None:
+            return Echo(text, ids)
+        try:
+            scored = await self.coordinator.prompt_logprobs.remote(ids, logprobs)
+        except ValueError as err:
+            raise OpenAIError(400, str(err), "prompt") from err
+        except Exception as err:
+            raise unavailable(f"the engine is unavailable: {type(err).__name__}") from err
+        return Echo(text, ids, scored)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
@@ -368,8 +383,11 @@ class OpenAIServer:
             raise OpenAIError(400, f"at most {front.max_logit_bias_entries} logit_bias entries", "logit_bias")
 
     async def _respond(self, body: SamplingRequest, prompts: list[list[int]], max_tokens: int, chat: bool,
-                       key: int, length_param: str = "max_tokens"):
-        """Generate body.n choices for each prompt (each a request of its own), whole or streamed."""
+                       key: int, length_param: str = "max_tokens", echoes: list[Echo] | None = None):
+        """Generate body.n choices for each prompt (each a request of its own), whole or streamed;
+        `echoes`: each prompt as a completion's echo shows it (max_tokens 0: that alone)."""
+        if max_tokens == 0:
+            return await self._echo_only(body, prompts, echoes)
         params = self._params(body, max_tokens, await self._logit_bias(body))
         if time.monotonic() < self._shed_until:  # a burst: the surplus gets its 429 without a round trip
             raise overloaded("the server is overloaded; retry later")
@@ -383,7 +401,7 @@ class OpenAIServer:
                                                                seeded, body.num_speculative_tokens), length_param)
                 self.door.limits.charge(key, first.num_prompt_tokens)
                 fmt = ResponseFormat(rid, self.config.served_model_name, chat, first.num_prompt_tokens, gen,
-                                     self.tokenizer, params.logprobs, k, i)
+                                     self.tokenizer, params.logprobs, k, i, echoes[i] if echoes else None)
                 choices.append((fmt, self._pieces(gen, prompt, body.stop_list(), key)))
         except BaseException:
             for fmt, _ in choices:
@@ -397,6 +415,17 @@ class OpenAIServer:
             return await whole_body(choices, body.return_token_ids)
         except StreamFailed as err:
             raise err.error from err
+
+    async def _echo_only(self, body: SamplingRequest, prompts: list[list[int]], echoes: list[Echo]):
+        """max_tokens 0 with echo: each prompt (and its logprobs), nothing generated."""
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        choices = [(ResponseFormat(rid, self.config.served_model_name, False, len(ids), NoGeneration(),
+                                   self.tokenizer, body.logprobs, k, i, echoes[i]), nothing_generated())
+                   for k, (i, ids) in enumerate((i, ids) for i, ids in enumerate(prompts) for _ in range(body.n))]
+        if body.stream:
+            include = body.stream_options is not None and body.stream_options.include_usage
+            return StreamingResponse(sse_stream(choices, include), media_type="text/event-stream")
+        return await whole_body(choices)
 
     def _params(self, body: SamplingRequest, max_tokens: int, bias: dict[int, float]) -> SamplingParams:
         try:

@@ -45,6 +45,7 @@ class ResponseFormat:
     logprobs: int | None = None  # asked: alternatives per token
     index: int = 0  # the choice's index (several prompts and/or n > 1)
     prompt_index: int = 0  # which prompt it answers (usage counts each prompt once)
+    echo: "Echo | None" = None  # completions' echo: the prompt before the output (and its logprobs)
 
     def __post_init__(self) -> None:
         self.created = int(time.time())
@@ -76,6 +77,20 @@ class ResponseFormat:
         return {"tokens": [self._token(t) for t in ids], "token_logprobs": values,
                 "top_logprobs": [{self._token(a): av for a, av in top} for top in tops], "text_offset": offsets}
 
+    def _echo_logprobs(self) -> dict | None:
+        """The prompt's part of a completion's logprobs (the first token has none)."""
+        if self.logprobs is None or self.echo is None or self.echo.logprobs is None:
+            return None
+        ids, entries = self.echo.token_ids, self.echo.logprobs
+        offsets = []
+        for token in ids:
+            offsets.append(self._offset)
+            self._offset += len(self._token(token))
+        return {"tokens": [self._token(t) for t in ids],
+                "token_logprobs": [None if e is None else e[0] for e in entries],
+                "top_logprobs": [None if e is None else {self._token(a): v for a, v in e[1]} for e in entries],
+                "text_offset": offsets}
+
     def _usage(self, piece: Piece) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": piece.completion_tokens,
                 "total_tokens": self.prompt_tokens + piece.completion_tokens}
@@ -105,8 +120,10 @@ class ResponseFormat:
             await pieces.aclose()  # runs _pieces' cleanup now, not at garbage collection
             self.gen.close()
         last = self.last
-        body = self._envelope([self._choice("".join(texts), last.finish_reason, logprobs=self._logprobs_body(last, 0))],
-                              chunk=False)
+        prefix = self._echo_logprobs()
+        text = ("" if self.echo is None else self.echo.text) + "".join(texts)
+        body = self._envelope([self._choice(text, last.finish_reason,
+                                            logprobs=_joined(prefix, self._logprobs_body(last, 0)))], chunk=False)
         if return_token_ids:
             body["choices"][0]["token_ids"] = list(last.token_ids)
         return body
@@ -115,6 +132,8 @@ class ResponseFormat:
         """This choice's stream chunks (raises StreamFailed); no usage chunk, no [DONE]."""
         first, sent_ids = True, 0
         try:
+            if self.echo is not None:  # the prompt first, as its own chunk
+                yield self._envelope([self._choice(self.echo.text, None, True, True, self._echo_logprobs())], True)
             async for piece in pieces:
                 self.last = piece
                 new_ids = (return_token_ids or self.logprobs is not None) and len(piece.token_ids) > sent_ids
@@ -135,6 +154,34 @@ class ResponseFormat:
 
 
 Choice = tuple[ResponseFormat, AsyncIterator[Piece]]  # one generation's format and its pieces
+
+
+@dataclass(frozen=True)
+class Echo:
+    """A completion's prompt as echoed: its text, its token ids and, when logprobs were asked, each
+    token's (logprob, [(token, logprob)] alternatives), None for the first."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list | None = None
+
+
+class NoGeneration:
+    """The generation of a `max_tokens: 0` echo: nothing to run, nothing to close."""
+
+    def close(self) -> None:
+        pass
+
+
+async def nothing_generated() -> AsyncIterator[Piece]:
+    yield Piece("", "length", 0, {}, [], [], [])
+
+
+def _joined(first: dict | None, second: dict | None) -> dict | None:
+    """Two completion logprobs objects as one (lists concatenated); either may be None."""
+    if first is None or second is None:
+        return first if second is None else second
+    return {key: first[key] + second[key] for key in first}
 
 
 def usage(formats: list[ResponseFormat]) -> tuple[dict, dict]:

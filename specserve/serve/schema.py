@@ -58,7 +58,7 @@ class SamplingRequest(BaseModel):
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)  # 0: only with echo (the prompt, scored, nothing generated)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # alternatives per token (0: the token's own)
     echo: bool = False
     best_of: int | None = None
@@ -66,8 +66,8 @@ class CompletionRequest(SamplingRequest):
 
     def unsupported(self) -> list[tuple[str, str]]:
         bad = super().unsupported()
-        if self.echo:
-            bad.append(("echo", "echo is not supported"))
+        if self.max_tokens == 0 and not self.echo:
+            bad.append(("max_tokens", "max_tokens 0 needs echo: true (the prompt and its logprobs, nothing generated)"))
         if self.best_of not in (None, 1):
             bad.append(("best_of", "best_of is not supported"))
         if self.suffix:

@@ -30,6 +30,7 @@ from specserve.engine.planted import PlantedProposer, read_references
 from specserve.engine.proposers import branch_id
 from specserve.engine.engine import model_eos_ids
 from specserve.engine.step import empty_proposal, verified_counts
+from specserve.engine.verifier import prompt_logprobs
 from specserve.engine.sampling import BatchSampling
 
 from .wire import AheadCall, Block, Reply, StepCall, StepReply, light, pack, pack_pair, unpack
@@ -217,6 +218,12 @@ class TargetWorker(_Worker):
         """For a feature head on the draft worker: {request id: (start, end)} -> {request id:
         (start, features [n, F])} of the committed positions held (FeatureServer.read)."""
         return self.feature_server.read(wants) if self.feature_server is not None else {}
+
+    @_serialised
+    def prompt_logprobs(self, tokens: list[int], k: int) -> list:
+        """Each prompt token's log-probability and k alternatives (engine.verifier.prompt_logprobs),
+        for `echo` with `logprobs`: one forward of its own, between steps; no cache touched."""
+        return prompt_logprobs(self.model.runner.model, tokens, k, self.model.vocab_size)
 
     @_serialised
     def prefill(self, rows: list[RowInput]) -> Reply:
