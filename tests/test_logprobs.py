@@ -67,3 +67,20 @@ def test_asking_for_logprobs_changes_no_token():
     assert [o.token_ids for o in with_lp] == [o.token_ids for o in without]
     with pytest.raises(ValueError, match="logprobs"):
         SamplingParams(logprobs=21)
+
+
+@pytest.mark.parametrize("chunk", [3, 256])
+def test_prompt_logprobs_equal_a_full_forward_chunk_by_chunk(chunk):
+    """echo's prompt scores: the first token has none; every other token's, and its alternatives,
+    equal the full forward's, whatever the chunk the output head is applied in."""
+    from specserve.engine.verifier import prompt_logprobs
+
+    model, tokens = target(), [5, 17, 40, 3, 9, 11, 2, 60, 61]
+    scored = prompt_logprobs(model, tokens, 2, chunk=chunk)
+    with torch.no_grad():
+        ref = torch.log_softmax(model(input_ids=torch.tensor([tokens])).logits[0].float(), dim=-1)
+    assert scored[0] is None and len(scored) == len(tokens)
+    for j in range(1, len(tokens)):
+        value, alternatives = scored[j]
+        assert abs(value - ref[j - 1, tokens[j]].item()) < 1e-4
+        assert [t for t, _ in alternatives] == ref[j - 1].topk(2).indices.tolist()
