@@ -15,7 +15,11 @@ Per row and position j, in this order, on float32 logits [V]:
   repetition r != 1, seen = prompt + output + drafts before j:  l > 0: l / r, else l * r   (HF's rule)
   - frequency * count_j[v] - presence * (count_j[v] > 0), count over output + drafts before j (OpenAI)
 
-A step without any such row carries `processing = None` and pays nothing.
+A step without any such row carries `processing = None` and pays nothing. A row with processing
+sends its output (or prompt + output, for the repetition penalty) with every step and has its
+counts rebuilt on the device each time: O(output length) per step, fine for chat-length answers;
+counts kept per request on the target worker (rebuilt on a cache miss) would make long
+penalised generations cheaper.
 """
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ import torch
 
 @dataclass(frozen=True)
 class LogitsProcessing:
-    """The per-row processing of one step's B rows, as host lists (small, pickled with the step)."""
+    """The per-row processing of one step's B rows, as host lists (pickled with the step)."""
 
     presence: list[float]  # [B]
     frequency: list[float]  # [B]
