@@ -216,7 +216,7 @@ BAD = [
     ("empty prompt", {"model": MODEL, "prompt": [], "max_tokens": 2}, 400),
     ("unknown model", {"model": "gpt-9", "prompt": "x"}, 404),
     ("n < 1", {"model": MODEL, "prompt": "x", "n": 0}, 400),
-    ("echo", {"model": MODEL, "prompt": "x", "echo": True}, 400),
+    ("max_tokens 0 without echo", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400),
     ("best_of", {"model": MODEL, "prompt": "x", "best_of": 2}, 400),
     ("unknown field", {"model": MODEL, "prompt": "x", "frobnicate": 1}, 400),
     ("gamma over config", {"model": MODEL, "prompt": "x", "num_speculative_tokens": 99}, 400),
