@@ -33,7 +33,6 @@ import asyncio
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -41,6 +40,7 @@ from pathlib import Path
 
 import httpx
 
+from specserve.bench.soak_failover import free_port
 from specserve.bench.sse import events, ms, nearest_rank
 
 MODEL = "bench"
@@ -224,12 +224,6 @@ def served_row(mode: str, alpha, concurrency: int, results: list[dict], wall: fl
            (("coordination", "rpc_overhead"), ("overhead", "overhead")) for q in ("p50", "p99")},
         transport=stats.get("transport"), cuda_peak_bytes=peak,
         same=all(r["tokens"] == ref[prompt_len:] for r, ref in zip(results, references)))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @contextlib.contextmanager

@@ -264,7 +264,8 @@ class OpenAIServer:
             else:
                 await self._precheck(None, len(prompt), max(max_tokens, 1), "prompt")
                 batch.append(list(prompt))
-        echoes = [await self._echo(p, ids, body.logprobs) for p, ids in zip(prompts, batch)] if body.echo else None
+        echoes = await asyncio.gather(*(self._echo(p, ids, body.logprobs) for p, ids in zip(prompts, batch))) \
+            if body.echo else None
         return await self._respond(body, batch, max_tokens, chat=False, key=_key(request), echoes=echoes)
 
     async def _echo(self, prompt: str | list[int], ids: list[int], logprobs: int | None) -> Echo:
@@ -386,13 +387,30 @@ class OpenAIServer:
                        key: int, length_param: str = "max_tokens", echoes: list[Echo] | None = None):
         """Generate body.n choices for each prompt (each a request of its own), whole or streamed;
         `echoes`: each prompt as a completion's echo shows it (max_tokens 0: that alone)."""
-        if max_tokens == 0:
-            return await self._echo_only(body, prompts, echoes)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        runs = [(i, prompt) for i, prompt in enumerate(prompts) for _ in range(body.n)]
+        if max_tokens == 0:  # echo alone: each prompt (and its logprobs), nothing generated
+            choices = [(ResponseFormat(rid, self.config.served_model_name, chat, len(prompt), NoGeneration(),
+                                       self.tokenizer, body.logprobs_wanted(), k, i, echoes[i]), nothing_generated())
+                       for k, (i, prompt) in enumerate(runs)]
+        else:
+            choices = await self._generations(body, rid, runs, max_tokens, chat, key, length_param, echoes)
+        if body.stream:
+            include = body.stream_options is not None and body.stream_options.include_usage
+            return StreamingResponse(sse_stream(choices, include, body.return_token_ids),
+                                     media_type="text/event-stream")
+        try:
+            return await whole_body(choices, body.return_token_ids)
+        except StreamFailed as err:
+            raise err.error from err
+
+    async def _generations(self, body: SamplingRequest, rid: str, runs: list[tuple[int, list[int]]],
+                           max_tokens: int, chat: bool, key: int, length_param: str,
+                           echoes: list[Echo] | None) -> list:
+        """Start one generation per (prompt index, prompt) of `runs`; seeded ones draw from seed + k."""
         params = self._params(body, max_tokens, await self._logit_bias(body))
         if time.monotonic() < self._shed_until:  # a burst: the surplus gets its 429 without a round trip
             raise overloaded("the server is overloaded; retry later")
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        runs = [(i, prompt) for i, prompt in enumerate(prompts) for _ in range(body.n)]
         choices: list = []
         try:
             for k, (i, prompt) in enumerate(runs):
@@ -407,25 +425,7 @@ class OpenAIServer:
             for fmt, _ in choices:
                 fmt.gen.close()
             raise
-        if body.stream:
-            include = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(sse_stream(choices, include, body.return_token_ids),
-                                     media_type="text/event-stream")
-        try:
-            return await whole_body(choices, body.return_token_ids)
-        except StreamFailed as err:
-            raise err.error from err
-
-    async def _echo_only(self, body: SamplingRequest, prompts: list[list[int]], echoes: list[Echo]):
-        """max_tokens 0 with echo: each prompt (and its logprobs), nothing generated."""
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        choices = [(ResponseFormat(rid, self.config.served_model_name, False, len(ids), NoGeneration(),
-                                   self.tokenizer, body.logprobs, k, i, echoes[i]), nothing_generated())
-                   for k, (i, ids) in enumerate((i, ids) for i, ids in enumerate(prompts) for _ in range(body.n))]
-        if body.stream:
-            include = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(sse_stream(choices, include), media_type="text/event-stream")
-        return await whole_body(choices)
+        return choices
 
     def _params(self, body: SamplingRequest, max_tokens: int, bias: dict[int, float]) -> SamplingParams:
         try:

@@ -70,30 +70,26 @@ class ResponseFormat:
                 return {"token": text, "logprob": value, "bytes": list(text.encode())}
             return {"content": [{**entry(t, v), "top_logprobs": [entry(a, av) for a, av in top]}
                                 for t, v, top in zip(ids, values, tops)], "refusal": None}
-        offsets = []
-        for token in ids:
-            offsets.append(self._offset)
-            self._offset += len(self._token(token))
-        return {"tokens": [self._token(t) for t in ids], "token_logprobs": values,
-                "top_logprobs": [{self._token(a): av for a, av in top} for top in tops], "text_offset": offsets}
+        return self._completion_logprobs(ids, values, tops)
 
     def _echo_logprobs(self) -> dict | None:
         """The prompt's part of a completion's logprobs (the first token has none)."""
         if self.logprobs is None or self.echo is None or self.echo.logprobs is None:
             return None
-        ids, entries = self.echo.token_ids, self.echo.logprobs
+        entries = self.echo.logprobs
+        return self._completion_logprobs(self.echo.token_ids, [None if e is None else e[0] for e in entries],
+                                         [None if e is None else e[1] for e in entries])
+
+    def _completion_logprobs(self, ids: list[int], values: list, tops: list) -> dict:
+        """A completion's logprobs object for these tokens (a value and its alternatives may be
+        None: an echoed prompt's first token); text offsets run on from the previous call's."""
         offsets = []
         for token in ids:
             offsets.append(self._offset)
             self._offset += len(self._token(token))
-        return {"tokens": [self._token(t) for t in ids],
-                "token_logprobs": [None if e is None else e[0] for e in entries],
-                "top_logprobs": [None if e is None else {self._token(a): v for a, v in e[1]} for e in entries],
+        return {"tokens": [self._token(t) for t in ids], "token_logprobs": values,
+                "top_logprobs": [None if top is None else {self._token(a): av for a, av in top} for top in tops],
                 "text_offset": offsets}
-
-    def _usage(self, piece: Piece) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": piece.completion_tokens,
-                "total_tokens": self.prompt_tokens + piece.completion_tokens}
 
     def _choice(self, text: str, finish: str | None, first: bool = False, delta: bool = False,
                 logprobs: dict | None = None) -> dict:
