@@ -18,6 +18,7 @@ from .proposers import DrafterSpec, DraftModelProposer, DraftModelSpec, Proposer
 from .sampling import BatchSampling, SamplingParams
 from .policy import SpeculationPolicy
 from .executor import InProcessExecutor, run_sync
+from .grammar import GrammarBook, check_grammar
 from .loop import StepLoop
 from .step import ContextLengthExceeded, RequestMetrics, Sequence, StepOutput, new_sequence
 from .verifier import TargetVerifier
@@ -55,6 +56,7 @@ class SpeculativeEngine:
         execution: str = "auto",
         prefill_chunk_tokens: int | None = DEFAULT_PREFILL_CHUNK,
         max_cached_tokens: int | None = None,
+        tokenizer=None,
     ) -> None:
         """What drafts, at most one of: draft_model, a separate draft model (shorthand for
         drafter=DraftModelSpec(draft_model)); drafter, any drafter spec (layer skip, prompt
@@ -64,7 +66,9 @@ class SpeculativeEngine:
         most prompt tokens each model prefills per step, in a forward beside the step (chunked
         prefill; see `prefill_rows`); None or 0: a new prompt is prefilled whole inside its first step.
         max_cached_tokens: the KV budget in allocated token positions per model that admission
-        keeps to (see `engine/admission.py`; the server's `max_cached_tokens`), None: no budget."""
+        keeps to (see `engine/admission.py`; the server's `max_cached_tokens`), None: no budget.
+        tokenizer: the target's HF fast tokenizer, or a callable returning it (called at the first
+        request with a grammar): needed for structured output only (`SamplingParams.grammar`)."""
         if num_speculative_tokens < 0:
             raise ValueError("num_speculative_tokens must be >= 0")
         if prefill_chunk_tokens is not None and prefill_chunk_tokens < 0:
@@ -85,6 +89,8 @@ class SpeculativeEngine:
         self.max_model_len = min(x for x in limits if x) if any(limits) else 1 << 30
         self.policy = SpeculationPolicy(num_speculative_tokens, adaptive=adaptive)
         self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None else model_eos_ids(target_model))
+        self.grammar = None if tokenizer is None else attach_grammar(
+            _loader(tokenizer), self.verifier, proposer, self.eos_token_ids)
         self.admission = Admission(max_batch_size, max_cached_tokens, num_speculative_tokens)
         self.loop = StepLoop(self.admission, InProcessExecutor(proposer, self.verifier), self.policy,
                              prefill_chunk_tokens)
@@ -98,11 +104,20 @@ class SpeculativeEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         seq = new_sequence(request_id, prompt_token_ids, params, vocab_size=self.verifier.vocab_size,
                            max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids)
+        if params.grammar is not None:
+            self._check_grammar(params.grammar)
         if self.admission.too_big(seq):
             raise ContextLengthExceeded(
                 f"prompt ({len(seq.prompt)} tokens) + max_tokens ({params.max_tokens}) needs more KV cache than "
                 f"the budget of {self.admission.budget} token positions")
         self.admission.enqueue(seq)
+
+    def _check_grammar(self, grammar) -> None:
+        if self.grammar is None:
+            raise ValueError("structured output needs the engine to have the tokenizer (SpeculativeEngine(tokenizer=...))")
+        error = check_grammar(grammar, self.grammar.view)
+        if error:
+            raise ValueError(f"invalid {grammar.kind} grammar: {error}")
 
     def abort(self, request_id: str) -> None:
         """Drop a request wherever it is and free its caches."""
@@ -213,6 +228,21 @@ def capture_graphs(verifier, proposer, max_batch_size: int, max_gamma: int, prog
     graphs = sum(len(r.graphs) for r in (target, draft and draft.runner) if r is not None)
     logging.getLogger(__name__).info("captured %d CUDA graphs for batch buckets %s in %.1f s", graphs, sizes, seconds)
     return seconds
+
+
+def attach_grammar(tokenizer, verifier: TargetVerifier, proposer, eos_token_ids) -> GrammarBook:
+    """One book of grammar matchers for a process's verifier and (when it masks drafts) proposer:
+    each syncs a request's matcher to the tokens it is given, so sharing one costs nothing."""
+    book = GrammarBook(tokenizer, verifier.vocab_size, eos_token_ids)
+    verifier.grammar = book
+    if hasattr(proposer, "grammar"):
+        proposer.grammar = book
+    return book
+
+
+def _loader(tokenizer):
+    """A tokenizer (it has a `backend_tokenizer`: a HF fast one) or a function returning one -> the function."""
+    return (lambda: tokenizer) if hasattr(tokenizer, "backend_tokenizer") else tokenizer
 
 
 def model_eos_ids(model: torch.nn.Module) -> list[int]:

@@ -29,6 +29,7 @@ from typing import Protocol
 
 import torch
 
+from .grammar import DraftMasks, GrammarBook
 from .model_runner import DRAFT_ROW_TOKENS, CacheMiss, ForwardTiming, ModelRunner, RowInput, catch_up
 from .sampling import BatchSampling, logits_to_probs, sample_with_uniforms
 
@@ -106,9 +107,12 @@ class DraftModelProposer:
         self.runner = ModelRunner(model, max_model_len, execution)
         self.vocab_size = vocab_size  # V, the target's
         self._inputs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # (B', G) -> static loop inputs
+        self.grammar: GrammarBook | None = None  # masks grammar rows' drafts when set (engine/grammar.py)
 
     def free(self, request_id: str) -> None:
         self.runner.free(request_id)
+        if self.grammar is not None:
+            self.grammar.free(branch_owner(request_id))
 
     def fork(self, request_id: str, branch: str, length: int) -> None:
         """A cache `branch` holding request_id's first `length` positions (ModelRunner.fork)."""
@@ -153,8 +157,18 @@ class DraftModelProposer:
         alternates = alternates and flags is None
         inputs = self._static_inputs(staged, num_tokens, sampling, uniforms, flags)
         began = runner.clock()
+        masks = None
+        if sampling.grammar is not None and self.grammar is not None:  # host reads at each draft position
+            order = staged.sorted_to_caller.tolist()[: len(rows)]  # (padding rows past B are free)
+            masks = DraftMasks(self.grammar, sampling.grammar, order + [-1] * (staged.padded - len(rows)))
+            alternates = False
         static = runner.execution == "graph" and not staged.gather and runner.cache.ready and staged.width <= 16
-        if static:
+        if masks is not None:
+            try:
+                tokens, probs, ups = self._loop(staged, num_tokens, flags, inputs, False, masks=masks)
+            finally:
+                masks.close()
+        elif static:
             key = ("draft", *staged.static_key, num_tokens, flags, alternates, runner.cache.generation)
             written = (staged.block, runner.advance_block(staged))  # the loop writes the single-token block
             out = runner.graphs.run(key, lambda: self._loop(staged, num_tokens, flags, inputs, True, alternates),
@@ -185,10 +199,12 @@ class DraftModelProposer:
             buffers["uniforms"].copy_(uniforms.to(device, non_blocking=True).index_select(0, order))
         return buffers
 
-    def _loop(self, staged, num_tokens: int, flags, inputs, captured: bool, alternates: bool = False):
+    def _loop(self, staged, num_tokens: int, flags, inputs, captured: bool, alternates: bool = False,
+              masks: DraftMasks | None = None):
         """The G draft forwards, device only, sorted row order -> (tokens [B', G], q [B', G, V] or
         None, runner-up tokens [B', G] or None). captured: inside a graph capture (run the forward
-        itself, not the runner's dispatch); alternates: every row is greedy and the runner-ups are wanted."""
+        itself, not the runner's dispatch); alternates: every row is greedy and the runner-ups are
+        wanted; masks: the grammar rows' masks (then one host read per position)."""
         runner = self.runner
 
         def forward(s):
@@ -200,7 +216,9 @@ class DraftModelProposer:
         logits = forward(staged)  # [B', V']
         tokens, probs, ups = [], [], []
         for j in range(num_tokens):
-            token, q = self._choose(logits, sampling, flags, inputs, j)
+            token, q = self._choose(logits, sampling, flags, inputs, j, masks)
+            if masks is not None:
+                masks.advance(token)
             tokens.append(token)
             probs.append(q)
             if alternates:
@@ -224,13 +242,20 @@ class DraftModelProposer:
 
     def _choose(
         self, logits: torch.Tensor, sampling: BatchSampling, flags: tuple[bool, bool] | None,
-        inputs: dict[str, torch.Tensor], j: int,
+        inputs: dict[str, torch.Tensor], j: int, masks: DraftMasks | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """logits [B', V'] of draft position j -> (target ids [B'], q [B', V] or None when all rows
-        are greedy: flags None). inputs: the static loop inputs (uniforms [B', G])."""
-        if flags is None:
+        are greedy: flags None). inputs: the static loop inputs (uniforms [B', G]); masks: grammar
+        rows' masks, applied before the choice (q is then the masked distribution)."""
+        if masks is not None:
+            logits = masks.apply(self._to_target_vocab(logits))  # [B', V]: target ids from here on
+            if flags is None:
+                return logits.argmax(-1), None
+        elif flags is None:
             return self.runner.map_tokens(self._greedy_logits(logits).argmax(-1)), None
-        q = logits_to_probs(self._to_target_vocab(logits), sampling, flags)  # [B', V]
+        else:
+            logits = self._to_target_vocab(logits)
+        q = logits_to_probs(logits, sampling, flags)  # [B', V]
         token = sample_with_uniforms(q, inputs["uniforms"][:, j])
         greedy = sampling.temperature == 0
         token = torch.where(greedy, q.argmax(-1), token)

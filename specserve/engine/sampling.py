@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from .grammar import Grammar, GrammarRows
     from .processing import LogitsProcessing
 
 
@@ -45,6 +46,8 @@ class SamplingParams:
     # None: no log-probabilities; k >= 0: each generated token's, and the k likeliest alternatives'
     # (the verifier's `token_logprobs`: the processed target distribution at the row's temperature)
     logprobs: int | None = None
+    # structured output: the grammar every generated token must follow (specserve.engine.grammar)
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
@@ -94,16 +97,20 @@ class BatchSampling:
     processing: LogitsProcessing | None = None
     # the most alternatives any row wants with its tokens' log-probabilities (None: no row wants any)
     logprobs: int | None = None
+    # the rows' grammars and committed tokens (the verifier masks the target, a draft model its
+    # proposals); None when no row has one
+    grammar: GrammarRows | None = None
 
     @staticmethod
     def from_params(params: list[SamplingParams], device: torch.device | str = "cpu",
-                    processing: LogitsProcessing | None = None) -> "BatchSampling":
+                    processing: LogitsProcessing | None = None,
+                    grammar: GrammarRows | None = None) -> "BatchSampling":
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         return BatchSampling(
             temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            processing=processing, logprobs=max(wanted) if wanted else None,
+            processing=processing, logprobs=max(wanted) if wanted else None, grammar=grammar,
         )
 
     @property
@@ -119,7 +126,7 @@ class BatchSampling:
 
     def to(self, device: torch.device | str) -> "BatchSampling":
         return BatchSampling(self.temperature.to(device), self.top_k.to(device), self.top_p.to(device),
-                             self.processing, self.logprobs)
+                             self.processing, self.logprobs, self.grammar)
 
     def repeat_rows(self, n: int) -> "BatchSampling":
         """Each row repeated n times in place: [B] -> [B * n] (row b's copies are adjacent)."""

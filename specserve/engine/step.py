@@ -15,6 +15,7 @@ import torch
 
 from .model_runner import DRAFT_ROW_TOKENS, RowInput
 from .proposers import Proposal
+from .grammar import GrammarRows
 from .processing import LogitsProcessing
 from .sampling import BatchSampling, SamplingParams, make_generator
 from .policy import AcceptanceEstimate, SpeculationPolicy
@@ -245,9 +246,10 @@ def plan_step(seqs: list[Sequence], policy: SpeculationPolicy) -> StepPlan:
 
 
 def step_sampling(seqs: list[Sequence]) -> BatchSampling:
-    """The rows' sampling parameters, with the penalties / logit bias of the target's logits as of
-    the tokens they hold now (None when no row has any)."""
-    return BatchSampling.from_params([s.params for s in seqs], processing=LogitsProcessing.of(seqs))
+    """The rows' sampling parameters, with the penalties / logit bias of the target's logits and
+    the grammars, as of the tokens they hold now (each None when no row has any)."""
+    return BatchSampling.from_params([s.params for s in seqs], processing=LogitsProcessing.of(seqs),
+                                     grammar=GrammarRows.of(seqs))
 
 
 def verified_counts(num_draft: torch.Tensor, proposal: Proposal) -> torch.Tensor:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .grammar import GrammarBook, GrammarRows
 from .model_runner import VERIFY_ROW_TOKENS, ForwardLog, ForwardTiming, ModelRunner, RowInput, catch_up
 from .rejection import AcceptResult, greedy_accept, rejection_sample, rejection_sample_deterministic
 from .sampling import BatchSampling, logits_to_probs, sample_with_uniforms
@@ -38,9 +39,12 @@ class TargetVerifier:
         target's final hidden states of the verify forward, [B, G+1, H] (for feature drafters)."""
         self.runner = ModelRunner(model, max_model_len, execution, keep_hidden)
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.grammar: GrammarBook | None = None  # the matchers of grammar rows (structured output), if served
 
     def free(self, request_id: str) -> None:
         self.runner.free(request_id)
+        if self.grammar is not None:
+            self.grammar.free(request_id)
 
     def valid_length(self, request_id: str) -> int:
         return self.runner.valid_length(request_id)
@@ -83,6 +87,8 @@ class TargetVerifier:
         logits = logits[..., : self.vocab_size]
         if sampling.processing is not None:  # penalties / bias, per position through the drafts
             logits = sampling.processing.apply(logits, drafts)
+        if sampling.grammar is not None:  # each grammar row's mask, per position through the drafts
+            logits = self._mask(logits, drafts, num_draft, sampling.grammar)
         result = self._accept(logits, drafts, draft_probs, num_draft, sampling, accept_uniforms, final_uniforms)
         # The step's one device-to-host copy: [B, 2 + G] = accepted count, next token, drafts.
         packed = torch.cat([result.num_accepted[:, None], result.next_token[:, None], drafts], dim=1).cpu()
@@ -91,6 +97,17 @@ class TargetVerifier:
         if sampling.logprobs is None:
             return verdict
         return token_logprobs(verdict, logits, drafts, result, sampling)
+
+    def _mask(self, logits: torch.Tensor, drafts: torch.Tensor, num_draft: torch.Tensor,
+              rows: GrammarRows) -> torch.Tensor:
+        """logits [B, W, V] -> float32, -inf where a grammar row's grammar forbids the token after
+        its committed output and drafts 0..j-1 (engine/grammar.py). Reads the drafts on the host:
+        one more copy, in steps with a grammar row only."""
+        if self.grammar is None:
+            raise RuntimeError("a grammar row reached a verifier without a grammar book (no tokenizer given)")
+        allowed = self.grammar.verify_masks(rows, drafts.tolist(), num_draft.tolist(), logits.shape[1],
+                                            logits.device)  # [B, W, V]
+        return logits.float().masked_fill(~allowed, float("-inf"))
 
     def _accept(self, logits, draft_tokens, draft_probs, num_draft, sampling, accept_uniforms, final_uniforms):
         device = logits.device

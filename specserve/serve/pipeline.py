@@ -276,8 +276,8 @@ class Pipeline:
         holds its tokens plus width - 1 of them). drafts: block k's [B][G] when known here (plain
         calls); on the graph the draft side puts each row's last draft in and checks stop tokens."""
         seqs = plan.seqs
-        if not self._prepares(plan):
-            return None
+        if not self._prepares(plan) or any(s.params.grammar is not None for s in seqs):
+            return None  # (a grammar row's next drafts are masked from the state its verdict sets)
         if any(w == 0 and s.draft_len < s.num_tokens - 1 for s, w in zip(seqs, widths)):
             return None  # a row the draft lags on: the ahead call could not start from its last token
         num_draft = plan.num_draft.tolist()

@@ -192,13 +192,13 @@ def _unrows(rows: list[tuple]) -> list[RowInput]:
 
 
 def _sampling(s: BatchSampling | None):
-    # (processing: a small dataclass of host lists, pickled as it is; None for most steps)
+    # (processing, grammar: small dataclasses of host lists, pickled as they are; None for most steps)
     return None if s is None else (_tensor(s.temperature), _tensor(s.top_k), _tensor(s.top_p), s.processing,
-                                   s.logprobs)
+                                   s.logprobs, s.grammar)
 
 
 def _unsampling(s) -> BatchSampling | None:
-    return None if s is None else BatchSampling(*(_untensor(t) for t in s[:3]), s[3], s[4])
+    return None if s is None else BatchSampling(*(_untensor(t) for t in s[:3]), s[3], s[4], s[5])
 
 
 def _times(forwards) -> list[tuple]:
