@@ -222,3 +222,25 @@ def test_pipelined_penalties_and_logprobs_are_the_sequential_ones(local_coordina
     assert pipelined._totals["pipelined_hits"] > 0
     plain = [SamplingParams(temperature=0.0, max_tokens=p.max_tokens, ignore_eos=True) for p in params]
     assert generate(local_coordinator(config(pipelined=False)), PROMPTS[:2], plain) != [t for t, _ in got]
+
+
+def test_pipelined_grammar_rows_are_the_sequential_ones(local_coordinator):
+    """A step with a grammar row prepares nothing ahead (its next drafts are masked from the state
+    its verdict sets); once the grammar rows finish, the free rows pipeline again. Every row's
+    tokens equal the sequential loop's, and the grammar rows' answers follow their grammars."""
+    import json
+
+    from specserve.engine.grammar import Grammar
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999}},
+              "required": ["n"], "additionalProperties": False}
+    params = [SamplingParams(temperature=0.0, max_tokens=40, grammar=Grammar.json_schema(schema)),
+              SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=40, grammar=Grammar("regex", "[a-z]{3}-[0-9]{2}")),
+              SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)]
+    pipelined = local_coordinator(config(pipelined=True))
+    got = generate(pipelined, PROMPTS, params)
+    assert got == generate(local_coordinator(config(pipelined=False)), PROMPTS, params)
+    assert pipelined._totals["pipelined_hits"] > 0
+    assert set(json.loads(bytes(got[0][:-1]).decode())) == {"n"} and got[0][-1] in (256, 258)  # then EOS
+    assert bytes(got[2][:6]).decode()[3] == "-" and got[2][-1] in (256, 258)

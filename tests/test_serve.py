@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import statistics
 import threading
 import time
@@ -173,6 +174,14 @@ def test_openai_client(server):
                                            temperature=0, logprobs=True, top_logprobs=3)
     content = rated.choices[0].logprobs.content
     assert len(content) == rated.usage.completion_tokens and len(content[0].top_logprobs) == 3
+    shaped = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=120, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+    assert set(json.loads(shaped.choices[0].message.content)) == {"name", "age", "tags"}
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "x", "schema": {"type": "nope"}}})
 
 
 def test_logprobs_are_the_same_with_and_without_speculation(http):
@@ -202,6 +211,41 @@ def test_penalties_and_bias_are_the_same_with_and_without_speculation(http):
         assert spec["speculation"]["num_draft_tokens"] > 0 and alone["speculation"]["num_draft_tokens"] == 0
         assert 101 not in spec["choices"][0]["token_ids"]
         assert spec["choices"][0]["token_ids"] != complete(http, prompt)["choices"][0]["token_ids"]
+
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
+          "properties": {"name": {"type": "string", "maxLength": 10},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                         "tags": {"type": "array", "maxItems": 3, "items": {"enum": ["red", "green", "blue"]}}}}
+
+
+def test_structured_output_is_valid_and_the_same_without_speculation(http):
+    """response_format json_schema: the answer is JSON that validates against the schema, ends
+    (finish "stop") once the JSON is complete, and a greedy answer's tokens equal those of the same
+    app's target-only decoding; sampled answers validate too, whole and streamed."""
+    import jsonschema
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    for prompt in ("Hello, world", "Describe a person", "abcabcabc"):
+        body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 120,
+                "temperature": 0.0, "response_format": fmt, "return_token_ids": True}
+        spec = http.post("/v1/chat/completions", json=body).json()
+        alone = http.post("/v1/chat/completions", json={**body, "num_speculative_tokens": 0}).json()
+        choice = spec["choices"][0]
+        assert choice["token_ids"] == alone["choices"][0]["token_ids"], prompt
+        assert choice["finish_reason"] == "stop" and spec["speculation"]["num_accepted_tokens"] > 0
+        jsonschema.validate(json.loads(choice["message"]["content"]), PERSON)
+        sampled = http.post("/v1/chat/completions", json={**body, "temperature": 1.0, "seed": 7}).json()
+        jsonschema.validate(json.loads(sampled["choices"][0]["message"]["content"]), PERSON)
+    with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        events = sse_events(r)[:-1]  # (then [DONE])
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == choice["message"]["content"]
+    anything = http.post("/v1/chat/completions", json={**body, "response_format": {"type": "json_object"}}).json()
+    text = anything["choices"][0]["message"]["content"]  # (a random model's object may run past max_tokens)
+    assert text.startswith("{") and (anything["choices"][0]["finish_reason"] == "length"
+                                     or isinstance(json.loads(text), dict))
+    regex = complete(http, "id:", response_format={"type": "regex", "regex": "[A-Z]{3}-[0-9]{4}"}, ignore_eos=False)
+    assert re.fullmatch("[A-Z]{3}-[0-9]{4}", regex["choices"][0]["text"])
 
 
 # -- errors ----------------------------------------------------------------------------------------

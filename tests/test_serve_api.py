@@ -124,7 +124,8 @@ class FakeCoordinator:
             step += 1
             k = request.params.logprobs
             logprobs = None if k is None else [-0.25 * (i + 1) for i in range(len(tokens))]
-            tops = None if k is None else [([(t, lp)] + [(1, -9.0)] * (k - 1)) if k else []
+            forbidden = -9.0 if request.params.grammar is None else float("-inf")  # (a grammar's masked token)
+            tops = None if k is None else [([(t, lp)] + [(1, forbidden)] * (k - 1)) if k else []
                                            for t, lp in zip(tokens, logprobs)]
             yield Delta(tokens, "length" if produced >= n else None, 4 * step, 2 * step, step, None, logprobs, tops)
             await asyncio.sleep(0)
@@ -885,3 +886,49 @@ def test_echo_returns_the_prompt_before_the_output_with_its_logprobs(client):
     assert chunks[0]["choices"][0]["logprobs"]["token_logprobs"] == [None, -1.0, -2.0]
     err = _error(client.post("/v1/completions", json={**body, "echo": False, "max_tokens": 0}), 400)
     assert err["param"] == "max_tokens"
+
+
+@pytest.mark.parametrize("fmt,kind,source", [
+    ({"type": "text"}, None, None),
+    ({"type": "json_object"}, "json_object", ""),
+    ({"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "object"}, "strict": True}},
+     "json_schema", '{"type": "object"}'),
+    ({"type": "json_schema", "json_schema": {"name": "any"}}, "json_object", ""),
+    ({"type": "regex", "regex": "[a-z]+"}, "regex", "[a-z]+"),
+    ({"type": "lark", "lark": 'start: "yes" | "no"'}, "lark", 'start: "yes" | "no"'),
+])
+def test_response_format_reaches_the_engine_as_a_grammar(client, fake, fmt, kind, source):
+    """Chat and (as an extension) completions: each response_format becomes the request's grammar."""
+    fake.requests.clear()
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "response_format": fmt}
+    assert client.post("/v1/chat/completions", json=chat).status_code == 200
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 3, "response_format": fmt}
+    assert client.post("/v1/completions", json=body).status_code == 200
+    for request in fake.requests:
+        g = request.params.grammar
+        assert (g.kind, g.source) == (kind, source) if kind else g is None
+
+
+@pytest.mark.parametrize("fmt", [
+    {"type": "xml"},
+    {"type": "json_schema"},
+    {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "frobnicated"}}},
+    {"type": "json_schema", "json_schema": {"name": "p", "schema": [1, 2]}},
+    {"type": "regex", "regex": "[a-"},
+    {"type": "regex", "regex": ""},
+    {"type": "lark", "lark": "start: undefined_rule"},
+    {"type": "json_object", "extra": 1},
+    {"type": "regex", "regex": "a" * ((256 << 10) + 1)},
+])
+def test_a_bad_response_format_is_400(client, fmt):
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "response_format": fmt}
+    err = _error(client.post("/v1/chat/completions", json=chat), 400)
+    assert err["param"] == "response_format", err
+
+
+def test_a_forbidden_alternative_is_sent_as_a_finite_logprob(client):
+    """-inf (a token the grammar masks) cannot be JSON: it goes out as -9999.0."""
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 3, "logprobs": 2, "response_format": {"type": "json_object"}}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200 and "Infinity" not in r.text
+    assert list(r.json()["choices"][0]["logprobs"]["top_logprobs"][0].values())[1] == -9999.0

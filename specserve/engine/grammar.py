@@ -120,8 +120,8 @@ def check_grammar(grammar: Grammar, view) -> str:
 
     try:
         return LLMatcher.validate_grammar(grammar.text(), view)
-    except ValueError as err:
-        return str(err)
+    except Exception as err:  # (whatever the library raises for a text it cannot read is the client's error)
+        return str(err) or type(err).__name__
 
 
 class _Entry:

@@ -63,7 +63,7 @@ from .calls import ProposerSide, StepRecord, answers
 from .executor import RemoteExecutor
 from .metrics import CoordinatorMetrics
 from .placement import POLL_S, TARGET_BUNDLE, PlacementWatch
-from .workers import DraftWorker, TargetWorker
+from .workers import DraftWorker, TargetWorker, TokenizerSource
 
 logger = logging.getLogger("specserve.coordinator")
 WORKER_NAMESPACE = "specserve"
@@ -142,8 +142,10 @@ class Coordinator:
         self.max_gamma = config.speculation.num_speculative_tokens
         tag = _replica_tag()
         threads = config.target_worker.torch_threads
+        tokenizer = TokenizerSource(config.target, config.tokenizer)
         self.target = _actor(self.target_worker_class, config.target_worker, 1, f"{tag}:target").remote(
-            config.target, config.max_model_len, threads, config.drafter, execution=config.speculation.execution)
+            config.target, config.max_model_len, threads, config.drafter, execution=config.speculation.execution,
+            tokenizer=tokenizer)
         info = ray.get(self.target.info.remote())
         self.vocab_size, self.eos_token_ids = info.vocab_size, info.eos_token_ids
         limits = [config.max_model_len, info.max_model_len]
@@ -154,7 +156,8 @@ class Coordinator:
             self.draft_worker = _actor(self.draft_worker_class, config.draft_worker, 2, f"{tag}:draft").remote(
                 config.draft or config.target, info.vocab_size, config.max_model_len,
                 config.draft_worker.torch_threads, execution=config.speculation.execution, feature_head=head,
-                target=self.target if head is not None else None, planted=config.speculation.planted)
+                target=self.target if head is not None else None, planted=config.speculation.planted,
+                tokenizer=tokenizer, eos_token_ids=info.eos_token_ids)
             self.draft = ProposerSide.of_draft_worker(self.draft_worker)
         elif config.drafter is not None:
             self.draft = ProposerSide.colocated(self.target)

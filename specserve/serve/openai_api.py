@@ -47,6 +47,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specserve.config import AppConfig
+from specserve.engine.grammar import Grammar, check_grammar, tokenizer_view
 from specserve.engine.sampling import SamplingParams
 
 from .continuation import Continuation, EngineLost
@@ -55,7 +56,7 @@ from .front_door import (Door, FrontDoor, KeyLimits, OpenAIError, check_unicode,
                          token_floor)
 from .responses import (Echo, NoGeneration, Piece, ResponseFormat, StreamFailed, nothing_generated, sse_stream,
                         whole_body)
-from .schema import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from .schema import ChatCompletionRequest, CompletionRequest, SamplingRequest, format_grammar
 from .text import IncrementalDetokenizer, StopStrings
 
 logger = logging.getLogger("specserve.ingress")
@@ -116,6 +117,7 @@ class OpenAIServer:
         self.config = config
         self.tokenizer = load_tokenizer(config.target, config.tokenizer)
         self._info: dict | None = None
+        self._grammar_view = None  # llguidance's view of the tokenizer, built at the first response_format
         self._shed_until = 0.0  # after a full coordinator queue: refuse at once until then (monotonic s)
         # requests continued on another coordinator replica after losing theirs, and given up on
         self.continuations = {"continuations": 0, "given_up": 0}
@@ -408,7 +410,7 @@ class OpenAIServer:
                            max_tokens: int, chat: bool, key: int, length_param: str,
                            echoes: list[Echo] | None) -> list:
         """Start one generation per (prompt index, prompt) of `runs`; seeded ones draw from seed + k."""
-        params = self._params(body, max_tokens, await self._logit_bias(body))
+        params = self._params(body, max_tokens, await self._logit_bias(body), await self._grammar(body))
         if time.monotonic() < self._shed_until:  # a burst: the surplus gets its 429 without a round trip
             raise overloaded("the server is overloaded; retry later")
         choices: list = []
@@ -427,13 +429,35 @@ class OpenAIServer:
             raise
         return choices
 
-    def _params(self, body: SamplingRequest, max_tokens: int, bias: dict[int, float]) -> SamplingParams:
+    async def _grammar(self, body: SamplingRequest) -> Grammar | None:
+        """response_format's grammar, compiled here once against the tokenizer (off the event
+        loop) so that a bad schema, regex or grammar is a 400 before anything runs."""
+        try:
+            grammar = format_grammar(body.response_format)
+        except ValueError as err:
+            raise OpenAIError(400, f"response_format: {err}", "response_format") from err
+        if grammar is None:
+            return None
+        if len(grammar.source) > self.config.front_door.max_grammar_chars:
+            raise OpenAIError(400, f"response_format: at most {self.config.front_door.max_grammar_chars} characters "
+                              f"of schema or grammar", "response_format")
+        if self._grammar_view is None:
+            vocab = (await self.info())["vocab_size"]
+            self._grammar_view = await self._offload(tokenizer_view, self.tokenizer, vocab, ())
+        error = await self._offload(check_grammar, grammar, self._grammar_view)
+        if error:
+            raise OpenAIError(400, f"response_format: invalid {grammar.kind}: {error.strip()}", "response_format",
+                              "invalid_response_format")
+        return grammar
+
+    def _params(self, body: SamplingRequest, max_tokens: int, bias: dict[int, float],
+                grammar: Grammar | None = None) -> SamplingParams:
         try:
             return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_k=max(body.top_k, 0),
                                   top_p=body.top_p, seed=body.seed, ignore_eos=body.ignore_eos,
                                   presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                                   repetition_penalty=body.repetition_penalty, logit_bias=bias,
-                                  logprobs=body.logprobs_wanted())
+                                  logprobs=body.logprobs_wanted(), grammar=grammar)
         except ValueError as err:  # the engine's own checks: a client error, never a 500
             raise OpenAIError(400, str(err)) from err
 

@@ -11,6 +11,10 @@ from typing import AsyncIterator
 from .continuation import Continuation
 from .front_door import OpenAIError
 
+# an alternative a grammar forbids has logprob -inf, which JSON cannot carry: it is sent as this
+# (as vLLM does), below any real token's
+MIN_LOGPROB = -9999.0
+
 
 # -- one generation, as events -------------------------------------------------------------------
 @dataclass
@@ -63,7 +67,7 @@ class ResponseFormat:
         if self.logprobs is None or piece.logprobs is None:
             return None
         ids, values = piece.token_ids[start:], piece.logprobs[start:]
-        tops = piece.top_logprobs[start:]
+        tops = [[(a, max(av, MIN_LOGPROB)) for a, av in top] for top in piece.top_logprobs[start:]]
         if self.chat:
             def entry(token: int, value: float) -> dict:
                 text = self._token(token)

@@ -2,16 +2,72 @@
 extensions of docs/serving.md ("API"), and what each refuses with a 400 naming the parameter."""
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from specserve.engine.grammar import Grammar
 from specserve.engine.sampling import MAX_LOGPROBS
 
 
 # -- request schemas -----------------------------------------------------------------------------
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JsonSchemaSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field("response", max_length=64)
+    description: str | None = None
+    schema_: dict | bool | None = Field(None, alias="schema")  # None: any JSON object
+    strict: bool | None = None  # (the schema is always enforced)
+
+
+class TextFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+
+
+class JsonObjectFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["json_object"]
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+class RegexFormat(BaseModel):  # extension: the whole output matches the pattern
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["regex"]
+    regex: str = Field(min_length=1)
+
+
+class LarkFormat(BaseModel):  # extension: a Lark grammar (llguidance's dialect)
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["lark"]
+    lark: str = Field(min_length=1)
+
+
+OutputFormat = Annotated[Union[TextFormat, JsonObjectFormat, JsonSchemaFormat, RegexFormat, LarkFormat],
+                           Field(discriminator="type")]
+
+
+def format_grammar(fmt: BaseModel | None) -> Grammar | None:
+    """The grammar a response_format asks for (None: free text). Raises ValueError for a schema
+    that is not a JSON object."""
+    if fmt is None or isinstance(fmt, TextFormat):
+        return None
+    if isinstance(fmt, JsonObjectFormat):
+        return Grammar("json_object")
+    if isinstance(fmt, JsonSchemaFormat):
+        schema = fmt.json_schema.schema_
+        return Grammar("json_object") if schema is None else Grammar.json_schema(schema)
+    if isinstance(fmt, RegexFormat):
+        return Grammar("regex", fmt.regex)
+    return Grammar("lark", fmt.lark)
 
 
 class SamplingRequest(BaseModel):
@@ -38,6 +94,9 @@ class SamplingRequest(BaseModel):
     num_speculative_tokens: int | None = Field(None, ge=0)
     # the generated token ids ride along in the choice (streaming: the ids new since the last chunk)
     return_token_ids: bool = False
+    # structured output (chat, and completions as an extension): json_object / json_schema, or the
+    # extensions regex / lark; every generated token follows it (specserve.engine.grammar)
+    response_format: OutputFormat | None = None
 
     def unsupported(self) -> list[tuple[str, str]]:
         """(param, why) for every option set to something this server does not do."""
@@ -105,7 +164,6 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list | None = None
     tool_choice: str | dict | None = None
-    response_format: dict | None = None
 
     def unsupported(self) -> list[tuple[str, str]]:
         bad = super().unsupported()
@@ -113,6 +171,4 @@ class ChatCompletionRequest(SamplingRequest):
             bad.append(("top_logprobs", "top_logprobs needs logprobs: true"))
         if self.tools or self.tool_choice not in (None, "none"):
             bad.append(("tools", "tool calling is not supported"))
-        if self.response_format not in (None, {"type": "text"}):
-            bad.append(("response_format", "only response_format {'type': 'text'} is supported"))
         return bad

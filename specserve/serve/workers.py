@@ -29,6 +29,7 @@ from specserve.engine import CacheMiss, DraftModelProposer, Proposal, RowInput, 
 from specserve.engine.planted import PlantedProposer, read_references
 from specserve.engine.proposers import branch_id
 from specserve.engine.engine import model_eos_ids
+from specserve.engine.grammar import GrammarBook
 from specserve.engine.step import empty_proposal, verified_counts
 from specserve.engine.verifier import prompt_logprobs
 from specserve.engine.sampling import BatchSampling
@@ -42,6 +43,22 @@ class ModelInfo:
     vocab_size: int
     max_model_len: int | None
     eos_token_ids: frozenset[int]
+
+
+@dataclass(frozen=True)
+class TokenizerSource:
+    """Where a worker finds the model's tokenizer, for structured output (grammar masks): loaded
+    at the first request with a grammar (`models.loading.load_tokenizer`)."""
+
+    source: ModelSource  # the target's
+    directory: str | None = None  # the app's `tokenizer` setting
+
+    def book(self, vocab_size: int, eos_token_ids) -> GrammarBook:
+        def load():
+            from specserve.models.loading import load_tokenizer
+
+            return load_tokenizer(self.source, self.directory)
+        return GrammarBook(load, vocab_size, eos_token_ids)
 
 
 logger = logging.getLogger(__name__)
@@ -168,7 +185,8 @@ class TargetWorker(_Worker):
     target's weights; prompt lookup needs no model): the `proposer_*` methods serve that drafter."""
 
     def __init__(self, source: ModelSource, max_model_len: int | None, torch_threads: int | None = None,
-                 drafter: ColocatedDrafter | None = None, execution: str = "auto") -> None:
+                 drafter: ColocatedDrafter | None = None, execution: str = "auto",
+                 tokenizer: TokenizerSource | None = None) -> None:
         super().__init__(torch_threads)
         from specserve.models.loading import load_target
 
@@ -182,6 +200,10 @@ class TargetWorker(_Worker):
             self.proposer.attach_target(self.model.runner)
         # a feature head on the draft worker pulls this target's features from here (`features`)
         self.feature_server = drafter.engine_spec().server(self.model.runner) if drafter and not here else None
+        if tokenizer is not None:  # one book for the verifier and a colocated drafter that masks
+            book = self.model.grammar = tokenizer.book(self.model.vocab_size, eos)
+            if hasattr(self.proposer, "grammar"):
+                self.proposer.grammar = book
 
     @_serialised
     def propose(
@@ -313,7 +335,8 @@ class DraftWorker(_Worker):
     def __init__(self, source: ModelSource, vocab_size: int, max_model_len: int | None,
                  torch_threads: int | None = None, execution: str = "auto",
                  feature_head: FeatureDrafter | None = None, target=None,
-                 planted: PlantedAcceptance | None = None) -> None:
+                 planted: PlantedAcceptance | None = None, tokenizer: TokenizerSource | None = None,
+                 eos_token_ids: frozenset[int] = frozenset()) -> None:
         super().__init__(torch_threads)
         from specserve.models.loading import load_draft, load_target_io
 
@@ -328,6 +351,8 @@ class DraftWorker(_Worker):
         else:
             self.model = feature_head.engine_spec().build(load_target_io(source, _assigned_gpus()), vocab_size,
                                                           max_model_len, pulled=True)
+        if tokenizer is not None and hasattr(self.model, "grammar"):  # a draft model masks grammar rows' drafts
+            self.model.grammar = tokenizer.book(vocab_size, eos_token_ids)
 
     def _pull_features(self, rows: list[RowInput]) -> None:
         """A feature head's missing target features for these rows' committed tokens, from the
