@@ -7,6 +7,7 @@
     specserve bench overlap [...]                                     pipelined vs sequential speculation on Ray (specserve.bench.overlap)
     specserve bench soak [--streams 500]                             500 streams, a coordinator replica killed (specserve.bench.soak)
     specserve bench serve-gpu [--tiny] [--mps] --out DIR             the Serve app vs the in-process engine (specserve.bench.serve_gpu)
+    specserve bench features [--url ...]                             each OpenAI option, speculative vs γ=0 (specserve.bench.features)
 
 A subcommand is one entry in COMMANDS (name -> help, add_arguments, run); a benchmark is one entry
 in BENCHES (name -> module with `main(argv)`).
@@ -114,6 +115,7 @@ BENCHES = {  # name -> module with `main(argv: list[str]) -> int`; its own argpa
     "overlap": "specserve.bench.overlap",
     "soak": "specserve.bench.soak",
     "serve-gpu": "specserve.bench.serve_gpu",
+    "features": "specserve.bench.features",
 }
 
 

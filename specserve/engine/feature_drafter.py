@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .grammar import DraftMasks
 from .model_runner import CacheMiss, ForwardTiming, ModelRunner, RowInput
 from .proposers import DraftModelProposer, Proposal, continue_match, decoder_layers, find_continuation, hold_tokens
 from .sampling import BatchSampling
@@ -531,6 +532,8 @@ class FeatureDrafterProposer(DraftModelProposer):
         self.features.free(request_id)
         self._tokens.pop(request_id, None)
         self._exact.pop(request_id, None)
+        if self.grammar is not None:
+            self.grammar.free(request_id)
 
     def valid_length(self, request_id: str) -> int:
         return len(self._tokens.get(request_id, ()))
@@ -575,9 +578,16 @@ class FeatureDrafterProposer(DraftModelProposer):
         counts = torch.zeros(len(rows), dtype=torch.long)  # [B] drafts worth verifying (none without features)
         counts[list(looked)] = num_tokens
         if ready and num_tokens > 0:
-            drafted, probs, kept = self._draft([rows[b] for b in ready], [seqs[b] for b in ready], num_tokens,
-                                               _select(sampling, ready) if len(ready) < len(rows) else sampling,
-                                               None if uniforms is None else uniforms[ready])
+            masks = None  # grammar rows draft from their masked distributions (engine/grammar.py)
+            if sampling.grammar is not None and self.grammar is not None:
+                masks = DraftMasks(self.grammar, sampling.grammar, ready)
+            try:
+                drafted, probs, kept = self._draft([rows[b] for b in ready], [seqs[b] for b in ready], num_tokens,
+                                                   _select(sampling, ready) if len(ready) < len(rows) else sampling,
+                                                   None if uniforms is None else uniforms[ready], masks)
+            finally:
+                if masks is not None:
+                    masks.close()
             tokens[ready] = drafted
             counts[ready] = kept
             probs = self._full_probs(probs, ready, tokens, len(rows))
@@ -605,9 +615,10 @@ class FeatureDrafterProposer(DraftModelProposer):
         self.num_looked_up += len(looked)
         return looked
 
-    def _draft(self, rows, seqs, num_tokens, sampling, uniforms):
+    def _draft(self, rows, seqs, num_tokens, sampling, uniforms, masks: DraftMasks | None = None):
         """Catch up on the exact pairs, then one head forward per further draft -> (drafts [b, G],
-        q [b, G, V] or None, drafts worth verifying [b]: G, or fewer under `min_confidence`)."""
+        q [b, G, V] or None, drafts worth verifying [b]: G, or fewer under `min_confidence`).
+        masks: grammar rows' masks (the confidence then reads the masked distribution too)."""
         catch_up = []
         feats = []
         for row, seq in zip(rows, seqs):
@@ -630,9 +641,13 @@ class FeatureDrafterProposer(DraftModelProposer):
         out, qs = [], []
         confident = _Confidence(self.min_confidence, len(rows), num_tokens)
         for j in range(num_tokens):
+            if masks is not None:
+                logits = masks.apply(self._to_target_vocab(logits))  # [b, V]
             if not confident.goes_on(logits):  # no row drafts position j: skip its forwards
                 break
-            token, q = self._choose(logits, sampling, flags, inputs, j)
+            token, q = self._pick(logits, sampling, flags, inputs, j, masks is not None)
+            if masks is not None:
+                masks.advance(token)
             out.append(token)
             qs.append(q)
             if j + 1 == num_tokens:

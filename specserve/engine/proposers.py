@@ -248,14 +248,18 @@ class DraftModelProposer:
         are greedy: flags None). inputs: the static loop inputs (uniforms [B', G]); masks: grammar
         rows' masks, applied before the choice (q is then the masked distribution)."""
         if masks is not None:
-            logits = masks.apply(self._to_target_vocab(logits))  # [B', V]: target ids from here on
-            if flags is None:
+            return self._pick(masks.apply(self._to_target_vocab(logits)), sampling, flags, inputs, j, True)
+        return self._pick(logits, sampling, flags, inputs, j, False)
+
+    def _pick(self, logits: torch.Tensor, sampling: BatchSampling, flags: tuple[bool, bool] | None,
+              inputs: dict[str, torch.Tensor], j: int, target_ids: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """As `_choose`, from logits already over the target's vocabulary [B', V] when target_ids
+        (masked ones), else in the draft's output space [B', V']."""
+        if flags is None:
+            if target_ids:
                 return logits.argmax(-1), None
-        elif flags is None:
             return self.runner.map_tokens(self._greedy_logits(logits).argmax(-1)), None
-        else:
-            logits = self._to_target_vocab(logits)
-        q = logits_to_probs(logits, sampling, flags)  # [B', V]
+        q = logits_to_probs(logits if target_ids else self._to_target_vocab(logits), sampling, flags)  # [B', V]
         token = sample_with_uniforms(q, inputs["uniforms"][:, j])
         greedy = sampling.temperature == 0
         token = torch.where(greedy, q.argmax(-1), token)
