@@ -2,11 +2,14 @@
 tensors exact in value, dtype and shape, whichever path a tensor takes (flat list, numpy array,
 bits)."""
 import dataclasses
+from types import SimpleNamespace
 
 import torch
 
 from specserve.engine import Proposal, RowInput, Verdict
 from specserve.engine.model_runner import ForwardTiming
+from specserve.engine.grammar import Grammar, GrammarRows
+from specserve.engine.processing import LogitsProcessing
 from specserve.engine.sampling import BatchSampling, SamplingParams
 from specserve.serve.wire import _SMALL, AheadCall, Block, Reply, StepCall, StepReply, pack, unpack
 
@@ -27,8 +30,13 @@ def same(a, b) -> bool:
 
 
 def sampling() -> BatchSampling:
-    return BatchSampling.from_params([SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_k=5,
-                                                                                      top_p=0.9)])
+    """Two rows, one with penalties, a logit bias and a grammar (each rides along with the step)."""
+    grammar = Grammar.json_schema({"type": "array"})
+    params = [SamplingParams(temperature=0.0, grammar=grammar, presence_penalty=0.5, logit_bias={3: 1.0}),
+              SamplingParams(temperature=0.7, top_k=5, top_p=0.9)]
+    seqs = [SimpleNamespace(request_id=r, params=p, output=o, prompt=[1]) for r, p, o in
+            zip("ab", params, ([91, 49], [7]))]
+    return BatchSampling.from_params(params, processing=LogitsProcessing.of(seqs), grammar=GrammarRows.of(seqs))
 
 
 def test_a_pipelined_step_call_comes_back_whole():
