@@ -120,9 +120,10 @@ def _table(rows: list[dict]) -> str:
     for r in rows:
         n = r["prompts"]
         valid = f"{r['valid']}/{n}" if r["feature"].startswith("json") else "-"
+        same = "-" if "temperature" in FEATURES[r["feature"]] else f"{r['same_tokens']}/{n}"  # (sampled)
+        same_lp = f"{r['same_logprobs']}/{n}" if "logprobs" in FEATURES[r["feature"]] else "-"
         lines.append(f"{r['feature']:<12} {r['spec_tok_s']:>10.1f} {r['alone_tok_s']:>10.1f} {r['speedup']:>6.2f} "
-                     f"{(r['acceptance'] or 0):>6.2f} {r['same_tokens']:>4}/{n:<4} {r['same_logprobs']:>3}/{n:<4} "
-                     f"{valid:>7} {r['finished']:>3}/{n:<2}")
+                     f"{(r['acceptance'] or 0):>6.2f} {same:>9} {same_lp:>8} {valid:>7} {r['finished']:>3}/{n:<2}")
     return "\n".join(lines)
 
 
