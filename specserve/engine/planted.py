@@ -177,8 +177,8 @@ class PlantedProposer(DraftModelProposer):
             buffers[name].copy_(host.to(self.runner.device, non_blocking=True).index_select(0, order))
         return buffers
 
-    def _choose(self, logits, sampling, flags, inputs, j):
-        token, q = super()._choose(logits, sampling, flags, inputs, j)  # the draft's own (its cost is real)
+    def _choose(self, logits, sampling, flags, inputs, j, masks=None):
+        token, q = super()._choose(logits, sampling, flags, inputs, j, masks)  # the draft's own (its cost is real)
         planted = inputs["chosen"][:, j]  # [B']
         return torch.where(planted == OWN, token, planted), q
 
