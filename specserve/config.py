@@ -375,6 +375,10 @@ class AppConfig(_Strict):
     # (batch_bucket(running + 1) + 1 scratch) x capacity_for(longest prompt + max_tokens + γ) fits
     # (None: no budget).
     max_cached_tokens: int | None = Field(None, ge=2)
+    # Keep each worker's KV cache by blocks of this many positions (a paged cache: every request
+    # allocates its own length, admission counts blocks; with max_cached_tokens the pool is that many
+    # positions, allocated once). None: the dense cache above.
+    kv_block_size: int | None = Field(None, ge=1, le=4096)
     # Per request, arrival to last token: a request still unfinished after this fails with a 504
     # (the Serve proxy's http_options.request_timeout_s should be a little longer).
     request_timeout_s: float = Field(600.0, gt=0)
@@ -450,13 +454,13 @@ class AppConfig(_Strict):
                 "requests in front of the coordinator, whose own 429 never triggers, and /v1/stats and health "
                 "calls find no free slot")
         if self.max_cached_tokens is not None and self.max_model_len is not None:
-            from specserve.engine.model_runner import allocation
+            from specserve.engine.admission import allocation
 
-            one = allocation(1, self.max_model_len + self.speculation.num_speculative_tokens)
+            one = allocation([self.max_model_len + self.speculation.num_speculative_tokens], self.kv_block_size)
             if one > self.max_cached_tokens:
                 raise ValueError(f"max_cached_tokens ({self.max_cached_tokens}) cannot hold one request of "
-                                 f"max_model_len ({self.max_model_len}): its slot and the scratch slot "
-                                 f"allocate {one} positions")
+                                 f"max_model_len ({self.max_model_len}): it and the scratch "
+                                 f"{'block' if self.kv_block_size else 'slot'} allocate {one} positions")
 
     def coordinator_bundles(self) -> list[dict[str, float]]:
         """[coordinator, target worker, draft worker (only with one)]: one placement group per

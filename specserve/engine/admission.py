@@ -13,12 +13,19 @@ capture bucket, plus one scratch slot, every slot allocated for the same number 
 slots and capacity before it grows, see `ModelRunner._fit`). With a budget (`max_cached_tokens`)
 a request joins only while that product, counting it, fits; a request that could not fit even
 alone is refused before anything is allocated.
+
+A paged cache (`engine/paged_cache.py`, `kv_block_size`) allocates by the block instead: each
+request its own positions_needed (+ 1, a padding position) in blocks, plus the scratch block, so
+a long request no longer sizes everyone's slot:
+
+    (1 + sum over running of blocks_for(prompt + max_tokens + γ + 1)) x block_size
 """
 from __future__ import annotations
 
 from collections import deque
 
 from . import model_runner
+from .paged_cache import blocks_for
 from .step import Sequence
 
 
@@ -28,16 +35,20 @@ def positions_needed(seq: Sequence, max_gamma: int) -> int:
     return min(len(seq.prompt) + seq.params.max_tokens, seq.max_model_len) + max_gamma
 
 
-def allocation(needs: list[int]) -> int:
-    """Token positions a dense cache allocates for requests needing these positions."""
+def allocation(needs: list[int], block_size: int | None = None) -> int:
+    """Token positions a cache allocates for requests needing these positions: a dense one
+    (block_size None), or a paged one with blocks of block_size positions."""
+    if block_size:
+        return (1 + sum(blocks_for(n + 1, block_size) for n in needs)) * block_size if needs else 0
     return model_runner.allocation(len(needs), max(needs, default=0))
 
 
 class Admission:
     """The waiting queue and the running batch of one engine or coordinator (request id -> Sequence)."""
 
-    def __init__(self, max_batch_size: int, budget: int | None, max_gamma: int) -> None:
+    def __init__(self, max_batch_size: int, budget: int | None, max_gamma: int, block_size: int | None = None) -> None:
         self.max_batch_size = max_batch_size
+        self.block_size = block_size  # the workers' paged caches' block (None: dense caches)
         self.budget = budget
         self.max_gamma = max_gamma
         self.waiting: deque[Sequence] = deque()
@@ -68,11 +79,11 @@ class Admission:
 
     def too_big(self, seq: Sequence) -> bool:
         """Whether the request could not fit the budget even alone."""
-        return self.budget is not None and allocation([self.need(seq)]) > self.budget
+        return self.budget is not None and allocation([self.need(seq)], self.block_size) > self.budget
 
     def allocated(self) -> int:
         """Token positions the running batch may allocate on each worker (what the budget bounds)."""
-        return allocation(list(self._needs.values()))
+        return allocation(list(self._needs.values()), self.block_size)
 
     def fits_extra_slots(self, extra: int) -> bool:
         """Whether the running batch plus `extra` more cache slots, each as long as the longest
@@ -81,12 +92,12 @@ class Admission:
         if self.budget is None or extra <= 0:
             return True
         needs = list(self._needs.values())
-        return allocation(needs + [max(needs, default=0)] * extra) <= self.budget
+        return allocation(needs + [max(needs, default=0)] * extra, self.block_size) <= self.budget
 
     def _fits(self, seq: Sequence) -> bool:
         if len(self.running) >= self.max_batch_size:
             return False
-        return self.budget is None or allocation([*self._needs.values(), self.need(seq)]) <= self.budget
+        return self.budget is None or allocation([*self._needs.values(), self.need(seq)], self.block_size) <= self.budget
 
     def fits_now(self, seq: Sequence) -> bool:
         """Whether the request would join the running batch at once (nobody waits ahead of it)."""

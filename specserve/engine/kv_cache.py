@@ -98,9 +98,10 @@ class SlotKVCache:
         """After a forward: every layer has been brought to the reserved size."""
         self._built = (self._num_slots, self._capacity)
 
-    def bind(self, write_slots: torch.Tensor, positions: torch.Tensor, read_slots: torch.Tensor | None) -> None:
+    def bind(self, write_slots: torch.Tensor, positions: torch.Tensor, read_slots: torch.Tensor | None,
+             tables: torch.Tensor | None = None) -> None:
         """Inside a forward (device tensors): write_slots [B'] int64, positions [B', Q] int64,
-        read_slots [B'] int64 or None when the rows are slots 0..B'-1."""
+        read_slots [B'] int64 or None when the rows are slots 0..B'-1 (tables: a paged cache's)."""
         self._write_slots = write_slots[:, None]
         self._positions = positions
         self._read_slots = read_slots

@@ -33,6 +33,7 @@ import torch
 
 from . import attention, cpu_linear
 from .kv_cache import SlotKVCache, capacity_for
+from .paged_cache import PagedKVCache
 
 # Batch sizes a forward is padded up to: every power of two up to 8 (small batches are weight-bound
 # on a GPU, so a padded row costs next to nothing, and few shapes keep few graphs), then steps of 8
@@ -236,6 +237,18 @@ class ModelRunner:
         self._compiled: Callable | None = None
         self.graphs = GraphSet(self.device) if self.execution == "graph" else None
 
+    def page(self, block_size: int, num_blocks: int | None = None) -> None:
+        """Keep keys and values by block (engine/paged_cache.py) from now on: blocks of
+        `block_size` positions from one pool of `num_blocks` (None: a pool that grows). Before
+        the first request only."""
+        if self._slot_of:
+            raise RuntimeError("the cache layout changes only while no request is cached")
+        self.cache = PagedKVCache(block_size, self.max_model_len, num_blocks)
+
+    @property
+    def paged(self) -> bool:
+        return getattr(self.cache, "paged", False)
+
     # -- bookkeeping ------------------------------------------------------------------------
     def valid_length(self, request_id: str) -> int:
         return self._valid.get(request_id, 0)
@@ -250,6 +263,8 @@ class ModelRunner:
         self._forked_at.pop(request_id, None)
         if slot is None:
             return
+        if self.paged:
+            self.cache.release(slot)
         last = len(self._slot_owner) - 1
         if slot != last:
             moved = self._slot_owner[last]
@@ -288,8 +303,9 @@ class ModelRunner:
     def _maybe_shrink(self, freed_length: int) -> None:
         """Give memory back once the live requests use under a quarter of the cache's allocation.
         O(1) unless a quarter of the slots emptied or the freed request was among the longest.
-        Never in graph mode: captured graphs hold the storage's addresses."""
-        if self.execution == "graph":
+        Never in graph mode: captured graphs hold the storage's addresses (nor when paged: blocks
+        go back to the pool as requests end)."""
+        if self.execution == "graph" or self.paged:
             return
         slots, positions = self.cache.allocated()
         live_slots = len(self._slot_owner)
@@ -303,7 +319,9 @@ class ModelRunner:
         """Before the cache grows, drop what no live request uses (slots past those a forward needs,
         positions past the longest live row): the allocation then stays within what admission
         budgets, `allocation(live requests, longest)`. Growth moves the storage anyway, so this
-        costs captured graphs nothing extra."""
+        costs captured graphs nothing extra. (A paged cache grows by the block instead.)"""
+        if self.paged:
+            return
         slots, capacity = self.cache.allocated()
         if num_slots + 1 <= slots and capacity_for(needed, self.max_model_len) <= capacity:
             return  # no growth
@@ -358,7 +376,7 @@ class ModelRunner:
         slots = [self._slot(r.request_id) for r in rows]
         order = sorted(range(len(rows)), key=slots.__getitem__)  # sorted row -> caller row
         padded = batch_bucket(len(rows)) if self.pad_batches else len(rows)
-        gather = any(slots[b] != i for i, b in enumerate(order))
+        gather = not self.paged and any(slots[b] != i for i, b in enumerate(order))
         # + 1: a shorter row's padding lands just past its own tokens (see _compute)
         needed = max(r.start + n for r, n in zip(rows, lengths)) + 1 + extra_positions
         if self.max_model_len is not None:
@@ -366,15 +384,22 @@ class ModelRunner:
         num_slots = max(padded, len(self._slot_owner))
         self._fit(num_slots, needed)
         key_length = self.cache.reserve(num_slots, needed)
-        host = self._host_block(rows, slots, order, padded, width, tail_width)
-        block = self._block(padded, width)
+        tables = None
+        if self.paged:  # each row's blocks up to its padding position and later single-token forwards
+            for r, n, slot in zip(rows, lengths, slots):
+                self.cache.place(slot, min(r.start + n + 1 + extra_positions, key_length))
+            tables = self.cache.table_rows([slots[b] for b in order] + [-1] * (padded - len(rows)),
+                                           key_length // self.cache.block_size)  # [B'][K / bs] sorted order
+        host = self._host_block(rows, slots, order, padded, width, tail_width, tables)
+        block = self._block(padded, host.shape[1] - _COLUMNS, width)
         block.copy_(host, non_blocking=True)
         ends = [r.start + n for r, n in zip(rows, lengths)]
         return Staged([r.request_id for r in rows], ends, order, padded, width, key_length, gather,
                       sum(lengths), block)
 
-    def _host_block(self, rows, slots, order, padded, width, tail_width) -> torch.Tensor:
-        """[B', Q + 6] int64 on the host (pinned on CUDA), sorted order, padding rows last."""
+    def _host_block(self, rows, slots, order, padded, width, tail_width, tables=None) -> torch.Tensor:
+        """[B', Q + 6 (+ K / bs table entries)] int64 on the host (pinned on CUDA), sorted order,
+        padding rows last."""
         scratch = self.cache.scratch_slot
         caller_to_sorted = [0] * padded
         block = []
@@ -388,16 +413,19 @@ class ModelRunner:
             block.append([0] * width + [0, scratch, i, 0, 0, 0])
         for i in range(padded):
             block[i][width + 4] = caller_to_sorted[i]
+            if tables is not None:
+                block[i] += tables[i]
         host = torch.tensor(block, dtype=torch.long)
         # Pinned through torch's caching host allocator, which reuses a block only once the copy
         # that read it has finished: the copy below can then run asynchronously.
         return host.pin_memory() if self.device.type == "cuda" else host
 
-    def _block(self, padded: int, width: int) -> torch.Tensor:
-        """The static device block for (B', Q), allocated once (graphs read it at fixed addresses)."""
-        key = (padded, width)
+    def _block(self, padded: int, columns: int, width: int) -> torch.Tensor:
+        """The static device block for (B', Q) [B', columns + 6], allocated once (graphs read it
+        at fixed addresses): columns = Q, plus a paged cache's K / bs table entries."""
+        key = (padded, columns, width)
         if key not in self._blocks:
-            self._blocks[key] = torch.zeros(padded, width + _COLUMNS, dtype=torch.long, device=self.device)
+            self._blocks[key] = torch.zeros(padded, columns + _COLUMNS, dtype=torch.long, device=self.device)
         return self._blocks[key]
 
     def advance(self, staged: Staged, tokens: torch.Tensor) -> Staged:
@@ -412,13 +440,15 @@ class ModelRunner:
         block[:, 2:4] = staged.block[:, q + 1 : q + 3]
         block[:, 4] = 0
         block[:, 5:7] = staged.block[:, q + 4 : q + 6]
+        block[:, 7:] = staged.block[:, q + 6 :]  # a paged cache's block tables
         ends = [e + 1 for e in staged.ends]
         return Staged(staged.request_ids, ends, staged.order, staged.padded, 1, staged.key_length, staged.gather,
                       staged.rows, block)
 
     def advance_block(self, staged: Staged) -> torch.Tensor:
-        """The static block `advance` writes: [B', 1 + 6]."""
-        return self._block(staged.padded, 1)
+        """The static block `advance` writes: [B', 1 + 6 (+ table entries)]."""
+        entries = staged.block.shape[1] - staged.width - _COLUMNS
+        return self._block(staged.padded, 1 + entries, 1)
 
     def run(self, staged: Staged, logits: str = "last", prefill: bool = False) -> torch.Tensor | None:
         """Device half of a forward, timed: logits in sorted order ([B', V'] or [B', Q, V']) or None."""
@@ -474,7 +504,8 @@ class ModelRunner:
             # Real tokens stay below max_model_len - 1 (the caller's invariant); padding and
             # unused drafts past that all land on the last position, which nothing real attends.
             positions = positions.clamp(max=self.max_model_len - 1)
-        self.cache.bind(write_slots, positions, read_slots if gather else None)
+        tables = block[:, width + _COLUMNS :] if self.paged else None  # [B', K / bs]
+        self.cache.bind(write_slots, positions, read_slots if gather else None, tables)
         extra = {"output_hidden_states": True} if self.keep_hidden else {}
         with attention.selected(self.model, self.grouped_attention), cpu_linear.selected(self.linear_kernels):
             out = self.model(

@@ -145,7 +145,7 @@ class Coordinator:
         tokenizer = TokenizerSource(config.target, config.tokenizer)
         self.target = _actor(self.target_worker_class, config.target_worker, 1, f"{tag}:target").remote(
             config.target, config.max_model_len, threads, config.drafter, execution=config.speculation.execution,
-            tokenizer=tokenizer)
+            tokenizer=tokenizer, kv=(config.kv_block_size, config.max_cached_tokens))
         info = ray.get(self.target.info.remote())
         self.vocab_size, self.eos_token_ids = info.vocab_size, info.eos_token_ids
         limits = [config.max_model_len, info.max_model_len]
@@ -157,7 +157,7 @@ class Coordinator:
                 config.draft or config.target, info.vocab_size, config.max_model_len,
                 config.draft_worker.torch_threads, execution=config.speculation.execution, feature_head=head,
                 target=self.target if head is not None else None, planted=config.speculation.planted,
-                tokenizer=tokenizer, eos_token_ids=info.eos_token_ids)
+                tokenizer=tokenizer, eos_token_ids=info.eos_token_ids, kv=(config.kv_block_size, config.max_cached_tokens))
             self.draft = ProposerSide.of_draft_worker(self.draft_worker)
         elif config.drafter is not None:
             self.draft = ProposerSide.colocated(self.target)
@@ -176,7 +176,8 @@ class Coordinator:
         self.policy.calibrate_costs("target", ray.get(self.target.time_forwards.remote()))
         if self.draft is not None:
             self.policy.calibrate_costs("draft", ray.get(self.draft.time_forwards.remote()))
-        self.admission = Admission(config.max_batch_size, config.max_cached_tokens, self.max_gamma)
+        self.admission = Admission(config.max_batch_size, config.max_cached_tokens, self.max_gamma,
+                                   config.kv_block_size)
         self._queues: dict[str, asyncio.Queue] = {}
         self._aborted: set[str] = set()
         self._wake = asyncio.Event()

@@ -28,7 +28,7 @@ from specserve.config import ColocatedDrafter, FeatureDrafter, ModelSource, Plan
 from specserve.engine import CacheMiss, DraftModelProposer, Proposal, RowInput, TargetVerifier
 from specserve.engine.planted import PlantedProposer, read_references
 from specserve.engine.proposers import branch_id
-from specserve.engine.engine import model_eos_ids
+from specserve.engine.engine import model_eos_ids, page_runners
 from specserve.engine.grammar import GrammarBook
 from specserve.engine.step import empty_proposal, verified_counts
 from specserve.engine.verifier import prompt_logprobs
@@ -155,7 +155,10 @@ class _Worker:
     def memory(self) -> dict[str, int]:
         """This process's resident memory, the bytes its KV-cache storage holds and, on a GPU, what
         its CUDA allocator holds now and at most (for stats / soak / bench serve-gpu)."""
-        out = {"rss_bytes": _rss_bytes(), "kv_cache_bytes": self.model.runner.cache.memory_bytes()}
+        cache = self.model.runner.cache
+        out = {"rss_bytes": _rss_bytes(), "kv_cache_bytes": cache.memory_bytes()}
+        if getattr(cache, "paged", False):  # blocks of the pool in use (the scratch block included) and in all
+            out.update(kv_blocks_used=cache.allocated()[0], kv_blocks_total=cache.num_blocks)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             out.update(cuda_allocated_bytes=torch.cuda.memory_allocated(),
                        cuda_peak_allocated_bytes=torch.cuda.max_memory_allocated(),
@@ -186,7 +189,7 @@ class TargetWorker(_Worker):
 
     def __init__(self, source: ModelSource, max_model_len: int | None, torch_threads: int | None = None,
                  drafter: ColocatedDrafter | None = None, execution: str = "auto",
-                 tokenizer: TokenizerSource | None = None) -> None:
+                 tokenizer: TokenizerSource | None = None, kv: tuple[int | None, int | None] = (None, None)) -> None:
         super().__init__(torch_threads)
         from specserve.models.loading import load_target
 
@@ -200,6 +203,8 @@ class TargetWorker(_Worker):
             self.proposer.attach_target(self.model.runner)
         # a feature head on the draft worker pulls this target's features from here (`features`)
         self.feature_server = drafter.engine_spec().server(self.model.runner) if drafter and not here else None
+        # kv: (block size, budget): paged caches for the target and a colocated drafter's model (else dense)
+        page_runners([self.model.runner, getattr(self.proposer, "runner", None)], *kv)
         if tokenizer is not None:  # one book for the verifier and a colocated drafter that masks
             book = self.model.grammar = tokenizer.book(self.model.vocab_size, eos)
             if hasattr(self.proposer, "grammar"):
@@ -336,7 +341,7 @@ class DraftWorker(_Worker):
                  torch_threads: int | None = None, execution: str = "auto",
                  feature_head: FeatureDrafter | None = None, target=None,
                  planted: PlantedAcceptance | None = None, tokenizer: TokenizerSource | None = None,
-                 eos_token_ids: frozenset[int] = frozenset()) -> None:
+                 eos_token_ids: frozenset[int] = frozenset(), kv: tuple[int | None, int | None] = (None, None)) -> None:
         super().__init__(torch_threads)
         from specserve.models.loading import load_draft, load_target_io
 
@@ -351,6 +356,7 @@ class DraftWorker(_Worker):
         else:
             self.model = feature_head.engine_spec().build(load_target_io(source, _assigned_gpus()), vocab_size,
                                                           max_model_len, pulled=True)
+        page_runners([getattr(self.model, "runner", None)], *kv)
         if tokenizer is not None and hasattr(self.model, "grammar"):  # a draft model masks grammar rows' drafts
             self.model.grammar = tokenizer.book(vocab_size, eos_token_ids)
 

@@ -1,0 +1,148 @@
+"""KV memory by the block against the dense cache, at one budget, in one run (in process).
+
+    python -m specserve.bench.memory [--tiny] [--budget 8192] [--block-size 16]
+
+Two workloads, each run with the dense cache and with the paged one (`kv_block_size`), side by side:
+
+- mix: one long request (a --long-token prompt) and --short short chats (held-out prompts) arrive
+  together at a budget of --budget KV positions per model (`max_cached_tokens`). Reported: the most
+  requests running at once, generated tokens/s over the whole run, TTFT p50/p99 (arrival to the
+  first generated token).
+- uniform: --batch equal requests and no budget pressure: decode tokens/s at equal batch (the
+  paged forward gathers keys through block tables; this is what that costs), in --repeats rounds
+  alternating the two.
+
+Greedy; the draft model drafts γ --gamma (fixed, so the two layouts run the same steps); every
+request's tokens are checked identical between the layouts. Prints a table, writes JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from specserve import prompts as prompt_sets
+from specserve.engine import SamplingParams, SpeculativeEngine
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tiny", action="store_true", help="tiny seeded models (a quick check) instead of SmolLM2")
+    p.add_argument("--budget", type=int, default=8192, help="max_cached_tokens of the mix")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--long", type=int, default=1536, help="the long request's prompt tokens")
+    p.add_argument("--short", type=int, default=40, help="short chats in the mix")
+    p.add_argument("--new", type=int, default=48, help="tokens each request generates")
+    p.add_argument("--batch", type=int, default=16, help="requests of the uniform workload")
+    p.add_argument("--uniform-prompt", type=int, default=128)
+    p.add_argument("--gamma", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--out", type=Path, default=Path("bench-results/memory.json"))
+
+
+def load(tiny: bool):
+    """(target, draft, tokenizer)"""
+    if tiny:
+        from specserve.models.tiny import byte_tokenizer, tiny_llama
+
+        return tiny_llama(0, layers=4, max_position_embeddings=4096), tiny_llama(
+            0, layers=4, noise=0.3, max_position_embeddings=4096), byte_tokenizer()
+    from specserve.models.smollm2 import load_smollm2_draft, load_smollm2_target
+
+    target, tokenizer = load_smollm2_target()
+    return target, load_smollm2_draft(target), tokenizer
+
+
+def workloads(tokenizer, args) -> tuple[list[list[int]], list[list[int]]]:
+    """(the mix's prompts: the long one first, then the short chats; the uniform prompts)."""
+    records = prompt_sets.interleaved(prompt_sets.load_records(prompt_sets.GENERAL, prompt_sets.EXTRACTION))
+    chats = [prompt_sets.encode(tokenizer, r) for r in records]
+    text = [t for c in chats for t in c]
+    long = (text * (args.long // len(text) + 1))[: args.long]
+    short = [chats[i % len(chats)] for i in range(args.short)]
+    uniform = [(text[i * 7:] + text)[: args.uniform_prompt] for i in range(args.batch)]
+    return [long] + short, uniform
+
+
+def run(engine: SpeculativeEngine, batch: list[list[int]], new: int) -> dict:
+    """Every prompt at once; steps until all finish -> peak running, wall, TTFTs, tokens."""
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    began = time.perf_counter()
+    for i, prompt in enumerate(batch):
+        engine.add_request(f"r{i}", prompt, params)
+    first: dict[str, float] = {}
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(batch))}
+    peak = 0
+    while engine.has_unfinished():
+        outs = engine.step()
+        peak = max(peak, len(engine.admission.running))
+        now = time.perf_counter() - began
+        for out in outs:
+            if out.new_token_ids and out.request_id not in first:
+                first[out.request_id] = now
+            tokens[out.request_id] += out.new_token_ids
+    wall = time.perf_counter() - began
+    ttfts = sorted(first.values())
+    return {"peak_running": peak, "wall_s": wall, "tokens_per_s": sum(map(len, tokens.values())) / wall,
+            "ttft_p50_s": ttfts[len(ttfts) // 2], "ttft_p99_s": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
+            "tokens": tokens}
+
+
+def engine_for(target, draft, args, block_size: int | None, budget: int | None, batch: int) -> SpeculativeEngine:
+    engine = SpeculativeEngine(target, draft, args.gamma, adaptive=False, max_batch_size=batch,
+                               max_cached_tokens=budget, kv_block_size=block_size, max_model_len=4096)
+    engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+    return engine
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="specserve bench memory", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    target, draft, tokenizer = load(args.tiny)
+    mix, uniform = workloads(tokenizer, args)
+    layouts = {"dense": None, "paged": args.block_size}
+    result = {"args": {k: str(v) for k, v in vars(args).items()}, "mix": {}, "uniform": {}}
+    for name, block_size in layouts.items():
+        engine = engine_for(target, draft, args, block_size, args.budget, 64)
+        result["mix"][name] = run(engine, mix, args.new)
+        print(f"mix {name}: peak running {result['mix'][name]['peak_running']}, "
+              f"{result['mix'][name]['tokens_per_s']:.1f} tok/s", flush=True)
+    rounds: dict[str, list[dict]] = {name: [] for name in layouts}
+    engines = {name: engine_for(target, draft, args, bs, None, args.batch) for name, bs in layouts.items()}
+    for _ in range(args.repeats):
+        for name in layouts:
+            rounds[name].append(run(engines[name], uniform, args.new))
+    for name in layouts:
+        result["uniform"][name] = {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in rounds[name]),
+                                   "rounds": [r["tokens_per_s"] for r in rounds[name]],
+                                   "tokens": rounds[name][0]["tokens"]}
+    same_mix = result["mix"]["dense"]["tokens"] == result["mix"]["paged"]["tokens"]
+    same_uniform = result["uniform"]["dense"]["tokens"] == result["uniform"]["paged"]["tokens"]
+    print(table(result, same_mix, same_uniform))
+    result.update(same_mix=same_mix, same_uniform=same_uniform)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out}")
+    return 0 if same_mix and same_uniform else 1
+
+
+def table(result: dict, same_mix: bool, same_uniform: bool) -> str:
+    mix, uni = result["mix"], result["uniform"]
+    lines = [f"{'workload':<10} {'layout':<6} {'peak running':>12} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9}"]
+    for name, row in mix.items():
+        lines.append(f"{'mix':<10} {name:<6} {row['peak_running']:>12} {row['tokens_per_s']:>8.1f} "
+                     f"{row['ttft_p50_s']:>8.2f}s {row['ttft_p99_s']:>8.2f}s")
+    for name, row in uni.items():
+        lines.append(f"{'uniform':<10} {name:<6} {'':>12} {row['tokens_per_s']:>8.1f}")
+    ratio = mix["paged"]["peak_running"] / max(mix["dense"]["peak_running"], 1)
+    speed = uni["paged"]["tokens_per_s"] / uni["dense"]["tokens_per_s"]
+    lines.append(f"paged / dense: {ratio:.1f}x requests at once in the mix, {speed:.2f}x tok/s on the uniform "
+                 f"batch; same tokens: mix {same_mix}, uniform {same_uniform}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

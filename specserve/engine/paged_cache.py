@@ -1,0 +1,210 @@
+"""A paged KV cache: keys and values by fixed-size block from one pool per layer, a block table per slot.
+
+`SlotKVCache` gives every slot the capacity of the longest live request, so one long request makes
+every short one cost its length. Here storage per layer is one pool `[N, bs, H, D]` (N blocks of bs
+positions, H kv heads, D head dim); block 0 is scratch (padding rows and unused table entries point
+there, nobody reads it). A slot (the runner's index for a request, exactly as with the dense
+cache) owns a list of blocks: its position p lives at `table[p // bs]`, offset `p % bs`. A slot
+takes blocks as its positions need them (`place`, on the host, before a forward) and gives them
+back when its request is freed; a rollback past a block boundary keeps the blocks it has (the next
+forward overwrites them, as the dense cache does).
+
+A forward reads each row's keys through its table: the staged block carries the rows' tables
+`[B', K / bs]` (K the key length, a multiple of bs), `bind` turns them into flat write indices
+`[B', Q]` and read indices `[B', K]` once per forward, and `update` writes and gathers through
+them in every layer (device ops on fixed shapes: compiled or captured like the dense forward).
+With a pool sized once (`num_blocks`: the server's budget), storage never moves, so captured
+graphs stay valid; without one the pool doubles when full (its `generation` bumps, as the dense
+cache's growth does).
+
+The object is passed to a HF model as `past_key_values` (`update(keys, values, layer_idx)`), like
+`SlotKVCache`; layers are allocated lazily on the device of their keys (a sharded model gets one
+pool per device for its layers).
+"""
+from __future__ import annotations
+
+import torch
+
+from .kv_cache import capacity_for
+
+SCRATCH = 0  # the scratch block
+
+
+def blocks_for(positions: int, block_size: int) -> int:
+    return -(-positions // block_size)
+
+
+class PagedKVCache:
+    paged = True
+    is_compileable = False
+
+    def __init__(self, block_size: int, max_model_len: int | None = None, num_blocks: int | None = None) -> None:
+        """num_blocks: the pool's fixed size, scratch included (None: grow as needed)."""
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.fixed = num_blocks is not None
+        self._num_blocks = num_blocks if num_blocks is not None else 64  # N, scratch included
+        if self._num_blocks < 2:
+            raise ValueError("a paged cache needs at least 2 blocks (one is scratch)")
+        self._free = list(range(self._num_blocks - 1, 0, -1))  # a stack: the lowest id on top
+        self._tables: list[list[int]] = []  # slot -> its blocks
+        self._keys: list[torch.Tensor | None] = []  # per layer [N, bs, H, D]
+        self._values: list[torch.Tensor | None] = []
+        self._built = 0  # blocks every layer was last seen at after a forward
+        self.generation = 0  # bumped whenever storage moves (captured graphs hold its addresses)
+        self._view_length = 0  # K of the current forward
+        self._write: torch.Tensor | None = None  # [B', Q] flat index each new token goes to
+        self._read: torch.Tensor | None = None  # [B', K] flat index of each key position
+        self._on_device: dict[torch.device, tuple] = {}
+
+    # -- HF Cache duck-typing -------------------------------------------------------------
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._view_length
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """key_states/value_states [B', H, Q, D] -> keys/values of the batch rows [B', H, K, D]."""
+        keys, values = self._layer(layer_idx, key_states)
+        write, read = self._indices(keys.device)  # [B', Q], [B', K]
+        batch, heads, _, dim = key_states.shape
+        flat_keys, flat_values = keys.view(-1, heads, dim), values.view(-1, heads, dim)  # [N*bs, H, D]
+        flat_keys[write] = key_states.transpose(1, 2).to(keys.dtype)  # [B', Q, H, D]
+        flat_values[write] = value_states.transpose(1, 2).to(values.dtype)
+        length = read.shape[1]
+        gathered_keys = flat_keys.index_select(0, read.reshape(-1)).view(batch, length, heads, dim)
+        gathered_values = flat_values.index_select(0, read.reshape(-1)).view(batch, length, heads, dim)
+        return gathered_keys.transpose(1, 2), gathered_values.transpose(1, 2)
+
+    # -- runner API: slots ------------------------------------------------------------------
+    @property
+    def scratch_slot(self) -> int:
+        return -1  # (a padding row: its table is all scratch)
+
+    def place(self, slot: int, positions: int) -> None:
+        """Before a forward (host): slot's table covers positions [0, positions)."""
+        while len(self._tables) <= slot:
+            self._tables.append([])
+        table = self._tables[slot]
+        missing = blocks_for(positions, self.block_size) - len(table)
+        if missing > 0:
+            table.extend(self._take(missing))
+
+    def table_rows(self, slots: list[int], num_entries: int) -> list[list[int]]:
+        """Each slot's table as `num_entries` block ids (scratch past its end; slot -1: all scratch)."""
+        rows = []
+        for slot in slots:
+            table = self._tables[slot][:num_entries] if 0 <= slot < len(self._tables) else []
+            rows.append(table + [SCRATCH] * (num_entries - len(table)))
+        return rows
+
+    def release(self, slot: int) -> None:
+        """The slot's request is gone: its blocks go back to the pool."""
+        if slot < len(self._tables):
+            self._free.extend(reversed(self._tables[slot]))
+            self._tables[slot] = []
+
+    def move_slot(self, src: int, dst: int) -> None:
+        """Slot src's cache becomes slot dst's (dst released first; nothing is copied)."""
+        self.release(dst)
+        self.place(dst, 0)
+        self._tables[dst], self._tables[src] = self._tables[src], []
+
+    def copy_positions(self, src: int, dst: int, start: int, end: int) -> None:
+        """Copy positions [start, end) of slot src into slot dst (taking the blocks dst lacks)."""
+        self.place(dst, end)
+        src_index = self._flat(self._tables[src], start, end)
+        dst_index = self._flat(self._tables[dst], start, end)
+        for store in (*self._keys, *self._values):
+            if store is not None:
+                flat = store.view(-1, *store.shape[2:])
+                flat[dst_index.to(store.device)] = flat[src_index.to(store.device)]
+
+    def reserve(self, num_slots: int, needed_positions: int) -> int:
+        """Before a forward (host integers only) -> K, the key length to attend over: the dense
+        cache's rounding, up to a whole number of blocks."""
+        if self.max_model_len is not None and needed_positions > self.max_model_len:
+            raise ValueError(
+                f"position {needed_positions - 1} is beyond the cache limit of {self.max_model_len} tokens")
+        length = blocks_for(capacity_for(needed_positions, self.max_model_len), self.block_size) * self.block_size
+        self._view_length = length
+        return length
+
+    @property
+    def ready(self) -> bool:
+        """Every layer already holds the pool's current size: a forward allocates nothing."""
+        return self._built >= self._num_blocks
+
+    def built(self) -> None:
+        self._built = self._num_blocks
+
+    def bind(self, write_slots: torch.Tensor, positions: torch.Tensor, read_slots: torch.Tensor | None,
+             tables: torch.Tensor | None = None) -> None:
+        """Inside a forward (device tensors): positions [B', Q], tables [B', K / bs] block ids
+        (the slot columns are the dense cache's and unused here)."""
+        size = self.block_size
+        block = tables.gather(1, torch.div(positions, size, rounding_mode="floor"))  # [B', Q]
+        self._write = block * size + positions % size
+        offsets = torch.arange(size, device=tables.device)
+        self._read = (tables[:, :, None] * size + offsets).reshape(tables.shape[0], -1)  # [B', K]
+        self._on_device = {}
+
+    # -- accounting -------------------------------------------------------------------------
+    def allocated(self) -> tuple[int, int]:
+        """(blocks in use, scratch included; positions they hold)."""
+        used = self._num_blocks - len(self._free)
+        return used, used * self.block_size
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_blocks(self) -> int:
+        return self._num_blocks
+
+    def memory_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._keys + self._values if t is not None)
+
+    # -- internals --------------------------------------------------------------------------
+    def _take(self, count: int) -> list[int]:
+        if count > len(self._free):
+            if self.fixed:
+                raise MemoryError(f"the KV pool is out of blocks: {count} wanted, {len(self._free)} free "
+                                  f"of {self._num_blocks} (admission should have kept within it)")
+            self._grow(max(self._num_blocks * 2, self._num_blocks + count))
+        return [self._free.pop() for _ in range(count)]
+
+    def _grow(self, num_blocks: int) -> None:
+        """More blocks (storage reallocated at the next forward, `_layer`)."""
+        self._free = list(range(num_blocks - 1, self._num_blocks - 1, -1)) + self._free
+        self._num_blocks = num_blocks
+
+    def _flat(self, table: list[int], start: int, end: int) -> torch.Tensor:
+        positions = torch.arange(start, end)
+        blocks = torch.tensor(table, dtype=torch.long)[positions // self.block_size]
+        return blocks * self.block_size + positions % self.block_size
+
+    def _indices(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if device == self._write.device:
+            return self._write, self._read
+        if device not in self._on_device:
+            self._on_device[device] = (self._write.to(device), self._read.to(device))
+        return self._on_device[device]
+
+    def _layer(self, layer_idx: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        while len(self._keys) <= layer_idx:
+            self._keys.append(None)
+            self._values.append(None)
+        keys = self._keys[layer_idx]
+        if keys is None or keys.shape[0] < self._num_blocks:
+            _, heads, _, dim = like.shape
+            shape = (self._num_blocks, self.block_size, heads, dim)
+            new_keys, new_values = like.new_zeros(shape), like.new_zeros(shape)
+            if keys is not None:
+                new_keys[: keys.shape[0]] = keys
+                new_values[: keys.shape[0]] = self._values[layer_idx]
+            self._keys[layer_idx], self._values[layer_idx] = new_keys, new_values
+            self.generation += 1
+        return self._keys[layer_idx], self._values[layer_idx]

@@ -1,0 +1,160 @@
+"""The paged KV cache (engine/paged_cache.py, `kv_block_size`): greedy output identical to the
+target alone through every drafter with blocks of 1, 7 and 16 positions; seeded sampling the same
+tokens as with the dense cache; the pool back to full after every run; the forward compiles as
+one graph; forks for pipelined branches; and admission by blocks admits what a dense cache cannot."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from models import hf_greedy, tiny_llama
+from specserve import SamplingParams, SpeculativeEngine
+from specserve.engine import RowInput
+from specserve.engine.admission import Admission
+from specserve.engine.model_runner import ModelRunner
+from specserve.engine.step import new_sequence
+from test_drafters import prompts
+from test_feature_drafter import target
+from test_processing import drafter
+
+MAX_NEW = 24
+
+
+@functools.lru_cache(maxsize=None)
+def reference(prompt: tuple[int, ...]) -> list[int]:
+    return hf_greedy(target(), list(prompt), MAX_NEW)
+
+
+def runners(engine: SpeculativeEngine) -> list[ModelRunner]:
+    found = [engine.verifier.runner, getattr(engine.proposer, "runner", None)]
+    return [r for r in found if isinstance(r, ModelRunner)]
+
+
+def assert_pool_full(engine: SpeculativeEngine) -> None:
+    """Every block back in its pool: only the scratch block is in use."""
+    for runner in runners(engine):
+        assert runner.paged and runner.cache.allocated()[0] == 1, runner.cache.allocated()
+
+
+@pytest.mark.parametrize("name", ["draft-model", "feature-head", "layer-skip", "prompt-lookup"])
+@pytest.mark.parametrize("block_size", [1, 7, 16])
+def test_greedy_identical_to_the_target_alone(name, block_size, head_dir):
+    batch = prompts(5, seed=13) + [list(range(1, 60))]  # ragged, one row past several blocks
+    engine = SpeculativeEngine(target(), proposer=drafter(name, head_dir), num_speculative_tokens=4,
+                               adaptive=False, kv_block_size=block_size)
+    outs = engine.generate(batch, SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True))
+    for prompt, out in zip(batch, outs):
+        assert out.token_ids == reference(tuple(prompt)), (name, block_size)
+    assert sum(o.metrics.num_accepted_tokens for o in outs) > 0
+    assert_pool_full(engine)
+
+
+def test_gamma_one_chunked_prefill_and_requests_that_come_and_go():
+    """γ 1, prompts prefilled in chunks of 5, a request aborted mid-way and new ones joining a
+    running batch: every survivor's tokens are the target's, and the pool comes back full."""
+    model = target()
+    engine = SpeculativeEngine(model, tiny_llama(0, layers=4), num_speculative_tokens=1, adaptive=False,
+                               kv_block_size=7, prefill_chunk_tokens=5, max_batch_size=4)
+    batch = prompts(6, seed=21)
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    done: dict[str, list[int]] = {}
+    for i, prompt in enumerate(batch[:3]):
+        engine.add_request(f"r{i}", prompt, params)
+    for step in range(200):
+        if step == 3:
+            engine.abort("r1")
+            for i, prompt in enumerate(batch[3:], start=3):
+                engine.add_request(f"r{i}", prompt, params)
+        for out in engine.step():
+            done.setdefault(out.request_id, []).extend(out.new_token_ids)
+        if not engine.has_unfinished():
+            break
+    for i, prompt in enumerate(batch):
+        if i != 1:
+            assert done[f"r{i}"] == reference(tuple(prompt)), i
+    assert_pool_full(engine)
+
+
+def test_seeded_sampling_is_the_dense_caches():
+    batch = prompts(4, seed=5)
+    params = [SamplingParams(max_tokens=MAX_NEW, temperature=0.9, top_p=0.95, seed=40 + i, ignore_eos=True)
+              for i in range(len(batch))]
+
+    def run(block_size):
+        engine = SpeculativeEngine(target(), tiny_llama(0, layers=4), num_speculative_tokens=3, adaptive=False,
+                                   kv_block_size=block_size)
+        return [o.token_ids for o in engine.generate(batch, params)]
+
+    assert run(16) == run(None) == run(3)
+
+
+def test_a_fixed_pool_never_moves():
+    """With a budget the pool is allocated once: storage never moves (captured graphs stay valid)
+    however requests come and go, and admission keeps within it."""
+    engine = SpeculativeEngine(target(), tiny_llama(0, layers=4), num_speculative_tokens=3, adaptive=False,
+                               kv_block_size=8, max_cached_tokens=640, max_batch_size=16)
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    engine.generate(prompts(2, seed=1), params)
+    generations = [r.cache.generation for r in runners(engine)]
+    batch = prompts(12, seed=2)
+    outs = engine.generate(batch, params)
+    assert [o.token_ids for o in outs] == [reference(tuple(p)) for p in batch]
+    assert [r.cache.generation for r in runners(engine)] == generations
+    assert all(r.cache.num_blocks == 640 // 8 for r in runners(engine))
+    assert_pool_full(engine)
+
+
+def test_the_paged_forward_compiles_as_one_graph():
+    """torch.compile(fullgraph=True) of the fixed-shape forward over block tables: no graph break,
+    and the same logits as eager."""
+    model = target()
+    eager, compiled = ModelRunner(model, execution="eager"), ModelRunner(model, execution="compile")
+    for runner in (eager, compiled):
+        runner.page(5, 40)
+    rows = [RowInput("a", 0, [3, 4, 5, 6, 7, 8, 9]), RowInput("b", 0, [11, 12])]
+    outs = []
+    for runner in (eager, compiled):
+        runner.forward(rows, logits="none")
+        first = runner.forward([RowInput("a", 7, [1, 2]), RowInput("b", 2, [9, 8])], logits="all")
+        second = runner.forward([RowInput("a", 9, [4, 4]), RowInput("b", 4, [5, 1])], logits="all")
+        outs.append((first, second))
+    assert compiled._compiled is not None
+    for x, y in zip(*outs):
+        assert torch.allclose(x, y, atol=1e-4)
+
+
+def test_forks_copy_their_prefix_into_blocks_of_their_own():
+    """A pipelined step's branch: fork, write past the fork point, adopt; the request reads what
+    the fork wrote, and the fork's blocks go back to the pool."""
+    model = target()
+    runner, dense = ModelRunner(model, execution="eager"), ModelRunner(model, execution="eager")
+    runner.page(4)
+    tokens = [5, 9, 13, 2, 7, 30, 31, 4, 8]
+    for r in (runner, dense):
+        r.forward([RowInput("a", 0, tokens)], logits="none")
+        r.fork("a", "a#1", 6)
+        r.forward([RowInput("a#1", 6, [40, 41, 42])], logits="none")
+        r.adopt("a#1", "a")
+        assert r.valid_length("a") == 9
+    got = runner.forward([RowInput("a", 9, [3])], logits="last")
+    want = dense.forward([RowInput("a", 9, [3])], logits="last")
+    assert torch.allclose(got, want, atol=1e-5)
+    runner.free("a")
+    assert runner.cache.allocated()[0] == 1
+
+
+def test_admission_by_blocks_takes_in_what_a_dense_cache_cannot():
+    """One long request among many short ones, one budget: the dense cache sizes every slot by the
+    long one; blocks hold each request's own length."""
+    def admitted(block_size):
+        admission = Admission(64, 4096, 4, block_size)
+        lengths = [430] + [30] * 40
+        for i, n in enumerate(lengths):
+            admission.enqueue(new_sequence(f"r{i}", [1] * n, SamplingParams(max_tokens=48), vocab_size=96,
+                                           max_model_len=1024, eos_token_ids=frozenset()))
+        return len(admission.admit())
+
+    dense, paged = admitted(None), admitted(16)
+    assert dense <= 8 and paged >= 32 and paged >= 4 * dense, (dense, paged)
