@@ -379,6 +379,11 @@ class AppConfig(_Strict):
     # allocates its own length, admission counts blocks; with max_cached_tokens the pool is that many
     # positions, allocated once). None: the dense cache above.
     kv_block_size: int | None = Field(None, ge=1, le=4096)
+    # With kv_block_size: a prompt prefix whose KV an earlier request computed (a shared system
+    # prompt, a multi-turn chat) is shared block by block instead of computed again; reported in
+    # usage.prompt_tokens_details.cached_tokens. Not where a feature head reads the target's
+    # hidden states at every position (its prefixes are always computed).
+    prefix_caching: bool = False
     # Per request, arrival to last token: a request still unfinished after this fails with a 504
     # (the Serve proxy's http_options.request_timeout_s should be a little longer).
     request_timeout_s: float = Field(600.0, gt=0)
@@ -453,6 +458,8 @@ class AppConfig(_Strict):
                 f"max_batch_size + max_queued_requests + {CONTROL_HEADROOM} ({holds}): otherwise Serve queues "
                 "requests in front of the coordinator, whose own 429 never triggers, and /v1/stats and health "
                 "calls find no free slot")
+        if self.prefix_caching and not self.kv_block_size:
+            raise ValueError("prefix_caching needs a paged cache: set kv_block_size (e.g. 16)")
         if self.max_cached_tokens is not None and self.max_model_len is not None:
             from specserve.engine.admission import allocation
 

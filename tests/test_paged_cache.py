@@ -158,3 +158,102 @@ def test_admission_by_blocks_takes_in_what_a_dense_cache_cannot():
 
     dense, paged = admitted(None), admitted(16)
     assert dense <= 8 and paged >= 32 and paged >= 4 * dense, (dense, paged)
+
+
+# -- prefix caching ---------------------------------------------------------------------------------
+SYSTEM = list(range(1, 70))  # a shared "system prompt" of 69 tokens
+
+
+@pytest.mark.parametrize("name", ["draft-model", "layer-skip", "prompt-lookup"])
+@pytest.mark.parametrize("block_size", [1, 7, 16])
+def test_shared_prefixes_are_taken_not_computed_and_change_no_token(name, block_size, head_dir):
+    """Requests that share a prefix, one after another and together (chunked prefill in chunks of
+    two blocks): every later one takes the shared blocks (cached tokens reported), diverging
+    inside a block where its prompt does, and every output is the target's own."""
+    engine = SpeculativeEngine(target(), proposer=drafter(name, head_dir), num_speculative_tokens=4,
+                               adaptive=False, kv_block_size=block_size, prefix_caching=True,
+                               prefill_chunk_tokens=2 * block_size)
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    first = SYSTEM + [80, 81]
+    later = [SYSTEM + [90, 91, 92], SYSTEM[:50] + [7] * 9, SYSTEM + [80, 81]]
+    cached = {}
+    for rid, prompt in [("first", first)] + [(f"later{i}", p) for i, p in enumerate(later)]:
+        engine.add_request(rid, prompt, params)
+        seq, tokens = engine.sequence(rid), []
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens += out.new_token_ids
+        cached[rid] = seq.cached_tokens
+        assert tokens == reference(tuple(prompt)), (rid, name, block_size)
+    aligned = lambda n: n // block_size * block_size  # noqa: E731 (whole blocks of a shared prefix)
+    assert cached["first"] == 0
+    assert cached["later0"] == aligned(len(SYSTEM)) and cached["later1"] == aligned(50)
+    assert cached["later2"] == aligned(len(first) - 1)  # (the last prompt token is the first step's)
+    outs = engine.generate(later, params)  # together
+    assert [o.token_ids for o in outs] == [reference(tuple(p)) for p in later]
+    assert_pool_full(engine)
+
+
+def test_chunks_that_end_inside_a_block_still_share_the_rest():
+    """Chunks of 24 over blocks of 7: a chunk that ends inside a block leaves a private copy of
+    it; the next chunk swaps that for the cached block and goes on sharing. What is reported is
+    what was not computed: the shared positions less those private starts."""
+    engine = SpeculativeEngine(target(), tiny_llama(0, layers=4), num_speculative_tokens=3, adaptive=False,
+                               kv_block_size=7, prefix_caching=True, prefill_chunk_tokens=24)
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    engine.generate([SYSTEM + [80, 81]], params)
+    engine.add_request("later", SYSTEM + [90, 91, 92], params)
+    seq, tokens = engine.sequence("later"), []
+    while engine.has_unfinished():
+        tokens += [t for out in engine.step() for t in out.new_token_ids]
+    assert tokens == reference(tuple(SYSTEM + [90, 91, 92]))
+    # chunks [0, 24) [24, 48) [48, 71): 21 taken + 3 computed; 4 + 14 taken + 6 computed; 1 + 14 taken
+    assert seq.cached_tokens == 21 + 18 + 15
+    assert_pool_full(engine)
+
+
+def test_a_write_into_a_shared_block_copies_it_first():
+    """Two requests share a block; one rolls back into it and writes other tokens: the other's
+    keys are untouched (copy on write), and both read what a dense cache would hold."""
+    model = target()
+    paged, dense = ModelRunner(model, execution="eager"), ModelRunner(model, execution="eager")
+    paged.page(8, None, True)
+    tokens = list(range(3, 27))
+    for r in (paged, dense):
+        r.forward([RowInput("a", 0, tokens)], logits="none")
+        r.forward([RowInput("b", 0, tokens)], logits="none")
+    assert paged.cached_tokens == {"b": 24}
+    for r in (paged, dense):
+        r.forward([RowInput("b", 5, [60, 61, 62])], logits="none")  # b rewrites positions 5..7
+    for rid, start in (("a", 24), ("b", 8)):
+        got = paged.forward([RowInput(rid, start, [9])], logits="last")
+        want = dense.forward([RowInput(rid, start, [9])], logits="last")
+        assert torch.allclose(got, want, atol=1e-5), rid
+    for rid in ("a", "b"):
+        paged.free(rid)
+    assert paged.cache.allocated()[0] == 1
+
+
+def test_a_full_pool_evicts_the_least_recently_used_cached_blocks():
+    """A pool just big enough for the running requests: cached prefixes make room as needed
+    (least recently used first), and a prefix still cached is still taken."""
+    engine = SpeculativeEngine(target(), tiny_llama(0, layers=4), num_speculative_tokens=2, adaptive=False,
+                               kv_block_size=8, max_cached_tokens=256, prefix_caching=True)
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    prompts_ = [[k] * 40 for k in range(1, 9)]
+    for prompt in prompts_ + prompts_[-1:]:
+        (out,) = engine.generate([prompt], params)
+        assert out.token_ids == reference(tuple(prompt))
+    cache = engine.verifier.runner.cache
+    assert cache.num_cached_blocks > 0 and cache.num_free_blocks == cache.num_blocks - 1
+    assert_pool_full(engine)
+
+
+def test_prefix_caching_needs_blocks_and_stays_off_under_a_feature_head(head_dir):
+    with pytest.raises(ValueError, match="kv_block_size"):
+        SpeculativeEngine(target(), num_speculative_tokens=0, prefix_caching=True)
+    engine = SpeculativeEngine(target(), proposer=drafter("feature-head", head_dir), num_speculative_tokens=3,
+                               adaptive=False, kv_block_size=16, prefix_caching=True)
+    assert not engine.verifier.runner.cache.prefix_caching  # its features come from computing every position
+    outs = engine.generate([SYSTEM + [5], SYSTEM + [6]], SamplingParams(max_tokens=MAX_NEW, temperature=0.0))
+    assert [o.token_ids for o in outs] == [reference(tuple(SYSTEM + [5])), reference(tuple(SYSTEM + [6]))]

@@ -58,6 +58,7 @@ class SpeculativeEngine:
         max_cached_tokens: int | None = None,
         tokenizer=None,
         kv_block_size: int | None = None,
+        prefix_caching: bool = False,
     ) -> None:
         """What drafts, at most one of: draft_model, a separate draft model (shorthand for
         drafter=DraftModelSpec(draft_model)); drafter, any drafter spec (layer skip, prompt
@@ -71,7 +72,10 @@ class SpeculativeEngine:
         tokenizer: the target's HF fast tokenizer, or a callable returning it (called at the first
         request with a grammar): needed for structured output only (`SamplingParams.grammar`).
         kv_block_size: keep each model's KV cache by blocks of this many positions (a paged cache,
-        `engine/paged_cache.py`; with max_cached_tokens, a pool of that many positions), None: dense."""
+        `engine/paged_cache.py`; with max_cached_tokens, a pool of that many positions), None: dense.
+        prefix_caching (paged only): a prompt prefix already computed is shared, not computed again."""
+        if prefix_caching and not kv_block_size:
+            raise ValueError("prefix_caching needs a paged cache (kv_block_size)")
         if num_speculative_tokens < 0:
             raise ValueError("num_speculative_tokens must be >= 0")
         if prefill_chunk_tokens is not None and prefill_chunk_tokens < 0:
@@ -94,7 +98,8 @@ class SpeculativeEngine:
         self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None else model_eos_ids(target_model))
         self.grammar = None if tokenizer is None else attach_grammar(
             _loader(tokenizer), self.verifier, proposer, self.eos_token_ids)
-        page_runners([self.verifier.runner, getattr(proposer, "runner", None)], kv_block_size, max_cached_tokens)
+        page_runners([self.verifier.runner, getattr(proposer, "runner", None)], kv_block_size, max_cached_tokens,
+                     prefix_caching)
         self.admission = Admission(max_batch_size, max_cached_tokens, num_speculative_tokens, kv_block_size)
         self.loop = StepLoop(self.admission, InProcessExecutor(proposer, self.verifier), self.policy,
                              prefill_chunk_tokens)
@@ -244,15 +249,16 @@ def attach_grammar(tokenizer, verifier: TargetVerifier, proposer, eos_token_ids)
     return book
 
 
-def page_runners(runners, block_size: int | None, max_cached_tokens: int | None) -> None:
+def page_runners(runners, block_size: int | None, max_cached_tokens: int | None, prefix_caching: bool = False) -> None:
     """Give these runners (None entries skipped) paged caches of `block_size` positions per block,
-    each a pool of max_cached_tokens positions (None: pools that grow); nothing when block_size is None."""
+    each a pool of max_cached_tokens positions (None: pools that grow), sharing computed prefixes
+    when prefix_caching; nothing when block_size is None."""
     if not block_size:
         return
     blocks = None if max_cached_tokens is None else max(max_cached_tokens // block_size, 2)
     for runner in runners:
         if isinstance(runner, ModelRunner):
-            runner.page(block_size, blocks)
+            runner.page(block_size, blocks, prefix_caching)
 
 
 def _loader(tokenizer):

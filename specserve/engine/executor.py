@@ -106,6 +106,7 @@ class InProcessExecutor:
         if rows:
             self.verifier.prefill(rows)
             advance_marks(seqs, "target_len", rows)
+            note_cached(seqs, self.verifier.runner.cached_tokens)
         rows = prefill_rows(seqs, "draft_len", budget) if self.with_draft else []
         if rows:
             self.proposer.prefill(rows)
@@ -149,6 +150,13 @@ def speculative_step(
 ) -> list[StepOutput]:
     """Propose, verify and append for every sequence in the batch, in process."""
     return run_sync(run_step(seqs, policy, InProcessExecutor(proposer, verifier)))
+
+
+def note_cached(seqs: list[Sequence], cached: dict[str, int]) -> None:
+    """After the target's prefill: each request's prompt tokens taken from shared blocks so far."""
+    for s in seqs:
+        if s.request_id in cached:
+            s.cached_tokens = cached[s.request_id]
 
 
 def prefill_step(

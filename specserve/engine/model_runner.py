@@ -223,6 +223,8 @@ class ModelRunner:
         if self.linear_kernels:
             cpu_linear.install(model)
         self.last_hidden: torch.Tensor | None = None
+        self.prefix_blocked: str | None = None  # why computed prefixes may not be shared (None: they may)
+        self.cached_tokens: dict[str, int] = {}  # request -> prompt tokens its prefills took from shared blocks
         limit = getattr(model.config, "max_position_embeddings", None)
         self.max_model_len = min(p for p in (max_model_len, limit) if p) if (max_model_len or limit) else None
         self.cache = SlotKVCache(self.max_model_len)
@@ -237,13 +239,15 @@ class ModelRunner:
         self._compiled: Callable | None = None
         self.graphs = GraphSet(self.device) if self.execution == "graph" else None
 
-    def page(self, block_size: int, num_blocks: int | None = None) -> None:
+    def page(self, block_size: int, num_blocks: int | None = None, prefix_caching: bool = False) -> None:
         """Keep keys and values by block (engine/paged_cache.py) from now on: blocks of
-        `block_size` positions from one pool of `num_blocks` (None: a pool that grows). Before
-        the first request only."""
+        `block_size` positions from one pool of `num_blocks` (None: a pool that grows), sharing
+        computed prompt prefixes when prefix_caching (not where a drafter reads this model's
+        hidden states at every position: `prefix_blocked`). Before the first request only."""
         if self._slot_of:
             raise RuntimeError("the cache layout changes only while no request is cached")
-        self.cache = PagedKVCache(block_size, self.max_model_len, num_blocks)
+        sharing = prefix_caching and self.prefix_blocked is None
+        self.cache = PagedKVCache(block_size, self.max_model_len, num_blocks, sharing)
 
     @property
     def paged(self) -> bool:
@@ -260,6 +264,7 @@ class ModelRunner:
         """Forget a request; the last live slot moves into its place so that live slots stay dense."""
         slot = self._slot_of.pop(request_id, None)
         freed_length = self._valid.pop(request_id, 0)
+        self.cached_tokens.pop(request_id, None)
         self._forked_at.pop(request_id, None)
         if slot is None:
             return
@@ -357,13 +362,35 @@ class ModelRunner:
         overwrites it.
         """
         self.check(rows)
+        if logits == "none" and getattr(self.cache, "prefix_caching", False):
+            rows = self._take_cached_prefixes(rows)
+            if not rows:
+                return None
         staged = self.stage(rows, tail_width=0 if tail is None else tail.shape[1])
         if tail is not None:
             staged.ids[:, staged.width - tail.shape[1]:] = tail.to(self.device).index_select(0, staged.sorted_to_caller)
         out = self.run(staged, logits, prefill=logits == "none")
+        if logits == "none" and self.paged:  # committed tokens: the blocks they filled may be shared
+            for row in rows:
+                self.cache.register(self._slot_of[row.request_id], row.start, row.tokens)
         if self.keep_hidden:
             self.last_hidden = self.unsort(staged, self.last_hidden)
         return None if out is None else self.unsort(staged, out)
+
+    def _take_cached_prefixes(self, rows: list[RowInput]) -> list[RowInput]:
+        """A prefill's rows less the leading tokens whose keys shared blocks already hold (their
+        requests take those blocks and their valid lengths move past them): rows left to compute."""
+        left = []
+        for row in rows:
+            taken = 0
+            if row.start == self.valid_length(row.request_id):
+                taken = self.cache.match(self._slot(row.request_id), row.start, row.tokens)
+            if taken:
+                self._valid[row.request_id] = row.start + taken
+                self.cached_tokens[row.request_id] = self.cached_tokens.get(row.request_id, 0) + taken
+            if taken < len(row.tokens):
+                left.append(RowInput(row.request_id, row.start + taken, row.tokens[taken:]))
+        return left
 
     def stage(self, rows: list[RowInput], tail_width: int = 0, extra_positions: int = 0) -> Staged:
         """Host half of a forward: slots, row order, shapes, and one copy of the inputs to the
@@ -387,7 +414,9 @@ class ModelRunner:
         tables = None
         if self.paged:  # each row's blocks up to its padding position and later single-token forwards
             for r, n, slot in zip(rows, lengths, slots):
-                self.cache.place(slot, min(r.start + n + 1 + extra_positions, key_length))
+                end = min(r.start + n + 1 + extra_positions, key_length)
+                self.cache.place(slot, end)
+                self.cache.writable(slot, r.start, end)
             tables = self.cache.table_rows([slots[b] for b in order] + [-1] * (padded - len(rows)),
                                            key_length // self.cache.block_size)  # [B'][K / bs] sorted order
         host = self._host_block(rows, slots, order, padded, width, tail_width, tables)

@@ -17,11 +17,21 @@ With a pool sized once (`num_blocks`: the server's budget), storage never moves,
 graphs stay valid; without one the pool doubles when full (its `generation` bumps, as the dense
 cache's growth does).
 
+Prefix sharing (`prefix_caching`): every full block a prefill wrote (committed tokens only) is
+registered under a hash of the whole token prefix it ends (a chain: the previous block's hash and
+its own tokens). A later prefill of the same prefix takes those blocks instead of computing them
+(`match`): they join its table read-only, counted by reference. A block nobody references stays
+cached, least recently used first out when the pool needs blocks. A forward that would write into
+a shared or registered block (a request rolled back into its prompt) first copies it into a block
+of its own (`writable`: copy on write), so a cached block never changes.
+
 The object is passed to a HF model as `past_key_values` (`update(keys, values, layer_idx)`), like
 `SlotKVCache`; layers are allocated lazily on the device of their keys (a sharded model gets one
 pool per device for its layers).
 """
 from __future__ import annotations
+
+from collections import OrderedDict
 
 import torch
 
@@ -38,8 +48,10 @@ class PagedKVCache:
     paged = True
     is_compileable = False
 
-    def __init__(self, block_size: int, max_model_len: int | None = None, num_blocks: int | None = None) -> None:
-        """num_blocks: the pool's fixed size, scratch included (None: grow as needed)."""
+    def __init__(self, block_size: int, max_model_len: int | None = None, num_blocks: int | None = None,
+                 prefix_caching: bool = False) -> None:
+        """num_blocks: the pool's fixed size, scratch included (None: grow as needed);
+        prefix_caching: share the blocks of prompt prefixes already computed (see above)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
@@ -50,6 +62,14 @@ class PagedKVCache:
             raise ValueError("a paged cache needs at least 2 blocks (one is scratch)")
         self._free = list(range(self._num_blocks - 1, 0, -1))  # a stack: the lowest id on top
         self._tables: list[list[int]] = []  # slot -> its blocks
+        self.prefix_caching = prefix_caching
+        self._refs = [0] * self._num_blocks  # block -> tables holding it
+        self._index: dict[int, int] = {}  # prefix hash -> the block that ends it
+        self._hash_of: dict[int, int] = {}  # registered block -> its prefix hash
+        self._content: dict[int, tuple] = {}  # registered block -> (previous block's hash, its tokens)
+        self._cached: OrderedDict[int, None] = OrderedDict()  # registered blocks no table holds, LRU first
+        self._chains: list[list[int]] = []  # slot -> hashes of its leading registered blocks
+        self._tails: list[list[int] | None] = []  # slot -> tokens written past them (None: not followed)
         self._keys: list[torch.Tensor | None] = []  # per layer [N, bs, H, D]
         self._values: list[torch.Tensor | None] = []
         self._built = 0  # blocks every layer was last seen at after a forward
@@ -86,6 +106,8 @@ class PagedKVCache:
         """Before a forward (host): slot's table covers positions [0, positions)."""
         while len(self._tables) <= slot:
             self._tables.append([])
+            self._chains.append([])
+            self._tails.append([])
         table = self._tables[slot]
         missing = blocks_for(positions, self.block_size) - len(table)
         if missing > 0:
@@ -100,20 +122,86 @@ class PagedKVCache:
         return rows
 
     def release(self, slot: int) -> None:
-        """The slot's request is gone: its blocks go back to the pool."""
+        """The slot's request is gone: its blocks go back to the pool (registered ones stay cached)."""
         if slot < len(self._tables):
-            self._free.extend(reversed(self._tables[slot]))
-            self._tables[slot] = []
+            for block in reversed(self._tables[slot]):
+                self._drop(block)
+            self._tables[slot], self._chains[slot], self._tails[slot] = [], [], []
 
     def move_slot(self, src: int, dst: int) -> None:
         """Slot src's cache becomes slot dst's (dst released first; nothing is copied)."""
         self.release(dst)
         self.place(dst, 0)
-        self._tables[dst], self._tables[src] = self._tables[src], []
+        for store in (self._tables, self._chains, self._tails):
+            store[dst], store[src] = store[src], []
+
+    # -- prefix sharing ---------------------------------------------------------------------
+    def match(self, slot: int, start: int, tokens: list[int]) -> int:
+        """Before a prefill of `tokens` at `start` (committed tokens): take the cached blocks that
+        hold a leading part of them -> how many of the tokens they hold. It continues the slot's
+        registered blocks: from a block boundary, or from inside the block the slot's last prefill
+        ended in (its private copy of that block is then swapped for the cached one)."""
+        self.place(slot, 0)
+        chain, tail, table = self._chains[slot], self._tails[slot], self._tables[slot]
+        size = self.block_size
+        if not self.prefix_caching or tail is None or len(chain) * size + len(tail) != start:
+            return 0
+        if len(table) != len(chain) + bool(tail):
+            return 0
+        taken = 0
+        while taken + size - len(tail) <= len(tokens):
+            content = (chain[-1] if chain else None, tuple(tail) + tuple(tokens[taken : taken + size - len(tail)]))
+            block = self._index.get(hash(content))
+            if block is None or self._content[block] != content:  # (a hash collision is a miss)
+                break
+            self._hold(block)
+            if tail:  # the block the last prefill began: the cached one replaces the private copy
+                self._drop(table.pop())
+            table.append(block)
+            chain.append(hash(content))
+            taken += size - len(tail)
+            tail = self._tails[slot] = []
+        return taken
+
+    def register(self, slot: int, start: int, tokens: list[int]) -> None:
+        """After a prefill wrote committed `tokens` at `start`: index the slot's blocks they filled."""
+        tail = self._tails[slot] if slot < len(self._tails) else None
+        chain = self._chains[slot] if slot < len(self._chains) else []
+        if not self.prefix_caching or tail is None or len(chain) * self.block_size + len(tail) != start:
+            if slot < len(self._tails):
+                self._tails[slot] = None  # not a plain continuation: this slot registers nothing more
+            return
+        tail = tail + list(tokens)
+        size = self.block_size
+        while len(tail) >= size:
+            content = (chain[-1] if chain else None, tuple(tail[:size]))
+            key, block = hash(content), self._tables[slot][len(chain)]
+            if key not in self._index and block not in self._hash_of:
+                self._index[key], self._hash_of[block], self._content[block] = block, key, content
+            chain.append(key)
+            tail = tail[size:]
+        self._tails[slot] = tail
+
+    def writable(self, slot: int, start: int, end: int) -> None:
+        """Before a forward writes positions [start, end) of slot: any shared or registered block
+        among them is first copied into a block of the slot's own (copy on write)."""
+        table = self._tables[slot]
+        first, last = start // self.block_size, min(blocks_for(end, self.block_size), len(table))
+        for i in range(first, last):
+            block = table[i]
+            if self._refs[block] > 1 or block in self._hash_of:
+                (fresh,) = self._take(1)
+                self._copy_block(block, fresh)
+                table[i] = fresh
+                self._drop(block)
+        if first < len(self._chains[slot]):  # its registered prefix ends before the rewritten block
+            del self._chains[slot][first:]
+            self._tails[slot] = None
 
     def copy_positions(self, src: int, dst: int, start: int, end: int) -> None:
         """Copy positions [start, end) of slot src into slot dst (taking the blocks dst lacks)."""
         self.place(dst, end)
+        self.writable(dst, start, end)
         src_index = self._flat(self._tables[src], start, end)
         dst_index = self._flat(self._tables[dst], start, end)
         for store in (*self._keys, *self._values):
@@ -152,13 +240,19 @@ class PagedKVCache:
 
     # -- accounting -------------------------------------------------------------------------
     def allocated(self) -> tuple[int, int]:
-        """(blocks in use, scratch included; positions they hold)."""
-        used = self._num_blocks - len(self._free)
+        """(blocks in use, scratch included; positions they hold): cached blocks nobody holds count
+        as free (they are taken back when needed)."""
+        used = self._num_blocks - len(self._free) - len(self._cached)
         return used, used * self.block_size
 
     @property
+    def num_cached_blocks(self) -> int:
+        """Registered blocks no request holds (reusable by a matching prefix until evicted)."""
+        return len(self._cached)
+
+    @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._cached)
 
     @property
     def num_blocks(self) -> int:
@@ -169,16 +263,44 @@ class PagedKVCache:
 
     # -- internals --------------------------------------------------------------------------
     def _take(self, count: int) -> list[int]:
+        """count fresh blocks (referenced once): free ones, then the least recently used cached ones."""
+        while count > len(self._free) and self._cached:
+            block, _ = self._cached.popitem(last=False)
+            del self._index[self._hash_of.pop(block)]
+            del self._content[block]
+            self._free.append(block)
         if count > len(self._free):
             if self.fixed:
                 raise MemoryError(f"the KV pool is out of blocks: {count} wanted, {len(self._free)} free "
                                   f"of {self._num_blocks} (admission should have kept within it)")
             self._grow(max(self._num_blocks * 2, self._num_blocks + count))
-        return [self._free.pop() for _ in range(count)]
+        taken = [self._free.pop() for _ in range(count)]
+        for block in taken:
+            self._refs[block] = 1
+        return taken
+
+    def _hold(self, block: int) -> None:
+        self._refs[block] += 1
+        self._cached.pop(block, None)
+
+    def _drop(self, block: int) -> None:
+        """One table less holds the block: at none, it is cached (registered) or free."""
+        self._refs[block] -= 1
+        if self._refs[block] == 0:
+            if block in self._hash_of:
+                self._cached[block] = None
+            else:
+                self._free.append(block)
+
+    def _copy_block(self, src: int, dst: int) -> None:
+        for store in (*self._keys, *self._values):
+            if store is not None:
+                store[dst] = store[src]
 
     def _grow(self, num_blocks: int) -> None:
         """More blocks (storage reallocated at the next forward, `_layer`)."""
         self._free = list(range(num_blocks - 1, self._num_blocks - 1, -1)) + self._free
+        self._refs += [0] * (num_blocks - self._num_blocks)
         self._num_blocks = num_blocks
 
     def _flat(self, table: list[int], start: int, end: int) -> torch.Tensor:

@@ -80,6 +80,7 @@ class Sequence:
     # params.logprobs set: per generated token (this engine's), its log-probability and alternatives
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    cached_tokens: int = 0  # prompt tokens the target's cache took from shared blocks (prefix caching)
 
     def __post_init__(self) -> None:
         if self.generator is None:

@@ -51,7 +51,8 @@ class TargetVerifier:
 
     @torch.no_grad()
     def prefill(self, rows: list[RowInput]) -> ForwardLog:
-        """Cache rows' tokens (prompt chunks), computing no logits -> the forward's timing."""
+        """Cache rows' tokens (prompt chunks), computing no logits -> the forward's timing (a
+        shared prefix is taken, not computed, with prefix caching: `runner.cached_tokens`)."""
         return self.runner.prefill(rows)
 
     @torch.no_grad()

@@ -113,6 +113,7 @@ class Delta:
     # and its k likeliest alternatives [(token, logprob)]
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    cached_tokens: int = 0  # prompt tokens the target's cache took from shared blocks (prefix caching)
 
 
 @dataclass(frozen=True)
@@ -145,7 +146,7 @@ class Coordinator:
         tokenizer = TokenizerSource(config.target, config.tokenizer)
         self.target = _actor(self.target_worker_class, config.target_worker, 1, f"{tag}:target").remote(
             config.target, config.max_model_len, threads, config.drafter, execution=config.speculation.execution,
-            tokenizer=tokenizer, kv=(config.kv_block_size, config.max_cached_tokens))
+            tokenizer=tokenizer, kv=(config.kv_block_size, config.max_cached_tokens, config.prefix_caching))
         info = ray.get(self.target.info.remote())
         self.vocab_size, self.eos_token_ids = info.vocab_size, info.eos_token_ids
         limits = [config.max_model_len, info.max_model_len]
@@ -157,7 +158,8 @@ class Coordinator:
                 config.draft or config.target, info.vocab_size, config.max_model_len,
                 config.draft_worker.torch_threads, execution=config.speculation.execution, feature_head=head,
                 target=self.target if head is not None else None, planted=config.speculation.planted,
-                tokenizer=tokenizer, eos_token_ids=info.eos_token_ids, kv=(config.kv_block_size, config.max_cached_tokens))
+                tokenizer=tokenizer, eos_token_ids=info.eos_token_ids,
+                kv=(config.kv_block_size, config.max_cached_tokens, config.prefix_caching))
             self.draft = ProposerSide.of_draft_worker(self.draft_worker)
         elif config.drafter is not None:
             self.draft = ProposerSide.colocated(self.target)
@@ -483,7 +485,8 @@ class Coordinator:
                 m = seq.metrics
                 rng = seq.generator.get_state().numpy().tobytes() if seq.reproducible else None
                 queue.put_nowait(Delta(out.new_token_ids, out.finish_reason, m.num_draft_tokens,
-                                       m.num_accepted_tokens, m.num_steps, rng, out.logprobs, out.top_logprobs))
+                                       m.num_accepted_tokens, m.num_steps, rng, out.logprobs, out.top_logprobs,
+                                       seq.cached_tokens))
             if out.finish_reason is not None:
                 done.append(out.request_id)
         self._release(done)
@@ -526,7 +529,7 @@ def _merge(items: list) -> Delta | Failed | Lost:
     logprobs = None if last.logprobs is None else [v for d in items for v in d.logprobs or ()]
     tops = None if last.top_logprobs is None else [t for d in items for t in d.top_logprobs or ()]
     return Delta(tokens, last.finish_reason, last.num_draft_tokens, last.num_accepted_tokens, last.num_steps,
-                 last.rng_state, logprobs, tops)
+                 last.rng_state, logprobs, tops, last.cached_tokens)
 
 
 def _continue(seq: Sequence, resume: Resume, vocab_size: int) -> None:

@@ -31,7 +31,7 @@ import ray
 
 from specserve.engine import RowInput
 from specserve.engine.admission import Admission
-from specserve.engine.executor import Ran, finish, run_step
+from specserve.engine.executor import Ran, finish, note_cached, run_step
 from specserve.engine.policy import SpeculationPolicy
 from specserve.engine.step import (
     Sequence, StepOutput, StepPlan, advance_marks, empty_proposal, prefill_rows, verified_counts,
@@ -155,10 +155,12 @@ class RemoteExecutor:
 
         if not prefill_rows(seqs, mark, budget):
             return
-        await self.calls.call(side, method, seqs, mark, make_args, retry=retry)
+        reply = await self.calls.call(side, method, seqs, mark, make_args, retry=retry)
         advance_marks(seqs, mark, sent)
         if side == "target":
             self.totals["prefill_tokens"] += sum(len(r.tokens) for r in sent)
+            if isinstance(reply.result, dict):  # prompt tokens taken from shared blocks
+                note_cached(seqs, reply.result)
 
     # -- transports ---------------------------------------------------------------------------------
     async def _two_calls(self, plan: StepPlan) -> Ran | None:

@@ -539,10 +539,10 @@ class OpenAIServer:
                 if stopped or final:
                     gen.finished = final
                     yield Piece(out, "stop" if stopped else item.finish_reason, len(token_ids), spec, token_ids,
-                                logprobs, tops)
+                                logprobs, tops, item.cached_tokens)
                     return
                 if out or item.token_ids:  # tokens whose text is held back still show as token_ids
-                    yield Piece(out, None, len(token_ids), spec, token_ids, logprobs, tops)
+                    yield Piece(out, None, len(token_ids), spec, token_ids, logprobs, tops, item.cached_tokens)
         finally:
             self.door.limits.charge(key, len(token_ids))
             await stream.aclose()

@@ -26,6 +26,7 @@ class Piece:
     token_ids: list[int]  # generated so far
     logprobs: list[float] | None = None  # per token of token_ids, when asked
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    cached_tokens: int = 0  # prompt tokens taken from shared KV blocks (usage.prompt_tokens_details)
 
 
 class StreamFailed(RuntimeError):
@@ -189,12 +190,17 @@ def usage(formats: list[ResponseFormat]) -> tuple[dict, dict]:
     prompts = {f.prompt_index: f.prompt_tokens for f in formats}
     done = [f.last for f in formats if f.last is not None]
     completion = sum(p.completion_tokens for p in done)
+    cached: dict[int, int] = {}  # per prompt: the most any of its choices took from shared blocks
+    for f in formats:
+        if f.last is not None:
+            cached[f.prompt_index] = max(cached.get(f.prompt_index, 0), f.last.cached_tokens)
     speculation: dict = {}
     for p in done:
         for name, value in p.speculation.items():
             speculation[name] = speculation.get(name, 0) + value
     return ({"prompt_tokens": sum(prompts.values()), "completion_tokens": completion,
-             "total_tokens": sum(prompts.values()) + completion}, speculation)
+             "total_tokens": sum(prompts.values()) + completion,
+             "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}, speculation)
 
 
 async def whole_body(choices: list[Choice], return_token_ids: bool = False) -> dict:

@@ -189,7 +189,7 @@ class TargetWorker(_Worker):
 
     def __init__(self, source: ModelSource, max_model_len: int | None, torch_threads: int | None = None,
                  drafter: ColocatedDrafter | None = None, execution: str = "auto",
-                 tokenizer: TokenizerSource | None = None, kv: tuple[int | None, int | None] = (None, None)) -> None:
+                 tokenizer: TokenizerSource | None = None, kv: tuple = (None, None, False)) -> None:
         super().__init__(torch_threads)
         from specserve.models.loading import load_target
 
@@ -203,7 +203,7 @@ class TargetWorker(_Worker):
             self.proposer.attach_target(self.model.runner)
         # a feature head on the draft worker pulls this target's features from here (`features`)
         self.feature_server = drafter.engine_spec().server(self.model.runner) if drafter and not here else None
-        # kv: (block size, budget): paged caches for the target and a colocated drafter's model (else dense)
+        # kv: (block size, budget, prefix caching): paged caches for the target and a colocated drafter's model (else dense)
         page_runners([self.model.runner, getattr(self.proposer, "runner", None)], *kv)
         if tokenizer is not None:  # one book for the verifier and a colocated drafter that masks
             book = self.model.grammar = tokenizer.book(self.model.vocab_size, eos)
@@ -254,9 +254,15 @@ class TargetWorker(_Worker):
 
     @_serialised
     def prefill(self, rows: list[RowInput]) -> Reply:
-        """Cache a step's prompt chunks (no logits); misses as for verify."""
+        """Cache a step's prompt chunks (no logits); misses as for verify. Result: {request id:
+        prompt tokens taken from shared blocks so far} for the rows that took any."""
         self._injected_fault("prefill")
-        return self._run(rows, lambda: self.model.prefill(rows))
+
+        def prefill() -> dict[str, int]:
+            self.model.prefill(rows)
+            cached = self.model.runner.cached_tokens
+            return {r.request_id: cached[r.request_id] for r in rows if r.request_id in cached}
+        return self._run(rows, prefill)
 
     @_serialised
     def verify(
@@ -341,7 +347,7 @@ class DraftWorker(_Worker):
                  torch_threads: int | None = None, execution: str = "auto",
                  feature_head: FeatureDrafter | None = None, target=None,
                  planted: PlantedAcceptance | None = None, tokenizer: TokenizerSource | None = None,
-                 eos_token_ids: frozenset[int] = frozenset(), kv: tuple[int | None, int | None] = (None, None)) -> None:
+                 eos_token_ids: frozenset[int] = frozenset(), kv: tuple = (None, None, False)) -> None:
         super().__init__(torch_threads)
         from specserve.models.loading import load_draft, load_target_io
 
