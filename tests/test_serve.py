@@ -699,6 +699,44 @@ def test_colocated_drafter_is_lossless_over_http(http, server, drafter):
         assert client.get("/v1/stats").json()["fused_steps"] > 0  # drafted and verified in one call
 
 
+# -- KV memory by the block ---------------------------------------------------------------------------
+MEMORY = {"max_cached_tokens": 4096, "max_batch_size": 64, "max_queued_requests": 64}
+
+
+def _peak_running(client, bodies: list[dict]) -> tuple[int, list[dict]]:
+    """Send every body at once; -> (the coordinator's running_peak, the answers)."""
+    client.post("/v1/stats/reset")
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        answers = list(pool.map(lambda b: client.post("/v1/completions", json=b), bodies))
+    assert all(a.status_code == 200 for a in answers), [a.text for a in answers if a.status_code != 200][:2]
+    return client.get("/v1/stats").json()["running_peak"], [a.json() for a in answers]
+
+
+def test_paged_app_runs_what_a_dense_budget_cannot_and_shares_prompts(http, server):
+    """One ~430-token request and 40 short ones arriving together, at one budget (4,096 KV
+    positions, batch 64): the dense cache sizes every slot by the long one; paged (kv_block_size
+    16) runs them by their own lengths. Every answer is the session app's own. Then a second
+    request with the same 300-token system prompt takes its blocks (usage reports them)."""
+    base = {"model": "tiny", "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
+    bodies = [{**base, "prompt": "L" + "long context " * 33, "max_tokens": 16}]
+    bodies += [{**base, "prompt": f"short chat {i}", "max_tokens": 48} for i in range(40)]
+    expected = [http.post("/v1/completions", json=b).json()["choices"][0]["token_ids"] for b in bodies[:3]]
+    peaks = {}
+    for name, extra in (("dense", {}), ("paged", {"kv_block_size": 16, "prefix_caching": True})):
+        with app_client(server, f"specserve-{name}", f"/{name}", **MEMORY, **extra) as client:
+            peaks[name], answers = _peak_running(client, bodies)
+            assert [a["choices"][0]["token_ids"] for a in answers[:3]] == expected
+            if name == "paged":
+                system = "You are a careful assistant. " * 10 + "Answer briefly. "  # 306 tokens
+                first = client.post("/v1/completions", json={**base, "prompt": system + "Q1", "max_tokens": 8}).json()
+                second = client.post("/v1/completions", json={**base, "prompt": system + "Q2", "max_tokens": 8}).json()
+                assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+                assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 256, second["usage"]
+                memory = client.get("/v1/stats").json()["memory"]
+    assert peaks["dense"] <= 8 and peaks["paged"] >= 32, peaks
+    assert any("kv_blocks_total" in m for m in memory.values() if isinstance(m, dict)), memory
+
+
 # -- pipelined speculation (speculation.pipelined) -------------------------------------------------
 class TestPipelined:
     """Applications of the tiny models whose coordinator drafts block k+1 while the target

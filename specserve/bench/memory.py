@@ -11,6 +11,8 @@ Two workloads, each run with the dense cache and with the paged one (`kv_block_s
 - uniform: --batch equal requests and no budget pressure: decode tokens/s at equal batch (the
   paged forward gathers keys through block tables; this is what that costs), in --repeats rounds
   alternating the two.
+- prefix: a --system-token system prompt, then --later requests with it and a question of their
+  own, one at a time, paged without and with `prefix_caching`: TTFT p50 of the later requests.
 
 Greedy; the draft model drafts γ --gamma (fixed, so the two layouts run the same steps); every
 request's tokens are checked identical between the layouts. Prints a table, writes JSON.
@@ -39,6 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--uniform-prompt", type=int, default=128)
     p.add_argument("--gamma", type=int, default=3)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--system", type=int, default=1024, help="the shared system prompt's tokens")
+    p.add_argument("--later", type=int, default=8, help="requests after the first with that system prompt")
     p.add_argument("--out", type=Path, default=Path("bench-results/memory.json"))
 
 
@@ -90,9 +94,11 @@ def run(engine: SpeculativeEngine, batch: list[list[int]], new: int) -> dict:
             "tokens": tokens}
 
 
-def engine_for(target, draft, args, block_size: int | None, budget: int | None, batch: int) -> SpeculativeEngine:
+def engine_for(target, draft, args, block_size: int | None, budget: int | None, batch: int,
+               prefix_caching: bool = False) -> SpeculativeEngine:
     engine = SpeculativeEngine(target, draft, args.gamma, adaptive=False, max_batch_size=batch,
-                               max_cached_tokens=budget, kv_block_size=block_size, max_model_len=4096)
+                               max_cached_tokens=budget, kv_block_size=block_size, max_model_len=4096,
+                               prefix_caching=prefix_caching)
     engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
     return engine
 
@@ -119,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         result["uniform"][name] = {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in rounds[name]),
                                    "rounds": [r["tokens_per_s"] for r in rounds[name]],
                                    "tokens": rounds[name][0]["tokens"]}
+    result["prefix"] = prefix_section(target, draft, args, mix)
     same_mix = result["mix"]["dense"]["tokens"] == result["mix"]["paged"]["tokens"]
     same_uniform = result["uniform"]["dense"]["tokens"] == result["uniform"]["paged"]["tokens"]
     print(table(result, same_mix, same_uniform))
@@ -126,7 +133,23 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")
-    return 0 if same_mix and same_uniform else 1
+    return 0 if same_mix and same_uniform and result["prefix"]["same_tokens"] else 1
+
+
+def prefix_section(target, draft, args, mix: list[list[int]]) -> dict:
+    """TTFT of requests that share a system prompt, paged without and with prefix caching."""
+    text = mix[0] * (args.system // len(mix[0]) + 1)
+    system = text[: args.system]
+    questions = [q[-24:] for q in mix[1 : args.later + 2]]  # the first request's and each later one's
+    out = {}
+    for name, sharing in (("paged", False), ("paged+prefix", True)):
+        engine = engine_for(target, draft, args, args.block_size, None, 8, sharing)
+        runs = [run(engine, [system + q], 8) for q in questions]
+        later = sorted(r["ttft_p50_s"] for r in runs[1:])
+        out[name] = {"first_ttft_s": runs[0]["ttft_p50_s"], "later_ttft_p50_s": later[len(later) // 2],
+                     "tokens": [r["tokens"]["r0"] for r in runs]}
+    out["same_tokens"] = out["paged"]["tokens"] == out["paged+prefix"]["tokens"]
+    return out
 
 
 def table(result: dict, same_mix: bool, same_uniform: bool) -> str:
@@ -137,10 +160,16 @@ def table(result: dict, same_mix: bool, same_uniform: bool) -> str:
                      f"{row['ttft_p50_s']:>8.2f}s {row['ttft_p99_s']:>8.2f}s")
     for name, row in uni.items():
         lines.append(f"{'uniform':<10} {name:<6} {'':>12} {row['tokens_per_s']:>8.1f}")
+    prefix = result["prefix"]
+    for name in ("paged", "paged+prefix"):
+        lines.append(f"{'prefix':<10} {name:<12} first TTFT {prefix[name]['first_ttft_s']:.2f}s, later TTFT p50 "
+                     f"{prefix[name]['later_ttft_p50_s']:.3f}s")
     ratio = mix["paged"]["peak_running"] / max(mix["dense"]["peak_running"], 1)
     speed = uni["paged"]["tokens_per_s"] / uni["dense"]["tokens_per_s"]
+    faster = prefix["paged"]["later_ttft_p50_s"] / prefix["paged+prefix"]["later_ttft_p50_s"]
     lines.append(f"paged / dense: {ratio:.1f}x requests at once in the mix, {speed:.2f}x tok/s on the uniform "
-                 f"batch; same tokens: mix {same_mix}, uniform {same_uniform}")
+                 f"batch; prefix cache: later TTFT {faster:.1f}x lower; same tokens: mix {same_mix}, uniform "
+                 f"{same_uniform}, prefix {prefix['same_tokens']}")
     return "\n".join(lines)
 
 
