@@ -12,7 +12,7 @@ import torch
 from models import hf_greedy, tiny_llama
 from specserve import SamplingParams, SpeculativeEngine
 from specserve.engine import RowInput
-from specserve.engine.admission import Admission
+from specserve.engine.admission import Admission, allocation, positions_needed
 from specserve.engine.model_runner import ModelRunner
 from specserve.engine.step import new_sequence
 from test_drafters import prompts
@@ -257,3 +257,30 @@ def test_prefix_caching_needs_blocks_and_stays_off_under_a_feature_head(head_dir
     assert not engine.verifier.runner.cache.prefix_caching  # its features come from computing every position
     outs = engine.generate([SYSTEM + [5], SYSTEM + [6]], SamplingParams(max_tokens=MAX_NEW, temperature=0.0))
     assert [o.token_ids for o in outs] == [reference(tuple(SYSTEM + [5])), reference(tuple(SYSTEM + [6]))]
+
+
+def test_requests_that_outgrow_the_budget_are_preempted_and_lose_nothing():
+    """Admission by what requests hold now: more start than their full lengths would allow, and
+    as they grow the newest are preempted (caches freed, back to the head of the queue with their
+    tokens) and prefilled again later. Every output is the target's own; seeded sampling too."""
+    budget = 320
+    engine = SpeculativeEngine(target(), tiny_llama(0, layers=4), num_speculative_tokens=3, adaptive=False,
+                               kv_block_size=8, max_cached_tokens=budget, max_batch_size=16, prefill_chunk_tokens=16)
+    batch = prompts(8, seed=31)
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(batch):
+        engine.add_request(f"r{i}", prompt, params)
+    seqs = {f"r{i}": engine.sequence(f"r{i}") for i in range(len(batch))}
+    peak, preempted, tokens = 0, set(), {rid: [] for rid in seqs}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+        peak = max(peak, len(engine.admission.running))
+        preempted |= {s.request_id for s in engine.admission.waiting if s.output}
+        assert engine.admission.allocated() <= budget
+    full = [positions_needed(seqs[f"r{i}"], 3) for i in range(len(batch))]  # each request at its longest
+    reserving = max(k for k in range(len(full) + 1) if allocation(full[:k], 8) <= budget)
+    assert peak > reserving and preempted, (peak, reserving, preempted)
+    for i, prompt in enumerate(batch):
+        assert tokens[f"r{i}"] == hf_greedy(target(), prompt, 48), i
+    assert_pool_full(engine)

@@ -14,11 +14,20 @@ slots and capacity before it grows, see `ModelRunner._fit`). With a budget (`max
 a request joins only while that product, counting it, fits; a request that could not fit even
 alone is refused before anything is allocated.
 
-A paged cache (`engine/paged_cache.py`, `kv_block_size`) allocates by the block instead: each
-request its own positions_needed (+ 1, a padding position) in blocks, plus the scratch block, so
-a long request no longer sizes everyone's slot:
+A paged cache (`engine/paged_cache.py`, `kv_block_size`) allocates by the block instead, each
+request for its own length, so a long request no longer sizes everyone's slot. Admission then
+counts what the running requests hold *now*, plus one step's headroom each (γ drafts, the γ + 1
+a pipelined ahead call drafts past them, a padding position), and the scratch block:
 
-    (1 + sum over running of blocks_for(prompt + max_tokens + γ + 1)) x block_size
+    (1 + sum over running of blocks_for(tokens so far + 2γ + 3)) x block_size
+
+That admits by what requests use, not by what they might (a chat without max_tokens may reach the
+whole context). As requests grow the sum may pass the budget: then the newest running requests are
+preempted (`preempt`), newest first, until it fits again: their caches are freed, and they wait at
+the head of the queue with every token they have, to be prefilled again (prompt + output, chunked;
+prefix caching may take part of it) when they fit. Nothing is lost, the stream just pauses; a
+seeded request's random stream is untouched. A request that could not fit alone at its worst
+(prompt + max_tokens + γ) is refused at once, so a request alone always fits.
 """
 from __future__ import annotations
 
@@ -75,11 +84,16 @@ class Admission:
         self.waiting.insert(ahead, seq)
 
     def need(self, seq: Sequence) -> int:
+        """Positions the budget counts for a request: dense, its worst case (the slot is sized
+        for it); paged, what it holds now plus one step's headroom."""
+        if self.block_size:  # (a pipelined step's ahead call drafts γ + 1 more past the verify's γ)
+            return seq.num_tokens + 2 * self.max_gamma + 2
         return positions_needed(seq, self.max_gamma)
 
     def too_big(self, seq: Sequence) -> bool:
-        """Whether the request could not fit the budget even alone."""
-        return self.budget is not None and allocation([self.need(seq)], self.block_size) > self.budget
+        """Whether the request could not fit the budget even alone, at its longest."""
+        return self.budget is not None and allocation([positions_needed(seq, self.max_gamma)],
+                                                     self.block_size) > self.budget
 
     def allocated(self) -> int:
         """Token positions the running batch may allocate on each worker (what the budget bounds)."""
@@ -106,6 +120,7 @@ class Admission:
     def admit(self) -> list[Sequence]:
         """Move waiting requests into the running batch, FIFO (no overtaking: a large request at the
         head waits rather than starve); returns those admitted."""
+        self._refresh()
         admitted = []
         while self.waiting and self._fits(self.waiting[0]):
             seq = self.waiting.popleft()
@@ -113,6 +128,31 @@ class Admission:
             self._needs[seq.request_id] = self.need(seq)
             admitted.append(seq)
         return admitted
+
+    def preempt(self) -> list[Sequence]:
+        """Paged caches: while the running requests' current needs pass the budget, move the newest
+        back to the head of the queue (newest last there, so they return oldest first) -> those
+        moved (the caller frees their caches). Nothing to do for dense caches (their needs never grow)."""
+        if not self.block_size or self.budget is None:
+            return []
+        self._refresh()
+        moved: list[Sequence] = []
+        while len(self.running) > 1 and self.allocated() > self.budget:
+            request_id = next(reversed(self.running))  # the newest admitted
+            seq = self.running.pop(request_id)
+            del self._needs[request_id]
+            seq.target_len = seq.draft_len = 0
+            seq.preempted = True
+            moved.append(seq)
+        for seq in moved:  # ahead of everything waiting: they were running before any of it arrived
+            self.waiting.appendleft(seq)
+        return moved
+
+    def _refresh(self) -> None:
+        """Paged caches: the running requests' needs as of their tokens now."""
+        if self.block_size:
+            for request_id, seq in self.running.items():
+                self._needs[request_id] = self.need(seq)
 
     def release(self, request_id: str) -> bool:
         """Forget a running request (finished or aborted); whether it was running (and so holds caches)."""

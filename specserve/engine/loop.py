@@ -26,7 +26,11 @@ class StepLoop:
         self.prefill_chunk_tokens = prefill_chunk_tokens or None
 
     def admit(self) -> list[Sequence]:
-        """Admit waiting requests; -> the running batch."""
+        """Preempt what the budget no longer holds (paged caches), admit waiting requests; -> the
+        running batch."""
+        preempted = self.admission.preempt()
+        if preempted:
+            self.executor.free([s.request_id for s in preempted])
         self.admission.admit()
         return list(self.admission.running.values())
 
@@ -37,6 +41,8 @@ class StepLoop:
         if self.prefill_chunk_tokens is not None:
             await self.executor.prefill(seqs, self.prefill_chunk_tokens)
             ready = [s for s in seqs if not prefilling(s, self.executor.with_draft)]
+        for s in ready:
+            s.preempted = False  # (prefilled again: it steps as before)
         return await self.executor.step(ready, self.policy) if ready else []
 
     def retire(self, request_ids: list[str]) -> None:

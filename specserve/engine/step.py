@@ -81,6 +81,7 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     cached_tokens: int = 0  # prompt tokens the target's cache took from shared blocks (prefix caching)
+    preempted: bool = False  # its caches were given back (paged budget): prefilled again before it steps
 
     def __post_init__(self) -> None:
         if self.generator is None:
@@ -174,7 +175,7 @@ def prefilling(seq: Sequence, with_draft: bool) -> bool:
     """Whether the request still waits for its tokens to be cached (target, and draft when
     with_draft) before it can step. Only before its first step: a draft lagging behind a running
     request (steps without drafts) is caught up by the next propose, as before."""
-    if seq.metrics.num_steps:
+    if seq.metrics.num_steps and not seq.preempted:
         return False
     end = prefill_end(seq)
     return seq.target_len < end or (with_draft and seq.draft_len < end)
@@ -189,7 +190,7 @@ def prefill_rows(seqs: list[Sequence], mark: str, budget: int) -> list[RowInput]
     width = 0
     for s in seqs:
         start, end = getattr(s, mark), prefill_end(s)
-        if s.metrics.num_steps or start >= end:
+        if (s.metrics.num_steps and not s.preempted) or start >= end:
             continue
         if not rows:
             width = min(end - start, budget)
