@@ -1,13 +1,15 @@
 """KV memory by the block against the dense cache, at one budget, in one run (in process).
 
     python -m specserve.bench.memory [--tiny] [--budget 8192] [--block-size 16]
+    python -m specserve.bench.memory --shapes llama2-7b --budget 65536 --batch 16   # a GPU: random 7B/1.1B, bf16
 
 Two workloads, each run with the dense cache and with the paged one (`kv_block_size`), side by side:
 
 - mix: one long request (a --long-token prompt) and --short short chats (held-out prompts) arrive
   together at a budget of --budget KV positions per model (`max_cached_tokens`). Reported: the most
-  requests running at once, generated tokens/s over the whole run, TTFT p50/p99 (arrival to the
-  first generated token).
+  requests running at once while the long one runs (once it is done, the dense cache is no longer
+  sized by it), generated tokens/s over the whole run, TTFT p50/p99 (arrival to the first
+  generated token).
 - uniform: --batch equal requests and no budget pressure: decode tokens/s at equal batch (the
   paged forward gathers keys through block tables; this is what that costs), in --repeats rounds
   alternating the two.
@@ -32,6 +34,8 @@ from specserve.engine import SamplingParams, SpeculativeEngine
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tiny", action="store_true", help="tiny seeded models (a quick check) instead of SmolLM2")
+    p.add_argument("--shapes", default=None, help="a random-weight target shape of bench gpu (e.g. llama2-7b, "
+                   "drafted by tinyllama-1.1b), on the GPU in bf16, instead of SmolLM2")
     p.add_argument("--budget", type=int, default=8192, help="max_cached_tokens of the mix")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--long", type=int, default=1536, help="the long request's prompt tokens")
@@ -46,8 +50,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=Path("bench-results/memory.json"))
 
 
-def load(tiny: bool):
+def load(tiny: bool, shapes: str | None = None):
     """(target, draft, tokenizer)"""
+    if shapes:
+        import torch
+
+        from specserve.bench.gpu import random_llama
+        from specserve.models.tiny import byte_tokenizer
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        dtype = torch.bfloat16 if device == "cuda" else torch.float32
+        return (random_llama(shapes, device, dtype, 0, peaked=True),
+                random_llama("tinyllama-1.1b", device, dtype, 1, peaked=False), byte_tokenizer())
     if tiny:
         from specserve.models.tiny import byte_tokenizer, tiny_llama
 
@@ -71,7 +85,8 @@ def workloads(tokenizer, args) -> tuple[list[list[int]], list[list[int]]]:
 
 
 def run(engine: SpeculativeEngine, batch: list[list[int]], new: int) -> dict:
-    """Every prompt at once; steps until all finish -> peak running, wall, TTFTs, tokens."""
+    """Every prompt at once; steps until all finish -> peak running (while the first request
+    runs), wall, TTFTs, tokens."""
     params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
     began = time.perf_counter()
     for i, prompt in enumerate(batch):
@@ -81,7 +96,8 @@ def run(engine: SpeculativeEngine, batch: list[list[int]], new: int) -> dict:
     peak = 0
     while engine.has_unfinished():
         outs = engine.step()
-        peak = max(peak, len(engine.admission.running))
+        if "r0" in engine.admission.running:
+            peak = max(peak, len(engine.admission.running))
         now = time.perf_counter() - began
         for out in outs:
             if out.new_token_ids and out.request_id not in first:
@@ -107,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specserve bench memory", description=__doc__.splitlines()[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
-    target, draft, tokenizer = load(args.tiny)
+    target, draft, tokenizer = load(args.tiny, args.shapes)
     mix, uniform = workloads(tokenizer, args)
     layouts = {"dense": None, "paged": args.block_size}
     result = {"args": {k: str(v) for k, v in vars(args).items()}, "mix": {}, "uniform": {}}
