@@ -284,3 +284,30 @@ def test_requests_that_outgrow_the_budget_are_preempted_and_lose_nothing():
     for i, prompt in enumerate(batch):
         assert tokens[f"r{i}"] == hf_greedy(target(), prompt, 48), i
     assert_pool_full(engine)
+
+
+def test_short_rows_attend_over_their_own_length_not_the_longest(monkeypatch):
+    """One long row among short ones: the paged runner splits the batch into a short forward and a
+    long one where that saves more key positions than a second pass over the weights costs (the
+    target's verify and the draft's loop alike), and every token stays the target's own."""
+    from specserve.models.tiny import tiny_llama as byte_llama
+
+    model = byte_llama(0, layers=2, max_position_embeddings=1024)
+    draft = byte_llama(0, layers=2, max_position_embeddings=1024, noise=0.2)
+    batch = [[(7 * i) % 250 + 1 for i in range(600)]] + prompts(4, seed=8)
+    engine = SpeculativeEngine(model, draft, num_speculative_tokens=3, adaptive=False, kv_block_size=16)
+    splits = []
+    real = ModelRunner.length_groups
+
+    def spy(self, rows, *args, **kwargs):
+        groups = real(self, rows, *args, **kwargs)
+        splits.append([len(g) for g in groups])
+        return groups
+    monkeypatch.setattr(ModelRunner, "length_groups", spy)
+    outs = engine.generate(batch, SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True))
+    assert [4, 1] in splits, splits  # the four short rows apart from the long one
+    assert [o.token_ids for o in outs] == [hf_greedy(model, p, MAX_NEW) for p in batch]
+    assert sum(o.metrics.num_accepted_tokens for o in outs) > 0
+    assert_pool_full(engine)
+    dense = ModelRunner(model, execution="eager")
+    assert dense.length_groups([RowInput("a", 0, [1] * 600), RowInput("b", 0, [1])]) == [[0, 1]]

@@ -413,7 +413,7 @@ class FeatureTap:
         runner.execution = "eager"  # hooks must fire on every forward
         # every position's features are stored as the target computes it: a prefix taken from
         # shared KV blocks would leave its features missing
-        runner.prefix_blocked = "a feature drafter reads the target's hidden states at every position"
+        runner.tapped = "a feature drafter reads the target's hidden states at every position"
         if getattr(runner.cache, "prefix_caching", False):
             runner.cache.prefix_caching = False
         inner_forward, inner_free = runner.forward, runner.free

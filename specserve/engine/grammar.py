@@ -103,6 +103,13 @@ class GrammarRows:
     def __iter__(self):
         return iter(zip(self.request_ids, self.grammars, self.outputs))
 
+    def select(self, rows: list[int]) -> "GrammarRows | None":
+        """These rows only (caller indices); None when none of them has a grammar."""
+        grammars = [self.grammars[b] for b in rows]
+        if all(g is None for g in grammars):
+            return None
+        return GrammarRows([self.request_ids[b] for b in rows], grammars, [self.outputs[b] for b in rows])
+
 
 def tokenizer_view(tokenizer, vocab_size: int, eos_token_ids: Sequence[int]):
     """llguidance's view of a HF fast tokenizer over max(V, its own size) ids (a model head may be

@@ -40,6 +40,9 @@ from .paged_cache import PagedKVCache
 # (at most 7 wasted rows; tensor-core tiles are multiples of 8), as vLLM's CUDA-graph capture sizes.
 BATCH_BUCKETS = (1, 2, 4, *range(8, 257, 8))
 EXECUTION_MODES = ("auto", "eager", "compile", "graph")
+# a forward's fixed cost beyond reading its weights (host work, launches), as a share of their bytes:
+# what splitting a paged batch into two forwards must save on top of the second weight pass
+SPLIT_OVERHEAD = 0.25
 _COLUMNS = 6  # after the Q token ids: start, write slot, read slot, last, caller->sorted, sorted->caller
 
 
@@ -223,8 +226,11 @@ class ModelRunner:
         if self.linear_kernels:
             cpu_linear.install(model)
         self.last_hidden: torch.Tensor | None = None
-        self.prefix_blocked: str | None = None  # why computed prefixes may not be shared (None: they may)
+        # why each forward must compute every position of every row itself, in one pass (a feature
+        # tap stores what it sees): no shared prefixes, no split batches (None: nothing taps it)
+        self.tapped: str | None = None
         self.cached_tokens: dict[str, int] = {}  # request -> prompt tokens its prefills took from shared blocks
+        self._bytes: int | None = None  # the weights' bytes (`_weight_bytes`)
         limit = getattr(model.config, "max_position_embeddings", None)
         self.max_model_len = min(p for p in (max_model_len, limit) if p) if (max_model_len or limit) else None
         self.cache = SlotKVCache(self.max_model_len)
@@ -243,10 +249,10 @@ class ModelRunner:
         """Keep keys and values by block (engine/paged_cache.py) from now on: blocks of
         `block_size` positions from one pool of `num_blocks` (None: a pool that grows), sharing
         computed prompt prefixes when prefix_caching (not where a drafter reads this model's
-        hidden states at every position: `prefix_blocked`). Before the first request only."""
+        hidden states at every position: `tapped`). Before the first request only."""
         if self._slot_of:
             raise RuntimeError("the cache layout changes only while no request is cached")
-        sharing = prefix_caching and self.prefix_blocked is None
+        sharing = prefix_caching and self.tapped is None
         self.cache = PagedKVCache(block_size, self.max_model_len, num_blocks, sharing)
 
     @property
@@ -366,6 +372,25 @@ class ModelRunner:
             rows = self._take_cached_prefixes(rows)
             if not rows:
                 return None
+        groups = self.length_groups(rows, 0 if tail is None else tail.shape[1])
+        if len(groups) == 1:
+            return self._forward_rows(rows, logits, tail)
+        return self._forward_groups(rows, groups, logits, tail)
+
+    def _forward_groups(self, rows: list[RowInput], groups: list[list[int]], logits: str,
+                        tail: torch.Tensor | None) -> torch.Tensor | None:
+        """One forward per group of rows (caller indices), the results put back in caller order
+        ([B, Q, V'] with Q the longest group's: a shorter group's extra positions are zeros)."""
+        outs, hidden = [], []
+        for group in groups:
+            picked = None if tail is None else tail[torch.tensor(group, device=tail.device)]
+            outs.append(self._forward_rows([rows[b] for b in group], logits, picked))
+            hidden.append(self.last_hidden)
+        if self.keep_hidden:
+            self.last_hidden = _regroup(hidden, groups, len(rows))
+        return None if outs[0] is None else _regroup(outs, groups, len(rows))
+
+    def _forward_rows(self, rows: list[RowInput], logits: str, tail: torch.Tensor | None) -> torch.Tensor | None:
         staged = self.stage(rows, tail_width=0 if tail is None else tail.shape[1])
         if tail is not None:
             staged.ids[:, staged.width - tail.shape[1]:] = tail.to(self.device).index_select(0, staged.sorted_to_caller)
@@ -376,6 +401,29 @@ class ModelRunner:
         if self.keep_hidden:
             self.last_hidden = self.unsort(staged, self.last_hidden)
         return None if out is None else self.unsort(staged, out)
+
+    def length_groups(self, rows: list[RowInput], tail_width: int = 0, extra_positions: int = 0) -> list[list[int]]:
+        """A paged cache's rows (caller indices) in two forwards, short ones and long ones, where
+        the key positions the short rows would otherwise attend over (up to the longest row's)
+        cost more than a second pass over the weights; else one group. Dense: always one group
+        (every slot is as long as the longest anyway)."""
+        if not self.paged or len(rows) < 2 or self.tapped:
+            return [list(range(len(rows)))]
+        ends = [r.start + len(r.tokens) + tail_width + 1 + extra_positions for r in rows]
+        order = sorted(range(len(rows)), key=ends.__getitem__)
+        keys = [self.cache.reserve_length(ends[b]) for b in order]  # K each row alone would need
+        per_position, weights = self.cache.bytes_per_position(), self._weight_bytes()
+        saving, split = max(((i * (keys[-1] - keys[i - 1]) * per_position, i) for i in range(1, len(rows))),
+                            default=(0, 0))
+        if saving <= (1 + SPLIT_OVERHEAD) * weights:
+            return [list(range(len(rows)))]
+        return [sorted(order[:split]), sorted(order[split:])]
+
+    def _weight_bytes(self) -> int:
+        """Bytes of the model's weights (what each forward reads once), counted once."""
+        if self._bytes is None:
+            self._bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return self._bytes
 
     def _take_cached_prefixes(self, rows: list[RowInput]) -> list[RowInput]:
         """A prefill's rows less the leading tokens whose keys shared blocks already hold (their
@@ -689,3 +737,16 @@ def _reject_sliding_window(config) -> None:
     )
     if uses_window:
         raise ValueError("models with sliding-window or non-attention layers are not supported yet")
+
+
+def _regroup(parts: list[torch.Tensor | None], groups: list[list[int]], batch: int) -> torch.Tensor | None:
+    """Per-group results [B_g, ...] (leading dims may differ past the first: padded with zeros)
+    -> one [B, ...] in caller order."""
+    if parts[0] is None:
+        return None
+    shape = [max(p.shape[d] for p in parts) for d in range(1, parts[0].dim())]
+    out = parts[0].new_zeros(batch, *shape)
+    for part, group in zip(parts, groups):
+        index = torch.tensor(group, device=part.device)
+        out[(index, *(slice(0, n) for n in part.shape[1:]))] = part
+    return out

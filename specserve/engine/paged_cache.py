@@ -219,6 +219,11 @@ class PagedKVCache:
         self._view_length = length
         return length
 
+    def reserve_length(self, needed_positions: int) -> int:
+        """K a forward over rows needing `needed_positions` would attend over (`reserve`'s rounding)."""
+        needed = needed_positions if self.max_model_len is None else min(needed_positions, self.max_model_len)
+        return blocks_for(capacity_for(needed, self.max_model_len), self.block_size) * self.block_size
+
     @property
     def ready(self) -> bool:
         """Every layer already holds the pool's current size: a forward allocates nothing."""
@@ -257,6 +262,11 @@ class PagedKVCache:
     @property
     def num_blocks(self) -> int:
         return self._num_blocks
+
+    def bytes_per_position(self) -> int:
+        """Bytes of keys and values one position holds over every layer allocated so far (0 before
+        the first forward)."""
+        return sum(2 * t.shape[2] * t.shape[3] * t.element_size() for t in self._keys if t is not None)
 
     def memory_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._keys + self._values if t is not None)

@@ -55,6 +55,12 @@ class LogitsProcessing:
             [list(s.prompt) + list(s.output) if p.repetition_penalty != 1.0 else [] for s, p in zip(seqs, params)]
             if repeat else None)
 
+    def select(self, rows: list[int]) -> "LogitsProcessing":
+        """These rows only (caller indices)."""
+        pick = lambda values: [values[b] for b in rows]  # noqa: E731
+        return LogitsProcessing(pick(self.presence), pick(self.frequency), pick(self.repetition), pick(self.bias),
+                                pick(self.generated), None if self.context is None else pick(self.context))
+
     def apply(self, logits: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
         """logits [B, W, V] (position j follows drafts 0..j-1), drafts [B, >= W-1] -> processed
         float32 logits [B, W, V]."""

@@ -146,6 +146,11 @@ class DraftModelProposer:
         alternates: also return each position's runner-up token when every row is greedy."""
         runner = self.runner
         runner.check(rows)
+        groups = runner.length_groups(rows, extra_positions=num_tokens - 1)
+        if len(groups) > 1:  # a paged cache's short rows and long ones, each at its own key length
+            return merge_proposals([self.propose([rows[b] for b in g], num_tokens, sampling.select(g),
+                                                 None if uniforms is None else uniforms[g], alternates)
+                                    for g in groups], groups, len(rows))
         runner.take_forward_log()
         backlog = [RowInput(r.request_id, r.start, r.tokens[:-1]) for r in rows if catch_up(r.tokens, DRAFT_ROW_TOKENS)]
         if backlog:
@@ -275,6 +280,22 @@ class DraftModelProposer:
             return logits[:, :vocab]
         pad = logits.new_full((logits.shape[0], vocab - logits.shape[-1]), float("-inf"))
         return torch.cat([logits, pad], dim=-1)
+
+
+def merge_proposals(parts: list[Proposal], groups: list[list[int]], batch: int) -> Proposal:
+    """Proposals over groups of rows (caller indices) -> one over all B rows, in caller order."""
+    def merged(name: str) -> torch.Tensor | None:
+        tensors = [getattr(p, name) for p in parts]
+        if all(t is None for t in tensors):
+            return None
+        first = next(t for t in tensors if t is not None)
+        out = first.new_zeros(batch, *first.shape[1:])
+        for t, group in zip(tensors, groups):
+            out[torch.tensor(group, device=out.device)] = t
+        return out
+
+    forwards = tuple(f for p in parts for f in p.forwards)
+    return Proposal(merged("tokens"), merged("probs"), forwards, alternates=merged("alternates"))
 
 
 # -- layer skip (self-speculative) ----------------------------------------------------------------

@@ -128,6 +128,14 @@ class BatchSampling:
         return BatchSampling(self.temperature.to(device), self.top_k.to(device), self.top_p.to(device),
                              self.processing, self.logprobs, self.grammar)
 
+    def select(self, rows: list[int]) -> "BatchSampling":
+        """These rows only (caller indices), each with its processing and grammar."""
+        index = torch.tensor(rows, dtype=torch.long)
+        pick = lambda t: t.index_select(0, index.to(t.device))  # noqa: E731
+        return BatchSampling(pick(self.temperature), pick(self.top_k), pick(self.top_p),
+                             None if self.processing is None else self.processing.select(rows), self.logprobs,
+                             None if self.grammar is None else self.grammar.select(rows))
+
     def repeat_rows(self, n: int) -> "BatchSampling":
         """Each row repeated n times in place: [B] -> [B * n] (row b's copies are adjacent)."""
         return BatchSampling(
