@@ -34,8 +34,9 @@ from specserve.engine import SamplingParams, SpeculativeEngine
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tiny", action="store_true", help="tiny seeded models (a quick check) instead of SmolLM2")
-    p.add_argument("--shapes", default=None, help="a random-weight target shape of bench gpu (e.g. llama2-7b, "
-                   "drafted by tinyllama-1.1b), on the GPU in bf16, instead of SmolLM2")
+    p.add_argument("--shapes", default=None, help="a random-weight target shape of bench gpu (e.g. llama2-7b), "
+                   "on the GPU in bf16, instead of SmolLM2")
+    p.add_argument("--draft-shape", default="tinyllama-1.1b", help="with --shapes: the draft's")
     p.add_argument("--budget", type=int, default=8192, help="max_cached_tokens of the mix")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--long", type=int, default=1536, help="the long request's prompt tokens")
@@ -50,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=Path("bench-results/memory.json"))
 
 
-def load(tiny: bool, shapes: str | None = None):
+def load(tiny: bool, shapes: str | None = None, draft_shape: str = "tinyllama-1.1b"):
     """(target, draft, tokenizer)"""
     if shapes:
         import torch
@@ -61,7 +62,7 @@ def load(tiny: bool, shapes: str | None = None):
         device = "cuda" if torch.cuda.is_available() else "cpu"
         dtype = torch.bfloat16 if device == "cuda" else torch.float32
         return (random_llama(shapes, device, dtype, 0, peaked=True),
-                random_llama("tinyllama-1.1b", device, dtype, 1, peaked=False), byte_tokenizer())
+                random_llama(draft_shape, device, dtype, 1, peaked=False), byte_tokenizer())
     if tiny:
         from specserve.models.tiny import byte_tokenizer, tiny_llama
 
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specserve bench memory", description=__doc__.splitlines()[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
-    target, draft, tokenizer = load(args.tiny, args.shapes)
+    target, draft, tokenizer = load(args.tiny, args.shapes, args.draft_shape)
     mix, uniform = workloads(tokenizer, args)
     layouts = {"dense": None, "paged": args.block_size}
     result = {"args": {k: str(v) for k, v in vars(args).items()}, "mix": {}, "uniform": {}}
