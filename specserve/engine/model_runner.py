@@ -10,7 +10,8 @@ A forward is two halves (docs/architecture.md §7):
 
 - `stage` (host): slots, the row order, the shape bucket, and ONE host-to-device copy of a small
   int64 block [B', Q + 6] into a static buffer allocated once per (B', Q): token ids, start,
-  write slot, read slot, last real token, and the two row permutations.
+  write slot, read slot, last real token, and the two row permutations (and, with a paged cache,
+  each row's block table: engine/paged_cache.py).
 - `_compute` (device only): positions, the mask, the model, the logits. It reads nothing back to
   the host, so it can run eagerly, under `torch.compile(fullgraph=True, dynamic=False)`, or be
   captured as a CUDA graph and replayed (`execution`).
@@ -164,7 +165,7 @@ class Staged:
     key_length: int  # K
     gather: bool  # rows are not slots 0..B-1: gather their keys
     tokens: int  # real tokens in the forward
-    block: torch.Tensor  # [B', Q + 6] int64 on the device: the static buffer for (B', Q)
+    block: torch.Tensor  # [B', Q + 6 (+ K / bs block-table entries, paged)] int64 on the device: a static buffer
 
     @property
     def rows(self) -> int:
