@@ -20,7 +20,7 @@ from specserve.models.tiny import byte_tokenizer
 from test_drafters import prompts
 from test_processing import drafter
 from test_feature_drafter import target
-from test_sampling_distribution import NUM_SEQUENCES, PROMPT, VOCAB, chi_square_pvalue
+from test_sampling_distribution import PROMPT, VOCAB, assert_engine_samples, enumerated_marginals
 
 MAX_NEW = 24
 # the test models' 96 ids are the bytes 0..95: digits, capitals, [ ] ( ) , - " : and the like
@@ -213,7 +213,11 @@ def allowed_by_hand(out: list[int]) -> list[int]:
     return [3, 4, 5] if out[-1] in (1, 2) else [0, 1, 2]
 
 
-def exact_masked_marginals(model, p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+def test_sampling_follows_the_masked_target():
+    small = dict(vocab=VOCAB, init_range=0.3, layers=1, hidden=16)
+    model, draft = tiny_llama(0, **small), tiny_llama(5, **small)
+    p = SamplingParams(max_tokens=3, temperature=1.0, grammar=PAIRS, ignore_eos=True)
+
     def dist(out: list[int]) -> torch.Tensor:
         with torch.no_grad():
             logits = model(input_ids=torch.tensor([PROMPT + out])).logits[0, -1]
@@ -221,24 +225,6 @@ def exact_masked_marginals(model, p: SamplingParams) -> tuple[torch.Tensor, torc
         mask[allowed_by_hand(out)] = 0.0
         return logits_to_probs((logits + mask)[None], BatchSampling.from_params([p]))[0].double()
 
-    p1 = dist([])
-    p2 = torch.stack([dist([a]) for a in range(VOCAB)])
-    joint = p1[:, None] * p2  # [a, b]
-    p3 = torch.stack([torch.stack([dist([a, b]) for b in range(VOCAB)]) for a in range(VOCAB)])
-    return joint.sum(0), (joint[..., None] * p3).sum((0, 1))
-
-
-def test_sampling_follows_the_masked_target():
-    small = dict(vocab=VOCAB, init_range=0.3, layers=1, hidden=16)
-    model, draft = tiny_llama(0, **small), tiny_llama(5, **small)
-    p = SamplingParams(max_tokens=3, temperature=1.0, grammar=PAIRS, ignore_eos=True)
-    exact2, exact3 = exact_masked_marginals(model, p)
     engine = SpeculativeEngine(model, draft, num_speculative_tokens=2, adaptive=False, max_batch_size=2500,
                                tokenizer=byte_tokenizer())
-    seeded = [SamplingParams(**{**p.__dict__, "seed": i}) for i in range(NUM_SEQUENCES)]
-    outs = engine.generate([PROMPT] * NUM_SEQUENCES, seeded)
-    assert sum(o.metrics.num_accepted_tokens for o in outs) > 0.1 * NUM_SEQUENCES
-    count = lambda pos: torch.tensor(  # noqa: E731
-        [sum(o.token_ids[pos] == v for o in outs) for v in range(VOCAB)], dtype=torch.float64)
-    assert chi_square_pvalue(count(1), exact2) > 1e-4
-    assert chi_square_pvalue(count(2), exact3) > 1e-4
+    assert_engine_samples(engine, p, *enumerated_marginals(dist))

@@ -17,7 +17,7 @@ from specserve.engine.proposers import DraftModelProposer, LayerSkipSpec, Prompt
 from specserve.engine.sampling import BatchSampling, logits_to_probs
 from test_drafters import prompts
 from test_feature_drafter import build as build_head, target
-from test_sampling_distribution import NUM_SEQUENCES, PROMPT, VOCAB, chi_square_pvalue
+from test_sampling_distribution import PROMPT, VOCAB, assert_engine_samples, enumerated_marginals
 
 MAX_NEW = 24
 SETTINGS = [  # one per row of a ragged batch
@@ -120,33 +120,19 @@ SAMPLED = SamplingParams(max_tokens=3, temperature=1.0, presence_penalty=0.8, fr
                          repetition_penalty=1.5, logit_bias={3: 1.0, 6: -1.5})
 
 
-def exact_processed_marginals(model, p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact P(2nd token) and P(3rd token) [V] under the processing, by enumerating prefixes."""
+def test_sampling_follows_the_processed_target():
+    """Exact P(2nd token) and P(3rd token) under the processing, by enumerating prefixes."""
+    small = dict(vocab=VOCAB, init_range=0.3, layers=1, hidden=16)
+    model, draft = tiny_llama(0, **small), tiny_llama(5, **small)
+
     def dist(out: list[int]) -> torch.Tensor:
         with torch.no_grad():
             logits = model(input_ids=torch.tensor([PROMPT + out])).logits[0, -1]
-        processed = processed_naively(logits, PROMPT, out, p).float()[None]
-        return logits_to_probs(processed, BatchSampling.from_params([p]))[0].double()
+        processed = processed_naively(logits, PROMPT, out, SAMPLED).float()[None]
+        return logits_to_probs(processed, BatchSampling.from_params([SAMPLED]))[0].double()
 
-    p1 = dist([])
-    p2 = torch.stack([dist([a]) for a in range(VOCAB)])  # [a, b]
-    joint = p1[:, None] * p2
-    p3 = torch.stack([torch.stack([dist([a, b]) for b in range(VOCAB)]) for a in range(VOCAB)])  # [a, b, c]
-    return joint.sum(0), (joint[..., None] * p3).sum((0, 1))
-
-
-def test_sampling_follows_the_processed_target():
-    small = dict(vocab=VOCAB, init_range=0.3, layers=1, hidden=16)
-    model, draft = tiny_llama(0, **small), tiny_llama(5, **small)
-    exact2, exact3 = exact_processed_marginals(model, SAMPLED)
     engine = SpeculativeEngine(model, draft, num_speculative_tokens=2, adaptive=False, max_batch_size=2500)
-    seeded = [SamplingParams(**{**SAMPLED.__dict__, "seed": i}) for i in range(NUM_SEQUENCES)]
-    outs = engine.generate([PROMPT] * NUM_SEQUENCES, seeded)
-    assert sum(o.metrics.num_accepted_tokens for o in outs) > 0.1 * NUM_SEQUENCES
-    count = lambda pos: torch.tensor(  # noqa: E731
-        [sum(o.token_ids[pos] == v for o in outs) for v in range(VOCAB)], dtype=torch.float64)
-    assert chi_square_pvalue(count(1), exact2) > 1e-4
-    assert chi_square_pvalue(count(2), exact3) > 1e-4
+    assert_engine_samples(engine, SAMPLED, *enumerated_marginals(dist))
 
 
 def test_parameters_are_checked():

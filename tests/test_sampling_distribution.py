@@ -61,6 +61,26 @@ def sampled_marginals(target, draft, params: SamplingParams) -> tuple[torch.Tens
     return count(second), count(third)
 
 
+def enumerated_marginals(dist) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact P(2nd token) and P(3rd token) [V] from dist(output so far) -> P(next) [V] float64."""
+    p1 = dist([])
+    joint = p1[:, None] * torch.stack([dist([a]) for a in range(VOCAB)])  # [a, b]
+    p3 = torch.stack([torch.stack([dist([a, b]) for b in range(VOCAB)]) for a in range(VOCAB)])  # [a, b, c]
+    return joint.sum(0), (joint[..., None] * p3).sum((0, 1))
+
+
+def assert_engine_samples(engine, params: SamplingParams, exact2: torch.Tensor, exact3: torch.Tensor) -> None:
+    """NUM_SEQUENCES seeded runs of PROMPT: the 2nd and 3rd tokens follow exact2 / exact3, and
+    enough drafts are accepted that the rule is exercised."""
+    seeded = [SamplingParams(**{**params.__dict__, "seed": i}) for i in range(NUM_SEQUENCES)]
+    outs = engine.generate([PROMPT] * NUM_SEQUENCES, seeded)
+    assert sum(o.metrics.num_accepted_tokens for o in outs) > 0.1 * NUM_SEQUENCES
+    count = lambda pos: torch.tensor(  # noqa: E731
+        [sum(o.token_ids[pos] == v for o in outs) for v in range(VOCAB)], dtype=torch.float64)
+    assert chi_square_pvalue(count(1), exact2) > 1e-4
+    assert chi_square_pvalue(count(2), exact3) > 1e-4
+
+
 def chi_square_pvalue(observed: torch.Tensor, probs: torch.Tensor) -> float:
     """Goodness of fit; a count on a zero-probability token is an outright failure (p = 0)."""
     expected = probs.double() * observed.sum()
