@@ -856,7 +856,8 @@ def test_batched_prompts_and_n_choices_whole_and_streamed(client, fake):
     whole = client.post("/v1/completions", json=body).json()
     assert [c["index"] for c in whole["choices"]] == [0, 1, 2, 3]
     assert [c["text"] for c in whole["choices"]] == ["abab", "abab", "cdec", "cdec"]
-    assert whole["usage"] == {"prompt_tokens": 2 + 3, "completion_tokens": 16, "total_tokens": 21}
+    assert whole["usage"] == {"prompt_tokens": 2 + 3, "completion_tokens": 16, "total_tokens": 21,
+                              "prompt_tokens_details": {"cached_tokens": 0}}
     assert [r.params.seed for r in fake.requests] == [7, 8, 9, 10]
     assert len({r.request_id for r in fake.requests}) == 4
     text, chunks = _stream_text(client, "/v1/completions", body)
@@ -884,7 +885,8 @@ def test_echo_returns_the_prompt_before_the_output_with_its_logprobs(client):
     assert lp["text_offset"] == [0, 1, 2, 3, 4, 5] and lp["token_logprobs"][3:] == [-0.25, -0.5, -0.75]
     only = client.post("/v1/completions", json={**body, "max_tokens": 0, "logprobs": 0}).json()
     assert only["choices"][0]["text"] == "abc" and only["choices"][0]["logprobs"]["token_logprobs"] == [None, -1.0, -2.0]
-    assert only["usage"] == {"prompt_tokens": 3, "completion_tokens": 0, "total_tokens": 3}
+    assert only["usage"] == {"prompt_tokens": 3, "completion_tokens": 0, "total_tokens": 3,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     text, chunks = _stream_text(client, "/v1/completions", {**body, "logprobs": 1})
     assert text == "abcabc" and chunks[0]["choices"][0]["text"] == "abc"
     assert chunks[0]["choices"][0]["logprobs"]["token_logprobs"] == [None, -1.0, -2.0]
