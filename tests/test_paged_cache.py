@@ -311,3 +311,23 @@ def test_short_rows_attend_over_their_own_length_not_the_longest(monkeypatch):
     assert_pool_full(engine)
     dense = ModelRunner(model, execution="eager")
     assert dense.length_groups([RowInput("a", 0, [1] * 600), RowInput("b", 0, [1])]) == [[0, 1]]
+
+
+def test_choices_of_one_prompt_prefilled_together_share_it():
+    """n choices of one prompt (and a batch with a common head) arrive in the same prefill forward:
+    the first computes the shared blocks, the others take them (reported), same tokens."""
+    engine = SpeculativeEngine(target(), tiny_llama(0, layers=4), num_speculative_tokens=3, adaptive=False,
+                               kv_block_size=8, prefix_caching=True)
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    batch = [SYSTEM + [5], SYSTEM + [5], SYSTEM + [6], [3] * 30]
+    for i, prompt in enumerate(batch):
+        engine.add_request(f"c{i}", prompt, params)
+    seqs = [engine.sequence(f"c{i}") for i in range(len(batch))]
+    tokens = {f"c{i}": [] for i in range(len(batch))}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    assert [tokens[f"c{i}"] for i in range(len(batch))] == [reference(tuple(p)) for p in batch]
+    shared = len(SYSTEM) // 8 * 8
+    assert [s.cached_tokens for s in seqs] == [0, shared, shared, 0]
+    assert_pool_full(engine)

@@ -370,9 +370,7 @@ class ModelRunner:
         """
         self.check(rows)
         if logits == "none" and getattr(self.cache, "prefix_caching", False):
-            rows = self._take_cached_prefixes(rows)
-            if not rows:
-                return None
+            return self._prefill_sharing(rows)
         groups = self.length_groups(rows, 0 if tail is None else tail.shape[1])
         if len(groups) == 1:
             return self._forward_rows(rows, logits, tail)
@@ -425,6 +423,26 @@ class ModelRunner:
         if self._bytes is None:
             self._bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         return self._bytes
+
+    def _prefill_sharing(self, rows: list[RowInput]) -> None:
+        """A prefill under prefix caching: each row takes what shared blocks hold; rows whose first
+        block repeats an earlier row's (n choices of one prompt, a batch of prompts with a common
+        head) wait for that row's forward, so that they take its blocks instead of computing them too."""
+        rows = self._take_cached_prefixes(rows)
+        while rows:
+            first, later, seen = [], [], set()
+            for row in rows:
+                head = (row.start, tuple(row.tokens[: self.cache.block_size]))
+                repeats = len(row.tokens) >= self.cache.block_size and head in seen
+                (later if repeats else first).append(row)
+                seen.add(head)
+            groups = self.length_groups(first)
+            if len(groups) == 1:
+                self._forward_rows(first, "none", None)
+            else:
+                self._forward_groups(first, groups, "none", None)
+            rows = self._take_cached_prefixes(later)
+        return None
 
     def _take_cached_prefixes(self, rows: list[RowInput]) -> list[RowInput]:
         """A prefill's rows less the leading tokens whose keys shared blocks already hold (their
