@@ -588,7 +588,7 @@ class FeatureDrafterProposer(DraftModelProposer):
                 masks = DraftMasks(self.grammar, sampling.grammar, ready)
             try:
                 drafted, probs, kept = self._draft([rows[b] for b in ready], [seqs[b] for b in ready], num_tokens,
-                                                   _select(sampling, ready) if len(ready) < len(rows) else sampling,
+                                                   sampling.select(ready) if len(ready) < len(rows) else sampling,
                                                    None if uniforms is None else uniforms[ready], masks)
             finally:
                 if masks is not None:
@@ -705,11 +705,6 @@ class _Confidence:
         drafting = (self._product >= self.floor).cpu()  # the host decides whether to run the next forward
         self.kept += drafting.long()
         return bool(drafting.any())
-
-
-def _select(sampling: BatchSampling, rows: list[int]) -> BatchSampling:
-    index = torch.tensor(rows, dtype=torch.long)
-    return BatchSampling(sampling.temperature[index], sampling.top_k[index], sampling.top_p[index])
 
 
 SHIPPED_HEADS = Path(__file__).resolve().parent.parent / "models" / "weights"

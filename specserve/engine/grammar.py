@@ -11,13 +11,14 @@ draft the grammar forbids has p = 0 and is rejected there, and the next token co
 residual. Positions after a forbidden draft are never used (they are left unmasked, so no row is
 ever all `-inf`).
 
-The draft masks its own proposals too (`DraftMasks`, used by `DraftModelProposer` and layer skip):
+The draft masks its own proposals too (`DraftMasks`, used by `DraftModelProposer`, layer skip and
+the feature head):
 at each draft position it fills the mask from the row's matcher, drafts from the masked
 distribution (its q is that masked distribution, which is what the rule divides by), and
 consumes the token it drafted; at the end it rolls the matcher back to the committed state. That
 costs a host read per draft position, only in steps with a grammar row, and keeps the drafts valid
-so that acceptance stays high. A drafter that does not mask (prompt lookup, the feature head)
-loses acceptance, never correctness.
+so that acceptance stays high. A drafter that does not mask (prompt lookup) loses acceptance,
+never correctness.
 
 State: each process that verifies or drafts keeps a matcher per request (`GrammarBook`), synced at
 every call to the committed tokens the step sends (`GrammarRows.outputs`): consumed forward when

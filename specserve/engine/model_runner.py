@@ -371,15 +371,15 @@ class ModelRunner:
         self.check(rows)
         if logits == "none" and getattr(self.cache, "prefix_caching", False):
             return self._prefill_sharing(rows)
+        return self._forward_groups(rows, logits, tail)
+
+    def _forward_groups(self, rows: list[RowInput], logits: str, tail: torch.Tensor | None) -> torch.Tensor | None:
+        """One forward per length group of rows (`length_groups`: usually one), the results put
+        back in caller order ([B, Q, V'] with Q the longest group's: a shorter group's extra
+        positions are zeros)."""
         groups = self.length_groups(rows, 0 if tail is None else tail.shape[1])
         if len(groups) == 1:
             return self._forward_rows(rows, logits, tail)
-        return self._forward_groups(rows, groups, logits, tail)
-
-    def _forward_groups(self, rows: list[RowInput], groups: list[list[int]], logits: str,
-                        tail: torch.Tensor | None) -> torch.Tensor | None:
-        """One forward per group of rows (caller indices), the results put back in caller order
-        ([B, Q, V'] with Q the longest group's: a shorter group's extra positions are zeros)."""
         outs, hidden = [], []
         for group in groups:
             picked = None if tail is None else tail[torch.tensor(group, device=tail.device)]
@@ -436,11 +436,7 @@ class ModelRunner:
                 repeats = len(row.tokens) >= self.cache.block_size and head in seen
                 (later if repeats else first).append(row)
                 seen.add(head)
-            groups = self.length_groups(first)
-            if len(groups) == 1:
-                self._forward_rows(first, "none", None)
-            else:
-                self._forward_groups(first, groups, "none", None)
+            self._forward_groups(first, "none", None)
             rows = self._take_cached_prefixes(later)
         return None
 

@@ -215,9 +215,8 @@ class PagedKVCache:
         if self.max_model_len is not None and needed_positions > self.max_model_len:
             raise ValueError(
                 f"position {needed_positions - 1} is beyond the cache limit of {self.max_model_len} tokens")
-        length = blocks_for(capacity_for(needed_positions, self.max_model_len), self.block_size) * self.block_size
-        self._view_length = length
-        return length
+        self._view_length = self.reserve_length(needed_positions)
+        return self._view_length
 
     def reserve_length(self, needed_positions: int) -> int:
         """K a forward over rows needing `needed_positions` would attend over (`reserve`'s rounding)."""
