@@ -16,8 +16,10 @@ from dataclasses import dataclass
 
 SWITCH_MARGIN = 1.05  # drafting must promise 5% more tokens per second than not drafting
 PROBE_SHARE = 0.03  # a probe's extra cost may be at most this share of the time since the last one
+QUIET_PROBE_SHARE = 0.005  # the same where drafting would not pay even at the optimistic rate
 NEWCOMER_SHARE = 0.10  # the same for a probe that tries a request no step has drafted for yet
 PRIOR_WEIGHT = 4.0  # trials' worth of weight of the prior (overall: prior_alpha; a row: the overall rate)
+ROW_DECAY = 0.97  # per step: how fast a request's own acceptance estimate forgets
 MAX_OPTIMISTIC_ALPHA = 0.95  # a probe plans for at most this acceptance rate
 BRANCH_MARGIN = 0.01  # a pipelined step's branch must save this share of the step's predicted time
 ALTERNATE_PRIOR = 0.3  # before measuring: how often a draft's runner-up is the target's token where it rejects
@@ -153,6 +155,7 @@ class SpeculationPolicy:
         self.prior_alpha = prior_alpha
         self._steps_without_drafts = 0
         self._probe_interval = probe_every  # doubles after each probe that did not turn drafting back on
+        self._drafting = False  # the last step chose to draft (not a probe): `best_gamma`'s `staying`
 
     # -- what we learn ----------------------------------------------------------------------
     def overall_alpha(self) -> float:
@@ -163,7 +166,7 @@ class SpeculationPolicy:
         return estimate.rate(self.overall_alpha(), PRIOR_WEIGHT)
 
     def observe_acceptance(self, estimate: AcceptanceEstimate, num_accepted: int, num_draft: int) -> None:
-        estimate.observe(num_accepted, num_draft, decay=0.9)
+        estimate.observe(num_accepted, num_draft, decay=ROW_DECAY)
         self.global_alpha.observe(num_accepted, num_draft, decay=0.995)
 
     def observe_costs(self, model: str, timings) -> None:
@@ -216,31 +219,49 @@ class SpeculationPolicy:
         catch_up = self.draft_cost.predict(backlog) if backlog > 0 else 0.0
         return catch_up + gamma * self.draft_cost.predict(batch)
 
-    def best_gamma(self, alphas: list[float], backlog: int = 0) -> int:
+    def best_gamma(self, alphas: list[float], backlog: int = 0, staying: bool = False) -> int:
         """The γ with the most expected tokens per second for a batch with these acceptance rates.
 
-        Drafting must beat not drafting by SWITCH_MARGIN, so that predictions within noise of
-        each other do not make the policy flap into steps that cost more than they give."""
+        Turning drafting on takes a predicted gain of SWITCH_MARGIN, so that predictions within
+        noise of each other do not make the policy flap into steps that cost more than they give.
+        Staying on (`staying`: the last step chose to draft) takes only that the γ would still gain
+        at `optimistic_alpha`'s confidence bound: while it drafts, the estimate moves with every
+        step, and an estimate that noise pushed under the margin would otherwise switch drafting
+        off where it pays, to be learned again only by rare probes (replayed on the H100's costs,
+        batch 1 at α 0.6 then drafted 0.06 tokens a step and ran at 0.91x of γ=1)."""
         if not self.adaptive or self.max_gamma == 0:
             return self.max_gamma
         if not self.ready:
             return self.max_gamma  # nothing measured yet: speculate and learn
-        batch = len(alphas)
-        rates = [
-            sum(expected_tokens(a, g) for a in alphas) / max(self.step_time(batch, g, backlog), 1e-9)
-            for g in range(self.max_gamma + 1)
-        ]
+        rates = self._rates(alphas, backlog)
         best = max(range(1, len(rates)), key=rates.__getitem__)
-        return best if rates[best] > SWITCH_MARGIN * rates[0] else 0
+        if rates[best] > SWITCH_MARGIN * rates[0]:
+            return best
+        if staying:
+            lift = self.optimistic_alpha() - self.overall_alpha()
+            hopeful = self._rates([min(a + lift, MAX_OPTIMISTIC_ALPHA) for a in alphas], backlog)
+            best = max(range(1, len(hopeful)), key=hopeful.__getitem__)
+            return best if hopeful[best] > hopeful[0] else 0
+        return 0
+
+    def _rates(self, alphas: list[float], backlog: int) -> list[float]:
+        """Expected tokens per second of the batch for each γ in [0, max_gamma]."""
+        batch = len(alphas)
+        return [sum(expected_tokens(a, g) for a in alphas) / max(self.step_time(batch, g, backlog), 1e-9)
+                for g in range(self.max_gamma + 1)]
 
     def choose(self, alphas: list[float], backlog: int = 0, newcomers: int = 0) -> int:
         """γ for the next step. While drafting does not pay, one probe step every probe_every
         steps, backing off to 16x that while the probes keep finding it does not pay, and never
         sooner than the steps since the last probe make its extra cost PROBE_SHARE of their time
         (a probe first catches the draft up on every token it skipped, an eager forward on a
-        GPU: measured on an H100 at a batch of 16, 55 ms against an 11 ms step). newcomers: rows
-        that no step has drafted for yet (see `_newcomer_probe`)."""
-        gamma = self.best_gamma(alphas, backlog)
+        GPU: measured on an H100 at a batch of 16, 55 ms against an 11 ms step), or only
+        QUIET_PROBE_SHARE where drafting would not pay even at `optimistic_alpha` (a large batch,
+        a drafter known to be poor: such probes only watch for a change, and at 3% they cost a
+        batch of 16 on the H100's costs 2.2% of its throughput). newcomers: rows that no step has
+        drafted for yet (see `_newcomer_probe`)."""
+        gamma = self.best_gamma(alphas, backlog, staying=self._drafting)
+        self._drafting = gamma > 0
         if gamma > 0 or not self.adaptive or self.max_gamma == 0:
             self._steps_without_drafts = 0
             self._probe_interval = self.probe_every
@@ -254,7 +275,8 @@ class SpeculationPolicy:
         if self._steps_without_drafts < self._probe_interval:
             return 0
         probe = self.probe_gamma(batch, backlog)
-        spacing = self._spacing(batch, probe, backlog, PROBE_SHARE)
+        hopeful = self.best_gamma([self.optimistic_alpha()] * batch) > 0  # once caught up
+        spacing = self._spacing(batch, probe, backlog, PROBE_SHARE if hopeful else QUIET_PROBE_SHARE)
         if self._steps_without_drafts < spacing:
             self._probe_interval = spacing  # priced again then, with the backlog grown
             return 0
@@ -403,9 +425,8 @@ class OverlappedPolicy(SpeculationPolicy):
             return True
         return self.best_overlapped_time(len(alphas), gamma, alphas) < self.step_time(len(alphas), gamma)
 
-    def best_gamma(self, alphas: list[float], backlog: int = 0) -> int:
-        if not self.adaptive or self.max_gamma == 0 or not self.ready:
-            return super().best_gamma(alphas, backlog)
+    def _rates(self, alphas: list[float], backlog: int) -> list[float]:
+        """As the sequential policy's, each γ > 0 at the cheaper of a sequential or pipelined step."""
         batch = len(alphas)
 
         def rate(g: int) -> float:
@@ -414,6 +435,4 @@ class OverlappedPolicy(SpeculationPolicy):
                 seconds = min(seconds, self.best_overlapped_time(batch, g, alphas, backlog))
             return sum(expected_tokens(a, g) for a in alphas) / max(seconds, 1e-9)
 
-        rates = [rate(g) for g in range(self.max_gamma + 1)]
-        best = max(range(1, len(rates)), key=rates.__getitem__)
-        return best if rates[best] > SWITCH_MARGIN * rates[0] else 0
+        return [rate(g) for g in range(self.max_gamma + 1)]
