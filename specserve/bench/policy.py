@@ -19,9 +19,8 @@ import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from specserve.engine.model_runner import CALIBRATION_SIZES, ForwardTiming
+from specserve.engine.model_runner import CALIBRATION_SIZES, DRAFT_ROW_TOKENS, ForwardTiming
 from specserve.engine.policy import AcceptanceEstimate, SpeculationPolicy
-from specserve.engine.model_runner import DRAFT_ROW_TOKENS
 
 
 @dataclass
