@@ -17,14 +17,16 @@ Prints both tables and writes JSON.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import time
+from types import SimpleNamespace
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from specserve.engine.step import per_token_alpha
+from specserve.engine.step import RequestMetrics, per_token_alpha
 from specserve.prompts import GENERAL, by_category, encode, load_records
 from specserve.engine import RowInput, SamplingParams, SpeculativeEngine
 from specserve.engine.feature_drafter import FeatureDrafterSpec
@@ -87,6 +89,26 @@ def build_engines(target, draft, heads: list[str], gamma: int, modes=("off", "on
     return engines
 
 
+class HFGenerate:
+    """HF `generate` (greedy, the model's own EOS and generation config) behind the engine's
+    `generate` call: the baseline users compare the engine's target-only decoding with, one more
+    end-to-end row interleaved with the engines'."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list:
+        config = copy.deepcopy(self.model.generation_config)
+        config.update(max_new_tokens=params.max_tokens, do_sample=False)
+        outs = []
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            with torch.no_grad():
+                out = self.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+            outs.append(SimpleNamespace(token_ids=out[0, len(prompt):].tolist(), metrics=RequestMetrics()))
+        return outs
+
+
 def end_to_end(engines, prompts: dict[str, list[list[int]]], max_new: int) -> list[dict]:
     params = SamplingParams(max_tokens=max_new, temperature=0.0)
     rows = []
@@ -112,6 +134,7 @@ def end_to_end(engines, prompts: dict[str, list[list[int]]], max_new: int) -> li
             for (method, mode), a in acc.items():
                 rate = a["tokens"] / a["seconds"]
                 rows.append({"category": category, "method": method, "kernels": mode, "tok_s": rate,
+                             "tokens": a["tokens"], "seconds": a["seconds"],
                              "alpha": per_token_alpha(a["accepted"], a["rejections"]),
                              "accept_ratio": a["accepted"] / a["drafted"] if a["drafted"] else None,
                              "draft_tokens": a["drafted"], "identical": a["outputs"] == reference["outputs"],
@@ -147,6 +170,19 @@ def e2e_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def hf_summary(rows: list[dict], mode: str) -> str:
+    """The engine's target-only decoding against HF generate over every prompt: tokens per second
+    summed over categories as time, each side's own tokens."""
+    def rate(method: str, kernels: str) -> float:
+        picked = [r for r in rows if r["method"] == method and r["kernels"] == kernels]
+        return sum(r["tokens"] for r in picked) / sum(r["seconds"] for r in picked)
+
+    engine, hf = rate("target-only", mode), rate("HF generate", "-")
+    same = all(r["identical"] for r in rows if r["method"] == "HF generate")
+    return (f"target-only (kernels {mode}) {engine:.1f} tok/s, HF generate {hf:.1f} tok/s: "
+            f"{engine / hf:.3f}x; same tokens: {'yes' if same else 'NO'}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
@@ -163,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="a prompt set (JSON lines with category), default the held-out benchmark set")
     parser.add_argument("--kernels", default="off,on", help="which modes to run end to end: off,on / on / off")
     parser.add_argument("--reps", type=int, default=6, help="forwards per width and mode (best kept)")
+    parser.add_argument("--no-hf", action="store_true", help="no HF generate row")
+    parser.add_argument("--no-draft-model", action="store_true", help="no draft-model row")
     parser.add_argument("--out", default="bench-results/cpu.json")
     args = parser.parse_args(argv)
     if args.threads:
@@ -174,14 +212,19 @@ def main(argv: list[str] | None = None) -> int:
     modes = tuple(args.kernels.split(","))
     floors = tuple(None if f == "none" else float(f) for f in args.min_confidence)
     lookups = tuple(None if n == "none" else int(n) for n in args.lookup_min_n)
-    engines = build_engines(target, draft, args.feature_head, args.gamma, modes, floors, lookups)
+    engines = build_engines(target, None if args.no_draft_model else draft, args.feature_head, args.gamma, modes,
+                            floors, lookups)
     costs = {method: forward_costs(engine_runners(engine)[-1], args.reps)
              for (method, mode), engine in engines.items() if mode == modes[-1]}
     print(cost_table(costs))
+    if not args.no_hf:
+        engines["HF generate", "-"] = HFGenerate(target)
     prompts = {category: [encode(tokenizer, r) for r in records[: args.per_category]]
                for category, records in by_category(load_records(Path(args.prompts))).items()}
     rows = end_to_end(engines, prompts, args.max_new_tokens)
     print(e2e_table(rows))
+    if not args.no_hf:
+        print(hf_summary(rows, modes[-1]))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     report = {"threads": torch.get_num_threads(), "widths": list(WIDTHS), "end_to_end": rows,
