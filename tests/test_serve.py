@@ -94,6 +94,28 @@ def test_concurrent_requests_equal_sequential(http):
     assert concurrent == sequential
 
 
+def test_seeded_sampling_equals_the_engine_alone_and_beside_greedy_rows(http, local_models):
+    """A seeded sampled request's q goes from the draft worker's object store to the target's
+    (wire.SharedProbs), only for the sampled rows of a step: its tokens are the in-process engine's
+    for that seed, alone and while greedy requests share its steps (their q rebuilt one-hot)."""
+    from specserve import SamplingParams, SpeculativeEngine
+    from specserve.models.tiny import byte_tokenizer
+
+    config, target, draft = local_models
+    engine = SpeculativeEngine(target, draft, config.speculation.num_speculative_tokens, adaptive=False,
+                               max_model_len=config.max_model_len)
+    kw = {"temperature": 0.9, "top_p": 0.95, "top_k": 50, "seed": 7}
+    prompt = "Sample me"
+    expected = engine.generate([byte_tokenizer()(prompt).input_ids], SamplingParams(
+        max_tokens=MAX_NEW, temperature=0.9, top_p=0.95, top_k=50, seed=7, ignore_eos=True))[0].token_ids
+    assert complete(http, prompt, **kw)["choices"][0]["token_ids"] == expected
+    with ThreadPoolExecutor(4) as pool:
+        greedy = [pool.submit(complete, http, p) for p in PROMPTS[:3]]
+        sampled = pool.submit(complete, http, prompt, **kw)
+        assert sampled.result()["choices"][0]["token_ids"] == expected
+        assert all(g.result()["choices"][0]["token_ids"] for g in greedy)
+
+
 def test_seeded_sampling_is_reproducible(http):
     kw = {"temperature": 0.9, "top_p": 0.95, "top_k": 50, "seed": 7}
     first, second = complete(http, "Hello", **kw), complete(http, "Hello", **kw)

@@ -2,6 +2,7 @@
 tensors exact in value, dtype and shape, whichever path a tensor takes (flat list, numpy array,
 bits)."""
 import dataclasses
+import pickle
 from types import SimpleNamespace
 
 import torch
@@ -77,3 +78,31 @@ def test_replies_misses_verdicts_and_anything_else():
     for message in (Reply(None, 0.5, {"a": 4}), Reply(verdict, 0.1), Reply(step, 0.2, {}, {"a": 1}), None,
                     {"t": torch.arange(3), "rows": [RowInput("z", 0, [1])]}):
         assert same(unpack(pack(message)), message)
+
+
+def test_shared_probs_keep_the_sampled_rows_and_rebuild_greedy_rows_one_hot(monkeypatch):
+    """q left in the object store holds only the sampled rows; resolving gives the sampled rows'
+    q exactly and a greedy row's one-hot at its drafts (what the draft side computes for it)."""
+    import ray
+
+    from specserve.serve.wire import SharedProbs
+
+    store = {}
+
+    def put(value):
+        store[len(store)] = pickle.loads(pickle.dumps(value))  # as the object store would hold it
+        return len(store) - 1
+
+    monkeypatch.setattr(ray, "put", put)
+    torch.manual_seed(0)
+    drafts = torch.tensor([[1, 2], [3, 4], [5, 6]])  # [B, G]
+    probs = torch.softmax(torch.randn(3, 2, 11), dim=-1)  # [B, G, V]
+    probs[1] = torch.nn.functional.one_hot(drafts[1], 11).float()  # the greedy row's q
+    mixed = BatchSampling.from_params([SamplingParams(temperature=0.7), SamplingParams(temperature=0.0),
+                                       SamplingParams(temperature=1.0)])
+    shared = SharedProbs.put(probs, mixed)
+    assert shared.rows == (0, 2) and store[shared.ref].shape == (2, 2, 11)  # the greedy row stays out
+    assert torch.equal(shared.resolve(drafts, get=store.__getitem__), probs)
+    sampled = BatchSampling.from_params([SamplingParams(temperature=0.5)] * 3)
+    everyone = SharedProbs.put(probs, sampled)
+    assert everyone.rows == (0, 1, 2) and torch.equal(everyone.resolve(drafts, get=store.__getitem__), probs)

@@ -55,7 +55,8 @@ class Proposal:
         return sum(f.seconds for f in self.forwards)
 
     def __reduce__(self):  # across processes (Ray) through the host: another process may lack the device
-        probs = None if self.probs is None else self.probs.cpu()
+        # (q may also be a handle to where the draft side left it: passed on as it is)
+        probs = self.probs.cpu() if isinstance(self.probs, torch.Tensor) else self.probs
         alternates = None if self.alternates is None else self.alternates.cpu()
         return (Proposal, (self.tokens.cpu(), probs, tuple(self.forwards), self.deterministic, self.num_draft,
                            alternates))

@@ -169,7 +169,7 @@ class RemoteExecutor:
         if plan.gamma > 0:
             try:
                 reply = await self.calls.call("draft", self.draft.propose, seqs, "draft_len", lambda: (
-                    plan.draft_rows(), plan.gamma, plan.sampling, plan.draft_uniforms), retry=False)
+                    plan.draft_rows(), plan.gamma, plan.sampling, plan.draft_uniforms, True), retry=False)
             except Exception as err:
                 # Any draft failure (dead, restarting, hung, out of memory, a bug): the step is planned
                 # again without it. Greedy rows are unaffected; seeded sampled rows draw fresh numbers
@@ -177,9 +177,13 @@ class RemoteExecutor:
                 self.draft_failed(seqs, err)
                 return None
             proposal, in_workers = reply.result, reply.seconds
-        reply = await self.calls.call("target", self.target.verify, seqs, "target_len", lambda: (
-            plan.target_rows(), proposal.tokens, proposal.probs, verified_counts(plan.num_draft, proposal),
-            plan.sampling, plan.accept_uniforms, plan.final_uniforms))
+        try:  # q, when there is one, goes from the draft's object store to the target (wire.SharedProbs)
+            reply = await self.calls.call("target", self.target.verify, seqs, "target_len", lambda: (
+                plan.target_rows(), proposal.tokens, proposal.probs, verified_counts(plan.num_draft, proposal),
+                plan.sampling, plan.accept_uniforms, plan.final_uniforms))
+        except ray.exceptions.ObjectLostError as err:  # the draft worker died holding q: plan again without it
+            self.draft_failed(seqs, err)
+            return None
         return Ran(proposal, reply.result, in_workers + reply.seconds, "calls")
 
     async def _fused(self, plan: StepPlan) -> Ran | None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -105,6 +106,44 @@ class StepReply:
     draft_seconds: float  # wall time inside the draft side's method
     target_seconds: float
     ahead: object | None = None  # the ahead call's Reply (its proposal without q), when one was sent
+
+
+@dataclass(frozen=True)
+class SharedProbs:
+    """A proposal's q left in Ray's object store by the draft side, for the target worker to read
+    there: on the actor-call transport q [B, G, V] would otherwise cross into the coordinator and
+    out again, twice through its memory, where nothing reads it. Only the rows that need q go in
+    (sampled rows); a greedy row's q is one-hot at its draft, rebuilt by `resolve` (the rule's
+    outcome for a greedy row does not depend on q beyond that)."""
+
+    ref: object  # ray.ObjectRef of q [R, G, V] (host), the `rows` in order
+    rows: tuple[int, ...]  # rows of the batch that need q
+    batch: int  # B
+
+    @classmethod
+    def put(cls, probs: torch.Tensor, sampling: BatchSampling) -> "SharedProbs":
+        """probs [B, G, V] -> the sampled rows' q in the object store (ray.put)."""
+        import ray
+
+        rows = tuple(int(b) for b in torch.nonzero(sampling.temperature > 0).view(-1).tolist())
+        picked = probs if len(rows) == probs.shape[0] else probs[list(rows)]  # [R, G, V]
+        return cls(ray.put(_Large(picked)), rows, probs.shape[0])
+
+    def resolve(self, draft_tokens: torch.Tensor, get=None) -> torch.Tensor:
+        """draft_tokens [B, G] -> q [B, G, V] on the host (get: ray.get unless given)."""
+        if get is None:
+            import ray
+
+            get = ray.get
+        with warnings.catch_warnings():  # read-only: a view of the store's memory, which nothing writes
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            picked = get(self.ref)  # [R, G, V]
+        if len(self.rows) == self.batch:
+            return picked
+        full = torch.zeros(self.batch, *picked.shape[1:], dtype=picked.dtype)  # [B, G, V]
+        full.scatter_(-1, draft_tokens.to(torch.long)[..., None], 1.0)
+        full[list(self.rows)] = picked
+        return full
 
 
 def light(proposal: Proposal) -> Proposal:

@@ -13,6 +13,7 @@ coordinator kills the worker) or raise; "slow N" delays them 2 s. The count live
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -34,7 +35,7 @@ from specserve.engine.step import empty_proposal, verified_counts
 from specserve.engine.verifier import prompt_logprobs
 from specserve.engine.sampling import BatchSampling
 
-from .wire import AheadCall, Block, Reply, StepCall, StepReply, light, pack, pack_pair, unpack
+from .wire import AheadCall, Block, Reply, SharedProbs, StepCall, StepReply, light, pack, pack_pair, unpack
 from .pipeline import branch_points, combine_drafts
 
 
@@ -212,10 +213,13 @@ class TargetWorker(_Worker):
 
     @_serialised
     def propose(
-        self, rows: list[RowInput], num_tokens: int, sampling: BatchSampling, uniforms: torch.Tensor | None
+        self, rows: list[RowInput], num_tokens: int, sampling: BatchSampling, uniforms: torch.Tensor | None,
+        share_probs: bool = False,
     ) -> Reply:
+        """share_probs: q goes to the object store (`SharedProbs`), not into the reply."""
         self._injected_fault("propose")
-        return self._run(rows, lambda: self.proposer.propose(rows, num_tokens, sampling, uniforms), self.proposer)
+        return self._run(rows, lambda: _shared(self.proposer.propose(rows, num_tokens, sampling, uniforms),
+                                               sampling, share_probs), self.proposer)
 
     @_serialised
     def proposer_prefill(self, rows: list[RowInput]) -> Reply:
@@ -276,6 +280,8 @@ class TargetWorker(_Worker):
         final_uniforms: torch.Tensor | None,  # [B]
     ) -> Reply:
         self._injected_fault("verify")
+        if isinstance(draft_probs, SharedProbs):  # read from the object store, where the draft left it
+            draft_probs = draft_probs.resolve(draft_tokens)
         return self._run(rows, lambda: self.model.verify(
             rows, draft_tokens, draft_probs, num_draft, sampling, accept_uniforms, final_uniforms))
 
@@ -514,9 +520,10 @@ class DraftWorker(_Worker):
     @_serialised
     def propose(
         self, rows: list[RowInput], num_tokens: int, sampling: BatchSampling, uniforms: torch.Tensor | None,
-        pull_features: bool = True, alternates: bool = False,
+        share_probs: bool = False, pull_features: bool = True, alternates: bool = False,
     ) -> Reply:
-        """pull_features=False: an ahead block (pipelined), drafted while the target verifies: its
+        """share_probs: q goes to the object store (`SharedProbs`), not into the reply.
+        pull_features=False: an ahead block (pipelined), drafted while the target verifies: its
         rows run past the committed tokens, so the target has nothing more to give yet.
         alternates: each draft's runner-up too (a draft model's greedy rows; pipelined branches)."""
         self._injected_fault("propose")
@@ -526,7 +533,7 @@ class DraftWorker(_Worker):
                 self._pull_features(rows)
             if alternates:
                 return self.model.propose(rows, num_tokens, sampling, uniforms, alternates=True)
-            return self.model.propose(rows, num_tokens, sampling, uniforms)
+            return _shared(self.model.propose(rows, num_tokens, sampling, uniforms), sampling, share_probs)
         return self._run(rows, call)
 
     @_serialised
@@ -565,6 +572,14 @@ def _with_corrections(drafted: Proposal, batch: int, corrections: list[int]) -> 
     if ups is not None:
         ups = torch.cat([ups[:batch], torch.cat([head, ups[batch:, :-1]], dim=1)])
     return Proposal(tokens, drafted.probs, drafted.forwards, drafted.deterministic, drafted.num_draft, ups)
+
+
+def _shared(proposal: Proposal, sampling: BatchSampling, share: bool) -> Proposal:
+    """The proposal with its q in the object store (`SharedProbs`) when `share` and it has one
+    (inside Ray: a worker object called in-process, as tests do, keeps q in the reply)."""
+    if not share or proposal.probs is None or not ray.is_initialized():
+        return proposal
+    return dataclasses.replace(proposal, probs=SharedProbs.put(proposal.probs, sampling))
 
 
 def _free(holder, request_ids: list[str]) -> None:
