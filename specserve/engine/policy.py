@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 
 SWITCH_MARGIN = 1.05  # drafting must promise 5% more tokens per second than not drafting
+MAX_STAY_LIFT = 0.2  # ... to be turned on; to stay on, not to lose at α this much above the estimate (at most)
 PROBE_SHARE = 0.03  # a probe's extra cost may be at most this share of the time since the last one
 QUIET_PROBE_SHARE = 0.005  # the same where drafting would not pay even at the optimistic rate
 NEWCOMER_SHARE = 0.10  # the same for a probe that tries a request no step has drafted for yet
@@ -225,7 +226,9 @@ class SpeculationPolicy:
         Turning drafting on takes a predicted gain of SWITCH_MARGIN, so that predictions within
         noise of each other do not make the policy flap into steps that cost more than they give.
         Staying on (`staying`: the last step chose to draft) takes only that the γ would still gain
-        at `optimistic_alpha`'s confidence bound: while it drafts, the estimate moves with every
+        at `optimistic_alpha`'s confidence bound, at most MAX_STAY_LIFT above the estimate (the bound
+        is wide while few trials are in, and a useless drafter must still be dropped within a few
+        steps): while it drafts, the estimate moves with every
         step, and an estimate that noise pushed under the margin would otherwise switch drafting
         off where it pays, to be learned again only by rare probes (replayed on the H100's costs,
         batch 1 at α 0.6 then drafted 0.06 tokens a step and ran at 0.91x of γ=1)."""
@@ -237,12 +240,12 @@ class SpeculationPolicy:
         best = max(range(1, len(rates)), key=rates.__getitem__)
         if rates[best] > SWITCH_MARGIN * rates[0]:
             return best
-        if staying:
-            lift = self.optimistic_alpha() - self.overall_alpha()
-            hopeful = self._rates([min(a + lift, MAX_OPTIMISTIC_ALPHA) for a in alphas], backlog)
-            best = max(range(1, len(hopeful)), key=hopeful.__getitem__)
-            return best if hopeful[best] > hopeful[0] else 0
-        return 0
+        if not staying:
+            return 0
+        lift = min(self.optimistic_alpha() - self.overall_alpha(), MAX_STAY_LIFT)
+        hopeful = self._rates([min(a + lift, MAX_OPTIMISTIC_ALPHA) for a in alphas], backlog)
+        best = max(range(1, len(hopeful)), key=hopeful.__getitem__)
+        return best if hopeful[best] > hopeful[0] else 0
 
     def _rates(self, alphas: list[float], backlog: int) -> list[float]:
         """Expected tokens per second of the batch for each γ in [0, max_gamma]."""
