@@ -13,6 +13,7 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from models import hf_greedy, tiny_llama
@@ -23,6 +24,8 @@ from specserve.distill.train import TrainSettings, choose_draft_vocab, init_head
 from specserve.engine.feature_drafter import (
     FeatureDrafterProposer, FeatureDrafterSpec, eagle3_feature_layers, load_feature_head, save_feature_head,
 )
+from specserve.engine.grammar import DraftMasks
+from specserve.engine.model_runner import RowInput
 from specserve.engine.proposers import target_vocab_size
 from test_sampling_distribution import VOCAB, assert_proposer_follows_target
 
@@ -199,7 +202,8 @@ def test_sampling_with_a_confidence_floor_matches_target_distribution(tmp_path):
     small = tiny_llama(0, vocab=VOCAB, init_range=0.3, layers=3, hidden=16)
     head = init_head(small, torch.arange(VOCAB))
     save_feature_head(head, tmp_path, store_lm_head=True)
-    proposer = build(tmp_path, small, min_confidence=0.35)
+    # 0.3: rows sharing one prompt and first token share the head's confidence there, all under 0.35
+    proposer = build(tmp_path, small, min_confidence=0.3)
     kept = record_kept(proposer)
     assert_proposer_follows_target(small, proposer)
     assert 0 < kept.count(0) + kept.count(1) < len(kept), collections.Counter(kept)  # some rows stopped early
@@ -246,11 +250,220 @@ def test_sampling_with_lookup_rows_and_a_confidence_floor_matches_target_distrib
     torch.manual_seed(1)
     small = tiny_llama(0, vocab=VOCAB, init_range=0.3, layers=3, hidden=16)
     save_feature_head(init_head(small, torch.arange(VOCAB)), tmp_path, store_lm_head=True)
-    proposer = build(tmp_path, small, min_confidence=0.35, lookup_min_n=1)
+    proposer = build(tmp_path, small, min_confidence=0.3, lookup_min_n=1)  # see the test above
     kept = record_kept(proposer)
     assert_proposer_follows_target(small, proposer)
     assert 0.05 < proposer.num_looked_up / proposer.num_rows < 0.95, (proposer.num_looked_up, proposer.num_rows)
     assert 0 < kept.count(0) + kept.count(1), collections.Counter(kept)  # some head rows stopped early
+
+
+# -- the draft loop on the device ------------------------------------------------------------------
+class HostLoop(FeatureDrafterProposer):
+    """The reference: the draft loop as it ran before it stayed on the device. Per position it reads
+    the drafts (to stage the next rows' forward) and the floor (stopping where no row drafts) on
+    the host; positions past the stop hold copies of the last draft, q one-hot there. Features and
+    feedback are put in the runner's sorted row order (what the staged ids are in)."""
+
+    def _draft(self, rows, seqs, num_tokens, sampling, uniforms):
+        catch_up, feats = self._catch_up(rows, seqs)
+        order = sorted(range(len(rows)), key=lambda b: self.runner._slot(rows[b].request_id))  # sorted -> caller
+        back = torch.tensor(order).argsort()  # caller -> sorted
+        width = max(len(r.tokens) for r in catch_up)
+        self.head.set_features(torch.stack([F.pad(feats[b], (0, 0, 0, width - len(feats[b]))) for b in order]), False)
+        logits = self.runner.forward(catch_up, logits="last")  # [b, K] caller order
+        ends = torch.tensor([len(catch_up[b].tokens) - 1 for b in order])
+        feedback = self.head.last_feedback[torch.arange(len(rows)), ends][back]  # [b, H] caller order
+        masks = None
+        if sampling.grammar is not None and self.grammar is not None:
+            masks = DraftMasks(self.grammar, sampling.grammar, list(range(len(rows))))
+        try:
+            out, qs, kept = self._host_loop(rows, seqs, logits, feedback, order, back, num_tokens, sampling, uniforms,
+                                            masks)
+        finally:
+            if masks is not None:
+                masks.close()
+        if len(out) < num_tokens:  # positions no row verifies: copies of the last token (or draft)
+            fill = out[-1] if out else torch.tensor([s[-1] for s in seqs])
+            qs += [self._one_hot(fill)] * (num_tokens - len(qs))
+            out += [fill] * (num_tokens - len(out))
+        probs = None if sampling.all_greedy else torch.stack(qs, dim=1)
+        return torch.stack(out, dim=1), probs, kept
+
+    def _host_loop(self, rows, seqs, logits, feedback, order, back, num_tokens, sampling, uniforms, masks):
+        flags = None if sampling.all_greedy else sampling.flags()
+        inputs, last = {"uniforms": uniforms}, [len(s) - 1 for s in seqs]
+        floor, product = self.min_confidence, None
+        kept = torch.full((len(rows),), num_tokens if floor is None else 0)
+        out, qs = [], []
+        for j in range(num_tokens):
+            if masks is not None:
+                logits = masks.apply(self._to_target_vocab(logits))
+            if floor is not None:
+                top = torch.softmax(logits.float(), dim=-1).amax(dim=-1)
+                product = top if product is None else product * top
+                kept += (product >= floor).long()
+                if not bool((product >= floor).any()):
+                    break
+            token, q = self._pick(logits, sampling, flags, inputs, j, masks is not None)
+            if masks is not None:
+                masks.advance(token)
+            out.append(token)
+            qs.append(q)
+            if j + 1 == num_tokens:
+                break
+            self.head.set_features(feedback[order][:, None], feedback=True)
+            step_rows = [RowInput(r.request_id, p + j, [t]) for r, p, t in zip(rows, last, token.tolist())]
+            logits = self.runner.forward(step_rows, logits="last")
+            feedback = self.head.last_feedback[:, -1][back]
+        return out, qs, kept
+
+
+def twin(engine, reference) -> list[int]:
+    """Runs `reference` (a proposer on the same head, tapping the same target) beside the engine's
+    proposer, call for call, and checks that every proposal is the same: tokens, q and counts.
+    -> the list of the proposals compared: (rows, whether the head's slots were out of the rows' order)."""
+    proposer, compared = engine.proposer, []
+    reference.attach_target(engine.verifier.runner)
+    reference.grammar = proposer.grammar
+    real_propose, real_prefill, real_free = proposer.propose, proposer.prefill, proposer.free
+
+    def propose(rows, num_tokens, sampling, uniforms, *rest):
+        want = reference.propose(rows, num_tokens, sampling, uniforms)
+        got = real_propose(rows, num_tokens, sampling, uniforms, *rest)
+        assert torch.equal(got.tokens, want.tokens), (got.tokens, want.tokens)
+        assert (got.num_draft is None) == (want.num_draft is None)
+        assert got.num_draft is None or torch.equal(got.num_draft, want.num_draft), (got.num_draft, want.num_draft)
+        assert (got.probs is None) == (want.probs is None)
+        assert got.probs is None or torch.equal(got.probs, want.probs)
+        slots = [s for s in (proposer.runner._slot_of.get(r.request_id) for r in rows) if s is not None]
+        compared.append((len(rows), slots != sorted(slots)))  # (rows, the head's slots out of their order)
+        return got
+
+    def prefill(rows):
+        reference.prefill(rows)
+        return real_prefill(rows)
+
+    def free(request_id):
+        reference.free(request_id)
+        real_free(request_id)
+
+    proposer.propose, proposer.prefill, proposer.free = propose, prefill, free
+    return compared
+
+
+def joining_and_leaving(engine, batch_prompts, params) -> dict[str, list[int]]:
+    """Half the requests first, the rest after two steps, each with its own params (and length):
+    rows join, leave, and the head's runner moves its slots out of the callers' row order."""
+    outputs = {f"r{i}": [] for i in range(len(batch_prompts))}
+    half = len(batch_prompts) // 2
+    for i in range(half):
+        engine.add_request(f"r{i}", batch_prompts[i], params[i])
+    for k in range(2):
+        for out in engine.step():
+            outputs[out.request_id] += out.new_token_ids
+    for i in range(half, len(batch_prompts)):
+        engine.add_request(f"r{i}", batch_prompts[i], params[i])
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs[out.request_id] += out.new_token_ids
+    return outputs
+
+
+def mixed_params(count: int, sampled: bool) -> list[SamplingParams]:
+    """Greedy rows of different lengths, and (sampled) every other row sampling with top-p."""
+    return [SamplingParams(max_tokens=MAX_NEW - 3 * (i % 4), temperature=0.8 if sampled and i % 2 else 0.0,
+                           top_p=0.9, seed=i, ignore_eos=True) for i in range(count)]
+
+
+@pytest.mark.parametrize("host_stop", [False, True])
+@pytest.mark.parametrize("lookup_min_n", [None, 2])
+@pytest.mark.parametrize("floor", [None, 0.025])
+@pytest.mark.parametrize("sampled", [False, True])
+def test_the_device_loop_proposes_what_the_host_loop_proposed(head_dir, sampled, floor, lookup_min_n, host_stop):
+    """Token for token, q for q and count for count, the loop that stays on the device (with or
+    without the host's stop where no row drafts) proposes what the per-position host loop did, over
+    rows that join and leave (the head's slots out of the callers' order), rows without features
+    yet, looked-up rows, greedy and sampled rows; greedy rows still decode as the target alone."""
+    model = target()
+    proposer = build(head_dir, min_confidence=floor, lookup_min_n=lookup_min_n)
+    proposer.host_stop = host_stop
+    engine = SpeculativeEngine(model, proposer=proposer, num_speculative_tokens=4, adaptive=False)
+    reference_proposer = build(head_dir, min_confidence=floor, lookup_min_n=lookup_min_n)
+    reference_proposer.__class__ = HostLoop
+    compared = twin(engine, reference_proposer)
+    batch_prompts = prompts(5, seed=3) + [[7, 8, 9, 7, 8]]
+    params = mixed_params(len(batch_prompts), sampled)
+    outputs = joining_and_leaving(engine, batch_prompts, params)
+    for i, (prompt, p) in enumerate(zip(batch_prompts, params)):
+        if p.temperature == 0:
+            assert outputs[f"r{i}"] == reference(tuple(prompt))[: p.max_tokens], i
+    assert len(compared) > 10 and max(n for n, _ in compared) == len(batch_prompts)
+    assert any(shuffled for _, shuffled in compared)  # the runner's row order was not the callers'
+
+
+class NoHostReads:
+    """Within the block, reading a tensor back to the host raises (on a CPU these would not
+    wait, but on a GPU each one is a sync)."""
+
+    NAMES = ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__")
+
+    def __enter__(self):
+        self.saved = {name: getattr(torch.Tensor, name) for name in self.NAMES}
+
+        def refuse(name):
+            def read(*args, **kwargs):
+                raise AssertionError(f"Tensor.{name} inside the device-only draft loop")
+            return read
+
+        for name in self.NAMES:
+            setattr(torch.Tensor, name, refuse(name))
+
+    def __exit__(self, *exc):
+        for name, method in self.saved.items():
+            setattr(torch.Tensor, name, method)
+
+
+def loops_without_host_reads(proposer) -> list[int]:
+    """Makes every draft loop of `proposer` run under NoHostReads -> the list that counts them."""
+    loops, real = [], proposer._loop
+
+    def loop(*args):
+        with NoHostReads():
+            out = real(*args)
+        loops.append(1)
+        return out
+
+    proposer._loop = loop
+    return loops
+
+
+def test_no_host_reads_refuses_them():
+    with NoHostReads():
+        with pytest.raises(AssertionError):
+            torch.ones(2).tolist()
+        with pytest.raises(AssertionError):
+            bool(torch.ones(1))
+    assert torch.ones(2).tolist() == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("floor", [None, 0.025])
+@pytest.mark.parametrize("sampled", [False, True])
+def test_the_draft_loop_reads_nothing_back_to_the_host(head_dir, sampled, floor):
+    """After staging the catch-up rows, the whole loop (the catch-up forward, G-1 single-token
+    forwards, the picks, the floor's counts) runs without a host read; the drafts and counts come
+    back in one copy afterwards. Greedy rows still decode as the target alone."""
+    model = target()
+    proposer = build(head_dir, min_confidence=floor)
+    proposer.host_stop = False  # as on a GPU
+    loops = loops_without_host_reads(proposer)
+    engine = SpeculativeEngine(model, proposer=proposer, num_speculative_tokens=4, adaptive=False)
+    batch_prompts = prompts(4, seed=9)
+    params = mixed_params(len(batch_prompts), sampled)
+    outs = engine.generate(batch_prompts, params)
+    for prompt, p, out in zip(batch_prompts, params, outs):
+        if p.temperature == 0:
+            assert out.token_ids == reference(tuple(prompt))[: p.max_tokens]
+    assert len(loops) > 5 and sum(o.metrics.num_accepted_tokens for o in outs) > 0
 
 
 # -- the EAGLE-3 checkpoint layout ------------------------------------------------------------------
@@ -422,8 +635,6 @@ def test_a_pulled_head_keeps_only_contiguous_committed_features(head_dir):
     later block): the head asks again from what it holds."""
     proposer = pulled(head_dir)
     width = proposer.head.cfg.feature_size
-    from specserve.engine.model_runner import RowInput
-
     assert proposer.features_wanted([RowInput("r", 0, [5, 6, 7])]) == {"r": (0, 2)}
     proposer.put_features({"r": (2, torch.zeros(3, width))})  # a hole at 0..1: refused
     assert proposer.features.written("r") == 0

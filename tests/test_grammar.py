@@ -228,3 +228,27 @@ def test_sampling_follows_the_masked_target():
     engine = SpeculativeEngine(model, draft, num_speculative_tokens=2, adaptive=False, max_batch_size=2500,
                                tokenizer=byte_tokenizer())
     assert_engine_samples(engine, p, *enumerated_marginals(dist))
+
+
+@pytest.mark.parametrize("floor", [None, 0.025])
+@pytest.mark.parametrize("sampled", [False, True])
+def test_the_feature_head_masks_as_the_host_loop_did(head_dir, sampled, floor):
+    """Grammar rows keep their per-position host reads (each mask follows the drafts before it),
+    in the loop that stays on the device otherwise: proposals are the per-position host loop's,
+    token for token, with a confidence floor or without, greedy rows the constrained target's."""
+    from test_feature_drafter import HostLoop, build, twin
+
+    proposer, reference_proposer = build(head_dir, min_confidence=floor), build(head_dir, min_confidence=floor)
+    proposer.host_stop = False  # grammar rows stop where no row drafts anyway: their masks read the drafts
+    reference_proposer.__class__ = HostLoop
+    engine = SpeculativeEngine(target(), proposer=proposer, num_speculative_tokens=4, adaptive=False,
+                               tokenizer=byte_tokenizer())
+    assert proposer.grammar is not None  # the engine gave the head its grammar book
+    compared = twin(engine, reference_proposer)
+    batch = prompts(len(GRAMMARS), seed=11)
+    rows = [params(g, temperature=0.8 if sampled and i % 2 else 0.0, seed=i) for i, g in enumerate(GRAMMARS)]
+    outs = engine.generate(batch, rows)
+    for prompt, g, p, out in zip(batch, GRAMMARS, rows, outs):
+        if p.temperature == 0:
+            assert out.token_ids == reference(tuple(prompt), g), g
+    assert len(compared) > 5

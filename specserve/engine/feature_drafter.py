@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .grammar import DraftMasks
-from .model_runner import CacheMiss, ForwardTiming, ModelRunner, RowInput
+from .model_runner import CacheMiss, ForwardTiming, ModelRunner, RowInput, _regroup
 from .proposers import DraftModelProposer, Proposal, continue_match, decoder_layers, find_continuation, hold_tokens
 from .sampling import BatchSampling
 
@@ -488,8 +488,12 @@ class FeatureDrafterProposer(DraftModelProposer):
         super().__init__(head, vocab_size, max_model_len, execution="eager")
         self.head = head
         # a row stops drafting where the product of the head's top probabilities falls below this
-        # (None: every planned draft); a host read per draft position decides whether to go on
+        # (None: every planned draft); counted on the device, read with the drafts at the end
         self.min_confidence = min_confidence
+        # under a floor, read after each position whether some row still drafts and skip the head's
+        # remaining forwards once none does: a host read per position, free where the head runs on
+        # the CPU; elsewhere every position runs on the device (grammar rows read per position anyway)
+        self.host_stop = self.runner.device.type == "cpu"
         # a row whose newest lookup_min_n (or more) tokens occurred earlier in its own tokens drafts
         # what followed them there (prompt lookup) instead of running the head; None: never
         self.lookup_min_n = lookup_min_n
@@ -583,16 +587,9 @@ class FeatureDrafterProposer(DraftModelProposer):
         counts = torch.zeros(len(rows), dtype=torch.long)  # [B] drafts worth verifying (none without features)
         counts[list(looked)] = num_tokens
         if ready and num_tokens > 0:
-            masks = None  # grammar rows draft from their masked distributions (engine/grammar.py)
-            if sampling.grammar is not None and self.grammar is not None:
-                masks = DraftMasks(self.grammar, sampling.grammar, ready)
-            try:
-                drafted, probs, kept = self._draft([rows[b] for b in ready], [seqs[b] for b in ready], num_tokens,
-                                                   sampling.select(ready) if len(ready) < len(rows) else sampling,
-                                                   None if uniforms is None else uniforms[ready], masks)
-            finally:
-                if masks is not None:
-                    masks.close()
+            drafted, probs, kept = self._draft([rows[b] for b in ready], [seqs[b] for b in ready], num_tokens,
+                                               sampling.select(ready) if len(ready) < len(rows) else sampling,
+                                               None if uniforms is None else uniforms[ready])
             tokens[ready] = drafted
             counts[ready] = kept
             probs = self._full_probs(probs, ready, tokens, len(rows))
@@ -620,54 +617,122 @@ class FeatureDrafterProposer(DraftModelProposer):
         self.num_looked_up += len(looked)
         return looked
 
-    def _draft(self, rows, seqs, num_tokens, sampling, uniforms, masks: DraftMasks | None = None):
-        """Catch up on the exact pairs, then one head forward per further draft -> (drafts [b, G],
-        q [b, G, V] or None, drafts worth verifying [b]: G, or fewer under `min_confidence`).
-        masks: grammar rows' masks (the confidence then reads the masked distribution too)."""
-        catch_up = []
-        feats = []
+    def _draft(self, rows, seqs, num_tokens, sampling, uniforms):
+        """Catch up on the exact pairs, then one head forward per further draft -> (drafts [b, G]
+        on the host, q [b, G, V] or None, drafts worth verifying [b] on the host: G, or fewer
+        under `min_confidence`). One forward per length group of the head's runner (paged)."""
+        catch_up, feats = self._catch_up(rows, seqs)
+        groups = self.runner.length_groups(catch_up, extra_positions=num_tokens - 1)
+        if len(groups) == 1:
+            return self._draft_rows(catch_up, feats, num_tokens, sampling, uniforms)
+        parts = [self._draft_rows([catch_up[b] for b in g], [feats[b] for b in g], num_tokens, sampling.select(g),
+                                  None if uniforms is None else uniforms[g]) for g in groups]
+        return tuple(_regroup([p[i] for p in parts], groups, len(rows)) for i in range(3))
+
+    def _catch_up(self, rows, seqs) -> tuple[list[RowInput], list[torch.Tensor]]:
+        """The exact pairs each row's head has not seen (the tokens since its last call) -> the
+        head's rows (pairs exact .. P-1, P the newest token's position) and their features [n, F]."""
+        catch_up, feats = [], []
         for row, seq in zip(rows, seqs):
             exact = max(self._exact[row.request_id], 0)
-            last = len(seq) - 1  # position P of the newest token; pairs exact .. P-1 are due
+            last = len(seq) - 1
             catch_up.append(RowInput(row.request_id, exact, seq[exact + 1 :]))
             feats.append(self.features.read(row.request_id, exact, last))
             self._exact[row.request_id] = last
-        width = max(len(r.tokens) for r in catch_up)
+        return catch_up, feats
+
+    def _draft_rows(self, catch_up, feats, num_tokens, sampling, uniforms):
+        """`_draft` over one forward's rows: staged once (the key length covers the G-1 single-token
+        forwards), the loop in the runner's sorted row order, one copy to the host at the end."""
+        runner = self.runner
+        runner.check(catch_up)
+        staged = runner.stage(catch_up, extra_positions=num_tokens - 1)
+        picked = staged.order + [staged.order[0]] * (staged.padded - staged.rows)  # sorted row -> caller row
+        flags = None if sampling.all_greedy else sampling.flags()  # host reads of host tensors
+        masks = None  # grammar rows draft from their masked distributions (engine/grammar.py)
+        if sampling.grammar is not None and self.grammar is not None:
+            masks = DraftMasks(self.grammar, sampling.grammar, staged.order + [-1] * (staged.padded - staged.rows))
+        inputs = {"uniforms": None if uniforms is None else uniforms[picked].to(runner.device)}  # [B', G]
+        try:
+            drafted, probs, kept, steps = self._loop(staged, self._sorted_features(staged, feats), num_tokens,
+                                                     sampling.select(picked).to(runner.device), flags, inputs, masks)
+        finally:
+            if masks is not None:
+                masks.close()
+        runner.commit(staged, advanced=steps)
+        host = torch.cat([runner.unsort(staged, drafted), runner.unsort(staged, kept)[:, None]], 1).cpu()  # [b, G+1]
+        return host[:, :num_tokens], runner.unsort(staged, probs), host[:, num_tokens]
+
+    def _sorted_features(self, staged, feats: list[torch.Tensor]) -> torch.Tensor:
+        """Each row's features [n, F] -> [B', Q, F] on the head's device in the runner's sorted row
+        order (what the staged ids are in), zero past a row's end and for padding rows."""
         device = self.runner.device
-        padded = torch.stack([F.pad(f.to(device), (0, 0, 0, width - f.shape[0])) for f in feats])  # [b, Q, F]
-        flags = None if sampling.all_greedy else sampling.flags()
-        sampling = sampling.to(self.runner.device)
-        inputs = {"uniforms": None if uniforms is None else uniforms.to(device)}  # [b, G]
-        self.head.set_features(padded, feedback=False)
-        logits = self.runner.forward(catch_up, logits="last")  # [b, K]
-        lengths = torch.tensor([len(r.tokens) for r in catch_up], device=padded.device) - 1
-        feedback = self.head.last_feedback[torch.arange(len(rows), device=padded.device), lengths]  # [b, H]
-        last = [len(s) - 1 for s in seqs]  # P per row: draft j+1 comes from the pair at P + j
+        rows = [F.pad(feats[b].to(device), (0, 0, 0, staged.width - feats[b].shape[0])) for b in staged.order]
+        return torch.stack(rows + [torch.zeros_like(rows[0])] * (staged.padded - staged.rows))
+
+    def _loop(self, staged, features, num_tokens, sampling, flags, inputs, masks: DraftMasks | None):
+        """The catch-up forward, then single-token forwards fed each draft and the head's feedback on
+        the device, sorted row order -> (drafts [B', G], q [B', G, V] or None, kept [B'], forwards
+        after the catch-up). Nothing is read back to the host, except by grammar masks and, where
+        `host_stop`, the floor's check that some row still drafts (its forwards skipped otherwise)."""
+        runner = self.runner
+        began = runner.clock()
+        self.head.set_features(features, feedback=False)  # [B', Q, F]
+        logits = runner.execute(staged, "last")[0]  # [B', K]
+        index = staged.block[:, staged.width + 3]  # [B'] each row's last real token
+        feedback = self.head.last_feedback[torch.arange(staged.padded, device=index.device), index]  # [B', H]
+        last = staged.ids.gather(1, index[:, None])  # [B', 1] the newest token (a copy: advance may reuse the block)
+        runner.record(staged.tokens, began)
+        began = runner.clock()
+        confidence = _Confidence(self.min_confidence, staged.rows, staged.padded, num_tokens, index.device)
+        stops = masks is not None or self.host_stop
         out, qs = [], []
-        confident = _Confidence(self.min_confidence, len(rows), num_tokens)
         for j in range(num_tokens):
             if masks is not None:
-                logits = masks.apply(self._to_target_vocab(logits))  # [b, V]
-            if not confident.goes_on(logits):  # no row drafts position j: skip its forwards
+                logits = masks.apply(self._to_target_vocab(logits))  # [B', V]
+            confidence.see(logits)
+            if stops and not confidence.any_drafting():  # no row drafts position j: skip its forwards
                 break
-            token, q = self._pick(logits, sampling, flags, inputs, j, masks is not None)
+            token, q = self._pick(logits, sampling, flags, inputs, j, masks is not None)  # [B'], [B', V]
             if masks is not None:
                 masks.advance(token)
             out.append(token)
             qs.append(q)
-            if j + 1 == num_tokens:
-                break
-            step_rows = [RowInput(r.request_id, p + j, [t]) for r, p, t in zip(rows, last, token.tolist())]
-            self.head.set_features(feedback[:, None], feedback=True)  # [b, 1, H]
-            logits = self.runner.forward(step_rows, logits="last")  # [b, K]
-            feedback = self.head.last_feedback[:, -1]
-        if len(out) < num_tokens:  # positions no row verifies: copies of the last token (or draft)
-            fill = out[-1] if out else torch.tensor([s[-1] for s in seqs], device=device)
-            if flags is not None:
-                qs += [self._one_hot(fill)] * (num_tokens - len(qs))
-            out += [fill] * (num_tokens - len(out))
-        drafted = torch.stack(out, dim=1).cpu()  # [b, G]
-        return drafted, None if flags is None else torch.stack(qs, dim=1), confident.kept
+            if j + 1 < num_tokens:
+                staged, logits, feedback = self._step(staged, token, feedback)
+        steps = min(len(out), num_tokens - 1)
+        if steps:
+            runner.record(staged.rows, began, forwards=steps)
+        drafted, probs = self._fill(out, qs, flags, confidence, last, num_tokens)
+        return drafted, probs, confidence.kept, steps
+
+    def _step(self, staged, token: torch.Tensor, feedback: torch.Tensor):
+        """One single-token forward after `staged`: token [B'] and feedback [B', H] of the position
+        before -> (its staged layout, logits [B', K], its feedback [B', H]). Device only."""
+        staged = self.runner.advance(staged, token)
+        self.head.set_features(feedback[:, None], feedback=True)  # [B', 1, H]
+        logits = self.runner.execute(staged, "last")[0]
+        return staged, logits, self.head.last_feedback[:, -1]
+
+    def _fill(self, out, qs, flags, confidence: "_Confidence", last: torch.Tensor, num_tokens: int):
+        """The drafts of the n positions run (tokens [B'] and q [B', V] each) -> tokens [B', G] and q
+        [B', G, V] or None. Under a floor, positions no row drafts (from the longest row's count on)
+        hold copies of the last draft some row kept (the newest token where none did), q one-hot
+        there: what the loop sent when it stopped at the first such position. Device only."""
+        drafted = torch.stack(out, dim=1) if out else last[:, :0]  # [B', n]
+        probs = torch.stack(qs, dim=1) if out and flags is not None else None  # [B', n, V]
+        if confidence.floor is None:
+            return drafted, probs
+        longest = confidence.longest()  # 0-d
+        fill = torch.cat([last, drafted], dim=1).index_select(1, longest.view(1))  # [B', 1]
+        ran = drafted.shape[1]
+        beyond = torch.arange(num_tokens, device=drafted.device) >= longest  # [G]
+        tokens = torch.where(beyond, fill, torch.cat([drafted, fill.expand(-1, num_tokens - ran)], dim=1))  # [B', G]
+        if flags is None:
+            return tokens, None
+        hot = self._one_hot(tokens)  # [B', G, V]
+        q = hot if probs is None else torch.cat([probs, hot[:, ran:]], dim=1)
+        return tokens, torch.where(beyond[:, None], hot, q)
 
     def _one_hot(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token ids [...] -> one-hot q [..., V] on the ids' device (copied or unverified drafts)."""
@@ -688,23 +753,33 @@ class _Confidence:
     """Where rows stop drafting: a row drafts position j while the product of the head's top
     probabilities at positions 0..j stays >= floor (EAGLE-2's estimate of the chance that the
     target accepts the drafts so far). Position j's decision depends only on the tokens before
-    it, never on the token drafted there, so the acceptance rule stays exact for sampled rows."""
+    it, never on the token drafted there, so the acceptance rule stays exact for sampled rows.
+    Counted on the device; the product never grows (top <= 1), so a row that stops stays stopped."""
 
-    def __init__(self, floor: float | None, rows: int, num_tokens: int) -> None:
+    def __init__(self, floor: float | None, rows: int, padded: int, num_tokens: int, device) -> None:
         self.floor = floor
-        self.kept = torch.full((rows,), num_tokens, dtype=torch.long) if floor is None \
-            else torch.zeros(rows, dtype=torch.long)  # [b] positions each row drafts
-        self._product: torch.Tensor | None = None
+        self.rows = rows  # B real rows of the B' (padding rows last)
+        self.kept = torch.full((padded,), num_tokens if floor is None else 0, dtype=torch.long,
+                               device=device)  # [B'] positions each row drafts
+        self._product: torch.Tensor | None = None  # [B']
+        self._drafting: torch.Tensor | None = None  # [B'] bool: rows drafting the position last seen
 
-    def goes_on(self, logits: torch.Tensor) -> bool:
-        """logits [b, K] of the next position -> whether any row drafts it (counted in `kept`)."""
+    def see(self, logits: torch.Tensor) -> None:
+        """logits [B', K] of the next position: counted in `kept` for the rows still over the floor."""
         if self.floor is None:
-            return True
-        top = torch.softmax(logits.float(), dim=-1).amax(dim=-1)  # [b]
+            return
+        top = torch.softmax(logits.float(), dim=-1).amax(dim=-1)  # [B']
         self._product = top if self._product is None else self._product * top
-        drafting = (self._product >= self.floor).cpu()  # the host decides whether to run the next forward
-        self.kept += drafting.long()
-        return bool(drafting.any())
+        self._drafting = self._product >= self.floor
+        self.kept += self._drafting.long()
+
+    def any_drafting(self) -> bool:
+        """Whether some real row drafts the position last seen: a host read (a sync on a GPU)."""
+        return self.floor is None or bool(self._drafting[: self.rows].any())
+
+    def longest(self) -> torch.Tensor:
+        """0-d: the most positions a real row drafts."""
+        return self.kept[: self.rows].max()
 
 
 SHIPPED_HEADS = Path(__file__).resolve().parent.parent / "models" / "weights"
