@@ -129,12 +129,12 @@ def generate(engine: SpeculativeEngine, prompts: list[list[int]], ids: list[str]
 
 
 def build_engine(target: torch.nn.Module, proposer, gamma: int | None, max_gamma: int, batch: int,
-                 execution: str) -> SpeculativeEngine:
+                 execution: str, attention: str = "auto") -> SpeculativeEngine:
     """One configuration's engine, built once and reused by its warm-up and every timed repeat (so
     its graphs are captured and its cost model calibrated before anything is timed)."""
     engine = SpeculativeEngine(target, num_speculative_tokens=0 if proposer is None else max_gamma,
                                adaptive=gamma is None, proposer=proposer, eos_token_ids=[], max_batch_size=batch,
-                               execution=execution)
+                               execution=execution, attention=attention)
     engine.capture_graphs(progress=False)
     if gamma is None:
         engine.calibrate(sizes=tuple(sorted({*CALIBRATION_SIZES, batch, batch * (max_gamma + 1)})))
@@ -194,8 +194,9 @@ def forward_seconds(runner: ModelRunner, batch: int, context: list[int], width: 
 
 
 def measure_costs(target, draft, batch: int, context: list[int], gammas: list[int], reps: int,
-                  execution: str) -> dict:
-    t_runner, d_runner = ModelRunner(target, execution=execution), ModelRunner(draft, execution=execution)
+                  execution: str, attention: str = "auto") -> dict:
+    t_runner = ModelRunner(target, execution=execution, attention=attention)
+    d_runner = ModelRunner(draft, execution=execution, attention=attention)
     one = forward_seconds(t_runner, batch, context, 1, reps, "all")
     draft_one = forward_seconds(d_runner, batch, context, 1, reps, "last")
     v = {g: forward_seconds(t_runner, batch, context, g + 1, reps, "all") / one for g in gammas if g > 0}
@@ -213,7 +214,8 @@ ProposerFactory = Callable[[float | None, dict[str, list[int]]], object]
 
 def run_section(name: str, target, draft, make_proposer: ProposerFactory, prompt_sets: dict[int, list[list[int]]],
                 gammas: list[int], alphas: list[float | None], max_new: int, reps: int, device: str,
-                bar: tqdm, execution: str, repeats: int, anchors: bool) -> tuple[list[dict], dict, list[dict]]:
+                bar: tqdm, execution: str, repeats: int, anchors: bool,
+                attention: str = "auto") -> tuple[list[dict], dict, list[dict]]:
     """For each batch size: γ=0 (the reference) and every α × (every γ, adaptive), all warmed and
     then timed interleaved; then, when `anchors`, the HF anchors on the same prompts (they need
     prompts of one length). -> table rows, costs, anchor rows."""
@@ -221,10 +223,10 @@ def run_section(name: str, target, draft, make_proposer: ProposerFactory, prompt
     for batch, prompts in prompt_sets.items():
         ids = [f"{name}-b{batch}-{i}" for i in range(len(prompts))]
         bar.set_postfix_str(f"{name} b={batch} costs")
-        cost = measure_costs(target, draft, batch, prompts[0], gammas, reps, execution)
+        cost = measure_costs(target, draft, batch, prompts[0], gammas, reps, execution, attention)
         costs[batch] = cost
         bar.set_postfix_str(f"{name} b={batch} reference")
-        base = Config("γ=0", 0, None, build_engine(target, None, 0, 0, batch, execution), None)
+        base = Config("γ=0", 0, None, build_engine(target, None, 0, 0, batch, execution, attention), None)
         base.outputs = [list(s.output) for s in generate(base.engine, prompts, ids, batch, max_new, device)[0]]
         references = {rid: p + o for rid, p, o in zip(ids, prompts, base.outputs)}
         reference = base.outputs
@@ -232,7 +234,7 @@ def run_section(name: str, target, draft, make_proposer: ProposerFactory, prompt
         for alpha in alphas:
             for gamma in [*gammas, None]:
                 proposer = make_proposer(alpha, references)
-                engine = build_engine(target, proposer, gamma, gamma or max(gammas), batch, execution)
+                engine = build_engine(target, proposer, gamma, gamma or max(gammas), batch, execution, attention)
                 configs.append(Config(f"α={alpha} γ={gamma}", gamma, alpha, engine, proposer))
         bar.set_postfix_str(f"{name} b={batch} timing {len(configs)} configurations × {repeats}")
         measure_configs(configs, prompts, ids, batch, max_new, device, repeats, bar)
@@ -425,6 +427,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "(default 3; tiny 2)")
     p.add_argument("--execution", default="auto", choices=["auto", "eager", "compile", "graph"],
                    help="how the engine runs its fixed-shape forwards (auto: CUDA graphs on a GPU)")
+    p.add_argument("--attention", default="auto", choices=["auto", "mask", "flex"],
+                   help="how every model attends: under a materialised mask, or FlexAttention under the rows' "
+                        "positions (auto: mask; docs/engine.md)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench-results/gpu.json")
     args = p.parse_args(argv)
@@ -519,12 +524,12 @@ def _smollm2_section(args, pair, gammas: list[int], batches: list[int], bar: tqd
     vocab = target.get_output_embeddings().weight.shape[0]
 
     def make(alpha, references):
-        return DraftModelProposer(draft, vocab, execution=args.execution)
+        return DraftModelProposer(draft, vocab, execution=args.execution, attention=args.attention)
 
     _warm_up(target, args.device)
     rows, costs, _ = run_section("smollm2", target, draft, make, prompt_sets(pool, batches, args.prompts), gammas,
                                  [None], args.max_new_tokens, args.reps, args.device, bar, args.execution,
-                                 args.repeats, anchors=False)
+                                 args.repeats, anchors=False, attention=args.attention)
     return rows, costs, shape
 
 
@@ -540,12 +545,13 @@ def _random_section(args, gammas: list[int], alphas: list[float], batches: list[
     seeds = iter(range(args.seed, args.seed + (1 << 30)))
 
     def make(alpha, references):
-        return PlantedProposer(draft, vocab, alpha, references.values(), seed=next(seeds), execution=args.execution)
+        return PlantedProposer(draft, vocab, alpha, references.values(), seed=next(seeds), execution=args.execution,
+                               attention=args.attention)
 
     _warm_up(target, args.device)
     rows, costs, anchors = run_section("random", target, draft, make, prompt_sets(pool, batches, args.prompts),
                                        gammas, alphas, args.max_new_tokens, args.reps, args.device, bar,
-                                       args.execution, args.repeats, anchors=True)
+                                       args.execution, args.repeats, anchors=True, attention=args.attention)
     return rows, costs, shape, anchors
 
 

@@ -18,19 +18,32 @@ attends its own group's keys under its own row of the mask: the same attention, 
 the cache and the fused kernel. Anything else (one group, no mask, a per-head mask, extra
 arguments) goes to HF's own SDPA function unchanged.
 
-The function is registered with HF's AttentionInterface under `NAME`; `ModelRunner` selects it for
-its own forwards only (`selected`), so the model behaves as before for any other caller.
+`flex_sdpa` takes no materialised mask at all (`ModelRunner(attention="flex")`): the runner
+builds one `BlockMask` per forward from the rows' query positions (`block_mask`: key k is visible
+to query (b, q) iff k <= positions[b, q], the mask_mod reading the [B', Q] positions tensor), and
+every layer runs FlexAttention under it with the KV heads as they are (`enable_gqa`). On a GPU
+that is a fused kernel that skips key blocks past a row's end, instead of SDPA's math kernel over
+a [B', 1, Q, K] mask; on a CPU (tests) it runs the eager reference, for equality only.
+
+The functions are registered with HF's AttentionInterface under `NAME` and `FLEX_NAME`;
+`ModelRunner` selects one for its own forwards only (`selected`), so the model behaves as before
+for any other caller.
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 NAME = "specserve_grouped_sdpa"
+FLEX_NAME = "specserve_flex"
+_KV_BLOCK = 128  # FlexAttention's default sparse block, both axes
+_compiled_flex: Callable | None = None
 
 
 def grouped_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -55,19 +68,59 @@ def grouped_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
     return out.transpose(1, 2).contiguous(), None
 
 
+def block_mask(positions: torch.Tensor, key_length: int) -> BlockMask:
+    """positions [B', Q] int64 (device) -> BlockMask over [B', 1, Q, K]: key k is visible to query
+    (b, q) iff k <= positions[b, q]; one mask for every head and every layer of a forward."""
+    rows, width = positions.shape
+
+    def visible(b, h, q, k):
+        return k <= positions[b, q]
+
+    # Q is padded up to the query block. On a CPU under inductor (torch 2.13) a single query row
+    # padded to 128 generates C++ that does not compile; a query block of one row does.
+    q_block = 1 if width == 1 and positions.device.type == "cpu" else _KV_BLOCK
+    return create_block_mask(visible, rows, None, width, key_length, device=positions.device,
+                             BLOCK_SIZE=(q_block, _KV_BLOCK))
+
+
+def flex_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              attention_mask: BlockMask, dropout: float = 0.0, scaling: float | None = None,
+              **kwargs) -> tuple[torch.Tensor, None]:
+    """query [B, Hq, Q, D], key/value [B, Hkv, K, D], attention_mask the forward's `block_mask`
+    -> ([B, Q, Hq, D], None). Inference only (no dropout)."""
+    if not isinstance(attention_mask, BlockMask):
+        raise TypeError("flex_sdpa attends under a BlockMask (attention.block_mask), not a tensor mask")
+    out = _flex(query.device)(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None  # [B, Q, Hq, D]
+
+
+def _flex(device: torch.device) -> Callable:
+    """flex_attention as it should run here: inside a graph being compiled, the plain function
+    (the graph's compiler fuses it; a nested torch.compile would not); eagerly on a GPU, compiled
+    once (eager FlexAttention is a slow reference); eagerly on a CPU, the reference itself
+    (compiling it costs seconds per shape, and CPU runs are for equality only)."""
+    global _compiled_flex
+    if torch.compiler.is_compiling() or device.type != "cuda":
+        return flex_attention
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention)
+    return _compiled_flex
+
+
 AttentionInterface.register(NAME, grouped_sdpa)
+AttentionInterface.register(FLEX_NAME, flex_sdpa)
 
 
 @contextmanager
-def selected(model: torch.nn.Module, enabled: bool):
-    """Within the block, `model` attends through `grouped_sdpa` (when `enabled` and the model uses
-    SDPA); its own setting is restored after."""
+def selected(model: torch.nn.Module, name: str | None):
+    """Within the block, `model` attends through the function registered as `name` (None: its
+    own); its own setting is restored after."""
     config = model.config
     before = getattr(config, "_attn_implementation", None)
-    if not enabled or before != "sdpa":
+    if name is None:
         yield
         return
-    config._attn_implementation = NAME
+    config._attn_implementation = name
     try:
         yield
     finally:

@@ -54,6 +54,7 @@ class SpeculativeEngine:
         drafter: DrafterSpec | None = None,
         proposer: Proposer | None = None,
         execution: str = "auto",
+        attention: str = "auto",
         prefill_chunk_tokens: int | None = DEFAULT_PREFILL_CHUNK,
         max_cached_tokens: int | None = None,
         tokenizer=None,
@@ -64,7 +65,9 @@ class SpeculativeEngine:
         drafter=DraftModelSpec(draft_model)); drafter, any drafter spec (layer skip, prompt
         lookup, ...); proposer, a ready-made Proposer. execution: how the target and a draft
         model run their fixed-shape forwards, "eager", "compile", "graph" (CUDA graphs) or
-        "auto" (graph on one CUDA device, else eager); see ModelRunner. prefill_chunk_tokens: the
+        "auto" (graph on one CUDA device, else eager); see ModelRunner. attention: how they attend,
+        "mask", "flex" (FlexAttention, no materialised mask) or "auto" (mask); see ModelRunner.
+        prefill_chunk_tokens: the
         most prompt tokens each model prefills per step, in a forward beside the step (chunked
         prefill; see `prefill_rows`); None or 0: a new prompt is prefilled whole inside its first step.
         max_cached_tokens: the KV budget in allocated token positions per model that admission
@@ -83,10 +86,10 @@ class SpeculativeEngine:
         if sum(x is not None for x in (draft_model, drafter, proposer)) > 1:
             raise ValueError("give at most one of draft_model, drafter and proposer")
         if draft_model is not None:
-            drafter = DraftModelSpec(draft_model, execution)
+            drafter = DraftModelSpec(draft_model, execution, attention)
         if drafter is None and proposer is None and num_speculative_tokens > 0:
             raise ValueError("num_speculative_tokens > 0 needs a draft model, a drafter or a proposer")
-        self.verifier = TargetVerifier(target_model, max_model_len, execution)
+        self.verifier = TargetVerifier(target_model, max_model_len, execution, attention=attention)
         if drafter is not None:
             proposer = drafter.build(target_model, self.verifier.vocab_size, max_model_len)
         if hasattr(proposer, "attach_target"):  # a drafter that reads the target's hidden states

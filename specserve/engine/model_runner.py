@@ -41,6 +41,7 @@ from .paged_cache import PagedKVCache
 # (at most 7 wasted rows; tensor-core tiles are multiples of 8), as vLLM's CUDA-graph capture sizes.
 BATCH_BUCKETS = (1, 2, 4, *range(8, 257, 8))
 EXECUTION_MODES = ("auto", "eager", "compile", "graph")
+ATTENTION_MODES = ("auto", "mask", "flex")
 # a forward's fixed cost beyond reading its weights (host work, launches), as a share of their bytes:
 # what splitting a paged batch into two forwards must save on top of the second weight pass
 SPLIT_OVERHEAD = 0.25
@@ -200,11 +201,15 @@ class ModelRunner:
         max_model_len: int | None = None,
         execution: str = "auto",
         keep_hidden: bool = False,
+        attention: str = "auto",
     ) -> None:
         """execution: "eager"; "compile" (torch.compile fullgraph of the fixed-shape forward);
         "graph" (CUDA graphs, one per shape bucket, replayed); "auto" = graph on a single CUDA
         device, eager otherwise. keep_hidden: keep the final hidden states of every forward in
-        `last_hidden` ([B, Q, H], caller order), for drafters that read the target's features."""
+        `last_hidden` ([B, Q, H], caller order), for drafters that read the target's features.
+        attention: "mask" (the model's own attention, or grouped SDPA on a CPU, under a
+        [B', 1, Q, K] mask); "flex" (FlexAttention under the rows' positions, no mask:
+        engine/attention.py); "auto" = mask (flex is not yet measured on a GPU)."""
         self.model = model.eval()
         attn = getattr(model.config, "_attn_implementation", None) or "eager"
         if attn not in ("sdpa", "eager"):
@@ -214,6 +219,7 @@ class ModelRunner:
         self.device = model.get_input_embeddings().weight.device
         self.dtype = model.get_input_embeddings().weight.dtype
         self.execution = _resolve_execution(execution, model, self.device)
+        self.attention = _resolve_attention(attention)
         self.keep_hidden = keep_hidden
         # batches padded up to BATCH_BUCKETS (fixed shapes to compile or capture); not in eager
         # mode, where a padded row costs a real row's compute on a CPU
@@ -557,6 +563,10 @@ class ModelRunner:
         """`_compute` as this runner's execution mode says: eager for prefills, for a gathered
         batch, for one that would allocate cache storage and for widths above 16; else compiled
         or replayed."""
+        with self.attending():
+            return self._execute(staged, logits, prefill)
+
+    def _execute(self, staged: Staged, logits: str, prefill: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         static = (self.execution != "eager" and not prefill and not staged.gather and self.cache.ready
                   and staged.width <= 16)
         if static and self.execution == "graph":
@@ -599,11 +609,13 @@ class ModelRunner:
         tables = block[:, width + _COLUMNS :] if self.paged else None  # [B', K / bs]
         self.cache.bind(write_slots, positions, read_slots if gather else None, tables)
         extra = {"output_hidden_states": True} if self.keep_hidden else {}
-        with attention.selected(self.model, self.grouped_attention), cpu_linear.selected(self.linear_kernels):
+        flex = self.attention == "flex"
+        mask = attention.block_mask(positions, key_length) if flex else self._mask(positions, key_length)
+        with cpu_linear.selected(self.linear_kernels):
             out = self.model(
                 input_ids=ids,
                 position_ids=positions,
-                attention_mask=self._mask(positions, key_length),
+                attention_mask=mask,
                 **{self.cache_arg: self.cache},
                 use_cache=True,
                 logits_to_keep={"last": width, "all": width, "none": 1}[logits],
@@ -616,6 +628,15 @@ class ModelRunner:
         if logits == "last":
             result = result[torch.arange(result.shape[0], device=result.device), last]  # [B', V']
         return result, hidden
+
+    def attending(self):
+        """A context in which the model attends as this runner's forwards do (engine/attention.py).
+        Entered on the host around `_compute`, never inside it: a config switch inside a compiled
+        graph is not reliably undone after it (seen with flex under torch.compile, torch 2.13)."""
+        if self.attention == "flex":
+            return attention.selected(self.model, attention.FLEX_NAME)
+        sdpa = getattr(self.model.config, "_attn_implementation", None) == "sdpa"
+        return attention.selected(self.model, attention.NAME if self.grouped_attention and sdpa else None)
 
     def _mask(self, positions: torch.Tensor, key_length: int) -> torch.Tensor:
         """positions [B', Q] -> [B', 1, Q, K] on the device: key k is visible to a query at
@@ -743,6 +764,12 @@ def _resolve_execution(execution: str, model: torch.nn.Module, device: torch.dev
     if execution == "graph" and (device.type != "cuda" or len(devices) != 1):
         raise ValueError("execution='graph' needs the whole model on one CUDA device")
     return execution
+
+
+def _resolve_attention(mode: str) -> str:
+    if mode not in ATTENTION_MODES:
+        raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {mode!r}")
+    return "mask" if mode == "auto" else mode
 
 
 def _reject_sliding_window(config) -> None:

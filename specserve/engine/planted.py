@@ -71,10 +71,10 @@ class PlantedProposer(DraftModelProposer):
 
     def __init__(self, model: torch.nn.Module, vocab_size: int, alpha: float,
                  references: Sequence[Sequence[int]] = (), seed: int = 0, second: float = 0.0,
-                 max_model_len: int | None = None, execution: str = "auto") -> None:
+                 max_model_len: int | None = None, execution: str = "auto", attention: str = "auto") -> None:
         if not (0.0 <= alpha <= 1.0 and 0.0 <= second <= 1.0):
             raise ValueError("planted alpha and second must lie in [0, 1]")
-        super().__init__(model, vocab_size, max_model_len, execution)
+        super().__init__(model, vocab_size, max_model_len, execution, attention)
         self.alpha, self.second = alpha, second
         self.rng = random.Random(seed)
         self.counts = PlantedCounts()

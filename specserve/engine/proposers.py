@@ -103,9 +103,10 @@ class DraftModelProposer:
     can_branch = True  # `fork` / `adopt`, and runner-ups in `propose` (pipelined branches)
 
     def __init__(
-        self, model: torch.nn.Module, vocab_size: int, max_model_len: int | None = None, execution: str = "auto"
+        self, model: torch.nn.Module, vocab_size: int, max_model_len: int | None = None, execution: str = "auto",
+        attention: str = "auto",
     ) -> None:
-        self.runner = ModelRunner(model, max_model_len, execution)
+        self.runner = ModelRunner(model, max_model_len, execution, attention=attention)
         self.vocab_size = vocab_size  # V, the target's
         self._inputs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # (B', G) -> static loop inputs
         self.grammar: GrammarBook | None = None  # masks grammar rows' drafts when set (engine/grammar.py)
@@ -215,7 +216,8 @@ class DraftModelProposer:
 
         def forward(s):
             if captured:
-                return runner._compute(s.block, s.width, s.key_length, False, "last")[0]
+                with runner.attending():
+                    return runner._compute(s.block, s.width, s.key_length, False, "last")[0]
             return runner.execute(s, "last")[0]
 
         sampling = BatchSampling(inputs["temperature"], inputs["top_k"], inputs["top_p"])
@@ -478,9 +480,10 @@ class DraftModelSpec:
 
     model: torch.nn.Module
     execution: str = "auto"  # see ModelRunner
+    attention: str = "auto"  # see ModelRunner
 
     def build(self, target_model: torch.nn.Module, vocab_size: int, max_model_len: int | None) -> Proposer:
-        return DraftModelProposer(self.model, vocab_size, max_model_len, self.execution)
+        return DraftModelProposer(self.model, vocab_size, max_model_len, self.execution, self.attention)
 
 
 @dataclass(frozen=True)

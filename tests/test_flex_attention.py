@@ -1,0 +1,141 @@
+"""The mask-free attention path (ModelRunner(attention="flex"), engine/attention.py): FlexAttention
+under the rows' positions computes what the masked path computes, eagerly and compiled, on both
+caches, and speculative greedy output stays the target's own."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from models import ShiftedDraft, perturbed, tiny_llama, tiny_qwen2
+from specserve import SamplingParams, SpeculativeEngine
+from specserve.engine import attention
+from specserve.engine.model_runner import ModelRunner, RowInput
+
+# eager FlexAttention warns that it is the unfused reference: here that is the point
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+LENGTHS = (7, 30, 3)  # a ragged batch: every row its own length
+
+
+def tiny_mha_llama(seed: int, layers: int = 2):
+    """A Llama whose every query head has its own KV head (no grouping)."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=96, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
+                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    config._attn_implementation = "sdpa"
+    return LlamaForCausalLM(config).eval()
+
+
+MODELS = {
+    "gqa": lambda: tiny_llama(0),
+    "gqa-eager": lambda: tiny_llama(0, attn="eager"),
+    "mha": lambda: tiny_mha_llama(0),
+    "qwen2": lambda: tiny_qwen2(0),
+}
+
+
+def run_forwards(runner: ModelRunner, widths=(1, 5, 1), seed: int = 1) -> list[torch.Tensor]:
+    """A ragged prefill, then a forward of each width for every row -> every forward's logits [B, Q, V]."""
+    g = torch.Generator().manual_seed(seed)
+    rows = [torch.randint(0, 96, (n,), generator=g).tolist() for n in LENGTHS]
+    out = [runner.forward([RowInput(str(i), 0, t) for i, t in enumerate(rows)], logits="all")]
+    for width in widths:
+        new = [torch.randint(0, 96, (width,), generator=g).tolist() for _ in rows]
+        calls = [RowInput(str(i), runner.valid_length(str(i)), t) for i, t in enumerate(new)]
+        out.append(runner.forward(calls, logits="all"))
+    return out
+
+
+def runner_for(model, mode: str, paged: bool = False, execution: str = "eager") -> ModelRunner:
+    runner = ModelRunner(model, execution=execution, attention=mode)
+    if paged:
+        runner.page(16)
+    return runner
+
+
+def assert_same(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("model_key", sorted(MODELS))
+@pytest.mark.parametrize("paged", [False, True])
+def test_flex_logits_equal_masked_logits(model_key, paged):
+    model = MODELS[model_key]()
+    want = run_forwards(runner_for(model, "mask", paged))
+    got = run_forwards(runner_for(model, "flex", paged))
+    assert_same(got, want)
+
+
+def test_flex_runs_flex_and_restores_the_models_attention(monkeypatch):
+    model = tiny_llama(0)
+    calls = []
+    original = attention.flex_sdpa
+
+    def spy(*args, **kwargs):
+        calls.append(args[4])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "flex_sdpa", spy)
+    attention.AttentionInterface.register(attention.FLEX_NAME, spy)
+    try:
+        run_forwards(runner_for(model, "flex"), widths=(1,))
+    finally:
+        attention.AttentionInterface.register(attention.FLEX_NAME, original)
+    assert len(calls) == 2 * model.config.num_hidden_layers  # every layer of both forwards
+    assert all(isinstance(m, attention.BlockMask) for m in calls)
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_flex_block_mask_is_the_position_rule():
+    positions = torch.tensor([[3, 4], [0, 0], [200, 201]])  # [B', Q]
+    block = attention.block_mask(positions, 256)
+    keys = torch.arange(256)
+    for b in range(3):
+        for q in range(2):
+            visible = block.mask_mod(torch.tensor(b), torch.tensor(0), torch.tensor(q), keys)
+            assert torch.equal(visible, keys <= positions[b, q])
+
+
+def test_unknown_attention_mode_is_refused():
+    with pytest.raises(ValueError, match="attention must be one of"):
+        ModelRunner(tiny_llama(0), attention="paged")
+
+
+def test_auto_keeps_the_masked_path():
+    runner = ModelRunner(tiny_llama(0))
+    assert runner.attention == "mask" and runner.grouped_attention
+
+
+@pytest.mark.parametrize("draft_kind", ["ordinary", "always-wrong"])
+def test_flex_engine_greedy_equals_target_only(draft_kind):
+    target = tiny_llama(0)
+    draft = perturbed(target, 0.6, seed=1) if draft_kind == "ordinary" else ShiftedDraft(target)
+    prompts = [[5, 9, 2], [7] * 17, [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]]
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    plain = SpeculativeEngine(target, None, num_speculative_tokens=0).generate(prompts, params)
+    flex = SpeculativeEngine(target, draft, num_speculative_tokens=3, adaptive=False, attention="flex")
+    assert flex.verifier.runner.attention == "flex" and flex.proposer.runner.attention == "flex"
+    outs = flex.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert sum(o.metrics.num_draft_tokens for o in outs) > 0
+
+
+def test_flex_compiled_forward_equals_eager():
+    """execution="compile": the runner's `_compute` with FlexAttention under torch.compile
+    (fullgraph); decode widths 1 and 5 run compiled. One layer keeps the compile short."""
+    model = tiny_llama(0, layers=1)
+    want = run_forwards(runner_for(model, "mask"))
+    runner = runner_for(model, "flex", execution="compile")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = run_forwards(runner)
+    assert runner._compiled is not None  # the decode forwards went through torch.compile
+    assert_same(got, want)
+    assert model.config._attn_implementation == "sdpa"
