@@ -173,3 +173,21 @@ def test_graph_mode_logic_on_cpu(target, temperature):
     assert got == expected
     if temperature == 0.0:
         assert got == [hf_greedy(target, p, 16) for p in prompts]
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_an_eager_forward_attends_over_its_rows_not_the_growth_step(paged):
+    """Eager forwards attend over the longest row rounded up to EAGER_KEY_STEP (a whole number
+    of blocks when paged); compiled ones keep the 256-position step their shapes are fixed by."""
+    from specserve.engine.model_runner import EAGER_KEY_STEP
+    from specserve.models.tiny import tiny_llama as byte_llama
+
+    target = byte_llama(0, max_position_embeddings=1024)
+    for execution, expected in (("eager", -(-301 // EAGER_KEY_STEP) * EAGER_KEY_STEP), ("compile", 512)):
+        runner = ModelRunner(target, execution=execution)
+        if paged:
+            runner.page(block_size=7)
+            expected = -(-expected // 7) * 7
+        # 300 tokens, their padding position just past them: 301 positions
+        staged = runner.stage([RowInput("a", 0, list(range(1, 301)))])
+        assert staged.key_length == expected, execution

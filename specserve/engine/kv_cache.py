@@ -7,9 +7,10 @@ writes from the row's accepted length on, and the causal mask (a key is visible 
 its position is <= the query's) hides whatever stale entries lie beyond (gpt-fast's trick, per row).
 
 The last slot S-1 is scratch: no request owns it, and the padded rows of a forward (a batch padded
-up to its capture bucket) write there. A forward attends over K = capacity_for(longest row) key
-positions, a length that changes once per 256 tokens rather than every step, so that shapes stay
-fixed per capture bucket.
+up to its capture bucket) write there. A compiled or captured forward attends over K =
+capacity_for(longest row) key positions, a length that changes once per 256 tokens rather than every
+step, so that shapes stay fixed per capture bucket; an eager one over the longest row rounded up
+to `key_step` (the runner's `EAGER_KEY_STEP`).
 
 Reading the keys of a forward's rows is free when its rows are slots 0..B'-1 in order (the runner
 sorts its rows by slot, and live slots are dense, so a forward over every live request is such a
@@ -25,20 +26,29 @@ from __future__ import annotations
 
 import torch
 
-_CAPACITY_STEP = 256  # grow the position dimension in chunks of this many tokens
+CAPACITY_STEP = 256  # grow the position dimension in chunks of this many tokens
+
+
+def key_length_for(positions: int, step: int, max_model_len: int | None = None) -> int:
+    """K a forward attends over when its rows need `positions`: rounded up to `step` (the growth
+    step where shapes must stay fixed for compiled or captured forwards; finer in eager mode, where
+    every key position past a row's end is attention work for nothing), capped at max_model_len."""
+    rounded = -(-max(positions, 1) // step) * step
+    return rounded if max_model_len is None else min(rounded, max_model_len)
 
 
 def capacity_for(positions: int, max_model_len: int | None = None) -> int:
     """Positions a slot's storage is allocated for when it must hold `positions` of them: the one
     rounding rule that the cache, the key length of a forward and admission (which budgets what
     the cache really allocates) share."""
-    grown = -(-max(positions, 1) // _CAPACITY_STEP) * _CAPACITY_STEP
+    grown = -(-max(positions, 1) // CAPACITY_STEP) * CAPACITY_STEP
     return grown if max_model_len is None else min(grown, max_model_len)
 
 
 class SlotKVCache:
     def __init__(self, max_model_len: int | None = None) -> None:
         self.max_model_len = max_model_len
+        self.key_step = CAPACITY_STEP  # K's rounding (`key_length_for`): the runner sets it
         self._keys: list[torch.Tensor | None] = []  # per layer [S, H, C, D]
         self._values: list[torch.Tensor | None] = []
         self._num_slots = 0  # slots S every layer is (or will be) sized for, scratch included
@@ -83,10 +93,9 @@ class SlotKVCache:
             raise ValueError(
                 f"position {needed_positions - 1} is beyond the cache limit of {self.max_model_len} tokens")
         self._num_slots = max(self._num_slots, num_slots + 1)
-        length = capacity_for(needed_positions, self.max_model_len)
-        self._capacity = max(self._capacity, length)
-        self._view_length = length
-        return length
+        self._capacity = max(self._capacity, capacity_for(needed_positions, self.max_model_len))
+        self._view_length = key_length_for(needed_positions, self.key_step, self.max_model_len)
+        return self._view_length
 
     @property
     def ready(self) -> bool:

@@ -33,7 +33,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from . import attention, cpu_linear
-from .kv_cache import SlotKVCache, capacity_for
+from .kv_cache import CAPACITY_STEP, SlotKVCache, capacity_for
 from .paged_cache import PagedKVCache
 
 # Batch sizes a forward is padded up to: every power of two up to 8 (small batches are weight-bound
@@ -45,6 +45,10 @@ ATTENTION_MODES = ("auto", "mask", "flex")
 # a forward's fixed cost beyond reading its weights (host work, launches), as a share of their bytes:
 # what splitting a paged batch into two forwards must save on top of the second weight pass
 SPLIT_OVERHEAD = 0.25
+# an eager forward's key length K: the longest row rounded up to this (the dense cache's 256-token
+# growth step, which shapes for compiled or captured forwards keep, made a batch of 300-token rows
+# attend over 512 positions)
+EAGER_KEY_STEP = 16
 _COLUMNS = 6  # after the Q token ids: start, write slot, read slot, last, caller->sorted, sorted->caller
 
 
@@ -241,6 +245,7 @@ class ModelRunner:
         limit = getattr(model.config, "max_position_embeddings", None)
         self.max_model_len = min(p for p in (max_model_len, limit) if p) if (max_model_len or limit) else None
         self.cache = SlotKVCache(self.max_model_len)
+        self.cache.key_step = self._key_step()
         self.cache_arg = cache_kwarg(model)
         self.token_map: torch.Tensor | None = getattr(model, "draft_token_map", None)  # [K] target ids, or None
         self._slot_of: dict[str, int] = {}
@@ -261,6 +266,12 @@ class ModelRunner:
             raise RuntimeError("the cache layout changes only while no request is cached")
         sharing = prefix_caching and self.tapped is None
         self.cache = PagedKVCache(block_size, self.max_model_len, num_blocks, sharing)
+        self.cache.key_step = self._key_step()
+
+    def _key_step(self) -> int:
+        """What a forward's key length K is rounded up to: the cache's growth step where forwards
+        are compiled or captured (few shapes), EAGER_KEY_STEP where they run eagerly."""
+        return EAGER_KEY_STEP if self.execution == "eager" else CAPACITY_STEP
 
     @property
     def paged(self) -> bool:

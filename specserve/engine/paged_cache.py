@@ -35,7 +35,7 @@ from collections import OrderedDict
 
 import torch
 
-from .kv_cache import capacity_for
+from .kv_cache import CAPACITY_STEP, key_length_for
 
 SCRATCH = 0  # the scratch block
 
@@ -56,6 +56,7 @@ class PagedKVCache:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.max_model_len = max_model_len
+        self.key_step = CAPACITY_STEP  # K's rounding before whole blocks (`key_length_for`): the runner sets it
         self.fixed = num_blocks is not None
         self._num_blocks = num_blocks if num_blocks is not None else 64  # N, scratch included
         if self._num_blocks < 2:
@@ -219,9 +220,10 @@ class PagedKVCache:
         return self._view_length
 
     def reserve_length(self, needed_positions: int) -> int:
-        """K a forward over rows needing `needed_positions` would attend over (`reserve`'s rounding)."""
+        """K a forward over rows needing `needed_positions` would attend over (`reserve`'s rounding:
+        the dense cache's, `key_step`, up to a whole number of blocks)."""
         needed = needed_positions if self.max_model_len is None else min(needed_positions, self.max_model_len)
-        return blocks_for(capacity_for(needed, self.max_model_len), self.block_size) * self.block_size
+        return blocks_for(key_length_for(needed, self.key_step, self.max_model_len), self.block_size) * self.block_size
 
     @property
     def ready(self) -> bool:
