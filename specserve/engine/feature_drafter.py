@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .grammar import DraftMasks
-from .model_runner import CacheMiss, ForwardTiming, ModelRunner, RowInput, _regroup
+from .model_runner import CacheMiss, ForwardTiming, ModelRunner, RowInput, regroup
 from .proposers import DraftModelProposer, Proposal, continue_match, decoder_layers, find_continuation, hold_tokens
 from .sampling import BatchSampling
 
@@ -627,7 +627,7 @@ class FeatureDrafterProposer(DraftModelProposer):
             return self._draft_rows(catch_up, feats, num_tokens, sampling, uniforms)
         parts = [self._draft_rows([catch_up[b] for b in g], [feats[b] for b in g], num_tokens, sampling.select(g),
                                   None if uniforms is None else uniforms[g]) for g in groups]
-        return tuple(_regroup([p[i] for p in parts], groups, len(rows)) for i in range(3))
+        return tuple(regroup([p[i] for p in parts], groups, len(rows)) for i in range(3))
 
     def _catch_up(self, rows, seqs) -> tuple[list[RowInput], list[torch.Tensor]]:
         """The exact pairs each row's head has not seen (the tokens since its last call) -> the

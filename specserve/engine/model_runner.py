@@ -403,8 +403,8 @@ class ModelRunner:
             outs.append(self._forward_rows([rows[b] for b in group], logits, picked))
             hidden.append(self.last_hidden)
         if self.keep_hidden:
-            self.last_hidden = _regroup(hidden, groups, len(rows))
-        return None if outs[0] is None else _regroup(outs, groups, len(rows))
+            self.last_hidden = regroup(hidden, groups, len(rows))
+        return None if outs[0] is None else regroup(outs, groups, len(rows))
 
     def _forward_rows(self, rows: list[RowInput], logits: str, tail: torch.Tensor | None) -> torch.Tensor | None:
         staged = self.stage(rows, tail_width=0 if tail is None else tail.shape[1])
@@ -792,7 +792,7 @@ def _reject_sliding_window(config) -> None:
         raise ValueError("models with sliding-window or non-attention layers are not supported yet")
 
 
-def _regroup(parts: list[torch.Tensor | None], groups: list[list[int]], batch: int) -> torch.Tensor | None:
+def regroup(parts: list[torch.Tensor | None], groups: list[list[int]], batch: int) -> torch.Tensor | None:
     """Per-group results [B_g, ...] (leading dims may differ past the first: padded with zeros)
     -> one [B, ...] in caller order."""
     if parts[0] is None:
