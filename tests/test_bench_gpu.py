@@ -31,6 +31,13 @@ def test_tiny_run_without_serving_imports(tmp_path):
     anchors = {(a["batch"], a["anchor"].split(" (")[0]) for a in result["anchors"]}
     assert {(b, n) for b in (1, 4) for n in ("HF generate() eager", "bandwidth limit")} <= anchors
     assert all(a["identical"] in (True, None) for a in result["anchors"])  # HF's greedy tokens are the engine's
+    # what each adaptive engine learnt, for `bench policy --costs gpu.json --select random/4/0.9`
+    from specserve.bench.policy import Costs, compare
+
+    costs = Costs.load(out, "random/4/0.9")
+    assert costs.seconds("target", 4) > 0 and costs.seconds("draft", 4) > 0 and costs.overhead >= 0
+    assert set(result["costs"]["random"]["1"]["policy"]) == {"0.5", "0.9"}
+    assert compare(costs, 4, 0.9, max_gamma=2, rounds=1, tokens=16, seeds=1)["adaptive"].rate > 0
 
 
 def test_smollm2_section_skips_with_a_message(tmp_path, monkeypatch, capsys):

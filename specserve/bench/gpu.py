@@ -33,13 +33,14 @@ import json
 import platform
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
 from tqdm import tqdm
 
+from specserve.bench.policy import Costs
 from specserve.bench.rows import SpeedAndAcceptance
 from specserve.engine.model_runner import CALIBRATION_SIZES, cache_kwarg
 from specserve.engine import RowInput, SamplingParams, SpeculativeEngine
@@ -244,6 +245,8 @@ def run_section(name: str, target, draft, make_proposer: ProposerFactory, prompt
             if isinstance(config.proposer, PlantedProposer):
                 row["off_reference"] = config.proposer.counts.off_reference
             rows.append(row)
+        costs[batch]["policy"] = {str(c.alpha): asdict(Costs.measured(c.engine.policy, f"{name} b={batch} α={c.alpha}"))
+                                  for c in configs if c.gamma is None and c.proposer is not None}
         for config in configs:
             del config.engine
         for row in rows[-len(configs):]:  # as they come: a run stopped later keeps these lines

@@ -1,6 +1,7 @@
 """The γ policy replayed on measured forward costs: adaptive against every fixed γ, no model run.
 
     python -m specserve.bench.policy [--costs costs.json] [--out bench-results/policy.json]
+    python -m specserve.bench.policy --costs bench-results/gpu.json --select random/16/0.8
 
 A step's cost is what the GPU measured per forward size (`Costs`, by default the H100 fixture
 below), its acceptances are drawn i.i.d. at α, and the real `SpeculationPolicy` picks γ every step
@@ -37,10 +38,20 @@ class Costs:
         return _linear(self.target if model == "target" else self.draft, tokens)
 
     @classmethod
-    def load(cls, path: str | Path) -> "Costs":
+    def load(cls, path: str | Path, select: str | None = None) -> "Costs":
+        """A Costs JSON file; or, with select "section/batch/α", what the adaptive engine of that
+        cell of a `bench gpu` JSON had measured (its "costs" → section → batch → "policy" → α)."""
         raw = json.loads(Path(path).read_text())
+        if select is not None:
+            section, batch, alpha = select.split("/")
+            raw = raw["costs"][section][batch]["policy"][alpha]
         return cls({int(k): v for k, v in raw["target"].items()}, {int(k): v for k, v in raw["draft"].items()},
-                   raw.get("overhead", 0.0), raw.get("source", str(path)))
+                   raw.get("overhead", 0.0), raw.get("source", f"{path} {select or ''}".strip()))
+
+    @classmethod
+    def measured(cls, policy: SpeculationPolicy, source: str) -> "Costs":
+        """What a live policy has learnt: each model's cost at every size it knows, its overhead."""
+        return cls(policy.target_cost.table(), policy.draft_cost.table(), policy.overhead, source)
 
 
 def _linear(table: dict[int, float], n: int) -> float:
@@ -164,7 +175,9 @@ def report(cells: list[tuple[int, float, dict]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--costs", default=None, help="JSON {target: {n: s}, draft: {n: s}, overhead: s}")
+    parser.add_argument("--costs", default=None, help="JSON {target: {n: s}, draft: {n: s}, overhead: s}, or a "
+                        "bench gpu JSON with --select")
+    parser.add_argument("--select", default=None, help="with a bench gpu JSON: section/batch/α, e.g. random/16/0.8")
     parser.add_argument("--batches", default="1,16")
     parser.add_argument("--alphas", default="0.6,0.8")
     parser.add_argument("--max-gamma", type=int, default=4)
@@ -173,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=4, help="independent runs per policy, summed")
     parser.add_argument("--out", default="bench-results/policy.json")
     args = parser.parse_args(argv)
-    costs = Costs.load(args.costs) if args.costs else H100_7B
+    costs = Costs.load(args.costs, args.select) if args.costs else H100_7B
     cells = [(b, a, compare(costs, b, a, args.max_gamma, args.rounds, args.tokens, args.seeds))
              for b in map(int, args.batches.split(",")) for a in map(float, args.alphas.split(","))]
     table = report(cells)

@@ -79,6 +79,10 @@ class TokenCost:
         """Live / calibrated cost, a running mean over live forwards (1 before any)."""
         return 1.0 if self._level is None else self._level
 
+    def table(self) -> dict[int, float]:
+        """{tokens: seconds} at every size measured or calibrated, at today's level."""
+        return {k: self.predict(k) for k in sorted({*self._calibrated, *self._mean})}
+
     def predict(self, n: int) -> float:
         level = self.level()
         table = {k: c * level for k, c in self._calibrated.items()}
