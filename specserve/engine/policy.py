@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 
 SWITCH_MARGIN = 1.05  # drafting must promise 5% more tokens per second than not drafting
-MAX_STAY_LIFT = 0.2  # ... to be turned on; to stay on, not to lose at α this much above the estimate (at most)
+MAX_STAY_LIFT = 0.2  # staying on takes only not losing at α up to this much above the estimate
 PROBE_SHARE = 0.03  # a probe's extra cost may be at most this share of the time since the last one
 QUIET_PROBE_SHARE = 0.005  # the same where drafting would not pay even at the optimistic rate
 NEWCOMER_SHARE = 0.10  # the same for a probe that tries a request no step has drafted for yet
@@ -232,10 +232,10 @@ class SpeculationPolicy:
         Staying on (`staying`: the last step chose to draft) takes only that the γ would still gain
         at `optimistic_alpha`'s confidence bound, at most MAX_STAY_LIFT above the estimate (the bound
         is wide while few trials are in, and a useless drafter must still be dropped within a few
-        steps): while it drafts, the estimate moves with every
-        step, and an estimate that noise pushed under the margin would otherwise switch drafting
-        off where it pays, to be learned again only by rare probes (replayed on the H100's costs,
-        batch 1 at α 0.6 then drafted 0.06 tokens a step and ran at 0.91x of γ=1)."""
+        steps). While it drafts, the estimate moves with every step; one that noise pushed under
+        the margin would otherwise switch drafting off where it pays, to be learned again only by
+        rare probes (replayed on the H100's costs, batch 1 at α 0.6 then drafted 0.06 tokens a step
+        and ran at 0.91x of γ=1)."""
         if not self.adaptive or self.max_gamma == 0:
             return self.max_gamma
         if not self.ready:
