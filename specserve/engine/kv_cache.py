@@ -46,9 +46,9 @@ def capacity_for(positions: int, max_model_len: int | None = None) -> int:
 
 
 class SlotKVCache:
-    def __init__(self, max_model_len: int | None = None) -> None:
+    def __init__(self, max_model_len: int | None = None, key_step: int = CAPACITY_STEP) -> None:
         self.max_model_len = max_model_len
-        self.key_step = CAPACITY_STEP  # K's rounding (`key_length_for`): the runner sets it
+        self.key_step = key_step  # K's rounding (`key_length_for`)
         self._keys: list[torch.Tensor | None] = []  # per layer [S, H, C, D]
         self._values: list[torch.Tensor | None] = []
         self._num_slots = 0  # slots S every layer is (or will be) sized for, scratch included

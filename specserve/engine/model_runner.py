@@ -244,8 +244,7 @@ class ModelRunner:
         self._bytes: int | None = None  # the weights' bytes (`_weight_bytes`)
         limit = getattr(model.config, "max_position_embeddings", None)
         self.max_model_len = min(p for p in (max_model_len, limit) if p) if (max_model_len or limit) else None
-        self.cache = SlotKVCache(self.max_model_len)
-        self.cache.key_step = self._key_step()
+        self.cache = SlotKVCache(self.max_model_len, self._key_step())
         self.cache_arg = cache_kwarg(model)
         self.token_map: torch.Tensor | None = getattr(model, "draft_token_map", None)  # [K] target ids, or None
         self._slot_of: dict[str, int] = {}
@@ -265,8 +264,7 @@ class ModelRunner:
         if self._slot_of:
             raise RuntimeError("the cache layout changes only while no request is cached")
         sharing = prefix_caching and self.tapped is None
-        self.cache = PagedKVCache(block_size, self.max_model_len, num_blocks, sharing)
-        self.cache.key_step = self._key_step()
+        self.cache = PagedKVCache(block_size, self.max_model_len, num_blocks, sharing, self._key_step())
 
     def _key_step(self) -> int:
         """What a forward's key length K is rounded up to: the cache's growth step where forwards

@@ -49,14 +49,15 @@ class PagedKVCache:
     is_compileable = False
 
     def __init__(self, block_size: int, max_model_len: int | None = None, num_blocks: int | None = None,
-                 prefix_caching: bool = False) -> None:
+                 prefix_caching: bool = False, key_step: int = CAPACITY_STEP) -> None:
         """num_blocks: the pool's fixed size, scratch included (None: grow as needed);
-        prefix_caching: share the blocks of prompt prefixes already computed (see above)."""
+        prefix_caching: share the blocks of prompt prefixes already computed (see above);
+        key_step: K's rounding before whole blocks (`key_length_for`)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.max_model_len = max_model_len
-        self.key_step = CAPACITY_STEP  # K's rounding before whole blocks (`key_length_for`): the runner sets it
+        self.key_step = key_step
         self.fixed = num_blocks is not None
         self._num_blocks = num_blocks if num_blocks is not None else 64  # N, scratch included
         if self._num_blocks < 2:
