@@ -21,13 +21,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from specserve.engine.model_runner import CALIBRATION_SIZES, DRAFT_ROW_TOKENS, ForwardTiming
-from specserve.engine.policy import AcceptanceEstimate, SpeculationPolicy
+from specserve.engine.policy import AcceptanceEstimate, SpeculationPolicy, interpolate
 
 
 @dataclass
 class Costs:
-    """Seconds of one forward by tokens processed, piecewise linear between the sizes given (and
-    along the last segment beyond them), plus host seconds per call (a verify, a draft loop)."""
+    """Seconds of one forward by tokens processed, read as the policy reads its own tables
+    (`interpolate`: linear between the sizes given, along the last segment beyond them, never
+    downwards), plus host seconds per call (a verify, a draft loop)."""
 
     target: dict[int, float]
     draft: dict[int, float]
@@ -35,7 +36,7 @@ class Costs:
     source: str = ""
 
     def seconds(self, model: str, tokens: int) -> float:
-        return _linear(self.target if model == "target" else self.draft, tokens)
+        return interpolate(self.target if model == "target" else self.draft, tokens)
 
     @classmethod
     def load(cls, path: str | Path, select: str | None = None) -> "Costs":
@@ -52,15 +53,6 @@ class Costs:
     def measured(cls, policy: SpeculationPolicy, source: str) -> "Costs":
         """What a live policy has learnt: each model's cost at every size it knows, its overhead."""
         return cls(policy.target_cost.table(), policy.draft_cost.table(), policy.overhead, source)
-
-
-def _linear(table: dict[int, float], n: int) -> float:
-    sizes = sorted(table)
-    lo = max([s for s in sizes if s <= n], default=sizes[0])
-    hi = min([s for s in sizes if s > lo], default=None)
-    if hi is None:  # past the last size: the last segment's slope
-        lo, hi = sizes[-2], sizes[-1]
-    return table[lo] + (table[hi] - table[lo]) * (n - lo) / (hi - lo)
 
 
 # One H100, random-weight Llama-2-7B target / TinyLlama-1.1B draft shapes, bf16, CUDA graphs

@@ -60,7 +60,7 @@ class TokenCost:
 
     def observe(self, n: int, seconds: float) -> None:
         key = self.bucket(n)
-        calibrated = _interpolate(self._calibrated, key) if self._calibrated else None
+        calibrated = interpolate(self._calibrated, key) if self._calibrated else None
         if calibrated:
             ratio = seconds / calibrated
             self._level = ratio if self._level is None else self.level_decay * self._level + (1 - self.level_decay) * ratio
@@ -87,10 +87,10 @@ class TokenCost:
         level = self.level()
         table = {k: c * level for k, c in self._calibrated.items()}
         table.update({k: value * level / then for k, (value, then) in self._mean.items()})
-        return _interpolate(table, self.bucket(n))
+        return interpolate(table, self.bucket(n))
 
 
-def _interpolate(table: dict[int, float], key: int) -> float:
+def interpolate(table: dict[int, float], key: int) -> float:
     """Seconds at `key` from a {bucket: seconds} table: as measured, else between the measured
     neighbours, else along the last segment (never downwards), or no cheaper than the smallest."""
     if key in table:
