@@ -67,9 +67,9 @@ class SpeculativeEngine:
         model run their fixed-shape forwards, "eager", "compile", "graph" (CUDA graphs) or
         "auto" (graph on one CUDA device, else eager); see ModelRunner. attention: how they attend,
         "mask", "flex" (FlexAttention, no materialised mask) or "auto" (mask); see ModelRunner.
-        prefill_chunk_tokens: the
-        most prompt tokens each model prefills per step, in a forward beside the step (chunked
-        prefill; see `prefill_rows`); None or 0: a new prompt is prefilled whole inside its first step.
+        prefill_chunk_tokens: the most prompt tokens each model prefills per step, in a forward
+        beside the step (chunked prefill; see `prefill_rows`); None or 0: a new prompt is prefilled
+        whole inside its first step.
         max_cached_tokens: the KV budget in allocated token positions per model that admission
         keeps to (see `engine/admission.py`; the server's `max_cached_tokens`), None: no budget.
         tokenizer: the target's HF fast tokenizer, or a callable returning it (called at the first

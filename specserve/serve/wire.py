@@ -125,7 +125,7 @@ class SharedProbs:
         """probs [B, G, V] -> the sampled rows' q in the object store (ray.put)."""
         import ray
 
-        rows = tuple(int(b) for b in torch.nonzero(sampling.temperature > 0).view(-1).tolist())
+        rows = tuple(torch.nonzero(sampling.temperature > 0).view(-1).tolist())
         picked = probs if len(rows) == probs.shape[0] else probs[list(rows)]  # [R, G, V]
         return cls(ray.put(_Large(picked)), rows, probs.shape[0])
 
