@@ -15,3 +15,14 @@ def test_tiny_run_reports_every_section(tmp_path):
     assert report["mix"]["paged"]["peak_running"] > report["mix"]["dense"]["peak_running"]
     assert report["prefix"]["paged+prefix"]["later_ttft_p50_s"] > 0
     assert all(report["uniform"][name]["tokens_per_s"] > 0 for name in ("dense", "paged"))
+
+
+def test_uniform_runs_each_layout_under_each_attention(tmp_path, capsys):
+    out = tmp_path / "memory.json"
+    code = memory.main(["--tiny", "--budget", "2048", "--long", "200", "--short", "4", "--new", "6",
+                        "--batch", "3", "--uniform-prompt", "24", "--system", "64", "--later", "1",
+                        "--repeats", "1", "--attention", "mask,flex", "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert code == 0 and report["same_uniform"]
+    assert sorted(report["uniform"]) == ["dense flex", "dense mask", "paged flex", "paged mask"]
+    assert "uniform paged flex / dense flex" in capsys.readouterr().out

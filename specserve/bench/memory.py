@@ -11,8 +11,9 @@ Two workloads, each run with the dense cache and with the paged one (`kv_block_s
   sized by it), generated tokens/s over the whole run, TTFT p50/p99 (arrival to the first
   generated token).
 - uniform: --batch equal requests and no budget pressure: decode tokens/s at equal batch (the
-  paged forward gathers keys through block tables; this is what that costs), in --repeats rounds
-  alternating the two.
+  paged forward gathers keys through block tables, or under `--attention flex` reads the pool in
+  place; this is what that costs), in --repeats rounds alternating the layouts (and attentions:
+  `--attention mask,flex` runs all four).
 - prefix: a --system-token system prompt, then --later requests with it and a question of their
   own, one at a time, paged without and with `prefix_caching`: TTFT p50 of the later requests.
 
@@ -48,6 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--system", type=int, default=1024, help="the shared system prompt's tokens")
     p.add_argument("--later", type=int, default=8, help="requests after the first with that system prompt")
+    p.add_argument("--attention", default="mask", help="how the models attend (mask, flex), or a comma list: the "
+                   "uniform workload then runs each layout under each (the mix and the prefix section under the first)")
     p.add_argument("--out", type=Path, default=Path("bench-results/memory.json"))
 
 
@@ -112,10 +115,10 @@ def run(engine: SpeculativeEngine, batch: list[list[int]], new: int) -> dict:
 
 
 def engine_for(target, draft, args, block_size: int | None, budget: int | None, batch: int,
-               prefix_caching: bool = False) -> SpeculativeEngine:
+               prefix_caching: bool = False, attention: str | None = None) -> SpeculativeEngine:
     engine = SpeculativeEngine(target, draft, args.gamma, adaptive=False, max_batch_size=batch,
                                max_cached_tokens=budget, kv_block_size=block_size, max_model_len=4096,
-                               prefix_caching=prefix_caching)
+                               prefix_caching=prefix_caching, attention=attention or attentions(args)[0])
     engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
     return engine
 
@@ -133,24 +136,44 @@ def main(argv: list[str] | None = None) -> int:
         result["mix"][name] = run(engine, mix, args.new)
         print(f"mix {name}: peak running {result['mix'][name]['peak_running']}, "
               f"{result['mix'][name]['tokens_per_s']:.1f} tok/s", flush=True)
-    rounds: dict[str, list[dict]] = {name: [] for name in layouts}
-    engines = {name: engine_for(target, draft, args, bs, None, args.batch) for name, bs in layouts.items()}
-    for _ in range(args.repeats):
-        for name in layouts:
-            rounds[name].append(run(engines[name], uniform, args.new))
-    for name in layouts:
-        result["uniform"][name] = {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in rounds[name]),
-                                   "rounds": [r["tokens_per_s"] for r in rounds[name]],
-                                   "tokens": rounds[name][0]["tokens"]}
+    result["uniform"] = uniform_section(target, draft, args, uniform, layouts)
     result["prefix"] = prefix_section(target, draft, args, mix)
     same_mix = result["mix"]["dense"]["tokens"] == result["mix"]["paged"]["tokens"]
-    same_uniform = result["uniform"]["dense"]["tokens"] == result["uniform"]["paged"]["tokens"]
+    runs = list(result["uniform"].values())
+    same_uniform = all(r["tokens"] == runs[0]["tokens"] for r in runs)
     print(table(result, same_mix, same_uniform))
     result.update(same_mix=same_mix, same_uniform=same_uniform)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")
     return 0 if same_mix and same_uniform and result["prefix"]["same_tokens"] else 1
+
+
+def attentions(args) -> list[str]:
+    names = args.attention.split(",")
+    unknown = [n for n in names if n not in ("mask", "flex")]
+    if unknown:
+        raise SystemExit(f"--attention: unknown {unknown} (mask, flex)")
+    return names
+
+
+def uniform_section(target, draft, args, uniform: list[list[int]], layouts: dict) -> dict:
+    """Each layout under each attention, the same equal requests, rounds alternating -> {row name:
+    median tok/s, every round's, the tokens}. Rows are named by layout ("dense", "paged"), plus
+    the attention when there are several ("paged flex")."""
+    several = len(attentions(args)) > 1
+    engines = {}
+    for attention in attentions(args):
+        for name, block_size in layouts.items():
+            engines[f"{name} {attention}" if several else name] = engine_for(
+                target, draft, args, block_size, None, args.batch, attention=attention)
+    rounds: dict[str, list[dict]] = {name: [] for name in engines}
+    for _ in range(args.repeats):
+        for name, engine in engines.items():
+            rounds[name].append(run(engine, uniform, args.new))
+    return {name: {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
+                   "rounds": [r["tokens_per_s"] for r in runs], "tokens": runs[0]["tokens"]}
+            for name, runs in rounds.items()}
 
 
 def prefix_section(target, draft, args, mix: list[list[int]]) -> dict:
@@ -176,17 +199,18 @@ def table(result: dict, same_mix: bool, same_uniform: bool) -> str:
         lines.append(f"{'mix':<10} {name:<6} {row['peak_running']:>12} {row['tokens_per_s']:>8.1f} "
                      f"{row['ttft_p50_s']:>8.2f}s {row['ttft_p99_s']:>8.2f}s")
     for name, row in uni.items():
-        lines.append(f"{'uniform':<10} {name:<6} {'':>12} {row['tokens_per_s']:>8.1f}")
+        lines.append(f"{'uniform':<10} {name:<10} {'':>8} {row['tokens_per_s']:>8.1f}")
+    for suffix in sorted({name[len("dense"):] for name in uni if name.startswith("dense")}):
+        lines.append(f"uniform paged{suffix} / dense{suffix}: "
+                     f"{uni['paged' + suffix]['tokens_per_s'] / uni['dense' + suffix]['tokens_per_s']:.3f}x tok/s")
     prefix = result["prefix"]
     for name in ("paged", "paged+prefix"):
         lines.append(f"{'prefix':<10} {name:<12} first TTFT {prefix[name]['first_ttft_s']:.2f}s, later TTFT p50 "
                      f"{prefix[name]['later_ttft_p50_s']:.3f}s")
     ratio = mix["paged"]["peak_running"] / max(mix["dense"]["peak_running"], 1)
-    speed = uni["paged"]["tokens_per_s"] / uni["dense"]["tokens_per_s"]
     faster = prefix["paged"]["later_ttft_p50_s"] / prefix["paged+prefix"]["later_ttft_p50_s"]
-    lines.append(f"paged / dense: {ratio:.1f}x requests at once in the mix, {speed:.2f}x tok/s on the uniform "
-                 f"batch; prefix cache: later TTFT {faster:.1f}x lower; same tokens: mix {same_mix}, uniform "
-                 f"{same_uniform}, prefix {prefix['same_tokens']}")
+    lines.append(f"paged / dense: {ratio:.1f}x requests at once in the mix; prefix cache: later TTFT {faster:.1f}x "
+                 f"lower; same tokens: mix {same_mix}, uniform {same_uniform}, prefix {prefix['same_tokens']}")
     return "\n".join(lines)
 
 

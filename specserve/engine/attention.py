@@ -25,6 +25,12 @@ every layer runs FlexAttention under it with the KV heads as they are (`enable_g
 that is a fused kernel that skips key blocks past a row's end, instead of SDPA's math kernel over
 a [B', 1, Q, K] mask; on a CPU (tests) it runs the eager reference, for equality only.
 
+Over a paged cache (engine/paged_cache.py) a decode-width forward reads the pool in place:
+`pool_block_mask` lists each row's own blocks of the pool (its block table) and maps a pool
+position back to the row's position, and every row attends over the one pool tensor
+[1, Hkv, N * bs, D]. No keys are gathered, K is the pool's size (fixed while the pool is), and a
+short row's kernel visits only its own blocks.
+
 The functions are registered with HF's AttentionInterface under `NAME` and `FLEX_NAME`;
 `ModelRunner` selects one for its own forwards only (`selected`), so the model behaves as before
 for any other caller.
@@ -76,17 +82,52 @@ def block_mask(positions: torch.Tensor, key_length: int) -> BlockMask:
     def visible(b, h, q, k):
         return k <= positions[b, q]
 
+    return create_block_mask(visible, rows, None, width, key_length, device=positions.device,
+                             BLOCK_SIZE=(_query_block(positions), _KV_BLOCK))
+
+
+def pool_block_mask(positions: torch.Tensor, tables: torch.Tensor, block_size: int, num_blocks: int,
+                    scratch: int = 0) -> BlockMask:
+    """positions [B', Q] int64, tables [B', T] block ids of a paged cache's pool (each row's own
+    blocks first, `scratch` past them; device) -> BlockMask over [B', 1, Q, N * bs]: the keys are
+    the pool's positions where they lie (block k // bs, offset k % bs), not a gathered copy.
+    Physical key k is visible to query (b, q) iff its block is row b's j-th and j * bs + k % bs
+    <= positions[b, q]; each row lists only its own blocks, so a short row's kernel skips the
+    rest of the pool. Device ops on fixed shapes (a forward compiled or captured builds it)."""
+    rows, entries = tables.shape
+    width = positions.shape[1]
+    device = tables.device
+    # one table for the mask to read: [B', N + Q], per row its logical index of each pool block
+    # (-1: not its own), then its queries' positions. (Inductor on a CPU finds no FlexAttention
+    # kernel when the mask reads a tensor it would compute inline, as positions alone would be.)
+    lookup = torch.full((rows, num_blocks + width), -1, dtype=torch.long, device=device)
+    lookup[:, num_blocks:] = positions
+    index = torch.arange(entries, device=device).expand(rows, entries)  # [B', T]
+    lookup.scatter_(1, tables, torch.where(tables == scratch, -1, index))  # (scratch entries all write -1)
+    listed = torch.zeros(rows, 1, 1, num_blocks, dtype=torch.int32, device=device)  # [B', 1, 1, N]
+    listed[:, 0, 0, :entries] = tables.to(torch.int32)
+    counts = (tables != scratch).sum(1, dtype=torch.int32).view(rows, 1, 1)  # [B', 1, 1]: own blocks
+
+    def visible(b, h, q, k):
+        j = lookup[b, k // block_size]
+        return (j >= 0) & (j * block_size + k % block_size <= lookup[b, num_blocks + q])
+
+    return BlockMask.from_kv_blocks(counts, listed, BLOCK_SIZE=(_query_block(positions), block_size),
+                                    mask_mod=visible, seq_lengths=(width, num_blocks * block_size),
+                                    compute_q_blocks=False)
+
+
+def _query_block(positions: torch.Tensor) -> int:
     # Q is padded up to the query block. On a CPU under inductor (torch 2.13) a single query row
     # padded to 128 generates C++ that does not compile; a query block of one row does.
-    q_block = 1 if width == 1 and positions.device.type == "cpu" else _KV_BLOCK
-    return create_block_mask(visible, rows, None, width, key_length, device=positions.device,
-                             BLOCK_SIZE=(q_block, _KV_BLOCK))
+    return 1 if positions.shape[1] == 1 and positions.device.type == "cpu" else _KV_BLOCK
 
 
 def flex_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               attention_mask: BlockMask, dropout: float = 0.0, scaling: float | None = None,
               **kwargs) -> tuple[torch.Tensor, None]:
-    """query [B, Hq, Q, D], key/value [B, Hkv, K, D], attention_mask the forward's `block_mask`
+    """query [B, Hq, Q, D], key/value [B, Hkv, K, D] (or a paged pool in place, [1, Hkv, N * bs, D],
+    every row reading it), attention_mask the forward's `block_mask` or `pool_block_mask`
     -> ([B, Q, Hq, D], None). Inference only (no dropout)."""
     if not isinstance(attention_mask, BlockMask):
         raise TypeError("flex_sdpa attends under a BlockMask (attention.block_mask), not a tensor mask")

@@ -108,9 +108,12 @@ class SlotKVCache:
         self._built = (self._num_slots, self._capacity)
 
     def bind(self, write_slots: torch.Tensor, positions: torch.Tensor, read_slots: torch.Tensor | None,
-             tables: torch.Tensor | None = None) -> None:
+             tables: torch.Tensor | None = None, in_place: bool = False) -> None:
         """Inside a forward (device tensors): write_slots [B'] int64, positions [B', Q] int64,
-        read_slots [B'] int64 or None when the rows are slots 0..B'-1 (tables: a paged cache's)."""
+        read_slots [B'] int64 or None when the rows are slots 0..B'-1 (tables, in_place: a paged
+        cache's)."""
+        if in_place:
+            raise ValueError("only a paged cache is read in place")
         self._write_slots = write_slots[:, None]
         self._positions = positions
         self._read_slots = read_slots

@@ -34,7 +34,7 @@ import torch
 
 from . import attention, cpu_linear
 from .kv_cache import CAPACITY_STEP, SlotKVCache, capacity_for
-from .paged_cache import PagedKVCache
+from .paged_cache import SCRATCH, PagedKVCache
 
 # Batch sizes a forward is padded up to: every power of two up to 8 (small batches are weight-bound
 # on a GPU, so a padded row costs next to nothing, and few shapes keep few graphs), then steps of 8
@@ -49,6 +49,10 @@ SPLIT_OVERHEAD = 0.25
 # growth step, which shapes for compiled or captured forwards keep, made a batch of 300-token rows
 # attend over 512 positions)
 EAGER_KEY_STEP = 16
+# Forwards up to this wide read a paged pool in place under attention="flex" (attention.pool_block_mask);
+# wider ones (prompt chunks) gather their rows' keys: FlexAttention's kernel for long queries tiles
+# keys in 64-128 at a time, more than a block may hold, where its decode kernel tiles by the block.
+IN_PLACE_WIDTH = 16
 _COLUMNS = 6  # after the Q token ids: start, write slot, read slot, last, caller->sorted, sorted->caller
 
 
@@ -419,9 +423,11 @@ class ModelRunner:
     def length_groups(self, rows: list[RowInput], tail_width: int = 0, extra_positions: int = 0) -> list[list[int]]:
         """A paged cache's rows (caller indices) in two forwards, short ones and long ones, where
         the key positions the short rows would otherwise attend over (up to the longest row's)
-        cost more than a second pass over the weights; else one group. Dense: always one group
-        (every slot is as long as the longest anyway)."""
+        cost more than a second pass over the weights; else one group. Dense, or read in place
+        (each row visits its own blocks only): always one group."""
         if not self.paged or len(rows) < 2 or self.tapped:
+            return [list(range(len(rows)))]
+        if self._reads_in_place(max(len(r.tokens) for r in rows) + tail_width):
             return [list(range(len(rows)))]
         ends = [r.start + len(r.tokens) + tail_width + 1 + extra_positions for r in rows]
         order = sorted(range(len(rows)), key=ends.__getitem__)
@@ -432,6 +438,10 @@ class ModelRunner:
         if saving <= (1 + SPLIT_OVERHEAD) * weights:
             return [list(range(len(rows)))]
         return [sorted(order[:split]), sorted(order[split:])]
+
+    def _reads_in_place(self, width: int) -> bool:
+        """A forward this wide reads a paged pool in place (each row only its own blocks)."""
+        return self.attention == "flex" and self.paged and width <= IN_PLACE_WIDTH
 
     def _weight_bytes(self) -> int:
         """Bytes of the model's weights (what each forward reads once), counted once."""
@@ -616,10 +626,15 @@ class ModelRunner:
             # unused drafts past that all land on the last position, which nothing real attends.
             positions = positions.clamp(max=self.max_model_len - 1)
         tables = block[:, width + _COLUMNS :] if self.paged else None  # [B', K / bs]
-        self.cache.bind(write_slots, positions, read_slots if gather else None, tables)
+        in_place = self._reads_in_place(width)
+        self.cache.bind(write_slots, positions, read_slots if gather else None, tables, in_place)
         extra = {"output_hidden_states": True} if self.keep_hidden else {}
-        flex = self.attention == "flex"
-        mask = attention.block_mask(positions, key_length) if flex else self._mask(positions, key_length)
+        if in_place:
+            mask = attention.pool_block_mask(positions, tables, self.cache.block_size, self.cache.num_blocks, SCRATCH)
+        elif self.attention == "flex":
+            mask = attention.block_mask(positions, key_length)
+        else:
+            mask = self._mask(positions, key_length)
         with cpu_linear.selected(self.linear_kernels):
             out = self.model(
                 input_ids=ids,

@@ -13,6 +13,8 @@ A forward reads each row's keys through its table: the staged block carries the 
 `[B', K / bs]` (K the key length, a multiple of bs), `bind` turns them into flat write indices
 `[B', Q]` and read indices `[B', K]` once per forward, and `update` writes and gathers through
 them in every layer (device ops on fixed shapes: compiled or captured like the dense forward).
+Bound `in_place`, `update` writes and returns the whole pool instead, `[1, H, N * bs, D]`, for an
+attention that reads it through the tables itself (attention.pool_block_mask): no gather.
 With a pool sized once (`num_blocks`: the server's budget), storage never moves, so captured
 graphs stay valid; without one the pool doubles when full (its `generation` bumps, as the dense
 cache's growth does).
@@ -79,6 +81,7 @@ class PagedKVCache:
         self._view_length = 0  # K of the current forward
         self._write: torch.Tensor | None = None  # [B', Q] flat index each new token goes to
         self._read: torch.Tensor | None = None  # [B', K] flat index of each key position
+        self._in_place = False  # this forward's layers read the pool in place (see bind)
         self._on_device: dict[torch.device, tuple] = {}
 
     # -- HF Cache duck-typing -------------------------------------------------------------
@@ -94,6 +97,9 @@ class PagedKVCache:
         flat_keys, flat_values = keys.view(-1, heads, dim), values.view(-1, heads, dim)  # [N*bs, H, D]
         flat_keys[write] = key_states.transpose(1, 2).to(keys.dtype)  # [B', Q, H, D]
         flat_values[write] = value_states.transpose(1, 2).to(values.dtype)
+        if self._in_place:
+            pooled = (1, -1, heads, dim)
+            return keys.view(pooled).transpose(1, 2), values.view(pooled).transpose(1, 2)  # [1, H, N*bs, D]
         length = read.shape[1]
         gathered_keys = flat_keys.index_select(0, read.reshape(-1)).view(batch, length, heads, dim)
         gathered_values = flat_values.index_select(0, read.reshape(-1)).view(batch, length, heads, dim)
@@ -235,9 +241,11 @@ class PagedKVCache:
         self._built = self._num_blocks
 
     def bind(self, write_slots: torch.Tensor, positions: torch.Tensor, read_slots: torch.Tensor | None,
-             tables: torch.Tensor | None = None) -> None:
+             tables: torch.Tensor | None = None, in_place: bool = False) -> None:
         """Inside a forward (device tensors): positions [B', Q], tables [B', K / bs] block ids
-        (the slot columns are the dense cache's and unused here)."""
+        (the slot columns are the dense cache's and unused here); in_place: layers get the whole
+        pool back, not their rows' keys."""
+        self._in_place = in_place
         size = self.block_size
         block = tables.gather(1, torch.div(positions, size, rounding_mode="floor"))  # [B', Q]
         self._write = block * size + positions % size
