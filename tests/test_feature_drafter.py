@@ -92,6 +92,43 @@ def test_greedy_identical_to_hf_generate(head_dir, gamma, batch):
     assert sum(o.metrics.num_accepted_tokens for o in outs) > 0  # really speculating, not just running
 
 
+def test_a_compiled_target_yields_the_features_an_eager_one_does(head_dir):
+    """The tap is an output of the target's forward (ModelRunner.tap), not a side effect that a
+    compiled (or captured) forward would skip: under torch.compile (fullgraph) the head gets the
+    features an eager target gives it, and drafts and decodes the same."""
+    model = target()
+    engines = {execution: SpeculativeEngine(model, proposer=build(head_dir), num_speculative_tokens=3,
+                                            adaptive=False, execution=execution)
+               for execution in ("eager", "compile")}
+    batch_prompts = prompts(3, seed=5)
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
+    outs = {name: {f"r{i}": [] for i in range(len(batch_prompts))} for name in engines}
+
+    def step(name):
+        for out in engines[name].step():
+            outs[name][out.request_id] += out.new_token_ids
+
+    for name, engine in engines.items():
+        for i, prompt in enumerate(batch_prompts):
+            engine.add_request(f"r{i}", prompt, params)
+        for _ in range(4):
+            step(name)
+    stores = {name: engine.proposer.features for name, engine in engines.items()}
+    for i in range(len(batch_prompts)):
+        written = stores["eager"].written(f"r{i}")
+        assert written == stores["compile"].written(f"r{i}") > len(batch_prompts[i])
+        torch.testing.assert_close(stores["compile"].read(f"r{i}", 0, written),
+                                   stores["eager"].read(f"r{i}", 0, written), atol=1e-5, rtol=1e-5)
+    assert engines["compile"].verifier.runner._compiled is not None  # the verify forwards ran compiled
+    accepted = sum(engines["compile"].sequence(f"r{i}").metrics.num_accepted_tokens for i in range(3))
+    for name in engines:
+        while engines[name].has_unfinished():
+            step(name)
+    for i, prompt in enumerate(batch_prompts):
+        assert outs["compile"][f"r{i}"] == outs["eager"][f"r{i}"] == reference(tuple(prompt)), i
+    assert accepted > 0  # the head drafted from the compiled target's features, and was right
+
+
 def test_adaptive_and_joining_requests_identical(head_dir):
     """Requests join and leave between steps; adaptive γ switches drafting on and off."""
     model = target()

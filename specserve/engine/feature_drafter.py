@@ -394,28 +394,21 @@ class FeatureStore:
 class FeatureTap:
     """Keeps the features of every forward of the target's runner in a FeatureStore.
 
-    Hooks on the feature modules hold the last forward's outputs ([B', Q, H] each, in the runner's
-    slot order, padded rows last); the runner's `forward(rows, ..., tail=...)` is wrapped so that,
-    once it returns, row b's first len(tokens) + tail positions are written for its request from
-    `start` on, and its `free` so that they go with the request. Hooks fire only in eager forwards
-    (a replayed CUDA graph or a compiled forward would bypass them), so the tap turns the target
-    runner eager.
+    The runner taps the feature modules (`ModelRunner.tap`): each forward yields their outputs as
+    `last_features` ([B', Q, F], the runner's slot order, padded rows last), an output of the
+    forward itself, so the target's forwards may be compiled or replayed as CUDA graphs. The
+    runner's `forward(rows, ..., tail=...)` is wrapped so that, once it returns, row b's first
+    len(tokens) + tail positions are written for its request from `start` on, and its `free` so
+    that they go with the request.
     """
 
     def __init__(self, runner: ModelRunner, feature_layers: tuple[int, ...], store: FeatureStore) -> None:
         self.runner = runner
         self.store = store
-        self._outputs: list[torch.Tensor | None] = []
-        self._handles = []
-        for i, module in enumerate(feature_modules(runner.model, feature_layers)):
-            self._outputs.append(None)
-            self._handles.append(module.register_forward_hook(self._keep(i)))
-        runner.execution = "eager"  # hooks must fire on every forward
         # every position's features are stored as the target computes it: a prefix taken from
         # shared KV blocks would leave its features missing
-        runner.tapped = "a feature drafter reads the target's hidden states at every position"
-        if getattr(runner.cache, "prefix_caching", False):
-            runner.cache.prefix_caching = False
+        runner.tap(feature_modules(runner.model, feature_layers),
+                   "a feature drafter reads the target's hidden states at every position")
         inner_forward, inner_free = runner.forward, runner.free
 
         def forward(rows: list[RowInput], logits: str = "last", tail: torch.Tensor | None = None):
@@ -429,17 +422,8 @@ class FeatureTap:
 
         runner.forward, runner.free = forward, free  # instance attributes: this runner only
 
-    def _keep(self, i: int):
-        def hook(module, args, output):
-            self._outputs[i] = output[0] if isinstance(output, tuple) else output
-        return hook
-
     def _store(self, rows: list[RowInput], tail_width: int) -> None:
-        if any(o is None for o in self._outputs):
-            return
-        first = self._outputs[0]  # a sharded target keeps its layers on several devices
-        feats = first if len(self._outputs) == 1 else torch.cat([o.to(first.device) for o in self._outputs], -1)
-        self._outputs = [None] * len(self._outputs)
+        feats = self.runner.last_features  # [B', Q, F]
         # the runner ran the rows sorted by slot (see ModelRunner.stage): sorted row i is caller row order[i]
         order = sorted(range(len(rows)), key=lambda b: self.runner._slot_of[rows[b].request_id])
         for i, b in enumerate(order):

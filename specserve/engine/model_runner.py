@@ -208,13 +208,11 @@ class ModelRunner:
         model: torch.nn.Module,
         max_model_len: int | None = None,
         execution: str = "auto",
-        keep_hidden: bool = False,
         attention: str = "auto",
     ) -> None:
         """execution: "eager"; "compile" (torch.compile fullgraph of the fixed-shape forward);
         "graph" (CUDA graphs, one per shape bucket, replayed); "auto" = graph on a single CUDA
-        device, eager otherwise. keep_hidden: keep the final hidden states of every forward in
-        `last_hidden` ([B, Q, H], caller order), for drafters that read the target's features.
+        device, eager otherwise.
         attention: "mask" (the model's own attention, or grouped SDPA on a CPU, under a
         [B', 1, Q, K] mask); "flex" (FlexAttention under the rows' positions, no mask:
         engine/attention.py); "auto" = mask (flex is not yet measured on a GPU)."""
@@ -228,7 +226,6 @@ class ModelRunner:
         self.dtype = model.get_input_embeddings().weight.dtype
         self.execution = _resolve_execution(execution, model, self.device)
         self.attention = _resolve_attention(attention)
-        self.keep_hidden = keep_hidden
         # batches padded up to BATCH_BUCKETS (fixed shapes to compile or capture); not in eager
         # mode, where a padded row costs a real row's compute on a CPU
         self.pad_batches = self.execution != "eager"
@@ -240,7 +237,10 @@ class ModelRunner:
         self.linear_kernels = cpu_kernels and self.execution == "eager"
         if self.linear_kernels:
             cpu_linear.install(model)
-        self.last_hidden: torch.Tensor | None = None
+        # what the tapped modules output in the last forward (`tap`): [B', Q, F], sorted row order
+        self.last_features: torch.Tensor | None = None
+        self._taps: list[torch.Tensor | None] = []  # per tapped module, its output in the forward running
+        self._tapped_modules: list[int] = []  # ids of the tapped modules
         # why each forward must compute every position of every row itself, in one pass (a feature
         # tap stores what it sees): no shared prefixes, no split batches (None: nothing taps it)
         self.tapped: str | None = None
@@ -399,13 +399,10 @@ class ModelRunner:
         groups = self.length_groups(rows, 0 if tail is None else tail.shape[1])
         if len(groups) == 1:
             return self._forward_rows(rows, logits, tail)
-        outs, hidden = [], []
-        for group in groups:
+        outs = []
+        for group in groups:  # (never tapped: a tapped runner's rows are one group)
             picked = None if tail is None else tail[torch.tensor(group, device=tail.device)]
             outs.append(self._forward_rows([rows[b] for b in group], logits, picked))
-            hidden.append(self.last_hidden)
-        if self.keep_hidden:
-            self.last_hidden = regroup(hidden, groups, len(rows))
         return None if outs[0] is None else regroup(outs, groups, len(rows))
 
     def _forward_rows(self, rows: list[RowInput], logits: str, tail: torch.Tensor | None) -> torch.Tensor | None:
@@ -416,8 +413,6 @@ class ModelRunner:
         if logits == "none" and self.paged:  # committed tokens: the blocks they filled may be shared
             for row in rows:
                 self.cache.register(self._slot_of[row.request_id], row.start, row.tokens)
-        if self.keep_hidden:
-            self.last_hidden = self.unsort(staged, self.last_hidden)
         return None if out is None else self.unsort(staged, out)
 
     def length_groups(self, rows: list[RowInput], tail_width: int = 0, extra_positions: int = 0) -> list[list[int]]:
@@ -570,8 +565,7 @@ class ModelRunner:
     def run(self, staged: Staged, logits: str = "last", prefill: bool = False) -> torch.Tensor | None:
         """Device half of a forward, timed: logits in sorted order ([B', V'] or [B', Q, V']) or None."""
         began = self.clock()
-        out, hidden = self.execute(staged, logits, prefill)
-        self.last_hidden = hidden
+        out, self.last_features = self.execute(staged, logits, prefill)
         self.commit(staged)
         self.record(staged.tokens, began, prefill)
         return out
@@ -614,7 +608,7 @@ class ModelRunner:
         self, block: torch.Tensor, width: int, key_length: int, gather: bool, logits: str
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The forward itself, device only. block [B', Q + 6] -> (logits in sorted order, [B', V']
-        or [B', Q, V'] or None; final hidden states [B', Q, H] or None)."""
+        or [B', Q, V'] or None; the tapped modules' outputs [B', Q, F] or None: `tap`)."""
         ids = block[:, :width]  # [B', Q]
         starts, write_slots, read_slots, last = block[:, width : width + 4].unbind(1)  # [B'] each
         positions = starts[:, None] + torch.arange(width, device=block.device)  # [B', Q]
@@ -628,7 +622,6 @@ class ModelRunner:
         tables = block[:, width + _COLUMNS :] if self.paged else None  # [B', K / bs]
         in_place = self._reads_in_place(width)
         self.cache.bind(write_slots, positions, read_slots if gather else None, tables, in_place)
-        extra = {"output_hidden_states": True} if self.keep_hidden else {}
         if in_place:
             mask = attention.pool_block_mask(positions, tables, self.cache.block_size, self.cache.num_blocks, SCRATCH)
         elif self.attention == "flex":
@@ -643,15 +636,46 @@ class ModelRunner:
                 **{self.cache_arg: self.cache},
                 use_cache=True,
                 logits_to_keep={"last": width, "all": width, "none": 1}[logits],
-                **extra,
             )
-        hidden = out.hidden_states[-1] if self.keep_hidden else None
+        features = self._take_taps()
         if logits == "none":
-            return None, hidden
+            return None, features
         result = out.logits  # [B', Q, V']
         if logits == "last":
             result = result[torch.arange(result.shape[0], device=result.device), last]  # [B', V']
-        return result, hidden
+        return result, features
+
+    def tap(self, modules: Sequence[torch.nn.Module], why: str) -> None:
+        """From now on each forward also yields what `modules` output (a drafter's features), as
+        `last_features` [B', Q, F] (sorted row order; F their widths together): an output of the
+        forward itself, so compiled and captured forwards keep it (a replayed graph's static
+        buffer, valid until the next forward). why: the reason every forward must then compute
+        every row's positions itself (`tapped`): no shared prefixes, no split batches. Tapping the
+        same modules again changes nothing (two readers share the features); others are refused."""
+        if self.tapped is not None:
+            if [id(m) for m in modules] == self._tapped_modules:
+                return
+            raise RuntimeError(f"this runner is tapped already, at other modules ({self.tapped})")
+        self.tapped = why
+        self._tapped_modules = [id(m) for m in modules]
+        if getattr(self.cache, "prefix_caching", False):
+            self.cache.prefix_caching = False
+        self._taps = [None] * len(modules)
+        for i, module in enumerate(modules):
+            module.register_forward_hook(self._keeper(i))
+
+    def _keeper(self, i: int) -> Callable:
+        def keep(module, args, output):
+            self._taps[i] = output[0] if isinstance(output, tuple) else output
+        return keep
+
+    def _take_taps(self) -> torch.Tensor | None:
+        """The tapped outputs of the forward just run, together [B', Q, F] (None: nothing tapped)."""
+        if not self._taps:
+            return None
+        taps, self._taps = self._taps, [None] * len(self._taps)
+        first = taps[0]  # a sharded model keeps its layers on several devices
+        return first if len(taps) == 1 else torch.cat([t.to(first.device) for t in taps], dim=-1)
 
     def attending(self):
         """A context in which the model attends as this runner's forwards do (engine/attention.py).

@@ -33,11 +33,10 @@ class Verdict:
 class TargetVerifier:
     def __init__(
         self, model: torch.nn.Module, max_model_len: int | None = None, execution: str = "auto",
-        keep_hidden: bool = False, attention: str = "auto",
+        attention: str = "auto",
     ) -> None:
-        """execution, attention: see ModelRunner. keep_hidden: after `verify`, `runner.last_hidden` holds the
-        target's final hidden states of the verify forward, [B, G+1, H] (for feature drafters)."""
-        self.runner = ModelRunner(model, max_model_len, execution, keep_hidden, attention)
+        """execution, attention: see ModelRunner."""
+        self.runner = ModelRunner(model, max_model_len, execution, attention)
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.grammar: GrammarBook | None = None  # the matchers of grammar rows (structured output), if served
 
