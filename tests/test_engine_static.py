@@ -144,9 +144,11 @@ def emulate_graphs(runner: ModelRunner) -> None:
         fn()  # the warm-up
         for t, s in zip(inputs, saved):
             t.copy_(s)
-        out = fn()  # what capture would record (on a GPU it runs nothing: overwrite it)
-        for t in _flat(out):
+        out = fn()  # what capture would record (on a GPU it runs nothing: overwrite it, and the
+        for t in _flat(out):  # inputs it wrote go back as they were)
             t.fill_(-7)
+        for t, s in zip(inputs, saved):
+            t.copy_(s)
         return ReplayOnCpu(fn, out), out
 
     graphs._capture = capture

@@ -27,6 +27,7 @@ from specserve.engine.feature_drafter import (
 from specserve.engine.grammar import DraftMasks
 from specserve.engine.model_runner import RowInput
 from specserve.engine.proposers import target_vocab_size
+from test_engine_static import emulate_graphs
 from test_sampling_distribution import VOCAB, assert_proposer_follows_target
 
 MAX_NEW = 24
@@ -436,6 +437,48 @@ def test_the_device_loop_proposes_what_the_host_loop_proposed(head_dir, sampled,
             assert outputs[f"r{i}"] == reference(tuple(prompt))[: p.max_tokens], i
     assert len(compared) > 10 and max(n for n, _ in compared) == len(batch_prompts)
     assert any(shuffled for _, shuffled in compared)  # the runner's row order was not the callers'
+
+
+@pytest.mark.parametrize("floor", [None, 0.025])
+@pytest.mark.parametrize("sampled", [False, True])
+def test_the_captured_loop_proposes_what_the_eager_loop_proposed(head_dir, sampled, floor):
+    """Graph mode (graphs emulated on the CPU: test_engine_static.emulate_graphs): the head's whole
+    draft loop is one replay per shape, the tapped target's verify forwards too; proposals equal
+    the eager loop's call for call, greedy rows decode as the target alone."""
+    model = target()
+    proposer = build(head_dir, min_confidence=floor)
+    proposer.host_stop = False  # (a GPU's setting: the floor never stops the loop from the host)
+    emulate_graphs(proposer.runner)
+    engine = SpeculativeEngine(model, proposer=proposer, num_speculative_tokens=4, adaptive=False)
+    emulate_graphs(engine.verifier.runner)
+    engine.calibrate()  # the head's timing forwards (features unset) must not become graphs that real calls replay
+    reference_proposer = build(head_dir, min_confidence=floor)
+    reference_proposer.host_stop = False
+    compared = twin(engine, reference_proposer)
+    batch_prompts = prompts(5, seed=3) + [[7, 8, 9, 7, 8]]
+    params = mixed_params(len(batch_prompts), sampled)
+    outputs = joining_and_leaving(engine, batch_prompts, params)
+    for i, (prompt, p) in enumerate(zip(batch_prompts, params)):
+        if p.temperature == 0:
+            assert outputs[f"r{i}"] == reference(tuple(prompt))[: p.max_tokens], i
+    head_keys = list(proposer.runner.graphs._entries)
+    assert len(compared) > len(head_keys) > 0  # loops replayed, not only captured
+    assert all(key[0] == "head" for key in head_keys)  # never a single head forward
+    assert len(engine.verifier.runner.graphs) > 0
+
+
+def test_graph_mode_never_replays_a_head_forward_alone(head_dir):
+    """The head reads features set on it before each forward, which a replayed single forward
+    would not see: in graph mode its single forwards run eagerly (only whole loops are captured)."""
+    proposer = build(head_dir)
+    emulate_graphs(proposer.runner)
+    runner, width = proposer.runner, proposer.head.cfg.feature_size
+    runner.forward([RowInput("a", 0, [1, 2, 3, 4])], logits="none")
+    logits = []
+    for value in (0.0, 1.0):
+        proposer.head.set_features(torch.full((1, 1, width), value), feedback=False)
+        logits.append(runner.forward([RowInput("a", 4, [5])], logits="last"))
+    assert len(runner.graphs) == 0 and not torch.equal(logits[0], logits[1])
 
 
 class NoHostReads:

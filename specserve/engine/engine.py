@@ -209,7 +209,8 @@ def capture_graphs(verifier, proposer, max_batch_size: int, max_gamma: int, prog
     length bucket; longer contexts and sampled loops are captured when first met. Only runners in
     graph mode take part. Returns the seconds spent."""
     target = verifier.runner if verifier.runner.execution == "graph" else None
-    draft = proposer if isinstance(proposer, DraftModelProposer) and proposer.runner.execution == "graph" else None
+    draft = proposer if (isinstance(proposer, DraftModelProposer) and proposer.captures_ahead
+                         and proposer.runner.execution == "graph") else None
     if target is None and draft is None:
         return 0.0
     from tqdm import tqdm

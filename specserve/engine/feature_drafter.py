@@ -463,13 +463,16 @@ class FeatureDrafterProposer(DraftModelProposer):
     target: the first step) gets copies of its last token, which cost nothing and are rejected."""
 
     can_branch = False  # its per-request token and feature stores have no fork (pipelined: one branch)
+    captures_ahead = False  # its loops need features: captured when first met, not by `capture_graphs`
 
     def __init__(self, head: FeatureHead, vocab_size: int, max_model_len: int | None = None,
                  min_confidence: float | None = None, pulled: bool = False,
-                 lookup_min_n: int | None = None) -> None:
-        # eager: the head reads the features set on it before each forward (module state that a
-        # replayed graph would not see)
-        super().__init__(head, vocab_size, max_model_len, execution="eager")
+                 lookup_min_n: int | None = None, execution: str = "auto") -> None:
+        super().__init__(head, vocab_size, max_model_len, execution=execution)
+        # the head reads the features set on it before each forward (module state that a replayed
+        # single forward would not see): in graph mode only whole draft loops are captured, which
+        # set them inside (`_draft_rows`); other forwards run eagerly
+        self.runner.capture_forwards = False
         self.head = head
         # a row stops drafting where the product of the head's top probabilities falls below this
         # (None: every planned draft); counted on the device, read with the drafts at the end
@@ -636,10 +639,16 @@ class FeatureDrafterProposer(DraftModelProposer):
         masks = None  # grammar rows draft from their masked distributions (engine/grammar.py)
         if sampling.grammar is not None and self.grammar is not None:
             masks = DraftMasks(self.grammar, sampling.grammar, staged.order + [-1] * (staged.padded - staged.rows))
-        inputs = {"uniforms": None if uniforms is None else uniforms[picked].to(runner.device)}  # [B', G]
+        uniforms = None if uniforms is None else uniforms[picked].to(runner.device)  # [B', G]
+        features, sampling = self._sorted_features(staged, feats), sampling.select(picked).to(runner.device)
+        static = (runner.execution == "graph" and masks is None and not self.host_stop and not staged.gather
+                  and runner.cache.ready and staged.width <= 16)
         try:
-            drafted, probs, kept, steps = self._loop(staged, self._sorted_features(staged, feats), num_tokens,
-                                                     sampling.select(picked).to(runner.device), flags, inputs, masks)
+            if static:
+                drafted, probs, kept, steps = self._replay(staged, features, num_tokens, sampling, flags, uniforms)
+            else:
+                drafted, probs, kept, steps = self._loop(staged, features, num_tokens, sampling, flags,
+                                                         {"uniforms": uniforms}, masks)
         finally:
             if masks is not None:
                 masks.close()
@@ -654,22 +663,64 @@ class FeatureDrafterProposer(DraftModelProposer):
         rows = [F.pad(feats[b].to(device), (0, 0, 0, staged.width - feats[b].shape[0])) for b in staged.order]
         return torch.stack(rows + [torch.zeros_like(rows[0])] * (staged.padded - staged.rows))
 
-    def _loop(self, staged, features, num_tokens, sampling, flags, inputs, masks: DraftMasks | None):
+    def _replay(self, staged, features, num_tokens, sampling, flags, uniforms):
+        """`_loop` as one CUDA graph per (B', Q, K, G, flags), its inputs copied into static
+        buffers first -> what `_loop` returns (the outputs cloned out of the graph's)."""
+        runner = self.runner
+        buffers = self._static_buffers(staged, num_tokens, features.shape[-1])
+        buffers["features"].copy_(features)
+        if flags is not None:
+            for name in ("temperature", "top_k", "top_p"):
+                buffers[name].copy_(getattr(sampling, name))
+            buffers["uniforms"].copy_(uniforms)
+        static = BatchSampling(buffers["temperature"], buffers["top_k"], buffers["top_p"])
+        key = ("head", *staged.static_key, num_tokens, flags, runner.cache.generation)
+        written = (staged.block, runner.advance_block(staged))  # the loop writes the single-token block
+        began = runner.clock()
+        out = runner.graphs.run(key, lambda: self._loop(staged, buffers["features"], num_tokens, static, flags,
+                                                        buffers, None, captured=True)[:3], written)
+        runner.record(staged.rows, began, forwards=num_tokens)
+        drafted, probs, kept = (None if t is None else t.clone() for t in out)
+        return drafted, probs, kept, num_tokens - 1
+
+    def _static_buffers(self, staged, num_tokens: int, width: int) -> dict[str, torch.Tensor]:
+        """The captured loop's inputs for (B', Q, G), allocated once (a replay reads them at fixed
+        addresses): features [B', Q, F], sampling parameters [B'], uniforms [B', G]."""
+        key = (staged.padded, staged.width, num_tokens)
+        if key not in self._inputs:
+            b, device = staged.padded, self.runner.device
+            self._inputs[key] = dict(
+                features=torch.zeros(b, staged.width, width, dtype=self.head.fc.weight.dtype, device=device),
+                temperature=torch.zeros(b, device=device), top_k=torch.zeros(b, dtype=torch.long, device=device),
+                top_p=torch.ones(b, device=device), uniforms=torch.zeros(b, num_tokens, device=device))
+        return self._inputs[key]
+
+    def _forward(self, staged, captured: bool) -> torch.Tensor:
+        """One head forward -> logits [B', K]: inside a capture, the forward itself (not the
+        runner's dispatch, which would time it)."""
+        if captured:
+            return self.runner._compute(staged.block, staged.width, staged.key_length, False, "last")[0]
+        return self.runner.execute(staged, "last")[0]
+
+    def _loop(self, staged, features, num_tokens, sampling, flags, inputs, masks: DraftMasks | None,
+              captured: bool = False):
         """The catch-up forward, then single-token forwards fed each draft and the head's feedback on
         the device, sorted row order -> (drafts [B', G], q [B', G, V] or None, kept [B'], forwards
         after the catch-up). Nothing is read back to the host, except by grammar masks and, where
-        `host_stop`, the floor's check that some row still drafts (its forwards skipped otherwise)."""
+        `host_stop`, the floor's check that some row still drafts (its forwards skipped otherwise).
+        captured: being captured as a graph (`_replay`): no timing, no host reads."""
         runner = self.runner
-        began = runner.clock()
+        began = None if captured else runner.clock()
         self.head.set_features(features, feedback=False)  # [B', Q, F]
-        logits = runner.execute(staged, "last")[0]  # [B', K]
+        logits = self._forward(staged, captured)  # [B', K]
         index = staged.block[:, staged.width + 3]  # [B'] each row's last real token
         feedback = self.head.last_feedback[torch.arange(staged.padded, device=index.device), index]  # [B', H]
         last = staged.ids.gather(1, index[:, None])  # [B', 1] the newest token (a copy: advance may reuse the block)
-        runner.record(staged.tokens, began)
-        began = runner.clock()
+        if not captured:
+            runner.record(staged.tokens, began)
+            began = runner.clock()
         confidence = _Confidence(self.min_confidence, staged.rows, staged.padded, num_tokens, index.device)
-        stops = masks is not None or self.host_stop
+        stops = not captured and (masks is not None or self.host_stop)
         out, qs = [], []
         for j in range(num_tokens):
             if masks is not None:
@@ -683,19 +734,19 @@ class FeatureDrafterProposer(DraftModelProposer):
             out.append(token)
             qs.append(q)
             if j + 1 < num_tokens:
-                staged, logits, feedback = self._step(staged, token, feedback)
+                staged, logits, feedback = self._step(staged, token, feedback, captured)
         steps = min(len(out), num_tokens - 1)
-        if steps:
+        if steps and not captured:
             runner.record(staged.rows, began, forwards=steps)
         drafted, probs = self._fill(out, qs, flags, confidence, last, num_tokens)
         return drafted, probs, confidence.kept, steps
 
-    def _step(self, staged, token: torch.Tensor, feedback: torch.Tensor):
+    def _step(self, staged, token: torch.Tensor, feedback: torch.Tensor, captured: bool = False):
         """One single-token forward after `staged`: token [B'] and feedback [B', H] of the position
         before -> (its staged layout, logits [B', K], its feedback [B', H]). Device only."""
         staged = self.runner.advance(staged, token)
         self.head.set_features(feedback[:, None], feedback=True)  # [B', 1, H]
-        logits = self.runner.execute(staged, "last")[0]
+        logits = self._forward(staged, captured)
         return staged, logits, self.head.last_feedback[:, -1]
 
     def _fill(self, out, qs, flags, confidence: "_Confidence", last: torch.Tensor, num_tokens: int):
@@ -789,13 +840,15 @@ class FeatureDrafterSpec:
     path: str
     min_confidence: float | None = None  # see FeatureDrafterProposer
     lookup_min_n: int | None = None  # see FeatureDrafterProposer
+    execution: str = "auto"  # the head's forwards (see ModelRunner): graph mode captures whole draft loops
 
     def build(self, target_model: torch.nn.Module, vocab_size: int, max_model_len: int | None,
               pulled: bool = False):
         """pulled: the target runs in another process, `target_model` holds only its embedding and
         output head (models.loading.TargetIO), and features arrive through `put_features`."""
         head = load_feature_head(resolve_head_path(self.path), target_model)
-        return FeatureDrafterProposer(head, vocab_size, max_model_len, self.min_confidence, pulled, self.lookup_min_n)
+        return FeatureDrafterProposer(head, vocab_size, max_model_len, self.min_confidence, pulled, self.lookup_min_n,
+                                      self.execution)
 
     def server(self, runner: ModelRunner) -> FeatureServer:
         """The target side of a pulled head: taps the layers the head reads on `runner`."""

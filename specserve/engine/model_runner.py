@@ -259,6 +259,9 @@ class ModelRunner:
         self._pending: list[tuple] = []  # every forward since the log was last taken
         self._compiled: Callable | None = None
         self.graphs = GraphSet(self.device) if self.execution == "graph" else None
+        # graph mode: replay single forwards as graphs (off for a model fed through side channels
+        # a replay would not see, e.g. a feature head's features: its caller captures whole loops)
+        self.capture_forwards = True
 
     def page(self, block_size: int, num_blocks: int | None = None, prefix_caching: bool = False) -> None:
         """Keep keys and values by block (engine/paged_cache.py) from now on: blocks of
@@ -582,7 +585,7 @@ class ModelRunner:
     def _execute(self, staged: Staged, logits: str, prefill: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         static = (self.execution != "eager" and not prefill and not staged.gather and self.cache.ready
                   and staged.width <= 16)
-        if static and self.execution == "graph":
+        if static and self.execution == "graph" and self.capture_forwards:
             key = ("forward", *staged.static_key, logits, self.cache.generation)
             return self.graphs.run(key, lambda: self._compute(staged.block, staged.width, staged.key_length, False,
                                                               logits))

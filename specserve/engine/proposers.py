@@ -101,6 +101,7 @@ class DraftModelProposer:
     """
 
     can_branch = True  # `fork` / `adopt`, and runner-ups in `propose` (pipelined branches)
+    captures_ahead = True  # `engine.capture_graphs` captures its greedy loops before the first step
 
     def __init__(
         self, model: torch.nn.Module, vocab_size: int, max_model_len: int | None = None, execution: str = "auto",
