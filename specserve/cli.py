@@ -112,6 +112,7 @@ BENCHES = {  # name -> module with `main(argv: list[str]) -> int`; its own argpa
     "http": "specserve.bench.http",
     "engine": "specserve.bench.engine",
     "gpu": "specserve.bench.gpu",
+    "gpu-checks": "specserve.bench.gpu_checks",
     "overload": "specserve.bench.overload",
     "ingress": "specserve.bench.ingress",
     "prefill": "specserve.bench.prefill",

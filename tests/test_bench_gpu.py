@@ -44,3 +44,15 @@ def test_smollm2_section_skips_with_a_message(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(gpu, "_load_smollm2", lambda device, dtype: "FileNotFoundError: no checkpoint")
     assert gpu.main(["--tiny", "--sections", "smollm2", "--out", str(tmp_path / "g.json")]) == 0
     assert "smollm2 section skipped: FileNotFoundError: no checkpoint" in capsys.readouterr().out
+
+
+def test_gpu_checks_run_every_check_on_a_cpu(tmp_path):
+    """`bench gpu-checks` on a CPU (eager: no graphs) runs every configuration to the end, and its
+    report says what its table says."""
+    from specserve.bench import gpu_checks
+
+    out = tmp_path / "checks.json"
+    assert gpu_checks.main(["--device", "cpu", "--max-new", "8", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["check"] for r in rows] == list(gpu_checks.CHECKS)
+    assert all(r["ok"] and r["greedy_same"] and r["sampled_same"] for r in rows)

@@ -722,3 +722,26 @@ def test_a_pulled_head_keeps_only_contiguous_committed_features(head_dir):
     assert proposer.features.written("r") == 2
     assert proposer.features_wanted([RowInput("r", 0, [5, 6, 7])]) == {}
     assert proposer.features_wanted([RowInput("r", 3, [8, 9])]) == {"r": (2, 4)}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_graph_mode_feature_head_on_gpu(head_dir, temperature):
+    """On a GPU: the tapped target and the head's loops as real CUDA graphs give the eager
+    engine's tokens (greedy: the target's own)."""
+    model = tiny_llama(0, layers=LAYERS).cuda()
+    batch_prompts = prompts(4, seed=7)
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=temperature, seed=3)
+    runs = {}
+    for execution in ("eager", "graph"):
+        proposer = FeatureDrafterSpec(str(head_dir), execution=execution).build(model, target_vocab_size(model), None)
+        engine = SpeculativeEngine(model, proposer=proposer, num_speculative_tokens=4, adaptive=False,
+                                   execution=execution)
+        runs[execution] = [o.token_ids for o in engine.generate(batch_prompts, params)]
+        if execution == "graph":
+            assert len(engine.verifier.runner.graphs) > 0
+            assert any(key[0] == "head" for key in proposer.runner.graphs._entries)
+    assert runs["graph"] == runs["eager"]
+    if temperature == 0.0:
+        alone = SpeculativeEngine(model, num_speculative_tokens=0, execution="eager")
+        assert runs["graph"] == [o.token_ids for o in alone.generate(batch_prompts, params)]

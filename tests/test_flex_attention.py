@@ -230,3 +230,21 @@ def test_flex_paged_engine_greedy_equals_target_only(block_size):
     outs = engine.generate(prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     assert sum(o.metrics.num_draft_tokens for o in outs) > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("paged", [False, True])
+def test_flex_on_gpu_in_graphs_equals_target_only(paged):
+    """On a GPU: FlexAttention (compiled) inside CUDA graphs, over the dense cache or reading a
+    fixed paged pool in place, gives the target-alone tokens."""
+    target = tiny_llama(0).cuda()
+    draft = perturbed(target, 0.6, seed=1)
+    prompts = [[5, 9, 2], [7] * 17, [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [8, 8]]
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    plain = SpeculativeEngine(target, None, num_speculative_tokens=0, execution="eager").generate(prompts, params)
+    engine = SpeculativeEngine(target, draft, num_speculative_tokens=3, adaptive=False, attention="flex",
+                               execution="graph", kv_block_size=16 if paged else None,
+                               max_cached_tokens=4096 if paged else None)
+    outs = engine.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert len(engine.verifier.runner.graphs) > 0
