@@ -24,6 +24,8 @@ the target-only run of the same prompts:
 Per run: α (target and measured), γ, c (draft/target forward time at this batch), v (target forward
 over γ+1 tokens per row / over 1), the bound (1-α^(γ+1))/((1-α)(γc+1)), the same with v in place
 of 1, the measured speedup over γ=0 at the same batch, and efficiency = speedup / bound_v.
+--execution, --attention and --kv-block-size (a paged cache, one fixed pool per model: its storage
+never moves, so graphs captured once stay valid) apply to every engine and cost runner of the run.
 This module imports torch, transformers and the engine only (no ray, fastapi or pydantic).
 """
 from __future__ import annotations
@@ -129,13 +131,35 @@ def generate(engine: SpeculativeEngine, prompts: list[list[int]], ids: list[str]
     return seqs, time.perf_counter() - began
 
 
+@dataclass(frozen=True)
+class Layout:
+    """How every engine and cost runner of a run executes, attends and keeps its KV cache."""
+
+    execution: str = "auto"  # see ModelRunner
+    attention: str = "auto"  # see ModelRunner
+    kv_block_size: int | None = None  # None: the dense cache; else paged, one fixed pool of kv_pool positions
+    kv_pool: int = 16384
+
+    def page(self, runner: ModelRunner) -> ModelRunner:
+        if self.kv_block_size:
+            runner.page(self.kv_block_size, self.kv_pool // self.kv_block_size)
+        return runner
+
+    def runner(self, model: torch.nn.Module) -> ModelRunner:
+        return self.page(ModelRunner(model, execution=self.execution, attention=self.attention))
+
+
 def build_engine(target: torch.nn.Module, proposer, gamma: int | None, max_gamma: int, batch: int,
-                 execution: str, attention: str = "auto") -> SpeculativeEngine:
+                 layout: Layout | str = Layout()) -> SpeculativeEngine:
     """One configuration's engine, built once and reused by its warm-up and every timed repeat (so
-    its graphs are captured and its cost model calibrated before anything is timed)."""
+    its graphs are captured and its cost model calibrated before anything is timed). layout: a
+    Layout, or an execution mode with the rest as default."""
+    layout = Layout(execution=layout) if isinstance(layout, str) else layout
     engine = SpeculativeEngine(target, num_speculative_tokens=0 if proposer is None else max_gamma,
                                adaptive=gamma is None, proposer=proposer, eos_token_ids=[], max_batch_size=batch,
-                               execution=execution, attention=attention)
+                               execution=layout.execution, attention=layout.attention,
+                               kv_block_size=layout.kv_block_size,
+                               max_cached_tokens=layout.kv_pool if layout.kv_block_size else None)
     engine.capture_graphs(progress=False)
     if gamma is None:
         engine.calibrate(sizes=tuple(sorted({*CALIBRATION_SIZES, batch, batch * (max_gamma + 1)})))
@@ -195,9 +219,8 @@ def forward_seconds(runner: ModelRunner, batch: int, context: list[int], width: 
 
 
 def measure_costs(target, draft, batch: int, context: list[int], gammas: list[int], reps: int,
-                  execution: str, attention: str = "auto") -> dict:
-    t_runner = ModelRunner(target, execution=execution, attention=attention)
-    d_runner = ModelRunner(draft, execution=execution, attention=attention)
+                  layout: Layout = Layout()) -> dict:
+    t_runner, d_runner = layout.runner(target), layout.runner(draft)
     one = forward_seconds(t_runner, batch, context, 1, reps, "all")
     draft_one = forward_seconds(d_runner, batch, context, 1, reps, "last")
     v = {g: forward_seconds(t_runner, batch, context, g + 1, reps, "all") / one for g in gammas if g > 0}
@@ -215,8 +238,7 @@ ProposerFactory = Callable[[float | None, dict[str, list[int]]], object]
 
 def run_section(name: str, target, draft, make_proposer: ProposerFactory, prompt_sets: dict[int, list[list[int]]],
                 gammas: list[int], alphas: list[float | None], max_new: int, reps: int, device: str,
-                bar: tqdm, execution: str, repeats: int, anchors: bool,
-                attention: str = "auto") -> tuple[list[dict], dict, list[dict]]:
+                bar: tqdm, layout: Layout, repeats: int, anchors: bool) -> tuple[list[dict], dict, list[dict]]:
     """For each batch size: γ=0 (the reference) and every α × (every γ, adaptive), all warmed and
     then timed interleaved; then, when `anchors`, the HF anchors on the same prompts (they need
     prompts of one length). -> table rows, costs, anchor rows."""
@@ -224,10 +246,10 @@ def run_section(name: str, target, draft, make_proposer: ProposerFactory, prompt
     for batch, prompts in prompt_sets.items():
         ids = [f"{name}-b{batch}-{i}" for i in range(len(prompts))]
         bar.set_postfix_str(f"{name} b={batch} costs")
-        cost = measure_costs(target, draft, batch, prompts[0], gammas, reps, execution, attention)
+        cost = measure_costs(target, draft, batch, prompts[0], gammas, reps, layout)
         costs[batch] = cost
         bar.set_postfix_str(f"{name} b={batch} reference")
-        base = Config("γ=0", 0, None, build_engine(target, None, 0, 0, batch, execution, attention), None)
+        base = Config("γ=0", 0, None, build_engine(target, None, 0, 0, batch, layout), None)
         base.outputs = [list(s.output) for s in generate(base.engine, prompts, ids, batch, max_new, device)[0]]
         references = {rid: p + o for rid, p, o in zip(ids, prompts, base.outputs)}
         reference = base.outputs
@@ -235,7 +257,7 @@ def run_section(name: str, target, draft, make_proposer: ProposerFactory, prompt
         for alpha in alphas:
             for gamma in [*gammas, None]:
                 proposer = make_proposer(alpha, references)
-                engine = build_engine(target, proposer, gamma, gamma or max(gammas), batch, execution, attention)
+                engine = build_engine(target, proposer, gamma, gamma or max(gammas), batch, layout)
                 configs.append(Config(f"α={alpha} γ={gamma}", gamma, alpha, engine, proposer))
         bar.set_postfix_str(f"{name} b={batch} timing {len(configs)} configurations × {repeats}")
         measure_configs(configs, prompts, ids, batch, max_new, device, repeats, bar)
@@ -433,6 +455,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--attention", default="auto", choices=["auto", "mask", "flex"],
                    help="how every model attends: under a materialised mask, or FlexAttention under the rows' "
                         "positions (auto: mask; docs/engine.md)")
+    p.add_argument("--kv-block-size", type=int, default=None,
+                   help="a paged KV cache of blocks this size, one fixed pool per model (default: the dense cache)")
+    p.add_argument("--kv-pool", type=int, default=16384, help="with --kv-block-size: each pool's positions")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench-results/gpu.json")
     args = p.parse_args(argv)
@@ -451,6 +476,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.dtype is None:
         args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
     return args
+
+
+def layout_of(args: argparse.Namespace) -> Layout:
+    return Layout(args.execution, args.attention, args.kv_block_size, args.kv_pool)
 
 
 def prompt_sets(pool: list[list[int]], batches: list[int], at_batch_one: int) -> dict[int, list[list[int]]]:
@@ -531,8 +560,8 @@ def _smollm2_section(args, pair, gammas: list[int], batches: list[int], bar: tqd
 
     _warm_up(target, args.device)
     rows, costs, _ = run_section("smollm2", target, draft, make, prompt_sets(pool, batches, args.prompts), gammas,
-                                 [None], args.max_new_tokens, args.reps, args.device, bar, args.execution,
-                                 args.repeats, anchors=False, attention=args.attention)
+                                 [None], args.max_new_tokens, args.reps, args.device, bar, layout_of(args),
+                                 args.repeats, anchors=False)
     return rows, costs, shape
 
 
@@ -554,7 +583,7 @@ def _random_section(args, gammas: list[int], alphas: list[float], batches: list[
     _warm_up(target, args.device)
     rows, costs, anchors = run_section("random", target, draft, make, prompt_sets(pool, batches, args.prompts),
                                        gammas, alphas, args.max_new_tokens, args.reps, args.device, bar,
-                                       args.execution, args.repeats, anchors=True, attention=args.attention)
+                                       layout_of(args), args.repeats, anchors=True)
     return rows, costs, shape, anchors
 
 
