@@ -451,9 +451,12 @@ def test_the_captured_loop_proposes_what_the_eager_loop_proposed(head_dir, sampl
     emulate_graphs(proposer.runner)
     engine = SpeculativeEngine(model, proposer=proposer, num_speculative_tokens=4, adaptive=False)
     emulate_graphs(engine.verifier.runner)
+    for runner in (proposer.runner, engine.verifier.runner):
+        runner.pad_batches = True  # as on a GPU: batches padded up to their bucket, B real rows of B'
     engine.calibrate()  # the head's timing forwards (features unset) must not become graphs that real calls replay
     reference_proposer = build(head_dir, min_confidence=floor)
     reference_proposer.host_stop = False
+    reference_proposer.runner.pad_batches = True  # (the same B': a forward's numbers depend on its rows)
     compared = twin(engine, reference_proposer)
     batch_prompts = prompts(5, seed=3) + [[7, 8, 9, 7, 8]]
     params = mixed_params(len(batch_prompts), sampled)

@@ -673,6 +673,7 @@ class FeatureDrafterProposer(DraftModelProposer):
             for name in ("temperature", "top_k", "top_p"):
                 buffers[name].copy_(getattr(sampling, name))
             buffers["uniforms"].copy_(uniforms)
+        buffers["real"].copy_(torch.arange(staged.padded) < staged.rows)  # (host to device)
         static = BatchSampling(buffers["temperature"], buffers["top_k"], buffers["top_p"])
         key = ("head", *staged.static_key, num_tokens, flags, runner.cache.generation)
         written = (staged.block, runner.advance_block(staged))  # the loop writes the single-token block
@@ -685,14 +686,16 @@ class FeatureDrafterProposer(DraftModelProposer):
 
     def _static_buffers(self, staged, num_tokens: int, width: int) -> dict[str, torch.Tensor]:
         """The captured loop's inputs for (B', Q, G), allocated once (a replay reads them at fixed
-        addresses): features [B', Q, F], sampling parameters [B'], uniforms [B', G]."""
+        addresses): features [B', Q, F], sampling parameters [B'], uniforms [B', G], which rows
+        are real [B'] (B may change between replays of one B')."""
         key = (staged.padded, staged.width, num_tokens)
         if key not in self._inputs:
             b, device = staged.padded, self.runner.device
             self._inputs[key] = dict(
                 features=torch.zeros(b, staged.width, width, dtype=self.head.fc.weight.dtype, device=device),
                 temperature=torch.zeros(b, device=device), top_k=torch.zeros(b, dtype=torch.long, device=device),
-                top_p=torch.ones(b, device=device), uniforms=torch.zeros(b, num_tokens, device=device))
+                top_p=torch.ones(b, device=device), uniforms=torch.zeros(b, num_tokens, device=device),
+                real=torch.zeros(b, dtype=torch.bool, device=device))
         return self._inputs[key]
 
     def _forward(self, staged, captured: bool) -> torch.Tensor:
@@ -719,7 +722,8 @@ class FeatureDrafterProposer(DraftModelProposer):
         if not captured:
             runner.record(staged.tokens, began)
             began = runner.clock()
-        confidence = _Confidence(self.min_confidence, staged.rows, staged.padded, num_tokens, index.device)
+        real = inputs["real"] if captured else torch.arange(staged.padded, device=index.device) < staged.rows
+        confidence = _Confidence(self.min_confidence, staged.rows, real, num_tokens)
         stops = not captured and (masks is not None or self.host_stop)
         out, qs = [], []
         for j in range(num_tokens):
@@ -791,11 +795,14 @@ class _Confidence:
     it, never on the token drafted there, so the acceptance rule stays exact for sampled rows.
     Counted on the device; the product never grows (top <= 1), so a row that stops stays stopped."""
 
-    def __init__(self, floor: float | None, rows: int, padded: int, num_tokens: int, device) -> None:
+    def __init__(self, floor: float | None, rows: int, real: torch.Tensor, num_tokens: int) -> None:
+        """rows: B, the real rows of the B' (padding rows last), on the host; real: [B'] bool, the
+        same on the device (a captured loop's static input: B may change between replays)."""
         self.floor = floor
-        self.rows = rows  # B real rows of the B' (padding rows last)
-        self.kept = torch.full((padded,), num_tokens if floor is None else 0, dtype=torch.long,
-                               device=device)  # [B'] positions each row drafts
+        self.rows = rows
+        self.real = real
+        self.kept = torch.full(real.shape, num_tokens if floor is None else 0, dtype=torch.long,
+                               device=real.device)  # [B'] positions each row drafts
         self._product: torch.Tensor | None = None  # [B']
         self._drafting: torch.Tensor | None = None  # [B'] bool: rows drafting the position last seen
 
@@ -814,7 +821,7 @@ class _Confidence:
 
     def longest(self) -> torch.Tensor:
         """0-d: the most positions a real row drafts."""
-        return self.kept[: self.rows].max()
+        return torch.where(self.real, self.kept, 0).max()
 
 
 SHIPPED_HEADS = Path(__file__).resolve().parent.parent / "models" / "weights"
