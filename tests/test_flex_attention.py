@@ -108,6 +108,13 @@ def test_unknown_attention_mode_is_refused():
         ModelRunner(tiny_llama(0), attention="paged")
 
 
+def test_flex_refuses_a_model_over_several_devices():
+    model = tiny_llama(0)
+    model.model.layers[1].to("meta")  # (a stand-in for a second GPU)
+    with pytest.raises(ValueError, match="whole model on one device"):
+        ModelRunner(model, attention="flex")
+
+
 def test_auto_keeps_the_masked_path():
     runner = ModelRunner(tiny_llama(0))
     assert runner.attention == "mask" and runner.grouped_attention

@@ -225,7 +225,7 @@ class ModelRunner:
         self.device = model.get_input_embeddings().weight.device
         self.dtype = model.get_input_embeddings().weight.dtype
         self.execution = _resolve_execution(execution, model, self.device)
-        self.attention = _resolve_attention(attention)
+        self.attention = _resolve_attention(attention, model)
         # batches padded up to BATCH_BUCKETS (fixed shapes to compile or capture); not in eager
         # mode, where a padded row costs a real row's compute on a CPU
         self.pad_batches = self.execution != "eager"
@@ -817,9 +817,12 @@ def _resolve_execution(execution: str, model: torch.nn.Module, device: torch.dev
     return execution
 
 
-def _resolve_attention(mode: str) -> str:
+def _resolve_attention(mode: str, model: torch.nn.Module) -> str:
     if mode not in ATTENTION_MODES:
         raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {mode!r}")
+    if mode == "flex" and len({p.device for p in model.parameters()}) > 1:
+        # the BlockMask's mask_mod reads tensors on the first device; layers elsewhere cannot
+        raise ValueError("attention='flex' needs the whole model on one device (a sharded model attends under a mask)")
     return "mask" if mode == "auto" else mode
 
 
