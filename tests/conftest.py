@@ -13,6 +13,14 @@ from models import tiny_llama  # noqa: E402
 from serve_helpers import METRICS_PORT, free_port, start_local_serve, stop_local_serve  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def fresh_compiles():
+    """Each test's compiled graphs are its own: without a reset, the suite's compiles of the one
+    `ModelRunner._compute` code object would add up against dynamo's limits across tests."""
+    yield
+    torch._dynamo.reset()
+
+
 @pytest.fixture(scope="session")
 def target():
     return tiny_llama(0)

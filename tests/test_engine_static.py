@@ -44,6 +44,16 @@ def test_static_forward_compiles_whole_and_matches_eager(quick_compile):
         assert got[rid] == hf_greedy(model, p, 6)
 
 
+def test_compiled_forwards_take_more_shapes_than_dynamos_default(quick_compile):
+    """execution="compile" compiles one graph per shape bucket: past dynamo's default of 8 per code
+    object a fullgraph compile would fail outright, so the runner raises that limit."""
+    runner = ModelRunner(tiny_llama(0, layers=1), execution="compile")
+    runner.forward([RowInput("a", 0, [1, 2, 3])], logits="none")
+    for width in range(1, 11):  # ten widths: ten shapes, each compiled
+        runner.forward([RowInput("a", runner.valid_length("a"), [5] * width)], logits="last")
+    assert runner._compiled is not None
+
+
 def test_compiled_engine_is_lossless(quick_compile):
     """Target verify and the draft's loop (device-fed, no host read between drafts), compiled."""
     target = tiny_llama(0)

@@ -49,6 +49,8 @@ SPLIT_OVERHEAD = 0.25
 # growth step, which shapes for compiled or captured forwards keep, made a batch of 300-token rows
 # attend over 512 positions)
 EAGER_KEY_STEP = 16
+# execution="compile": the most shapes (B', Q, K) one process's compiled forwards may take
+COMPILED_SHAPES = 256
 # Forwards up to this wide read a paged pool in place under attention="flex" (attention.pool_block_mask);
 # wider ones (prompt chunks) gather their rows' keys: FlexAttention's kernel for long queries tiles
 # keys in 64-128 at a time, more than a block may hold, where its decode kernel tiles by the block.
@@ -591,6 +593,9 @@ class ModelRunner:
                                                               logits))
         if static and self.execution == "compile":
             if self._compiled is None:
+                # one graph per shape bucket (B', Q, K): more than dynamo's default of 8 per code
+                # object, past which a fullgraph compile fails outright
+                torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, COMPILED_SHAPES)
                 self._compiled = torch.compile(
                     self._compute, fullgraph=True, dynamic=False, backend=self.compile_backend)
             return self._compiled(staged.block, staged.width, staged.key_length, False, logits)
