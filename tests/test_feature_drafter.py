@@ -407,6 +407,20 @@ def joining_and_leaving(engine, batch_prompts, params) -> dict[str, list[int]]:
     return outputs
 
 
+def decode_beside(engine, reference_proposer, sampled: bool) -> list:
+    """Six requests joining and leaving (`joining_and_leaving`), `reference_proposer` proposing
+    beside the engine's own call for call (`twin`); greedy rows checked against the target alone
+    -> what `twin` compared."""
+    compared = twin(engine, reference_proposer)
+    batch_prompts = prompts(5, seed=3) + [[7, 8, 9, 7, 8]]
+    params = mixed_params(len(batch_prompts), sampled)
+    outputs = joining_and_leaving(engine, batch_prompts, params)
+    for i, (prompt, p) in enumerate(zip(batch_prompts, params)):
+        if p.temperature == 0:
+            assert outputs[f"r{i}"] == reference(tuple(prompt))[: p.max_tokens], i
+    return compared
+
+
 def mixed_params(count: int, sampled: bool) -> list[SamplingParams]:
     """Greedy rows of different lengths, and (sampled) every other row sampling with top-p."""
     return [SamplingParams(max_tokens=MAX_NEW - 3 * (i % 4), temperature=0.8 if sampled and i % 2 else 0.0,
@@ -428,14 +442,8 @@ def test_the_device_loop_proposes_what_the_host_loop_proposed(head_dir, sampled,
     engine = SpeculativeEngine(model, proposer=proposer, num_speculative_tokens=4, adaptive=False)
     reference_proposer = build(head_dir, min_confidence=floor, lookup_min_n=lookup_min_n)
     reference_proposer.__class__ = HostLoop
-    compared = twin(engine, reference_proposer)
-    batch_prompts = prompts(5, seed=3) + [[7, 8, 9, 7, 8]]
-    params = mixed_params(len(batch_prompts), sampled)
-    outputs = joining_and_leaving(engine, batch_prompts, params)
-    for i, (prompt, p) in enumerate(zip(batch_prompts, params)):
-        if p.temperature == 0:
-            assert outputs[f"r{i}"] == reference(tuple(prompt))[: p.max_tokens], i
-    assert len(compared) > 10 and max(n for n, _ in compared) == len(batch_prompts)
+    compared = decode_beside(engine, reference_proposer, sampled)
+    assert len(compared) > 10 and max(n for n, _ in compared) == 6
     assert any(shuffled for _, shuffled in compared)  # the runner's row order was not the callers'
 
 
@@ -457,13 +465,7 @@ def test_the_captured_loop_proposes_what_the_eager_loop_proposed(head_dir, sampl
     reference_proposer = build(head_dir, min_confidence=floor)
     reference_proposer.host_stop = False
     reference_proposer.runner.pad_batches = True  # (the same B': a forward's numbers depend on its rows)
-    compared = twin(engine, reference_proposer)
-    batch_prompts = prompts(5, seed=3) + [[7, 8, 9, 7, 8]]
-    params = mixed_params(len(batch_prompts), sampled)
-    outputs = joining_and_leaving(engine, batch_prompts, params)
-    for i, (prompt, p) in enumerate(zip(batch_prompts, params)):
-        if p.temperature == 0:
-            assert outputs[f"r{i}"] == reference(tuple(prompt))[: p.max_tokens], i
+    compared = decode_beside(engine, reference_proposer, sampled)
     head_keys = list(proposer.runner.graphs._entries)
     assert len(compared) > len(head_keys) > 0  # loops replayed, not only captured
     assert all(key[0] == "head" for key in head_keys)  # never a single head forward
