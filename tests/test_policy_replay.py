@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from specserve.bench.policy import H100_7B, Costs, compare, report
+from specserve.engine.model_runner import ForwardTiming
 
 
 @pytest.mark.parametrize("batch", [1, 16])
@@ -38,3 +39,40 @@ def test_costs_interpolate_between_and_extend_beyond_the_measured_sizes():
     costs = Costs(target={1: 1.0, 3: 2.0, 5: 2.5}, draft={1: 0.5, 9: 1.3})
     assert costs.seconds("target", 2) == 1.5 and costs.seconds("target", 7) == 3.0
     assert abs(costs.seconds("draft", 5) - 0.9) < 1e-12
+
+
+def test_summed_expected_tokens_are_the_per_row_sums():
+    """The policy's every-step sum over rows (running powers; one rate at once) is the plain one."""
+    import random
+
+    from specserve.engine.policy import expected_tokens, expected_tokens_summed
+
+    rng = random.Random(0)
+    cases = [[rng.random() for _ in range(rng.randint(1, 24))] for _ in range(100)]
+    cases += [[0.7] * 16, [1.0, 0.0, 0.999, -0.2], []]
+    for alphas in cases:
+        for max_gamma in (0, 1, 4, 8):
+            want = [sum(expected_tokens(a, g) for a in alphas) for g in range(max_gamma + 1)]
+            got = expected_tokens_summed(alphas, max_gamma)
+            assert len(got) == max_gamma + 1
+            assert all(abs(x - y) <= 1e-9 * max(1.0, y) for x, y in zip(got, want)), (alphas, got, want)
+
+
+def test_a_choice_predicts_each_step_time_once_and_forgets_after():
+    """Within one `choose` a step time is predicted once per (batch, γ, backlog); the costs then
+    learnt reach the next choice (no prediction outlives its call)."""
+    from specserve.engine.policy import SpeculationPolicy
+
+    policy = SpeculationPolicy(max_gamma=4)
+    policy.calibrate_costs("target", [ForwardTiming(n, 1e-3 * (1 + n / 64)) for n in (1, 16, 64, 256)])
+    policy.calibrate_costs("draft", [ForwardTiming(n, 2e-4 * (1 + n / 64)) for n in (1, 16, 64, 256)])
+    calls = []
+    real = policy._step_time
+    policy._step_time = lambda *args: calls.append(args) or real(*args)
+    first = policy.choose([0.8] * 16, backlog=3, newcomers=16)
+    assert calls and len(calls) == len(set(calls))
+    assert policy._step_times is None
+    calls.clear()
+    policy.choose([0.8] * 16, backlog=3, newcomers=16)
+    assert calls  # predicted again: nothing kept between choices
+    assert first >= 0

@@ -116,6 +116,24 @@ def expected_tokens(alpha: float, gamma: int) -> float:
     return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
 
 
+def expected_tokens_summed(alphas: list[float], max_gamma: int) -> list[float]:
+    """[Σ over rows of expected_tokens(α, γ) for γ in 0..max_gamma], by running powers (the
+    policy's every step: B·γ calls were most of its cost); rows of one rate counted at once."""
+    if not alphas:
+        return [0.0] * (max_gamma + 1)
+    if alphas.count(alphas[0]) == len(alphas):
+        return [len(alphas) * expected_tokens(alphas[0], g) for g in range(max_gamma + 1)]
+    clamped = [min(max(a, 0.0), 0.999) for a in alphas]
+    scales = [1.0 / (1.0 - a) for a in clamped]
+    base = sum(scales)
+    powers = clamped  # α^(γ+1)
+    sums = []
+    for _ in range(max_gamma + 1):
+        sums.append(base - sum(p * c for p, c in zip(powers, scales)))
+        powers = [p * a for p, a in zip(powers, clamped)]
+    return sums
+
+
 @dataclass
 class AcceptanceEstimate:
     """Acceptance rate as accepted / (accepted + rejections), exponentially forgetting."""
@@ -161,6 +179,7 @@ class SpeculationPolicy:
         self._steps_without_drafts = 0
         self._probe_interval = probe_every  # doubles after each probe that did not turn drafting back on
         self._drafting = False  # the last step chose to draft (not a probe): `best_gamma`'s `staying`
+        self._step_times: dict[tuple[int, int, int], float] | None = None  # within one `choose`: its predictions
 
     # -- what we learn ----------------------------------------------------------------------
     def overall_alpha(self) -> float:
@@ -213,6 +232,14 @@ class SpeculationPolicy:
         forwards of B tokens after catching up on `backlog` tokens (those it skipped in steps
         without drafts), scaled by what this batch size's drafting steps measured; plus the host
         overhead per call."""
+        if self._step_times is not None:  # inside `choose`: the costs cannot change until it returns
+            key = (batch, gamma, backlog)
+            if key not in self._step_times:
+                self._step_times[key] = self._step_time(batch, gamma, backlog)
+            return self._step_times[key]
+        return self._step_time(batch, gamma, backlog)
+
+    def _step_time(self, batch: int, gamma: int, backlog: int) -> float:
         verify = self.target_cost.predict(batch * (gamma + 1)) + self.overhead
         if gamma == 0:
             return verify
@@ -254,8 +281,8 @@ class SpeculationPolicy:
     def _rates(self, alphas: list[float], backlog: int) -> list[float]:
         """Expected tokens per second of the batch for each γ in [0, max_gamma]."""
         batch = len(alphas)
-        return [sum(expected_tokens(a, g) for a in alphas) / max(self.step_time(batch, g, backlog), 1e-9)
-                for g in range(self.max_gamma + 1)]
+        return [gain / max(self.step_time(batch, g, backlog), 1e-9)
+                for g, gain in enumerate(expected_tokens_summed(alphas, self.max_gamma))]
 
     def choose(self, alphas: list[float], backlog: int = 0, newcomers: int = 0) -> int:
         """γ for the next step. While drafting does not pay, one probe step every probe_every
@@ -267,6 +294,13 @@ class SpeculationPolicy:
         a drafter known to be poor: such probes only watch for a change, and at 3% they cost a
         batch of 16 on the H100's costs 2.2% of its throughput). newcomers: rows that no step has
         drafted for yet (see `_newcomer_probe`)."""
+        self._step_times = {}
+        try:
+            return self._choose(alphas, backlog, newcomers)
+        finally:
+            self._step_times = None
+
+    def _choose(self, alphas: list[float], backlog: int, newcomers: int) -> int:
         gamma = self.best_gamma(alphas, backlog, staying=self._drafting)
         self._drafting = gamma > 0
         if gamma > 0 or not self.adaptive or self.max_gamma == 0:
