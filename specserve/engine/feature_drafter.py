@@ -673,7 +673,7 @@ class FeatureDrafterProposer(DraftModelProposer):
             for name in ("temperature", "top_k", "top_p"):
                 buffers[name].copy_(getattr(sampling, name))
             buffers["uniforms"].copy_(uniforms)
-        buffers["real"].copy_(torch.arange(staged.padded) < staged.rows)  # (host to device)
+        buffers["real"].copy_(torch.arange(staged.padded, device=runner.device) < staged.rows)
         static = BatchSampling(buffers["temperature"], buffers["top_k"], buffers["top_p"])
         key = ("head", *staged.static_key, num_tokens, flags, runner.cache.generation)
         written = (staged.block, runner.advance_block(staged))  # the loop writes the single-token block
