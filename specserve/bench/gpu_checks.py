@@ -50,7 +50,9 @@ def engine_for(check: str, target, draft, execution: str, references) -> Specula
     if check == "feature head":
         from specserve.distill.train import init_head
 
+        weight = target.get_input_embeddings().weight
         head = init_head(target, torch.arange(vocab))  # untrained: the last layer's weights; drafts little
+        head = head.to(device=weight.device, dtype=weight.dtype).eval().requires_grad_(False)  # (made on the CPU)
         proposer = FeatureDrafterProposer(head, vocab, None, execution=execution)
     else:
         proposer = PlantedProposer(draft, vocab, 0.7, references, seed=1, execution=execution,
