@@ -641,8 +641,7 @@ class FeatureDrafterProposer(DraftModelProposer):
             masks = DraftMasks(self.grammar, sampling.grammar, staged.order + [-1] * (staged.padded - staged.rows))
         uniforms = None if uniforms is None else uniforms[picked].to(runner.device)  # [B', G]
         features, sampling = self._sorted_features(staged, feats), sampling.select(picked).to(runner.device)
-        static = (runner.execution == "graph" and masks is None and not self.host_stop and not staged.gather
-                  and runner.cache.ready and staged.width <= 16)
+        static = runner.execution == "graph" and masks is None and not self.host_stop and runner.fixed_shape(staged)
         try:
             if static:
                 drafted, probs, kept, steps = self._replay(staged, features, num_tokens, sampling, flags, uniforms)
@@ -723,7 +722,7 @@ class FeatureDrafterProposer(DraftModelProposer):
             runner.record(staged.tokens, began)
             began = runner.clock()
         real = inputs["real"] if captured else torch.arange(staged.padded, device=index.device) < staged.rows
-        confidence = _Confidence(self.min_confidence, staged.rows, real, num_tokens)
+        confidence = _Confidence(self.min_confidence, real, num_tokens)
         stops = not captured and (masks is not None or self.host_stop)
         out, qs = [], []
         for j in range(num_tokens):
@@ -795,11 +794,10 @@ class _Confidence:
     it, never on the token drafted there, so the acceptance rule stays exact for sampled rows.
     Counted on the device; the product never grows (top <= 1), so a row that stops stays stopped."""
 
-    def __init__(self, floor: float | None, rows: int, real: torch.Tensor, num_tokens: int) -> None:
-        """rows: B, the real rows of the B' (padding rows last), on the host; real: [B'] bool, the
-        same on the device (a captured loop's static input: B may change between replays)."""
+    def __init__(self, floor: float | None, real: torch.Tensor, num_tokens: int) -> None:
+        """real: [B'] bool, the real rows of the B' (padding rows last; a captured loop's static
+        input: B may change between replays)."""
         self.floor = floor
-        self.rows = rows
         self.real = real
         self.kept = torch.full(real.shape, num_tokens if floor is None else 0, dtype=torch.long,
                                device=real.device)  # [B'] positions each row drafts
@@ -817,7 +815,7 @@ class _Confidence:
 
     def any_drafting(self) -> bool:
         """Whether some real row drafts the position last seen: a host read (a sync on a GPU)."""
-        return self.floor is None or bool(self._drafting[: self.rows].any())
+        return self.floor is None or bool((self._drafting & self.real).any())
 
     def longest(self) -> torch.Tensor:
         """0-d: the most positions a real row drafts."""

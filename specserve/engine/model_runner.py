@@ -585,8 +585,7 @@ class ModelRunner:
             return self._execute(staged, logits, prefill)
 
     def _execute(self, staged: Staged, logits: str, prefill: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        static = (self.execution != "eager" and not prefill and not staged.gather and self.cache.ready
-                  and staged.width <= 16)
+        static = self.execution != "eager" and not prefill and self.fixed_shape(staged)
         if static and self.execution == "graph" and self.capture_forwards:
             key = ("forward", *staged.static_key, logits, self.cache.generation)
             return self.graphs.run(key, lambda: self._compute(staged.block, staged.width, staged.key_length, False,
@@ -600,6 +599,11 @@ class ModelRunner:
                     self._compute, fullgraph=True, dynamic=False, backend=self.compile_backend)
             return self._compiled(staged.block, staged.width, staged.key_length, False, logits)
         return self._compute(staged.block, staged.width, staged.key_length, staged.gather, logits)
+
+    def fixed_shape(self, staged: Staged) -> bool:
+        """Whether forwards of this layout may be compiled or replayed: rows that are slots
+        0..B'-1 (nothing gathered), cache storage already allocated, at most 16 tokens wide."""
+        return not staged.gather and self.cache.ready and staged.width <= 16
 
     def commit(self, staged: Staged, advanced: int = 0) -> None:
         """Host bookkeeping once a forward's work is queued (and `advanced` single-token forwards

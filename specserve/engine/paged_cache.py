@@ -80,8 +80,7 @@ class PagedKVCache:
         self.generation = 0  # bumped whenever storage moves (captured graphs hold its addresses)
         self._view_length = 0  # K of the current forward
         self._write: torch.Tensor | None = None  # [B', Q] flat index each new token goes to
-        self._read: torch.Tensor | None = None  # [B', K] flat index of each key position
-        self._in_place = False  # this forward's layers read the pool in place (see bind)
+        self._read: torch.Tensor | None = None  # [B', K] flat index of each key position (None: read in place)
         self._on_device: dict[torch.device, tuple] = {}
 
     # -- HF Cache duck-typing -------------------------------------------------------------
@@ -97,7 +96,7 @@ class PagedKVCache:
         flat_keys, flat_values = keys.view(-1, heads, dim), values.view(-1, heads, dim)  # [N*bs, H, D]
         flat_keys[write] = key_states.transpose(1, 2).to(keys.dtype)  # [B', Q, H, D]
         flat_values[write] = value_states.transpose(1, 2).to(values.dtype)
-        if self._in_place:
+        if read is None:  # bound in place
             pooled = (1, -1, heads, dim)
             return keys.view(pooled).transpose(1, 2), values.view(pooled).transpose(1, 2)  # [1, H, N*bs, D]
         length = read.shape[1]
@@ -244,13 +243,14 @@ class PagedKVCache:
              tables: torch.Tensor | None = None, in_place: bool = False) -> None:
         """Inside a forward (device tensors): positions [B', Q], tables [B', K / bs] block ids
         (the slot columns are the dense cache's and unused here); in_place: layers get the whole
-        pool back, not their rows' keys."""
-        self._in_place = in_place
+        pool back, not their rows' keys (no read indices)."""
         size = self.block_size
         block = tables.gather(1, torch.div(positions, size, rounding_mode="floor"))  # [B', Q]
         self._write = block * size + positions % size
-        offsets = torch.arange(size, device=tables.device)
-        self._read = (tables[:, :, None] * size + offsets).reshape(tables.shape[0], -1)  # [B', K]
+        self._read = None
+        if not in_place:
+            offsets = torch.arange(size, device=tables.device)
+            self._read = (tables[:, :, None] * size + offsets).reshape(tables.shape[0], -1)  # [B', K]
         self._on_device = {}
 
     # -- accounting -------------------------------------------------------------------------
@@ -332,7 +332,8 @@ class PagedKVCache:
         if device == self._write.device:
             return self._write, self._read
         if device not in self._on_device:
-            self._on_device[device] = (self._write.to(device), self._read.to(device))
+            read = None if self._read is None else self._read.to(device)
+            self._on_device[device] = (self._write.to(device), read)
         return self._on_device[device]
 
     def _layer(self, layer_idx: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -170,7 +170,7 @@ class DraftModelProposer:
             order = staged.sorted_to_caller.tolist()[: len(rows)]  # (padding rows past B are free)
             masks = DraftMasks(self.grammar, sampling.grammar, order + [-1] * (staged.padded - len(rows)))
             alternates = False
-        static = runner.execution == "graph" and not staged.gather and runner.cache.ready and staged.width <= 16
+        static = runner.execution == "graph" and runner.fixed_shape(staged)
         if masks is not None:
             try:
                 tokens, probs, ups = self._loop(staged, num_tokens, flags, inputs, False, masks=masks)
