@@ -140,21 +140,17 @@ class Layout:
     kv_block_size: int | None = None  # None: the dense cache; else paged, one fixed pool of kv_pool positions
     kv_pool: int = 16384
 
-    def page(self, runner: ModelRunner) -> ModelRunner:
+    def runner(self, model: torch.nn.Module) -> ModelRunner:
+        runner = ModelRunner(model, execution=self.execution, attention=self.attention)
         if self.kv_block_size:
             runner.page(self.kv_block_size, self.kv_pool // self.kv_block_size)
         return runner
 
-    def runner(self, model: torch.nn.Module) -> ModelRunner:
-        return self.page(ModelRunner(model, execution=self.execution, attention=self.attention))
-
 
 def build_engine(target: torch.nn.Module, proposer, gamma: int | None, max_gamma: int, batch: int,
-                 layout: Layout | str = Layout()) -> SpeculativeEngine:
+                 layout: Layout = Layout()) -> SpeculativeEngine:
     """One configuration's engine, built once and reused by its warm-up and every timed repeat (so
-    its graphs are captured and its cost model calibrated before anything is timed). layout: a
-    Layout, or an execution mode with the rest as default."""
-    layout = Layout(execution=layout) if isinstance(layout, str) else layout
+    its graphs are captured and its cost model calibrated before anything is timed)."""
     engine = SpeculativeEngine(target, num_speculative_tokens=0 if proposer is None else max_gamma,
                                adaptive=gamma is None, proposer=proposer, eos_token_ids=[], max_batch_size=batch,
                                execution=layout.execution, attention=layout.attention,

@@ -116,7 +116,7 @@ def engine_phase(args) -> dict:
     runs = iter(range(1 << 30))
 
     def timed(proposer, gamma: int, batch: int) -> tuple[list[list[int]], float]:
-        engine = gpu.build_engine(target, proposer, gamma, gamma, batch, "auto")
+        engine = gpu.build_engine(target, proposer, gamma, gamma, batch)
         chosen = pool[: requests_at(args, batch)]
         for _ in range(2):  # the first run is the warm-up (graphs, caches)
             ids = [f"run{next(runs)}-{i}" for i in range(len(chosen))]
