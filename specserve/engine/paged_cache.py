@@ -11,8 +11,9 @@ forward overwrites them, as the dense cache does).
 
 A forward reads each row's keys through its table: the staged block carries the rows' tables
 `[B', K / bs]` (K the key length, a multiple of bs), `bind` turns them into flat write indices
-`[B', Q]` and read indices `[B', K]` once per forward, and `update` writes and gathers through
-them in every layer (device ops on fixed shapes: compiled or captured like the dense forward).
+`[B', Q]` once per forward, and `update` writes through those and gathers the tables' blocks
+whole (bs positions per index) in every layer (device ops on fixed shapes: compiled or captured
+like the dense forward).
 Bound `in_place`, `update` writes and returns the whole pool instead, `[1, H, N * bs, D]`, for an
 attention that reads it through the tables itself (attention.pool_block_mask): no gather.
 With a pool sized once (`num_blocks`: the server's budget), storage never moves, so captured
@@ -80,7 +81,7 @@ class PagedKVCache:
         self.generation = 0  # bumped whenever storage moves (captured graphs hold its addresses)
         self._view_length = 0  # K of the current forward
         self._write: torch.Tensor | None = None  # [B', Q] flat index each new token goes to
-        self._read: torch.Tensor | None = None  # [B', K] flat index of each key position (None: read in place)
+        self._read: torch.Tensor | None = None  # [B', K / bs] block ids to gather (None: read in place)
         self._on_device: dict[torch.device, tuple] = {}
 
     # -- HF Cache duck-typing -------------------------------------------------------------
@@ -91,7 +92,7 @@ class PagedKVCache:
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """key_states/value_states [B', H, Q, D] -> keys/values of the batch rows [B', H, K, D]."""
         keys, values = self._layer(layer_idx, key_states)
-        write, read = self._indices(keys.device)  # [B', Q], [B', K]
+        write, read = self._indices(keys.device)  # [B', Q], [B', K / bs]
         batch, heads, _, dim = key_states.shape
         flat_keys, flat_values = keys.view(-1, heads, dim), values.view(-1, heads, dim)  # [N*bs, H, D]
         flat_keys[write] = key_states.transpose(1, 2).to(keys.dtype)  # [B', Q, H, D]
@@ -99,9 +100,10 @@ class PagedKVCache:
         if read is None:  # bound in place
             pooled = (1, -1, heads, dim)
             return keys.view(pooled).transpose(1, 2), values.view(pooled).transpose(1, 2)  # [1, H, N*bs, D]
-        length = read.shape[1]
-        gathered_keys = flat_keys.index_select(0, read.reshape(-1)).view(batch, length, heads, dim)
-        gathered_values = flat_values.index_select(0, read.reshape(-1)).view(batch, length, heads, dim)
+        length = read.shape[1] * self.block_size
+        blocks = read.reshape(-1)  # whole blocks at a time: bs * H * D contiguous elements each
+        gathered_keys = keys.view(keys.shape[0], -1).index_select(0, blocks).view(batch, length, heads, dim)
+        gathered_values = values.view(values.shape[0], -1).index_select(0, blocks).view(batch, length, heads, dim)
         return gathered_keys.transpose(1, 2), gathered_values.transpose(1, 2)
 
     # -- runner API: slots ------------------------------------------------------------------
@@ -247,10 +249,7 @@ class PagedKVCache:
         size = self.block_size
         block = tables.gather(1, torch.div(positions, size, rounding_mode="floor"))  # [B', Q]
         self._write = block * size + positions % size
-        self._read = None
-        if not in_place:
-            offsets = torch.arange(size, device=tables.device)
-            self._read = (tables[:, :, None] * size + offsets).reshape(tables.shape[0], -1)  # [B', K]
+        self._read = None if in_place else tables
         self._on_device = {}
 
     # -- accounting -------------------------------------------------------------------------
