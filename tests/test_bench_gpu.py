@@ -5,6 +5,8 @@ import subprocess
 import sys
 import textwrap
 
+import torch
+
 
 from specserve.bench import gpu
 
@@ -56,3 +58,27 @@ def test_gpu_checks_run_every_check_on_a_cpu(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["check"] for r in rows] == list(gpu_checks.CHECKS)
     assert all(r["ok"] and r["greedy_same"] and r["sampled_same"] for r in rows)
+
+
+def test_paged_layout_pools_are_sized_by_the_batch(tmp_path):
+    """With --kv-block-size and no --kv-pool, each batch's engines get a pool of what admission
+    counts for that batch (every engine of a batch is alive at once, so a fixed large pool per
+    engine would not fit a GPU at 7B shapes), and the paged run stays lossless."""
+    from specserve.engine.admission import allocation
+
+    layout = gpu.Layout(kv_block_size=16)
+    sized = layout.for_batch(16, 256, 6)
+    assert sized.kv_pool == allocation([256 + 2 * 6 + 3] * 16, 16) == (1 + 16 * 17) * 16  # 272 positions: 17 blocks each
+    assert gpu.Layout(kv_block_size=16, kv_pool=999).for_batch(16, 256, 6).kv_pool == 999  # asked for: kept
+    assert gpu.Layout().for_batch(16, 256, 6).kv_pool is None  # dense: nothing to size
+    try:
+        layout.runner(gpu.random_llama("tiny-target", "cpu", torch.float32, 0, peaked=False))
+    except ValueError as e:
+        assert "unsized" in str(e)
+    else:
+        raise AssertionError("an unsized paged pool was accepted")
+    out = tmp_path / "paged.json"
+    assert gpu.main(["--tiny", "--sections", "random", "--alphas", "0.9", "--random-batches", "4",
+                     "--kv-block-size", "4", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert rows and all(r["identical"] for r in rows)

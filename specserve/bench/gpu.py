@@ -35,7 +35,7 @@ import json
 import platform
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -46,6 +46,7 @@ from specserve.bench.policy import Costs
 from specserve.bench.rows import SpeedAndAcceptance
 from specserve.engine.model_runner import CALIBRATION_SIZES, cache_kwarg
 from specserve.engine import RowInput, SamplingParams, SpeculativeEngine
+from specserve.engine.admission import allocation
 from specserve.engine.model_runner import ModelRunner
 from specserve.engine.planted import PlantedProposer
 from specserve.engine.proposers import DraftModelProposer
@@ -138,13 +139,28 @@ class Layout:
     execution: str = "auto"  # see ModelRunner
     attention: str = "auto"  # see ModelRunner
     kv_block_size: int | None = None  # None: the dense cache; else paged, one fixed pool of kv_pool positions
-    kv_pool: int = 16384
+    kv_pool: int | None = None  # None: what a batch needs (`for_batch`)
+
+    def for_batch(self, batch: int, positions: int, max_gamma: int) -> "Layout":
+        """This layout for `batch` requests of at most `positions` tokens each (prompt + new): a
+        pool left unsized holds exactly what admission counts for them, so that it never preempts,
+        and no more (every engine of a batch size is alive at once: at 7B shapes, a pool of 16k
+        positions per engine would not fit 13 engines in a GPU's memory)."""
+        if not self.kv_block_size or self.kv_pool is not None:
+            return self
+        need = allocation([positions + 2 * max_gamma + 3] * batch, self.kv_block_size)
+        return replace(self, kv_pool=need)
 
     def runner(self, model: torch.nn.Module) -> ModelRunner:
         runner = ModelRunner(model, execution=self.execution, attention=self.attention)
         if self.kv_block_size:
-            runner.page(self.kv_block_size, self.kv_pool // self.kv_block_size)
+            runner.page(self.kv_block_size, self.pool() // self.kv_block_size)
         return runner
+
+    def pool(self) -> int:
+        if self.kv_pool is None:
+            raise ValueError("a paged layout's pool is unsized: Layout.for_batch sizes it")
+        return self.kv_pool
 
 
 def build_engine(target: torch.nn.Module, proposer, gamma: int | None, max_gamma: int, batch: int,
@@ -155,7 +171,7 @@ def build_engine(target: torch.nn.Module, proposer, gamma: int | None, max_gamma
                                adaptive=gamma is None, proposer=proposer, eos_token_ids=[], max_batch_size=batch,
                                execution=layout.execution, attention=layout.attention,
                                kv_block_size=layout.kv_block_size,
-                               max_cached_tokens=layout.kv_pool if layout.kv_block_size else None)
+                               max_cached_tokens=layout.pool() if layout.kv_block_size else None)
     engine.capture_graphs(progress=False)
     if gamma is None:
         engine.calibrate(sizes=tuple(sorted({*CALIBRATION_SIZES, batch, batch * (max_gamma + 1)})))
@@ -234,13 +250,14 @@ ProposerFactory = Callable[[float | None, dict[str, list[int]]], object]
 
 def run_section(name: str, target, draft, make_proposer: ProposerFactory, prompt_sets: dict[int, list[list[int]]],
                 gammas: list[int], alphas: list[float | None], max_new: int, reps: int, device: str,
-                bar: tqdm, layout: Layout, repeats: int, anchors: bool) -> tuple[list[dict], dict, list[dict]]:
+                bar: tqdm, batch_layout: Layout, repeats: int, anchors: bool) -> tuple[list[dict], dict, list[dict]]:
     """For each batch size: γ=0 (the reference) and every α × (every γ, adaptive), all warmed and
     then timed interleaved; then, when `anchors`, the HF anchors on the same prompts (they need
     prompts of one length). -> table rows, costs, anchor rows."""
     rows, costs, anchor_rows = [], {}, []
     for batch, prompts in prompt_sets.items():
         ids = [f"{name}-b{batch}-{i}" for i in range(len(prompts))]
+        layout = batch_layout.for_batch(batch, max(map(len, prompts)) + max_new, max(gammas, default=0))
         bar.set_postfix_str(f"{name} b={batch} costs")
         cost = measure_costs(target, draft, batch, prompts[0], gammas, reps, layout)
         costs[batch] = cost
@@ -453,7 +470,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "positions (auto: mask; docs/engine.md)")
     p.add_argument("--kv-block-size", type=int, default=None,
                    help="a paged KV cache of blocks this size, one fixed pool per model (default: the dense cache)")
-    p.add_argument("--kv-pool", type=int, default=16384, help="with --kv-block-size: each pool's positions")
+    p.add_argument("--kv-pool", type=int, default=None, help="with --kv-block-size: each pool's positions "
+                   "(default: what the batch's requests need, admission's count)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench-results/gpu.json")
     args = p.parse_args(argv)
