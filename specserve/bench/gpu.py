@@ -31,6 +31,7 @@ This module imports torch, transformers and the engine only (no ray, fastapi or 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import statistics
@@ -284,6 +285,7 @@ def run_section(name: str, target, draft, make_proposer: ProposerFactory, prompt
                                   for c in configs if c.gamma is None and c.proposer is not None}
         for config in configs:
             del config.engine
+        release_memory(device)
         for row in rows[-len(configs):]:  # as they come: a run stopped later keeps these lines
             tqdm.write(f"{name} b={batch} α={row['alpha_target']} γ={row['gamma']}: {row['tokens_per_second']:.1f} tok/s, "
                        f"{row['speedup']:.3f}x, identical={row['identical']}")
@@ -540,7 +542,7 @@ def _main(args: argparse.Namespace) -> int:
             section_rows, costs["smollm2"], shapes["smollm2"] = _smollm2_section(args, pair, gammas, batches, bar)
             rows += section_rows
             del pair
-            _empty_cache(device)
+            release_memory(device)
     if "random" in sections:
         section_rows, costs["random"], shapes["random"], anchors = _random_section(
             args, gammas, alphas, random_batches, bar)
@@ -623,7 +625,10 @@ def _warm_up(model: torch.nn.Module, device: str) -> None:
     sync(device)
 
 
-def _empty_cache(device: str) -> None:
+def release_memory(device: str) -> None:
+    """Give back what dropped engines and models held (collected first: an object in a reference
+    cycle would otherwise keep its GPU memory until the collector's next full pass)."""
+    gc.collect()
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
 

@@ -29,7 +29,10 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 from specserve import prompts as prompt_sets
+from specserve.bench.gpu import release_memory
 from specserve.engine import SamplingParams, SpeculativeEngine
 
 
@@ -57,8 +60,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def load(tiny: bool, shapes: str | None = None, draft_shape: str = "tinyllama-1.1b"):
     """(target, draft, tokenizer)"""
     if shapes:
-        import torch
-
         from specserve.bench.gpu import random_llama
         from specserve.models.tiny import byte_tokenizer
 
@@ -136,8 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         result["mix"][name] = run(engine, mix, args.new)
         print(f"mix {name}: peak running {result['mix'][name]['peak_running']}, "
               f"{result['mix'][name]['tokens_per_s']:.1f} tok/s", flush=True)
-        del engine  # its cache (up to the whole budget) goes before the next one's is allocated
-        release_memory()
+        del engine  # its cache (a budget's worth: 34 GB at 7B shapes) goes before the next one's comes
+        release_memory("cuda" if torch.cuda.is_available() else "cpu")
     result["uniform"] = uniform_section(target, draft, args, uniform, layouts)
     result["prefix"] = prefix_section(target, draft, args, mix)
     same_mix = result["mix"]["dense"]["tokens"] == result["mix"]["paged"]["tokens"]
@@ -149,18 +150,6 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")
     return 0 if same_mix and same_uniform and result["prefix"]["same_tokens"] else 1
-
-
-def release_memory() -> None:
-    """Give back what dropped engines held (at 7B shapes a budget's cache is tens of GB: two at
-    once do not fit an 80 GB GPU beside the models)."""
-    import gc
-
-    import torch
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def attentions(args) -> list[str]:

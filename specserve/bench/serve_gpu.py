@@ -121,6 +121,8 @@ def engine_phase(args) -> dict:
         for _ in range(2):  # the first run is the warm-up (graphs, caches)
             ids = [f"run{next(runs)}-{i}" for i in range(len(chosen))]
             seqs, seconds = gpu.generate(engine, chosen, ids, batch, args.max_tokens, device)
+        del engine
+        gpu.release_memory(device)  # ten engines one after another: only one cache at a time
         return [list(s.output) for s in seqs], len(chosen) * args.max_tokens / seconds
 
     outputs, _ = timed(None, 0, max(args.levels))
