@@ -255,3 +255,34 @@ def test_flex_on_gpu_in_graphs_equals_target_only(paged):
     outs = engine.generate(prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     assert len(engine.verifier.runner.graphs) > 0
+
+
+def test_in_place_forwards_take_one_shape_whatever_the_context():
+    """Read in place, a decode forward's shapes (the key of its compiled or captured graph) are
+    the same at 10 positions and at 200, where the gathering path's K grows with the context."""
+    model = tiny_llama(0, layers=1)
+
+    def decode_keys(attention_mode):
+        runner = ModelRunner(model, execution="eager", attention=attention_mode)
+        runner.page(16, 40)
+        keys = []
+        real = runner.run
+
+        def spy(staged, *args, **kwargs):
+            keys.append(staged.static_key)
+            return real(staged, *args, **kwargs)
+        runner.run = spy
+        runner.forward([RowInput("a", 0, list(range(1, 10))), RowInput("b", 0, [4] * 190)], logits="none")
+        keys.clear()
+        for _ in range(2):
+            runner.forward([RowInput("a", runner.valid_length("a"), [5]), RowInput("b", runner.valid_length("b"), [6])],
+                           logits="last")
+        runner.free("b")
+        runner.forward([RowInput("a", runner.valid_length("a"), [5])], logits="last")
+        return keys
+
+    in_place = decode_keys("flex")
+    assert in_place[0] == in_place[1] and in_place[2][1:] == in_place[0][1:]  # (B' 2, then 1)
+    assert in_place[0][2] == 256  # K: whole tables, as many blocks as a row may hold (the 256-position model)
+    gathered = decode_keys("mask")
+    assert gathered[0][2] > gathered[2][2]  # without row b, the gathering path's K shrinks to row a's

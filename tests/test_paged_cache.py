@@ -331,3 +331,76 @@ def test_choices_of_one_prompt_prefilled_together_share_it():
     shared = len(SYSTEM) // 8 * 8
     assert [s.cached_tokens for s in seqs] == [0, shared, shared, 0]
     assert_pool_full(engine)
+
+
+def assert_device_tables_are_the_host_tables(cache) -> None:
+    """Each slot's device row holds its host table, scratch past it; the last row is all scratch."""
+    from specserve.engine.paged_cache import SCRATCH
+
+    tables = cache._device_tables
+    width = tables.shape[1]
+    for slot, table in enumerate(cache._tables):
+        assert tables[slot].tolist() == table + [SCRATCH] * (width - len(table)), slot
+    assert tables[-1].eq(SCRATCH).all()
+
+
+def test_the_device_tables_follow_the_host_tables_entry_by_entry():
+    """Blocks taken, copies on write, cached prefixes taken, slots freed and moved: after each
+    upload the device tables equal the host's, and an upload sends exactly the entries changed
+    (none when nothing changed)."""
+    import random
+
+    from specserve.engine.paged_cache import PagedKVCache
+
+    cpu = torch.device("cpu")
+    rng = random.Random(3)
+    cache = PagedKVCache(4, max_model_len=64, prefix_caching=True)
+    prompt = list(range(1, 14))
+    cache.place(0, len(prompt))
+    cache.register(0, 0, prompt)
+    assert cache.upload(cpu, 16) == 4  # 13 positions: 4 blocks
+    assert cache.upload(cpu, 16) == 0
+    assert_device_tables_are_the_host_tables(cache)
+    live = 1
+    for _ in range(300):
+        op = rng.choice(["grow", "grow", "share", "rewrite", "free", "new"])
+        slot = rng.randrange(live)
+        if op == "grow":
+            cache.place(slot, min(64, (len(cache._tables[slot]) + rng.randint(0, 2)) * 4))
+        elif op == "share" and not cache._tables[slot]:
+            cache.match(slot, 0, prompt)
+        elif op == "rewrite" and cache._tables[slot]:
+            cache.writable(slot, 0, 4)
+        elif op == "free" and live > 1:
+            cache.release(slot)
+            cache.move_slot(live - 1, slot)
+            live -= 1
+        elif op == "new" and live < 6:
+            cache.place(live, 4 * rng.randint(1, 3))
+            live += 1
+        before = cache._device_tables.clone()
+        sent = cache.upload(cpu, 4)
+        assert_device_tables_are_the_host_tables(cache)
+        if before.shape == cache._device_tables.shape:
+            assert sent >= int((before != cache._device_tables).sum())
+    assert cache.upload(cpu, 4) == 0
+
+
+def test_decode_steps_send_no_tables_but_where_a_block_is_taken():
+    """A request decoding one token a step sends its table entries once each: one entry on the
+    step that takes a block, nothing on the others."""
+    runner = ModelRunner(target(), execution="eager")
+    runner.page(8, 64)
+    sent = []
+    real = type(runner.cache).upload
+
+    def spy(cache, device, key_length):
+        sent.append(real(cache, device, key_length))
+        return sent[-1]
+    runner.cache.upload = spy.__get__(runner.cache)
+    runner.forward([RowInput("a", 0, [3, 4, 5])], logits="none")
+    for i in range(3, 40):
+        runner.forward([RowInput("a", i, [7])], logits="last")
+    table = runner.cache._tables[runner._slot_of["a"]]
+    assert sum(sent) == len(table) == 6  # 40 positions and the padding one after: 41 -> 6 blocks of 8
+    assert sorted(sent, reverse=True)[: len(table) - 1] == [1] * (len(table) - 1) and sent.count(0) >= 30

@@ -10,8 +10,9 @@ A forward is two halves (docs/architecture.md §7):
 
 - `stage` (host): slots, the row order, the shape bucket, and ONE host-to-device copy of a small
   int64 block [B', Q + 6] into a static buffer allocated once per (B', Q): token ids, start,
-  write slot, read slot, last real token, and the two row permutations (and, with a paged cache,
-  each row's block table: engine/paged_cache.py).
+  write slot, read slot, last real token, and the two row permutations. A paged cache's block
+  tables are not in it: they live on the device, and only the entries that changed travel
+  (engine/paged_cache.py, `upload`), a second small copy on the steps that change any.
 - `_compute` (device only): positions, the mask, the model, the logits. It reads nothing back to
   the host, so it can run eagerly, under `torch.compile(fullgraph=True, dynamic=False)`, or be
   captured as a CUDA graph and replayed (`execution`).
@@ -176,7 +177,7 @@ class Staged:
     key_length: int  # K
     gather: bool  # rows are not slots 0..B-1: gather their keys
     tokens: int  # real tokens in the forward
-    block: torch.Tensor  # [B', Q + 6 (+ K / bs block-table entries, paged)] int64 on the device: a static buffer
+    block: torch.Tensor  # [B', Q + 6] int64 on the device: a static buffer
 
     @property
     def rows(self) -> int:
@@ -499,24 +500,23 @@ class ModelRunner:
         num_slots = max(padded, len(self._slot_owner))
         self._fit(num_slots, needed)
         key_length = self.cache.reserve(num_slots, needed)
-        tables = None
         if self.paged:  # each row's blocks up to its padding position and later single-token forwards
             for r, n, slot in zip(rows, lengths, slots):
                 end = min(r.start + n + 1 + extra_positions, key_length)
                 self.cache.place(slot, end)
                 self.cache.writable(slot, r.start, end)
-            tables = self.cache.table_rows([slots[b] for b in order] + [-1] * (padded - len(rows)),
-                                           key_length // self.cache.block_size)  # [B'][K / bs] sorted order
-        host = self._host_block(rows, slots, order, padded, width, tail_width, tables)
-        block = self._block(padded, host.shape[1] - _COLUMNS, width)
+            self.cache.upload(self.device, key_length)
+            if self._reads_in_place(width):
+                key_length = self.cache.whole_length()
+        host = self._host_block(rows, slots, order, padded, width, tail_width)
+        block = self._block(padded, width)
         block.copy_(host, non_blocking=True)
         ends = [r.start + n for r, n in zip(rows, lengths)]
         return Staged([r.request_id for r in rows], ends, order, padded, width, key_length, gather,
                       sum(lengths), block)
 
-    def _host_block(self, rows, slots, order, padded, width, tail_width, tables=None) -> torch.Tensor:
-        """[B', Q + 6 (+ K / bs table entries)] int64 on the host (pinned on CUDA), sorted order,
-        padding rows last."""
+    def _host_block(self, rows, slots, order, padded, width, tail_width) -> torch.Tensor:
+        """[B', Q + 6] int64 on the host (pinned on CUDA), sorted order, padding rows last."""
         scratch = self.cache.scratch_slot
         caller_to_sorted = [0] * padded
         block = []
@@ -530,19 +530,17 @@ class ModelRunner:
             block.append([0] * width + [0, scratch, i, 0, 0, 0])
         for i in range(padded):
             block[i][width + 4] = caller_to_sorted[i]
-            if tables is not None:
-                block[i] += tables[i]
         host = torch.tensor(block, dtype=torch.long)
         # Pinned through torch's caching host allocator, which reuses a block only once the copy
         # that read it has finished: the copy below can then run asynchronously.
         return host.pin_memory() if self.device.type == "cuda" else host
 
-    def _block(self, padded: int, columns: int, width: int) -> torch.Tensor:
-        """The static device block for (B', Q) [B', columns + 6], allocated once (graphs read it
-        at fixed addresses): columns = Q, plus a paged cache's K / bs table entries."""
-        key = (padded, columns, width)
+    def _block(self, padded: int, width: int) -> torch.Tensor:
+        """The static device block for (B', Q) [B', Q + 6], allocated once (graphs read it at fixed
+        addresses)."""
+        key = (padded, width)
         if key not in self._blocks:
-            self._blocks[key] = torch.zeros(padded, columns + _COLUMNS, dtype=torch.long, device=self.device)
+            self._blocks[key] = torch.zeros(padded, width + _COLUMNS, dtype=torch.long, device=self.device)
         return self._blocks[key]
 
     def advance(self, staged: Staged, tokens: torch.Tensor) -> Staged:
@@ -557,15 +555,13 @@ class ModelRunner:
         block[:, 2:4] = staged.block[:, q + 1 : q + 3]
         block[:, 4] = 0
         block[:, 5:7] = staged.block[:, q + 4 : q + 6]
-        block[:, 7:] = staged.block[:, q + 6 :]  # a paged cache's block tables
         ends = [e + 1 for e in staged.ends]
         return Staged(staged.request_ids, ends, staged.order, staged.padded, 1, staged.key_length, staged.gather,
                       staged.rows, block)
 
     def advance_block(self, staged: Staged) -> torch.Tensor:
-        """The static block `advance` writes: [B', 1 + 6 (+ table entries)]."""
-        entries = staged.block.shape[1] - staged.width - _COLUMNS
-        return self._block(staged.padded, 1 + entries, 1)
+        """The static block `advance` writes: [B', 1 + 6]."""
+        return self._block(staged.padded, 1)
 
     def run(self, staged: Staged, logits: str = "last", prefill: bool = False) -> torch.Tensor | None:
         """Device half of a forward, timed: logits in sorted order ([B', V'] or [B', Q, V']) or None."""
@@ -631,7 +627,8 @@ class ModelRunner:
             # Real tokens stay below max_model_len - 1 (the caller's invariant); padding and
             # unused drafts past that all land on the last position, which nothing real attends.
             positions = positions.clamp(max=self.max_model_len - 1)
-        tables = block[:, width + _COLUMNS :] if self.paged else None  # [B', K / bs]
+        # a paged cache's rows' block tables [B', K / bs] (read in place: whole, K the pool's)
+        tables = self.cache.tables_of(write_slots, key_length // self.cache.block_size) if self.paged else None
         in_place = self._reads_in_place(width)
         self.cache.bind(write_slots, positions, read_slots if gather else None, tables, in_place)
         if in_place:

@@ -9,13 +9,19 @@ takes blocks as its positions need them (`place`, on the host, before a forward)
 back when its request is freed; a rollback past a block boundary keeps the blocks it has (the next
 forward overwrites them, as the dense cache does).
 
-A forward reads each row's keys through its table: the staged block carries the rows' tables
-`[B', K / bs]` (K the key length, a multiple of bs), `bind` turns them into flat write indices
-`[B', Q]` once per forward, and `update` writes through those and gathers the tables' blocks
-whole (bs positions per index) in every layer (device ops on fixed shapes: compiled or captured
-like the dense forward).
+The tables live on the device too: one static tensor `[S + 1, M]` (a row per slot, M entries:
+the most blocks a request may hold; its last row is all scratch, for padding rows), kept in step
+with the host's lists by `upload` before a forward, which sends only the entries that changed
+since the last one (a block taken every bs tokens, a copy on write, a slot freed or moved), as one
+small copy, and nothing at all on most steps. A forward looks its rows' tables up by slot
+(`tables_of`, a device gather): `[B', K / bs]` (K the key length, a multiple of bs); `bind` turns
+them into flat write indices `[B', Q]`, and `update` writes through those and gathers the tables'
+blocks whole (bs positions per index) in every layer (device ops on fixed shapes: compiled or
+captured like the dense forward).
 Bound `in_place`, `update` writes and returns the whole pool instead, `[1, H, N * bs, D]`, for an
-attention that reads it through the tables itself (attention.pool_block_mask): no gather.
+attention that reads it through the tables itself (attention.pool_block_mask): no gather. Such a
+forward takes the tables whole (`[B', M]`) and its K is the pool's: shapes that no context length
+changes, so one captured graph per batch bucket and width serves every length.
 With a pool sized once (`num_blocks`: the server's budget), storage never moves, so captured
 graphs stay valid; without one the pool doubles when full (its `generation` bumps, as the dense
 cache's growth does).
@@ -41,6 +47,7 @@ import torch
 from .kv_cache import CAPACITY_STEP, key_length_for
 
 SCRATCH = 0  # the scratch block
+TABLE_ROWS = 64  # slots the device tables first hold (doubled when more are live)
 
 
 def blocks_for(positions: int, block_size: int) -> int:
@@ -67,6 +74,9 @@ class PagedKVCache:
             raise ValueError("a paged cache needs at least 2 blocks (one is scratch)")
         self._free = list(range(self._num_blocks - 1, 0, -1))  # a stack: the lowest id on top
         self._tables: list[list[int]] = []  # slot -> its blocks
+        self._device_tables: torch.Tensor | None = None  # [S + 1, M] the tables on the device (`upload`)
+        self._uploaded: list[int] = []  # slot -> entries its device row holds (scratch past them)
+        self._changed: dict[int, int] = {}  # slot -> its first entry changed since the last upload
         self.prefix_caching = prefix_caching
         self._refs = [0] * self._num_blocks  # block -> tables holding it
         self._index: dict[int, int] = {}  # prefix hash -> the block that ends it
@@ -117,18 +127,12 @@ class PagedKVCache:
             self._tables.append([])
             self._chains.append([])
             self._tails.append([])
+            self._uploaded.append(0)
         table = self._tables[slot]
         missing = blocks_for(positions, self.block_size) - len(table)
         if missing > 0:
+            self._change(slot, len(table))
             table.extend(self._take(missing))
-
-    def table_rows(self, slots: list[int], num_entries: int) -> list[list[int]]:
-        """Each slot's table as `num_entries` block ids (scratch past its end; slot -1: all scratch)."""
-        rows = []
-        for slot in slots:
-            table = self._tables[slot][:num_entries] if 0 <= slot < len(self._tables) else []
-            rows.append(table + [SCRATCH] * (num_entries - len(table)))
-        return rows
 
     def release(self, slot: int) -> None:
         """The slot's request is gone: its blocks go back to the pool (registered ones stay cached)."""
@@ -136,6 +140,7 @@ class PagedKVCache:
             for block in reversed(self._tables[slot]):
                 self._drop(block)
             self._tables[slot], self._chains[slot], self._tails[slot] = [], [], []
+            self._change(slot, 0)
 
     def move_slot(self, src: int, dst: int) -> None:
         """Slot src's cache becomes slot dst's (dst released first; nothing is copied)."""
@@ -143,6 +148,8 @@ class PagedKVCache:
         self.place(dst, 0)
         for store in (self._tables, self._chains, self._tails):
             store[dst], store[src] = store[src], []
+        self._change(dst, 0)
+        self._change(src, 0)
 
     # -- prefix sharing ---------------------------------------------------------------------
     def match(self, slot: int, start: int, tokens: list[int]) -> int:
@@ -166,6 +173,7 @@ class PagedKVCache:
             self._hold(block)
             if tail:  # the block the last prefill began: the cached one replaces the private copy
                 self._drop(table.pop())
+            self._change(slot, len(table))
             table.append(block)
             chain.append(hash(content))
             taken += size - len(tail)
@@ -202,6 +210,7 @@ class PagedKVCache:
                 (fresh,) = self._take(1)
                 self._copy_block(block, fresh)
                 table[i] = fresh
+                self._change(slot, i)
                 self._drop(block)
         if first < len(self._chains[slot]):  # its registered prefix ends before the rewritten block
             del self._chains[slot][first:]
@@ -252,6 +261,46 @@ class PagedKVCache:
         self._read = None if in_place else tables
         self._on_device = {}
 
+    def upload(self, device: torch.device, key_length: int) -> int:
+        """Before a forward (host), after its `place`s: the device tables catch up with the host's
+        lists, holding at least `key_length` positions per slot. Only the entries changed since the
+        last upload travel, in one copy (none when nothing changed). More slots or a wider table
+        than the tensor holds reallocate it (captured graphs read its address: `generation`).
+        -> entries sent."""
+        self._fit_tables(device, blocks_for(key_length, self.block_size))
+        if not self._changed:
+            return 0
+        slots, entries, ids = [], [], []
+        for slot, first in self._changed.items():
+            table, end = self._tables[slot], max(len(self._tables[slot]), self._uploaded[slot])
+            if end > first:
+                slots += [slot] * (end - first)
+                entries += range(first, end)
+                ids += table[first:end] + [SCRATCH] * (end - max(first, len(table)))
+            self._uploaded[slot] = len(table)
+        self._changed = {}
+        if not slots:
+            return 0
+        host = torch.tensor([slots, entries, ids], dtype=torch.long)  # [3, changes]
+        # pinned through torch's caching host allocator: reused only once this copy has read it
+        changes = (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
+        self._device_tables[changes[0], changes[1]] = changes[2]
+        return len(slots)
+
+    def whole_length(self) -> int:
+        """K of a forward that reads the pool in place: its tables taken whole (at most the pool's
+        blocks, all a row could hold), the same for every context length. It becomes the forward's
+        key length (`get_seq_length`)."""
+        self._view_length = min(self._device_tables.shape[1], self._num_blocks) * self.block_size
+        return self._view_length
+
+    def tables_of(self, slots: torch.Tensor, entries: int) -> torch.Tensor:
+        """Inside a forward (device): slots [B'] (-1: a padding row, all scratch) -> their first
+        `entries` table entries [B', entries] (scratch past each table's end)."""
+        table = self._device_tables
+        rows = torch.where(slots < 0, slots + table.shape[0], slots)  # -1: the last row, scratch
+        return table.index_select(0, rows)[:, :entries]
+
     # -- accounting -------------------------------------------------------------------------
     def allocated(self) -> tuple[int, int]:
         """(blocks in use, scratch included; positions they hold): cached blocks nobody holds count
@@ -281,6 +330,29 @@ class PagedKVCache:
         return sum(t.numel() * t.element_size() for t in self._keys + self._values if t is not None)
 
     # -- internals --------------------------------------------------------------------------
+    def _change(self, slot: int, first: int) -> None:
+        """Entries from `first` on of slot's table changed: the next upload sends them."""
+        self._changed[slot] = min(first, self._changed.get(slot, first))
+
+    def _fit_tables(self, device: torch.device, entries: int) -> None:
+        """The device tables, allocated or grown to every slot plus the scratch row and at least
+        `entries` per slot (with a model length, M = its blocks from the start)."""
+        table = self._device_tables
+        rows = len(self._tables) + 1
+        width = max(entries, max(map(len, self._tables), default=0),
+                    blocks_for(self.max_model_len, self.block_size) if self.max_model_len else 1)
+        if table is not None and table.device == device and table.shape[0] >= rows and table.shape[1] >= width:
+            return
+        if table is not None and table.device == device:  # grown by doubling what must grow
+            old_rows, old_width = table.shape
+            rows = old_rows if rows <= old_rows else max(rows, 2 * old_rows)
+            width = old_width if width <= old_width else max(width, 2 * old_width)
+        grown = torch.full((max(rows, TABLE_ROWS), width), SCRATCH, dtype=torch.long, device=device)
+        if table is not None:
+            kept = min(table.shape[0] - 1, grown.shape[0] - 1)  # (not the old scratch row)
+            grown[:kept, : table.shape[1]] = table[:kept].to(device)
+        self._device_tables = grown
+        self.generation += 1
     def _take(self, count: int) -> list[int]:
         """count fresh blocks (referenced once): free ones, then the least recently used cached ones."""
         while count > len(self._free) and self._cached:
