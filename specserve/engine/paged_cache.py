@@ -353,6 +353,7 @@ class PagedKVCache:
             grown[:kept, : table.shape[1]] = table[:kept].to(device)
         self._device_tables = grown
         self.generation += 1
+
     def _take(self, count: int) -> list[int]:
         """count fresh blocks (referenced once): free ones, then the least recently used cached ones."""
         while count > len(self._free) and self._cached:
