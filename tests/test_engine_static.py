@@ -203,3 +203,31 @@ def test_an_eager_forward_attends_over_its_rows_not_the_growth_step(paged):
         # 300 tokens, their padding position just past them: 301 positions
         staged = runner.stage([RowInput("a", 0, list(range(1, 301)))])
         assert staged.key_length == expected, execution
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("attention", ["flex", "mask"])
+def test_graphs_over_a_pool_read_in_place_are_captured_once_for_every_length(attention):
+    """A fixed paged pool in graph mode (emulated): read in place (flex), the graphs captured at
+    start-up serve rows from a few tokens to past 300 without one more capture, and the tokens are
+    the target's; the gathering path (mask) captures again as its key length grows."""
+    from specserve.models.tiny import tiny_llama as byte_llama
+
+    target = byte_llama(0, layers=2, max_position_embeddings=1024)
+    draft = byte_llama(0, layers=2, max_position_embeddings=1024, noise=0.3)
+    prompts = [[(5 * i) % 250 + 1 for i in range(290)], [7, 8, 9]]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    engine = SpeculativeEngine(target, draft, num_speculative_tokens=3, adaptive=False, max_batch_size=2,
+                               execution="eager", attention=attention, kv_block_size=16, max_cached_tokens=1024)
+    runners = (engine.verifier.runner, engine.proposer.runner)
+    for runner in runners:
+        emulate_graphs(runner)
+    engine.capture_graphs(progress=False)
+    captured = [len(r.graphs) for r in runners]
+    outs = engine.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [hf_greedy(target, p, 24) for p in prompts]
+    assert sum(o.metrics.num_accepted_tokens for o in outs) > 0
+    if attention == "flex":
+        assert [len(r.graphs) for r in runners] == captured
+    else:
+        assert [len(r.graphs) for r in runners] > captured
