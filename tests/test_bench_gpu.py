@@ -69,6 +69,8 @@ def test_paged_layout_pools_are_sized_by_the_batch(tmp_path):
     layout = gpu.Layout(kv_block_size=16)
     sized = layout.for_batch(16, 256, 6)
     assert sized.kv_pool == allocation([256 + 2 * 6 + 3] * 16, 16) == (1 + 16 * 17) * 16  # 272 positions: 17 blocks each
+    # at batch 1 an adaptive engine's calibration row (16 + 64 + 1 positions) needs more than the request
+    assert layout.for_batch(1, 24, 2).kv_pool == allocation([gpu.calibration_row(1, 2)], 16) == (1 + 6) * 16
     assert gpu.Layout(kv_block_size=16, kv_pool=999).for_batch(16, 256, 6).kv_pool == 999  # asked for: kept
     assert gpu.Layout().for_batch(16, 256, 6).kv_pool is None  # dense: nothing to size
     try:
@@ -78,7 +80,7 @@ def test_paged_layout_pools_are_sized_by_the_batch(tmp_path):
     else:
         raise AssertionError("an unsized paged pool was accepted")
     out = tmp_path / "paged.json"
-    assert gpu.main(["--tiny", "--sections", "random", "--alphas", "0.9", "--random-batches", "4",
+    assert gpu.main(["--tiny", "--sections", "random", "--alphas", "0.9", "--random-batches", "1,4",
                      "--kv-block-size", "4", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert rows and all(r["identical"] for r in rows)

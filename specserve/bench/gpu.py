@@ -45,7 +45,7 @@ from tqdm import tqdm
 
 from specserve.bench.policy import Costs
 from specserve.bench.rows import SpeedAndAcceptance
-from specserve.engine.model_runner import CALIBRATION_SIZES, cache_kwarg
+from specserve.engine.model_runner import CALIBRATION_CONTEXT, CALIBRATION_SIZES, cache_kwarg
 from specserve.engine import RowInput, SamplingParams, SpeculativeEngine
 from specserve.engine.admission import allocation
 from specserve.engine.model_runner import ModelRunner
@@ -144,13 +144,16 @@ class Layout:
 
     def for_batch(self, batch: int, positions: int, max_gamma: int) -> "Layout":
         """This layout for `batch` requests of at most `positions` tokens each (prompt + new): a
-        pool left unsized holds exactly what admission counts for them, so that it never preempts,
-        and no more (every engine of a batch size is alive at once: at 7B shapes, a pool of 16k
-        positions per engine would not fit 13 engines in a GPU's memory)."""
+        pool left unsized holds what admission counts for them (so that it never preempts) or
+        what an adaptive engine's calibration forwards need (one row of up to `calibration_row`
+        positions), whichever is more, and no more: every engine of a batch size is alive at
+        once, and at 7B shapes a pool of 16k positions per engine would not fit 13 of them in a
+        GPU's memory."""
         if not self.kv_block_size or self.kv_pool is not None:
             return self
-        need = allocation([positions + 2 * max_gamma + 3] * batch, self.kv_block_size)
-        return replace(self, kv_pool=need)
+        requests = allocation([positions + 2 * max_gamma + 3] * batch, self.kv_block_size)
+        calibration = allocation([calibration_row(batch, max_gamma)], self.kv_block_size)
+        return replace(self, kv_pool=max(requests, calibration))
 
     def runner(self, model: torch.nn.Module) -> ModelRunner:
         runner = ModelRunner(model, execution=self.execution, attention=self.attention)
@@ -164,6 +167,17 @@ class Layout:
         return self.kv_pool
 
 
+def calibration_sizes(batch: int, max_gamma: int) -> tuple[int, ...]:
+    """The forward sizes (tokens) an adaptive engine of this batch and γ is calibrated at."""
+    return tuple(sorted({*CALIBRATION_SIZES, batch, batch * (max_gamma + 1)}))
+
+
+def calibration_row(batch: int, max_gamma: int) -> int:
+    """Positions the longest calibration forward's one row holds (`ModelRunner.time_forwards`:
+    its context, the forward's tokens, a padding position)."""
+    return CALIBRATION_CONTEXT + max(calibration_sizes(batch, max_gamma)) + 1
+
+
 def build_engine(target: torch.nn.Module, proposer, gamma: int | None, max_gamma: int, batch: int,
                  layout: Layout = Layout()) -> SpeculativeEngine:
     """One configuration's engine, built once and reused by its warm-up and every timed repeat (so
@@ -175,7 +189,7 @@ def build_engine(target: torch.nn.Module, proposer, gamma: int | None, max_gamma
                                max_cached_tokens=layout.pool() if layout.kv_block_size else None)
     engine.capture_graphs(progress=False)
     if gamma is None:
-        engine.calibrate(sizes=tuple(sorted({*CALIBRATION_SIZES, batch, batch * (max_gamma + 1)})))
+        engine.calibrate(sizes=calibration_sizes(batch, max_gamma))
     return engine
 
 

@@ -201,6 +201,7 @@ class Staged:
 
 
 CALIBRATION_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 64)
+CALIBRATION_CONTEXT = 16  # tokens before each calibration forward
 
 
 class ModelRunner:
@@ -744,7 +745,7 @@ class ModelRunner:
     def time_forwards(self, sizes: tuple[int, ...] = CALIBRATION_SIZES) -> list[ForwardTiming]:
         """One forward of each size (tokens) after a short context, twice, keeping the faster:
         seeds a cost model. Sizes 1..8 cover the verify widths where a CPU's cost jumps most."""
-        context = [0] * 16
+        context = [0] * CALIBRATION_CONTEXT
         timings = []
         for n in sizes:
             best = float("inf")
