@@ -672,7 +672,7 @@ class FeatureDrafterProposer(DraftModelProposer):
             for name in ("temperature", "top_k", "top_p"):
                 buffers[name].copy_(getattr(sampling, name))
             buffers["uniforms"].copy_(uniforms)
-        buffers["real"].copy_(torch.arange(staged.padded, device=runner.device) < staged.rows)
+        buffers["real"].copy_(staged.real)
         static = BatchSampling(buffers["temperature"], buffers["top_k"], buffers["top_p"])
         key = ("head", *staged.static_key, num_tokens, flags, runner.cache.generation)
         written = (staged.block, runner.advance_block(staged))  # the loop writes the single-token block
@@ -721,7 +721,7 @@ class FeatureDrafterProposer(DraftModelProposer):
         if not captured:
             runner.record(staged.tokens, began)
             began = runner.clock()
-        real = inputs["real"] if captured else torch.arange(staged.padded, device=index.device) < staged.rows
+        real = inputs["real"] if captured else staged.real
         confidence = _Confidence(self.min_confidence, real, num_tokens)
         stops = not captured and (masks is not None or self.host_stop)
         out, qs = [], []

@@ -184,6 +184,10 @@ class Staged:
         return len(self.request_ids)
 
     @property
+    def real(self) -> torch.Tensor:  # [B'] bool on the device: the real rows (padding rows last)
+        return torch.arange(self.padded, device=self.block.device) < self.rows
+
+    @property
     def ids(self) -> torch.Tensor:  # [B', Q]
         return self.block[:, : self.width]
 
