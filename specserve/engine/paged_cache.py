@@ -336,10 +336,11 @@ class PagedKVCache:
 
     def _fit_tables(self, device: torch.device, entries: int) -> None:
         """The device tables, allocated or grown to every slot plus the scratch row and at least
-        `entries` per slot (with a model length, M = its blocks from the start)."""
+        `entries` per slot (with a model length, M = its blocks from the start). Only tables
+        changed since the last upload can have outgrown the tensor: the others are in it."""
         table = self._device_tables
         rows = len(self._tables) + 1
-        width = max(entries, max(map(len, self._tables), default=0),
+        width = max(entries, max((len(self._tables[slot]) for slot in self._changed), default=0),
                     blocks_for(self.max_model_len, self.block_size) if self.max_model_len else 1)
         if table is not None and table.device == device and table.shape[0] >= rows and table.shape[1] >= width:
             return
