@@ -199,8 +199,10 @@ class PlantedAcceptance(_Strict):
 class SpeculationConfig(_Strict):
     num_speculative_tokens: int = Field(4, ge=0, le=16)  # γ, the most drafts per row and step
     adaptive: bool = True  # choose γ <= num_speculative_tokens from live measurements
-    # How workers run their fixed-shape forwards: CUDA graphs on a GPU ("auto"), or always eager.
-    execution: Literal["auto", "eager", "graph"] = "auto"
+    # How workers run their fixed-shape forwards: CUDA graphs on a GPU ("auto"), or always eager;
+    # "fused-graph": CUDA graphs of the models with their decoder layers compiled first (fewer,
+    # fused kernels; a few seconds of compiling at start-up; docs/engine.md).
+    execution: Literal["auto", "eager", "graph", "fused-graph"] = "auto"
     # Draft block k+1 on the draft worker while the target verifies block k (specserve.serve.pipeline);
     # needs a separate draft model (draft:). Outputs are unchanged; off by default.
     pipelined: bool = False

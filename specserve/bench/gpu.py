@@ -479,8 +479,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=None, help="repetitions per cost measurement (default 10)")
     p.add_argument("--repeats", type=int, default=None, help="timed rounds per configuration, median kept "
                    "(default 3; tiny 2)")
-    p.add_argument("--execution", default="auto", choices=["auto", "eager", "compile", "graph"],
-                   help="how the engine runs its fixed-shape forwards (auto: CUDA graphs on a GPU)")
+    p.add_argument("--execution", default="auto", choices=["auto", "eager", "compile", "graph", "fused-graph"],
+                   help="how the engine runs its fixed-shape forwards (auto: CUDA graphs on a GPU; fused-graph: "
+                        "of decoder layers compiled first, engine/fusion.py)")
     p.add_argument("--attention", default="auto", choices=["auto", "mask", "flex"],
                    help="how every model attends: under a materialised mask, or FlexAttention under the rows' "
                         "positions (auto: mask; docs/engine.md)")

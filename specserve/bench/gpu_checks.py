@@ -10,11 +10,14 @@ configurations are the ones whose graph capture has run on a CPU only under emul
 - draft model (planted, α 0.7), masked attention: the long-standing graph path, as a control;
 - draft model, FlexAttention over the dense cache;
 - draft model, FlexAttention reading a fixed paged pool in place (attention.pool_block_mask);
-- the feature head: the tapped target's verify forwards and the head's whole draft loop as graphs.
+- the feature head: the tapped target's verify forwards and the head's whole draft loop as graphs;
+- draft model and feature head again with fused blocks (`execution="fused-graph"`,
+  engine/fusion.py: the decoder layers compiled, then captured).
 
 Greedy rows must equal the target alone (masked, dense, eager; the target's greedy choices are
 made robust to kernel noise, `peaked`); seeded sampled rows must equal the same configuration run
-eagerly. Prints a table and writes JSON; exits 1 when a check fails. Imports torch, transformers
+eagerly (fused checks: eagerly with the same fused blocks, whose roundings differ from the plain
+model's). Prints a table and writes JSON; exits 1 when a check fails. Imports torch, transformers
 and the engine only (no ray, fastapi or pydantic), like `bench gpu`.
 """
 from __future__ import annotations
@@ -33,7 +36,8 @@ from specserve.engine.feature_drafter import FeatureDrafterProposer
 from specserve.engine.planted import PlantedProposer
 
 PROMPTS = [[5, 9, 2, 7], [7] * 19, [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [8, 8], [11, 12, 13, 14, 15, 16]]
-CHECKS = ("draft, mask", "draft, flex", "draft, flex, paged in place", "feature head")
+CHECKS = ("draft, mask", "draft, flex", "draft, flex, paged in place", "feature head", "draft, mask, fused",
+          "feature head, fused")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -43,11 +47,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=Path("bench-results/gpu-checks.json"))
 
 
-def engine_for(check: str, target, draft, execution: str, references) -> SpeculativeEngine:
-    """One check's engine (float32 tiny shapes: its own graphs, captured as met)."""
+def engine_for(check: str, target, draft, graphs: bool, references) -> SpeculativeEngine:
+    """One check's engine (float32 tiny shapes: its own graphs, captured as met); without graphs,
+    the eager engine it is compared with (on a GPU a fused check's is fused too)."""
     vocab = target.get_output_embeddings().weight.shape[0]
     flex = "flex" in check
-    if check == "feature head":
+    fused = "fused" in check and target.device.type == "cuda"
+    execution = ("fused-graph" if fused else "graph") if graphs else "eager"
+    if check.startswith("feature head"):
         from specserve.distill.train import init_head
 
         weight = target.get_input_embeddings().weight
@@ -58,9 +65,13 @@ def engine_for(check: str, target, draft, execution: str, references) -> Specula
         proposer = PlantedProposer(draft, vocab, 0.7, references, seed=1, execution=execution,
                                    attention="flex" if flex else "mask")
     paged = "paged" in check
-    return SpeculativeEngine(target, proposer=proposer, num_speculative_tokens=3, adaptive=False,
-                             execution=execution, attention="flex" if flex else "mask",
-                             kv_block_size=16 if paged else None, max_cached_tokens=4096 if paged else None)
+    engine = SpeculativeEngine(target, proposer=proposer, num_speculative_tokens=3, adaptive=False,
+                               execution=execution, attention="flex" if flex else "mask",
+                               kv_block_size=16 if paged else None, max_cached_tokens=4096 if paged else None)
+    if fused and execution == "eager":  # the reference of a fused check: its fused blocks, run eagerly
+        for runner in (engine.verifier.runner, engine.proposer.runner):
+            runner.fuse()
+    return engine
 
 
 def tokens(engine: SpeculativeEngine, params: SamplingParams) -> list[list[int]]:
@@ -74,10 +85,10 @@ def run_check(check: str, target, draft, graphs: bool, alone: list[list[int]], m
     began = time.perf_counter()
     row = {"check": check}
     try:
-        engine = engine_for(check, target, draft, "graph" if graphs else "eager", references)
+        engine = engine_for(check, target, draft, graphs, references)
         row["greedy_same"] = tokens(engine, greedy) == alone
         got = tokens(engine, sampled)
-        row["sampled_same"] = got == tokens(engine_for(check, target, draft, "eager", references), sampled)
+        row["sampled_same"] = got == tokens(engine_for(check, target, draft, False, references), sampled)
         runners = [engine.verifier.runner, engine.proposer.runner]
         row["graphs"] = sum(len(r.graphs) for r in runners if r.graphs is not None)
         row["ok"] = row["greedy_same"] and row["sampled_same"] and (row["graphs"] > 0 or not graphs)

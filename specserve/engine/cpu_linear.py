@@ -126,6 +126,11 @@ def install(model: torch.nn.Module, choices: dict[tuple[int, int], tuple[str, ..
     return choices
 
 
+def installed(model: torch.nn.Module) -> bool:
+    """Whether some linear of `model` is routed through `_Dispatch` (by an eager CPU runner)."""
+    return any(isinstance(m.__dict__.get("forward"), _Dispatch) for m in model.modules())
+
+
 @contextmanager
 def selected(enabled: bool):
     """Within the block, installed linears use their chosen kernels."""

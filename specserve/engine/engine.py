@@ -64,9 +64,10 @@ class SpeculativeEngine:
         """What drafts, at most one of: draft_model, a separate draft model (shorthand for
         drafter=DraftModelSpec(draft_model)); drafter, any drafter spec (layer skip, prompt
         lookup, ...); proposer, a ready-made Proposer. execution: how the target and a draft
-        model run their fixed-shape forwards, "eager", "compile", "graph" (CUDA graphs) or
-        "auto" (graph on one CUDA device, else eager); see ModelRunner. attention: how they attend,
-        "mask", "flex" (FlexAttention, no materialised mask) or "auto" (mask); see ModelRunner.
+        model run their fixed-shape forwards, "eager", "compile", "graph" (CUDA graphs),
+        "fused-graph" (CUDA graphs of the models' layers compiled first) or "auto" (graph on one
+        CUDA device, else eager); see ModelRunner. attention: how they attend, "mask", "flex"
+        (FlexAttention, no materialised mask) or "auto" (mask); see ModelRunner.
         prefill_chunk_tokens: the most prompt tokens each model prefills per step, in a forward
         beside the step (chunked prefill; see `prefill_rows`); None or 0: a new prompt is prefilled
         whole inside its first step.

@@ -28,12 +28,14 @@ import inspect
 import os
 import time
 from collections.abc import Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 import torch
 
 from . import attention, cpu_linear
+from .fusion import BlockFusion, repeated_blocks
 from .kv_cache import CAPACITY_STEP, SlotKVCache, capacity_for
 from .paged_cache import SCRATCH, PagedKVCache
 
@@ -41,7 +43,7 @@ from .paged_cache import SCRATCH, PagedKVCache
 # on a GPU, so a padded row costs next to nothing, and few shapes keep few graphs), then steps of 8
 # (at most 7 wasted rows; tensor-core tiles are multiples of 8), as vLLM's CUDA-graph capture sizes.
 BATCH_BUCKETS = (1, 2, 4, *range(8, 257, 8))
-EXECUTION_MODES = ("auto", "eager", "compile", "graph")
+EXECUTION_MODES = ("auto", "eager", "compile", "graph", "fused-graph")
 ATTENTION_MODES = ("auto", "mask", "flex")
 # a forward's fixed cost beyond reading its weights (host work, launches), as a share of their bytes:
 # what splitting a paged batch into two forwards must save on top of the second weight pass
@@ -219,7 +221,8 @@ class ModelRunner:
         attention: str = "auto",
     ) -> None:
         """execution: "eager"; "compile" (torch.compile fullgraph of the fixed-shape forward);
-        "graph" (CUDA graphs, one per shape bucket, replayed); "auto" = graph on a single CUDA
+        "graph" (CUDA graphs, one per shape bucket, replayed); "fused-graph" (graph, the model's
+        repeated blocks compiled first: engine/fusion.py); "auto" = graph on a single CUDA
         device, eager otherwise.
         attention: "mask" (the model's own attention, or grouped SDPA on a CPU, under a
         [B', 1, Q, K] mask); "flex" (FlexAttention under the rows' positions, no mask:
@@ -233,6 +236,7 @@ class ModelRunner:
         self.device = model.get_input_embeddings().weight.device
         self.dtype = model.get_input_embeddings().weight.dtype
         self.execution = _resolve_execution(execution, model, self.device)
+        self.fusion: BlockFusion | None = None  # the model's blocks compiled (`fuse`)
         self.attention = _resolve_attention(attention, model)
         # batches padded up to BATCH_BUCKETS (fixed shapes to compile or capture); not in eager
         # mode, where a padded row costs a real row's compute on a CPU
@@ -270,6 +274,22 @@ class ModelRunner:
         # graph mode: replay single forwards as graphs (off for a model fed through side channels
         # a replay would not see, e.g. a feature head's features: its caller captures whole loops)
         self.capture_forwards = True
+        if execution == "fused-graph":
+            self.fuse()
+
+    def fuse(self, backend: str = "inductor") -> None:
+        """From now on this runner's forwards run the model's repeated blocks compiled
+        (engine/fusion.py; `execution="fused-graph"`; CPU tests call it on eager runners). A
+        model without repeated blocks (a feature head's one layer) runs as it is. Not with
+        execution="compile", which compiles the whole forward already."""
+        if self.execution == "compile":
+            raise ValueError("execution='compile' compiles the whole forward; fusing its blocks adds nothing")
+        if cpu_linear.installed(self.model):  # each linear's own dispatcher: a compile per layer
+            raise ValueError("this model's linears run through CPU kernels (engine/cpu_linear.py): "
+                             "fuse a model no eager CPU runner has set up (or set SPECSERVE_CPU_KERNELS=0)")
+        blocks = repeated_blocks(self.model)
+        self.fusion = None if blocks is None else BlockFusion(blocks, backend)
+        self.linear_kernels = False
 
     def page(self, block_size: int, num_blocks: int | None = None, prefix_caching: bool = False) -> None:
         """Keep keys and values by block (engine/paged_cache.py) from now on: blocks of
@@ -582,7 +602,7 @@ class ModelRunner:
         """`_compute` as this runner's execution mode says: eager for prefills, for a gathered
         batch, for one that would allocate cache storage and for widths above 16; else compiled
         or replayed."""
-        with self.attending():
+        with self.running():
             return self._execute(staged, logits, prefill)
 
     def _execute(self, staged: Staged, logits: str, prefill: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -647,7 +667,7 @@ class ModelRunner:
                 input_ids=ids,
                 position_ids=positions,
                 attention_mask=mask,
-                **{self.cache_arg: self.cache},
+                **{self.cache_arg: self.cache if self.fusion is None else self.fusion.cache(self.cache)},
                 use_cache=True,
                 logits_to_keep={"last": width, "all": width, "none": 1}[logits],
             )
@@ -691,10 +711,17 @@ class ModelRunner:
         first = taps[0]  # a sharded model keeps its layers on several devices
         return first if len(taps) == 1 else torch.cat([t.to(first.device) for t in taps], dim=-1)
 
-    def attending(self):
-        """A context in which the model attends as this runner's forwards do (engine/attention.py).
-        Entered on the host around `_compute`, never inside it: a config switch inside a compiled
-        graph is not reliably undone after it (seen with flex under torch.compile, torch 2.13)."""
+    @contextmanager
+    def running(self):
+        """A context in which the model runs as this runner's forwards do: it attends as they do
+        (engine/attention.py) and runs its fused blocks if any (engine/fusion.py). Entered on the
+        host around `_compute` or a captured loop of them, never inside one: a config switch
+        inside a compiled graph is not reliably undone after it (seen with flex under
+        torch.compile, torch 2.13)."""
+        with self._attending(), (self.fusion.active() if self.fusion is not None else nullcontext()):
+            yield
+
+    def _attending(self):
         if self.attention == "flex":
             return attention.selected(self.model, attention.FLEX_NAME)
         sdpa = getattr(self.model.config, "_attn_implementation", None) == "sdpa"
@@ -823,9 +850,9 @@ def _resolve_execution(execution: str, model: torch.nn.Module, device: torch.dev
     devices = {p.device for p in model.parameters()}
     if execution == "auto":
         return "graph" if device.type == "cuda" and len(devices) == 1 else "eager"
-    if execution == "graph" and (device.type != "cuda" or len(devices) != 1):
-        raise ValueError("execution='graph' needs the whole model on one CUDA device")
-    return execution
+    if execution in ("graph", "fused-graph") and (device.type != "cuda" or len(devices) != 1):
+        raise ValueError(f"execution={execution!r} needs the whole model on one CUDA device")
+    return "graph" if execution == "fused-graph" else execution
 
 
 def _resolve_attention(mode: str, model: torch.nn.Module) -> str:

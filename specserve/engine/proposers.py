@@ -217,7 +217,7 @@ class DraftModelProposer:
 
         def forward(s):
             if captured:
-                with runner.attending():
+                with runner.running():
                     return runner._compute(s.block, s.width, s.key_length, False, "last")[0]
             return runner.execute(s, "last")[0]
 

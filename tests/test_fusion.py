@@ -1,0 +1,140 @@
+"""Fused blocks (engine/fusion.py): a model's decoder layers compiled once for every layer and every
+shape, equal to the plain model, and lossless through the engine's captured paths (CUDA graphs
+emulated on the CPU, test_engine_static.emulate_graphs)."""
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from models import hf_greedy, perturbed, tiny_gpt2, tiny_llama
+from specserve import SamplingParams, SpeculativeEngine
+from specserve.engine import ModelRunner, RowInput, cpu_linear
+from specserve.engine.fusion import repeated_blocks
+from test_engine_static import emulate_graphs
+
+
+@pytest.fixture
+def plain_linears(monkeypatch):
+    """Runners made here route no linear through the CPU kernels (each linear's own dispatcher
+    would make every layer a compile of its own)."""
+    monkeypatch.setenv("SPECSERVE_CPU_KERNELS", "0")
+    torch._dynamo.reset()
+
+
+def fused_and_plain(model, backend, block_size=None) -> tuple[ModelRunner, ModelRunner]:
+    fused, plain = ModelRunner(model, execution="eager"), ModelRunner(model, execution="eager")
+    fused.fuse(backend)
+    for runner in (fused, plain):
+        runner.pad_batches = True  # as captured runs are: batches padded up to their bucket
+        if block_size:
+            runner.page(block_size)
+    return fused, plain
+
+
+def forwards_beside(fused: ModelRunner, plain: ModelRunner, prompts: dict[str, list[int]], widths) -> float:
+    """Prefill, then forwards of each width fed the same tokens to both -> the largest logit gap.
+    The requests are freed after (the next call's rows are slots 0..B'-1 again: nothing gathered,
+    as in every captured forward)."""
+    for runner in (fused, plain):
+        runner.forward([RowInput(rid, 0, p) for rid, p in prompts.items()], logits="none")
+    ends, gap = {rid: len(p) for rid, p in prompts.items()}, 0.0
+    for step, width in enumerate(widths):
+        rows = [RowInput(rid, ends[rid], [(7 * step + i) % 90 + 1 for i in range(width)]) for rid in prompts]
+        got, expected = (r.forward(rows, logits="all") for r in (fused, plain))
+        gap = max(gap, (got - expected).abs().max().item())
+        ends = {rid: end + width for rid, end in ends.items()}
+    for runner in (fused, plain):
+        for rid in prompts:
+            runner.free(rid)
+    return gap
+
+
+def test_one_compile_serves_every_layer_and_every_shape(plain_linears):
+    """A 2-layer and a 5-layer model compile as many frames; once B' and Q have each been 1 and
+    more than 1, more batch sizes, widths and key lengths compile nothing; the logits are the
+    plain runner's. (Paged: the inductor test below.)"""
+    frames, gap = {}, 0.0
+    for layers in (2, 5):
+        torch._dynamo.reset()
+        counter = CompileCounterWithBackend("aot_eager")
+        fused, plain = fused_and_plain(tiny_llama(0, layers=layers), counter)
+        gap = max(gap, forwards_beside(fused, plain, {"a": [1, 2, 3], "b": [4, 5, 6, 7, 8]}, [1, 3]))
+        gap = max(gap, forwards_beside(fused, plain, {"c": [9]}, [1, 4]))
+        frames[layers] = counter.frame_count
+    assert frames[2] == frames[5] > 0
+    prompts = {f"r{i}": list(range(1 + i, 30 + 9 * i)) for i in range(5)}  # B' 8, K past 64
+    gap = max(gap, forwards_beside(fused, plain, prompts, [1, 5, 1, 2, 3]))
+    assert counter.frame_count == frames[5]
+    assert gap < 1e-4
+    assert type(repeated_blocks(fused.model)[0]).__name__ == "LlamaDecoderLayer"  # the plain blocks are back
+
+
+def test_inductor_fused_blocks_write_and_read_the_cache_as_the_plain_model(plain_linears):
+    """With inductor's own kernels (the GPU's compiler, here generating C++): the same logits over
+    ten forwards, dense and paged, the cache writes made outside the compiled code included."""
+    model = tiny_llama(0, layers=2)
+    for block_size in (None, 16):
+        fused, plain = fused_and_plain(model, "inductor", block_size)
+        prompts = {"a": [1, 2, 3, 4], "b": [5, 6], "c": list(range(10, 40))}
+        assert forwards_beside(fused, plain, prompts, [1, 4, 1, 1, 2, 1, 4, 1, 1, 1]) < 1e-4
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_fused_captured_engine_is_lossless(plain_linears, temperature):
+    """Target and draft fused, graphs emulated: the verify forwards and the draft's whole loop are
+    captured over fused blocks; greedy equals the target alone, seeded sampling the eager engine."""
+    target = tiny_llama(0)
+    draft = perturbed(target, 0.6, seed=1)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9], [3, 3], [5, 1, 5]]
+    params = SamplingParams(max_tokens=16, temperature=temperature, seed=5)
+    eager = SpeculativeEngine(target, draft, num_speculative_tokens=3, adaptive=False, execution="eager")
+    expected = [o.token_ids for o in eager.generate(prompts, params)]
+    engine = SpeculativeEngine(target, draft, num_speculative_tokens=3, adaptive=False, max_batch_size=8,
+                               execution="eager")
+    for runner in (engine.verifier.runner, engine.proposer.runner):
+        runner.fuse("aot_eager")
+        emulate_graphs(runner)
+    engine.capture_graphs(progress=False)
+    got = [o.token_ids for o in engine.generate(prompts, params)]
+    assert got == expected
+    if temperature == 0.0:
+        assert got == [hf_greedy(target, p, 16) for p in prompts]
+    assert len(engine.verifier.runner.graphs) > 0 and len(engine.proposer.runner.graphs) > 0
+
+
+def test_a_fused_tapped_target_gives_the_feature_head_its_features(plain_linears, head_dir):
+    """The feature head's tap (forward hooks on the target's layers) fires inside fused blocks:
+    the head drafts from the same features and decodes as the target alone."""
+    from test_feature_drafter import LAYERS, build, prompts as head_prompts, reference
+
+    model = tiny_llama(0, layers=LAYERS)  # test_feature_drafter's target, its linears plain
+    engines = {}
+    for fused in (False, True):
+        engines[fused] = SpeculativeEngine(model, proposer=build(head_dir, model), num_speculative_tokens=3,
+                                           adaptive=False)
+        if fused:
+            engines[fused].verifier.runner.fuse("aot_eager")
+    batch = head_prompts(3, seed=5)
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    outs = {fused: engine.generate(batch, params) for fused, engine in engines.items()}
+    for prompt, a, b in zip(batch, outs[False], outs[True]):
+        assert b.token_ids == a.token_ids == reference(tuple(prompt))
+    accepted = [sum(o.metrics.num_accepted_tokens for o in outs[f]) for f in (False, True)]
+    assert accepted[1] == accepted[0] > 0  # the same drafts: the same features
+
+
+def test_fusion_refusals_and_blocks(plain_linears, monkeypatch):
+    """Fused CUDA graphs need one CUDA device; the whole-forward compile mode takes no fusion; a
+    model whose linears run through CPU kernels is refused (a compile per layer). The blocks are
+    the decoder layers, whatever the model calls them."""
+    with pytest.raises(ValueError, match="CUDA"):
+        ModelRunner(tiny_llama(0), execution="fused-graph")
+    with pytest.raises(ValueError, match="whole forward"):
+        ModelRunner(tiny_llama(0), execution="compile").fuse()
+    model = tiny_llama(0)
+    monkeypatch.setattr(cpu_linear, "MIN_WEIGHT", 0)  # (a tiny model's linears are below the kernels' size)
+    cpu_linear.install(model, {tuple(m.weight.shape): ("linear",) * len(cpu_linear.ROW_BUCKETS)
+                               for m in model.modules() if isinstance(m, torch.nn.Linear)})
+    with pytest.raises(ValueError, match="CPU kernels"):
+        ModelRunner(model, execution="eager").fuse()
+    gpt2 = tiny_gpt2(0, layers=3)
+    assert repeated_blocks(gpt2) is gpt2.transformer.h
