@@ -113,6 +113,7 @@ BENCHES = {  # name -> module with `main(argv: list[str]) -> int`; its own argpa
     "engine": "specserve.bench.engine",
     "gpu": "specserve.bench.gpu",
     "gpu-checks": "specserve.bench.gpu_checks",
+    "plain": "specserve.bench.plain",
     "overload": "specserve.bench.overload",
     "ingress": "specserve.bench.ingress",
     "prefill": "specserve.bench.prefill",

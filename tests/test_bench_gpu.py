@@ -5,8 +5,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
-
 
 from specserve.bench import gpu
 
@@ -84,3 +84,22 @@ def test_paged_layout_pools_are_sized_by_the_batch(tmp_path):
                      "--kv-block-size", "4", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert rows and all(r["identical"] for r in rows)
+
+
+def test_plain_bench_rehearses_its_layouts_on_a_cpu(tmp_path):
+    """`bench plain --tiny`: every layout and batch gets a row with its ratios to the anchors, and
+    every layout decodes the first one's tokens."""
+    from specserve.bench import plain
+
+    out = tmp_path / "plain.json"
+    assert plain.main(["--tiny", "--layouts", "eager:mask,eager:flex,eager:mask:7", "--max-new-tokens", "8",
+                       "--repeats", "1", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert [(r["batch"], r["layout"]) for r in rows] == [
+        (b, name) for b in (1, 4) for name in ("eager, mask", "eager, flex", "eager, mask, paged 7")]
+    assert all(r["same_as_first"] and r["static_loop_same"] for r in rows)
+    assert all(r["vs_static_loop"] > 0 and r["vs_limit"] > 0 for r in rows)
+    assert "/ static loop" in result["table"]
+    with pytest.raises(ValueError, match="execution:attention"):
+        plain.parse_layouts("graph:mask:16:x")
