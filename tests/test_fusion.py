@@ -102,8 +102,9 @@ def test_fused_captured_engine_is_lossless(plain_linears, temperature):
 
 
 def test_a_fused_tapped_target_gives_the_feature_head_its_features(plain_linears, head_dir):
-    """The feature head's tap (forward hooks on the target's layers) fires inside fused blocks:
-    the head drafts from the same features and decodes as the target alone."""
+    """The feature head's tap (forward hooks on the target's layers) fires inside fused blocks,
+    captured ones too (graphs emulated): the head drafts from the same features and decodes as
+    the target alone."""
     from test_feature_drafter import LAYERS, build, prompts as head_prompts, reference
 
     model = tiny_llama(0, layers=LAYERS)  # test_feature_drafter's target, its linears plain
@@ -113,6 +114,9 @@ def test_a_fused_tapped_target_gives_the_feature_head_its_features(plain_linears
                                            adaptive=False)
         if fused:
             engines[fused].verifier.runner.fuse("aot_eager")
+            for runner in (engines[fused].verifier.runner, engines[fused].proposer.runner):
+                emulate_graphs(runner)
+                runner.pad_batches = True
     batch = head_prompts(3, seed=5)
     params = SamplingParams(max_tokens=24, temperature=0.0)
     outs = {fused: engine.generate(batch, params) for fused, engine in engines.items()}
@@ -120,6 +124,7 @@ def test_a_fused_tapped_target_gives_the_feature_head_its_features(plain_linears
         assert b.token_ids == a.token_ids == reference(tuple(prompt))
     accepted = [sum(o.metrics.num_accepted_tokens for o in outs[f]) for f in (False, True)]
     assert accepted[1] == accepted[0] > 0  # the same drafts: the same features
+    assert len(engines[True].verifier.runner.graphs) > 0  # verify forwards captured over fused blocks
 
 
 def test_fusion_refusals_and_blocks(plain_linears, monkeypatch):

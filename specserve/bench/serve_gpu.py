@@ -62,6 +62,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=None, help="default 128 (tiny 12)")
     p.add_argument("--min-requests", type=int, default=2, help="requests per level: max(this, concurrency)")
     p.add_argument("--transport", default="compiled_graph", choices=("compiled_graph", "actor_calls"))
+    p.add_argument("--execution", default="auto", choices=("auto", "eager", "graph", "fused-graph"),
+                   help="how the workers and the in-process engine run their forwards (speculation.execution)")
     p.add_argument("--mps", action="store_true", help="then start MPS and serve pipelined again")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--phase", default="all", choices=("all", "engine"), help=argparse.SUPPRESS)
@@ -116,7 +118,7 @@ def engine_phase(args) -> dict:
     runs = iter(range(1 << 30))
 
     def timed(proposer, gamma: int, batch: int) -> tuple[list[list[int]], float]:
-        engine = gpu.build_engine(target, proposer, gamma, gamma, batch)
+        engine = gpu.build_engine(target, proposer, gamma, gamma, batch, gpu.Layout(args.execution))
         chosen = pool[: requests_at(args, batch)]
         for _ in range(2):  # the first run is the warm-up (graphs, caches)
             ids = [f"run{next(runs)}-{i}" for i in range(len(chosen))]
@@ -133,7 +135,7 @@ def engine_phase(args) -> dict:
         rows.append(dict(mode="γ=0", alpha=None, concurrency=batch, tokens_per_s=speed,
                          same=got == outputs[: len(got)]))
         for alpha in args.alpha_list:
-            proposer = PlantedProposer(draft, vocab, alpha, references, seed=args.seed)
+            proposer = PlantedProposer(draft, vocab, alpha, references, seed=args.seed, execution=args.execution)
             got, speed = timed(proposer, args.gamma, batch)
             counts = proposer.counts
             rows.append(dict(mode="sequential", alpha=alpha, concurrency=batch, tokens_per_s=speed,
@@ -162,7 +164,7 @@ def app_args(args, mode: str, alpha: float, references: Path, gpu: bool) -> dict
         served_model_name=MODEL, target=target, draft=draft, max_batch_size=max(args.levels),
         max_model_len=longest, max_queued_requests=max(args.levels), request_timeout_s=600.0,
         speculation=dict(num_speculative_tokens=args.gamma, adaptive=False, pipelined=mode == "pipelined",
-                         transport=args.transport, execution="auto",
+                         transport=args.transport, execution=args.execution,
                          planted=dict(alpha=alpha, references=str(references.resolve()), seed=args.seed)),
         target_worker=share, draft_worker=share,
         deadlines=dict(target_floor_s=120.0, draft_floor_s=60.0))
