@@ -165,10 +165,12 @@ def emulate_graphs(runner: ModelRunner) -> None:
     runner.execution, runner.graphs = "graph", graphs
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
-def test_graph_mode_logic_on_cpu(target, temperature):
+def test_graph_mode_logic_on_cpu(target, temperature, fused):
     """Graph mode's dispatch, keys, start-up capture and the draft loop's restore of the inputs it
-    overwrites, with graphs emulated on the CPU: same tokens as eager."""
+    overwrites, with graphs emulated on the CPU: same tokens as eager. Fused: the same over both
+    models' fused blocks (engine/fusion.py; dynamo's AOT backend, whose ops are eager's)."""
     draft = perturbed(target, 0.6, seed=1)
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9], [3, 3], [5, 1, 5]]
     params = SamplingParams(max_tokens=16, temperature=temperature, seed=5)
@@ -176,8 +178,10 @@ def test_graph_mode_logic_on_cpu(target, temperature):
     expected = [o.token_ids for o in eager.generate(prompts, params)]
     engine = SpeculativeEngine(target, draft, num_speculative_tokens=3, adaptive=False, max_batch_size=8,
                                execution="eager")
-    emulate_graphs(engine.verifier.runner)
-    emulate_graphs(engine.proposer.runner)
+    for runner in (engine.verifier.runner, engine.proposer.runner):
+        if fused:
+            runner.fuse("aot_eager")
+        emulate_graphs(runner)
     engine.capture_graphs(progress=False)
     captured = len(engine.verifier.runner.graphs), len(engine.proposer.runner.graphs)
     assert captured == (4 * 4, 4 * 3 * 2)  # buckets 8, 4, 2, 1 x (widths 1..4 | γ 1..3 x first width 1, 2)

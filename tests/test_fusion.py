@@ -1,11 +1,12 @@
 """Fused blocks (engine/fusion.py): a model's decoder layers compiled once for every layer and every
 shape, equal to the plain model, and lossless through the engine's captured paths (CUDA graphs
-emulated on the CPU, test_engine_static.emulate_graphs)."""
+emulated on the CPU, test_engine_static.emulate_graphs; the fused draft-model engine is
+test_engine_static.test_graph_mode_logic_on_cpu[fused])."""
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from models import hf_greedy, perturbed, tiny_gpt2, tiny_llama
+from models import tiny_gpt2, tiny_llama
 from specserve import SamplingParams, SpeculativeEngine
 from specserve.engine import ModelRunner, RowInput, cpu_linear
 from specserve.engine.fusion import repeated_blocks
@@ -76,29 +77,6 @@ def test_inductor_fused_blocks_write_and_read_the_cache_as_the_plain_model(plain
         fused, plain = fused_and_plain(model, "inductor", block_size)
         prompts = {"a": [1, 2, 3, 4], "b": [5, 6], "c": list(range(10, 40))}
         assert forwards_beside(fused, plain, prompts, [1, 4, 1, 1, 2, 1, 4, 1, 1, 1]) < 1e-4
-
-
-@pytest.mark.parametrize("temperature", [0.0, 0.9])
-def test_fused_captured_engine_is_lossless(plain_linears, temperature):
-    """Target and draft fused, graphs emulated: the verify forwards and the draft's whole loop are
-    captured over fused blocks; greedy equals the target alone, seeded sampling the eager engine."""
-    target = tiny_llama(0)
-    draft = perturbed(target, 0.6, seed=1)
-    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9], [3, 3], [5, 1, 5]]
-    params = SamplingParams(max_tokens=16, temperature=temperature, seed=5)
-    eager = SpeculativeEngine(target, draft, num_speculative_tokens=3, adaptive=False, execution="eager")
-    expected = [o.token_ids for o in eager.generate(prompts, params)]
-    engine = SpeculativeEngine(target, draft, num_speculative_tokens=3, adaptive=False, max_batch_size=8,
-                               execution="eager")
-    for runner in (engine.verifier.runner, engine.proposer.runner):
-        runner.fuse("aot_eager")
-        emulate_graphs(runner)
-    engine.capture_graphs(progress=False)
-    got = [o.token_ids for o in engine.generate(prompts, params)]
-    assert got == expected
-    if temperature == 0.0:
-        assert got == [hf_greedy(target, p, 16) for p in prompts]
-    assert len(engine.verifier.runner.graphs) > 0 and len(engine.proposer.runner.graphs) > 0
 
 
 def test_a_fused_tapped_target_gives_the_feature_head_its_features(plain_linears, head_dir):
