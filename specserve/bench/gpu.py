@@ -404,13 +404,14 @@ def copy_bandwidth(device: str) -> float:
 
 
 def measure_anchors(section: str, model, prompts: list[list[int]], batch: int, max_new: int, device: str,
-                    repeats: int, reference: list[list[int]], engine_tps: float) -> list[dict]:
-    """HF generate() eager, the StaticCache decode loop, and the bandwidth limit, on these prompts."""
+                    repeats: int, reference: list[list[int]], engine_tps: float, generate: bool = True) -> list[dict]:
+    """HF generate() eager (unless not `generate`), the StaticCache decode loop, and the bandwidth
+    limit, on these prompts."""
     tokens = len(prompts) * max_new
     static = StaticDecode(model, batch, len(prompts[0]) + max_new, device)
-    anchors = {"HF generate() eager": lambda: hf_generate(model, prompts, batch, max_new, device),
-               f"HF StaticCache {'compiled (reduce-overhead)' if static.compiled else 'eager (no compile on CPU)'}":
-                   lambda: static(prompts, batch, max_new)}
+    anchors = {"HF generate() eager": lambda: hf_generate(model, prompts, batch, max_new, device)} if generate else {}
+    anchors[f"HF StaticCache {'compiled (reduce-overhead)' if static.compiled else 'eager (no compile on CPU)'}"] = \
+        lambda: static(prompts, batch, max_new)
     rows = []
     for name, fn in anchors.items():
         outputs, _ = fn()  # warm-up (and, when compiled, capture)

@@ -13,7 +13,8 @@ sized for the batch).
 
 Per batch: every layout's engine is built and its graphs captured (the seconds that took, fused
 blocks' compiles included), each is warmed on the prompts, then all are timed in interleaved
-rounds (median); then the anchors. A layout that fails to build or capture is reported as such
+rounds (median); then the anchors (the compiled StaticCache loop and the bandwidth limit; HF's
+eager generate() is `bench gpu`'s). A layout that fails to build or capture is reported as such
 and the others go on. Each row: tok/s, its ratio to the compiled anchor and to the
 bandwidth limit, the capture seconds, and whether its tokens equal the first layout's (greedy on a
 target whose choices are made robust to kernel noise). Prints a table and writes JSON.
@@ -164,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
                        f"capture {row['capture_seconds']} s, same={row['same_as_first']}")
         if ran:
             anchors += measure_anchors("plain", target, prompts, batch, args.max_new_tokens, args.device,
-                                       args.repeats, ran[0]["outputs"], ran[0]["tokens_per_second"])
+                                       args.repeats, ran[0]["outputs"], ran[0]["tokens_per_second"],
+                                       generate=False)  # (HF's eager generate(): no figure of the issue's)
         rows += batch_rows
     bar.close()
     with_anchors(rows, anchors)
