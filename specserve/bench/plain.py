@@ -34,7 +34,7 @@ from specserve.bench.gpu import (
     release_memory, to_run,
 )
 
-COMPILED = "HF StaticCache compiled"
+STATIC = "HF StaticCache"  # the anchors' names begin so (bench/gpu.py measure_anchors)
 LIMIT = "bandwidth limit"
 
 
@@ -88,7 +88,7 @@ def with_anchors(rows: list[dict], anchors: list[dict]) -> None:
     bandwidth limit; whether the anchor's tokens were the first layout's."""
     for row in (r for r in rows if "error" not in r):
         mine = [a for a in anchors if a["batch"] == row["batch"]]
-        static = next((a for a in mine if a["anchor"].startswith("HF StaticCache")), None)
+        static = next((a for a in mine if a["anchor"].startswith(STATIC)), None)
         limit = next((a for a in mine if a["anchor"].startswith(LIMIT)), None)
         row["vs_static_loop"] = row["tokens_per_second"] / static["tokens_per_second"] if static else None
         row["vs_limit"] = row["tokens_per_second"] / limit["tokens_per_second"] if limit else None

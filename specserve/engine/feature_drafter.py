@@ -701,8 +701,7 @@ class FeatureDrafterProposer(DraftModelProposer):
         """One head forward -> logits [B', K]: inside a capture, the forward itself (not the
         runner's dispatch, which would time it)."""
         if captured:
-            with self.runner.running():
-                return self.runner._compute(staged.block, staged.width, staged.key_length, False, "last")[0]
+            return self.runner.forward_in_capture(staged, "last")
         return self.runner.execute(staged, "last")[0]
 
     def _loop(self, staged, features, num_tokens, sampling, flags, inputs, masks: DraftMasks | None,

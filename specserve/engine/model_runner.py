@@ -605,6 +605,12 @@ class ModelRunner:
         with self.running():
             return self._execute(staged, logits, prefill)
 
+    def forward_in_capture(self, staged: Staged, logits: str) -> torch.Tensor | None:
+        """The forward itself, as a loop being captured runs it: `_compute` in this runner's
+        context (`running`), no dispatch, no timing -> logits in sorted order."""
+        with self.running():
+            return self._compute(staged.block, staged.width, staged.key_length, False, logits)[0]
+
     def _execute(self, staged: Staged, logits: str, prefill: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         static = self.execution != "eager" and not prefill and self.fixed_shape(staged)
         if static and self.execution == "graph" and self.capture_forwards:

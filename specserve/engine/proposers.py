@@ -216,10 +216,7 @@ class DraftModelProposer:
         runner = self.runner
 
         def forward(s):
-            if captured:
-                with runner.running():
-                    return runner._compute(s.block, s.width, s.key_length, False, "last")[0]
-            return runner.execute(s, "last")[0]
+            return runner.forward_in_capture(s, "last") if captured else runner.execute(s, "last")[0]
 
         sampling = BatchSampling(inputs["temperature"], inputs["top_k"], inputs["top_p"])
         logits = forward(staged)  # [B', V']
