@@ -103,3 +103,19 @@ def test_plain_bench_rehearses_its_layouts_on_a_cpu(tmp_path):
     assert "/ static loop" in result["table"]
     with pytest.raises(ValueError, match="execution:attention"):
         plain.parse_layouts("graph:mask:16:x")
+    with pytest.raises(ValueError, match="named twice"):
+        plain.parse_layouts("graph:mask,graph:mask")
+
+
+def test_plain_bench_reports_a_failing_layout_in_its_place(tmp_path):
+    """A layout that cannot build (fused graphs need a CUDA device) is a row of its own, in the order
+    asked for; the layouts beside it are measured, and the run's status says one failed."""
+    from specserve.bench import plain
+
+    out = tmp_path / "plain.json"
+    assert plain.main(["--tiny", "--layouts", "eager:mask,fused-graph:mask,eager:flex", "--batches", "1",
+                       "--max-new-tokens", "4", "--repeats", "1", "--out", str(out)]) == 1
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["layout"] for r in rows] == ["eager, mask", "fused-graph, mask", "eager, flex"]
+    assert "CUDA" in rows[1]["error"] and "tokens_per_second" not in rows[1]
+    assert rows[0]["same_as_first"] and rows[2]["same_as_first"]

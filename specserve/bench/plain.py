@@ -16,8 +16,8 @@ blocks' compiles included), each is warmed on the prompts, then all are timed in
 rounds (median); then the anchors (the compiled StaticCache loop and the bandwidth limit; HF's
 eager generate() is `bench gpu`'s). A layout that fails to build or capture is reported as such
 and the others go on. Each row: tok/s, its ratio to the compiled anchor and to the
-bandwidth limit, the capture seconds, and whether its tokens equal the first layout's (greedy on a
-target whose choices are made robust to kernel noise). Prints a table and writes JSON.
+bandwidth limit, the capture seconds, and whether its tokens equal the first layout's that ran (greedy
+on a target whose choices are made robust to kernel noise). Prints a table and writes JSON.
 """
 from __future__ import annotations
 
@@ -47,6 +47,8 @@ def parse_layouts(text: str) -> list[Layout]:
             raise ValueError(f"a layout is execution:attention[:block size], got {item!r}")
         block = int(parts[2]) if len(parts) == 3 else None
         layouts.append(Layout(parts[0], parts[1] if len(parts) > 1 else "auto", block))
+    if len({label(layout) for layout in layouts}) < len(layouts):
+        raise ValueError(f"a layout is named twice in {text!r}")
     return layouts
 
 
@@ -58,29 +60,29 @@ def label(layout: Layout) -> str:
 def measure_batch(target, layouts: list[Layout], prompts: list[list[int]], batch: int, args, bar) -> list[dict]:
     """Every layout's γ=0 engine on these prompts, timed interleaved -> a row per layout."""
     ids = [f"plain-b{batch}-{i}" for i in range(len(prompts))]
-    configs, captures, rows = [], [], []
+    rows = {label(layout): dict(batch=batch, layout=label(layout)) for layout in layouts}  # layout order
+    configs, captures = [], []
     for layout in layouts:
         sized = layout.for_batch(batch, max(map(len, prompts)) + args.max_new_tokens, 0)
         began = time.perf_counter()
         try:
             engine = build_engine(target, None, 0, 0, batch, sized)
         except Exception as exc:  # a layout that cannot build or capture is reported; the others run
-            rows.append(dict(batch=batch, layout=label(layout), error=f"{type(exc).__name__}: {str(exc)[:300]}"))
-            tqdm.write(f"b={batch} {label(layout)}: {rows[-1]['error']}")
+            rows[label(layout)]["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            tqdm.write(f"b={batch} {label(layout)}: {rows[label(layout)]['error']}")
+            bar.update(1)
             continue
         configs.append(Config(label(layout), 0, None, engine, None))
         captures.append(time.perf_counter() - began)
-    if not configs:
-        return rows
-    measure_configs(configs, prompts, ids, batch, args.max_new_tokens, args.device, args.repeats, bar)
-    reference = configs[0].outputs
+    if configs:
+        measure_configs(configs, prompts, ids, batch, args.max_new_tokens, args.device, args.repeats, bar)
     for config, seconds in zip(configs, captures):
-        run = to_run("plain", config, batch, reference)
-        rows.append(dict(batch=batch, layout=config.name, tokens_per_second=run.tokens_per_second,
-                         capture_seconds=round(seconds, 1), same_as_first=run.identical, outputs=run.outputs))
+        run = to_run("plain", config, batch, configs[0].outputs)
+        rows[config.name].update(tokens_per_second=run.tokens_per_second, capture_seconds=round(seconds, 1),
+                                 same_as_first=run.identical, outputs=run.outputs)
         del config.engine
     release_memory(args.device)
-    return rows
+    return list(rows.values())
 
 
 def with_anchors(rows: list[dict], anchors: list[dict]) -> None:
@@ -112,7 +114,7 @@ def table(rows: list[dict], anchors: list[dict], device: str, shape: str) -> str
     for a in anchors:
         same = "-" if a["identical"] is None else ("yes" if a["identical"] else "NO")
         lines.append(f"{a['batch']:>5}  {a['anchor']:<52}{a['tokens_per_second']:>10.1f}{same:>6}")
-    lines.append("same: tokens equal the first layout's (anchors: the first layout's too). "
+    lines.append("same: tokens equal the first layout's that ran (anchors: that layout's too). "
                  "static loop: HF StaticCache under torch.compile (reduce-overhead) on a GPU, eager on a CPU.")
     return "\n".join(lines)
 
