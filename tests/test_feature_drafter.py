@@ -27,6 +27,7 @@ from specserve.engine.feature_drafter import (
 from specserve.engine.grammar import DraftMasks
 from specserve.engine.model_runner import RowInput
 from specserve.engine.proposers import target_vocab_size
+from specserve.engine.sampling import one_hot
 from test_engine_static import emulate_graphs
 from test_sampling_distribution import VOCAB, assert_proposer_follows_target
 
@@ -322,7 +323,7 @@ class HostLoop(FeatureDrafterProposer):
                 masks.close()
         if len(out) < num_tokens:  # positions no row verifies: copies of the last token (or draft)
             fill = out[-1] if out else torch.tensor([s[-1] for s in seqs])
-            qs += [self._one_hot(fill)] * (num_tokens - len(qs))
+            qs += [one_hot(fill, self.vocab_size)] * (num_tokens - len(qs))
             out += [fill] * (num_tokens - len(out))
         probs = None if sampling.all_greedy else torch.stack(qs, dim=1)
         return torch.stack(out, dim=1), probs, kept

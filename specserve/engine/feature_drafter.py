@@ -37,7 +37,7 @@ from torch import nn
 from .grammar import DraftMasks
 from .model_runner import CacheMiss, ForwardTiming, ModelRunner, RowInput, regroup
 from .proposers import DraftModelProposer, Proposal, continue_match, decoder_layers, find_continuation, hold_tokens
-from .sampling import BatchSampling
+from .sampling import BatchSampling, one_hot, rows_over_one_hot
 
 FEEDBACK_KINDS = ("direct", "fc")  # how a draft's own output becomes the next position's feature
 LOOKUP_MAX_N = 8  # the longest suffix n-gram a lookup row tries to match (the most specific context wins)
@@ -579,9 +579,9 @@ class FeatureDrafterProposer(DraftModelProposer):
                                                None if uniforms is None else uniforms[ready])
             tokens[ready] = drafted
             counts[ready] = kept
-            probs = self._full_probs(probs, ready, tokens, len(rows))
+            probs = rows_over_one_hot(probs, ready, tokens.to(self.runner.device), self.vocab_size)  # [B, G, V]
         elif not sampling.all_greedy:
-            probs = self._full_probs(None, [], tokens, len(rows))
+            probs = one_hot(tokens.to(self.runner.device), self.vocab_size)  # [B, G, V]
         for seq, row_tokens in zip(seqs, tokens.tolist()):
             seq.extend(row_tokens[: num_tokens - 1])
         forwards = self.runner.take_forward_log() or (ForwardTiming(0, time.perf_counter() - began),)
@@ -768,23 +768,10 @@ class FeatureDrafterProposer(DraftModelProposer):
         tokens = torch.where(beyond, fill, torch.cat([drafted, fill.expand(-1, num_tokens - ran)], dim=1))  # [B', G]
         if flags is None:
             return tokens, None
-        hot = self._one_hot(tokens)  # [B', G, V]
+        hot = one_hot(tokens, self.vocab_size)  # [B', G, V]
         q = hot if probs is None else torch.cat([probs, hot[:, ran:]], dim=1)
         return tokens, torch.where(beyond[:, None], hot, q)
 
-    def _one_hot(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Token ids [...] -> one-hot q [..., V] on the ids' device (copied or unverified drafts)."""
-        out = torch.zeros(*tokens.shape, self.vocab_size, device=tokens.device)
-        return out.scatter_(-1, tokens[..., None], 1.0)
-
-    def _full_probs(self, probs, ready, tokens, batch):
-        """q for every row: the head's for drafted rows, one-hot at the copied token elsewhere."""
-        if probs is not None and len(ready) == batch:
-            return probs
-        full = self._one_hot(tokens.to(self.runner.device))  # [B, G, V]
-        if probs is not None:
-            full[ready] = probs
-        return full
 
 
 class _Confidence:

@@ -168,6 +168,24 @@ def logits_to_probs(
     return probs
 
 
+def one_hot(tokens: torch.Tensor, vocab: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Token ids [...] -> one-hot probs [..., V] on the ids' device: the q of a token that was copied
+    rather than drawn (a row that did not draft), which the acceptance rule then treats as certain."""
+    out = torch.zeros(*tokens.shape, vocab, dtype=dtype, device=tokens.device)
+    return out.scatter_(-1, tokens.to(torch.long)[..., None], 1.0)
+
+
+def rows_over_one_hot(probs: torch.Tensor | None, rows, tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    """q for a whole batch: probs [R, G, V] of the rows listed (R of B; None for none), one-hot at
+    tokens [B, G] for the others -> [B, G, V] on the tokens' device."""
+    if probs is not None and len(rows) == tokens.shape[0]:
+        return probs
+    full = one_hot(tokens, vocab, probs.dtype if probs is not None else torch.float32)  # [B, G, V]
+    if probs is not None:
+        full[list(rows)] = probs
+    return full
+
+
 def _apply_top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """scaled [N, V] -> the same with filtered-out entries at -inf. top_k [N] (0 = off), top_p [N]."""
     vocab = scaled.shape[-1]

@@ -28,7 +28,7 @@ import torch
 
 from specserve.engine import Proposal, RowInput, Verdict
 from specserve.engine.model_runner import ForwardTiming
-from specserve.engine.sampling import BatchSampling
+from specserve.engine.sampling import BatchSampling, rows_over_one_hot
 
 
 @dataclass(frozen=True)
@@ -138,12 +138,7 @@ class SharedProbs:
         with warnings.catch_warnings():  # read-only: a view of the store's memory, which nothing writes
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             picked = get(self.ref)  # [R, G, V]
-        if len(self.rows) == self.batch:
-            return picked
-        full = torch.zeros(self.batch, *picked.shape[1:], dtype=picked.dtype)  # [B, G, V]
-        full.scatter_(-1, draft_tokens.to(torch.long)[..., None], 1.0)
-        full[list(self.rows)] = picked
-        return full
+        return rows_over_one_hot(picked, self.rows, draft_tokens.cpu(), picked.shape[-1])
 
 
 def light(proposal: Proposal) -> Proposal:
