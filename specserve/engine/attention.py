@@ -25,7 +25,11 @@ every layer runs FlexAttention under it with the KV heads as they are (`enable_g
 that is a fused kernel that skips key blocks past a row's end, instead of SDPA's math kernel over
 a [B', 1, Q, K] mask; on a CPU (tests) it runs the eager reference, for equality only.
 
-Over a paged cache (engine/paged_cache.py) a decode-width forward reads the pool in place:
+On a CPU, a paged cache's decode-width forwards under grouped SDPA read the pool in place through
+a C kernel instead (engine/cpu_attention.py): `grouped_sdpa` is handed the pools and, in place of
+the mask, the rows' positions and block tables.
+
+Over a paged cache (engine/paged_cache.py) under flex, a decode-width forward reads the pool in place:
 `pool_block_mask` lists each row's own blocks of the pool (its block table) and maps a pool
 position back to the row's position, and every row attends over the one pool tensor
 [1, Hkv, N * bs, D]. No keys are gathered, K is the pool's size (fixed while the pool is), and a
@@ -46,6 +50,8 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from . import cpu_attention
+
 NAME = "specserve_grouped_sdpa"
 FLEX_NAME = "specserve_flex"
 _KV_BLOCK = 128  # FlexAttention's default sparse block, both axes
@@ -55,7 +61,11 @@ _compiled_flex: Callable | None = None
 def grouped_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                  is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """query [B, Hq, Q, D], key/value [B, Hkv, K, D], attention_mask [B, 1, Q, K] -> ([B, Q, Hq, D], None)."""
+    """query [B, Hq, Q, D], key/value [B, Hkv, K, D], attention_mask [B, 1, Q, K] -> ([B, Q, Hq, D], None).
+    A paged pool read in place (attention_mask int64: the rows' reads; key/value the pools
+    [N, bs, Hkv, D]) goes to the CPU kernel (engine/cpu_attention.py)."""
+    if attention_mask is not None and attention_mask.dtype == torch.int64:
+        return cpu_attention.attend(query, key, value, attention_mask, scaling), None
     groups = getattr(module, "num_key_value_groups", 1)
     plain = (groups == 1 or attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[1] != 1
              or any(kwargs.get(k) is not None for k in ("position_bias", "softcap", "cache"))

@@ -108,7 +108,7 @@ class SlotKVCache:
         self._built = (self._num_slots, self._capacity)
 
     def bind(self, write_slots: torch.Tensor, positions: torch.Tensor, read_slots: torch.Tensor | None,
-             tables: torch.Tensor | None = None, in_place: bool = False) -> None:
+             tables: torch.Tensor | None = None, in_place: str | None = None) -> None:
         """Inside a forward (device tensors): write_slots [B'] int64, positions [B', Q] int64,
         read_slots [B'] int64 or None when the rows are slots 0..B'-1 (tables, in_place: a paged
         cache's)."""

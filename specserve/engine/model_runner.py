@@ -34,7 +34,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from . import attention, cpu_linear
+from . import attention, cpu_attention, cpu_linear
 from .fusion import BlockFusion, repeated_blocks
 from .kv_cache import CAPACITY_STEP, SlotKVCache, capacity_for
 from .paged_cache import SCRATCH, PagedKVCache
@@ -237,6 +237,7 @@ class ModelRunner:
         self.dtype = model.get_input_embeddings().weight.dtype
         self.execution = _resolve_execution(execution, model, self.device)
         self.fusion: BlockFusion | None = None  # the model's blocks compiled (`fuse`)
+        self.in_place: str | None = None  # how a paged cache's pool is read where it lies (`page`)
         self.attention = _resolve_attention(attention, model)
         # batches padded up to BATCH_BUCKETS (fixed shapes to compile or capture); not in eager
         # mode, where a padded row costs a real row's compute on a CPU
@@ -290,6 +291,8 @@ class ModelRunner:
         blocks = repeated_blocks(self.model)
         self.fusion = None if blocks is None else BlockFusion(blocks, backend)
         self.linear_kernels = False
+        if self.in_place == "blocks":  # compiled blocks would break their graphs at the kernel's call
+            self.in_place = None
 
     def page(self, block_size: int, num_blocks: int | None = None, prefix_caching: bool = False) -> None:
         """Keep keys and values by block (engine/paged_cache.py) from now on: blocks of
@@ -300,6 +303,21 @@ class ModelRunner:
             raise RuntimeError("the cache layout changes only while no request is cached")
         sharing = prefix_caching and self.tapped is None
         self.cache = PagedKVCache(block_size, self.max_model_len, num_blocks, sharing, self._key_step())
+        self.in_place = self._in_place_layout()
+
+    def _in_place_layout(self) -> str | None:
+        """How a paged forward up to IN_PLACE_WIDTH wide reads the pool where it lies: "flat" under
+        FlexAttention (attention.pool_block_mask), "blocks" through the CPU kernel where it serves
+        this model (engine/cpu_attention.py: eager float32 forwards under grouped SDPA); None:
+        its rows' blocks are gathered."""
+        if self.attention == "flex":
+            return "flat"
+        config = self.model.config
+        heads, width = getattr(config, "num_attention_heads", None), getattr(config, "hidden_size", None)
+        head_dim = getattr(config, "head_dim", None) or (width // heads if heads and width else 0)
+        kernel = (self.grouped_attention and self.execution == "eager" and self.fusion is None
+                  and getattr(config, "_attn_implementation", None) == "sdpa")
+        return "blocks" if kernel and cpu_attention.available(head_dim, self.dtype) else None
 
     def _key_step(self) -> int:
         """What a forward's key length K is rounded up to: the cache's growth step where forwards
@@ -467,7 +485,7 @@ class ModelRunner:
 
     def _reads_in_place(self, width: int) -> bool:
         """A forward this wide reads a paged pool in place (each row only its own blocks)."""
-        return self.attention == "flex" and self.paged and width <= IN_PLACE_WIDTH
+        return self.paged and self.in_place is not None and width <= IN_PLACE_WIDTH
 
     def _weight_bytes(self) -> int:
         """Bytes of the model's weights (what each forward reads once), counted once."""
@@ -531,7 +549,7 @@ class ModelRunner:
                 self.cache.place(slot, end)
                 self.cache.writable(slot, r.start, end)
             self.cache.upload(self.device, key_length)
-            if self._reads_in_place(width):
+            if self._reads_in_place(width) and self.in_place == "flat":
                 key_length = self.cache.whole_length()
         host = self._host_block(rows, slots, order, padded, width, tail_width)
         block = self._block(padded, width)
@@ -660,10 +678,12 @@ class ModelRunner:
             positions = positions.clamp(max=self.max_model_len - 1)
         # a paged cache's rows' block tables [B', K / bs] (read in place: whole, K the pool's)
         tables = self.cache.tables_of(write_slots, key_length // self.cache.block_size) if self.paged else None
-        in_place = self._reads_in_place(width)
+        in_place = self.in_place if self._reads_in_place(width) else None
         self.cache.bind(write_slots, positions, read_slots if gather else None, tables, in_place)
-        if in_place:
+        if in_place == "flat":
             mask = attention.pool_block_mask(positions, tables, self.cache.block_size, self.cache.num_blocks, SCRATCH)
+        elif in_place == "blocks":
+            mask = cpu_attention.reads(positions, tables)  # [B', 1, 1, Q + T] int64, in place of a mask
         elif self.attention == "flex":
             mask = attention.block_mask(positions, key_length)
         else:

@@ -18,10 +18,12 @@ small copy, and nothing at all on most steps. A forward looks its rows' tables u
 them into flat write indices `[B', Q]`, and `update` writes through those and gathers the tables'
 blocks whole (bs positions per index) in every layer (device ops on fixed shapes: compiled or
 captured like the dense forward).
-Bound `in_place`, `update` writes and returns the whole pool instead, `[1, H, N * bs, D]`, for an
-attention that reads it through the tables itself (attention.pool_block_mask): no gather. Such a
-forward takes the tables whole (`[B', M]`) and its K is the pool's: shapes that no context length
-changes, so one captured graph per batch bucket and width serves every length.
+Bound in place, `update` writes and returns the whole pool instead, for an attention that reads
+it through the tables itself: no gather. `"flat"`: `[1, H, N * bs, D]`, for FlexAttention
+(attention.pool_block_mask); such a forward takes the tables whole (`[B', M]`) and its K is the
+pool's: shapes that no context length changes, so one captured graph per batch bucket and width
+serves every length. `"blocks"`: the pools as they are, `[N, bs, H, D]`, for the CPU kernel
+(engine/cpu_attention.py).
 With a pool sized once (`num_blocks`: the server's budget), storage never moves, so captured
 graphs stay valid; without one the pool doubles when full (its `generation` bumps, as the dense
 cache's growth does).
@@ -48,6 +50,7 @@ from .kv_cache import CAPACITY_STEP, key_length_for
 
 SCRATCH = 0  # the scratch block
 TABLE_ROWS = 64  # slots the device tables first hold (doubled when more are live)
+IN_PLACE = (None, "flat", "blocks")  # how `update` returns keys: gathered, or the pool in a layout
 
 
 def blocks_for(positions: int, block_size: int) -> int:
@@ -92,6 +95,7 @@ class PagedKVCache:
         self._view_length = 0  # K of the current forward
         self._write: torch.Tensor | None = None  # [B', Q] flat index each new token goes to
         self._read: torch.Tensor | None = None  # [B', K / bs] block ids to gather (None: read in place)
+        self._in_place: str | None = None  # the layout `update` returns the pool in, if it does (`bind`)
         self._on_device: dict[torch.device, tuple] = {}
 
     # -- HF Cache duck-typing -------------------------------------------------------------
@@ -100,14 +104,17 @@ class PagedKVCache:
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """key_states/value_states [B', H, Q, D] -> keys/values of the batch rows [B', H, K, D]."""
+        """key_states/value_states [B', H, Q, D] -> keys/values of the batch rows [B', H, K, D]
+        (bound in place: the pool, [1, H, N * bs, D] or [N, bs, H, D]; see `bind`)."""
         keys, values = self._layer(layer_idx, key_states)
         write, read = self._indices(keys.device)  # [B', Q], [B', K / bs]
         batch, heads, _, dim = key_states.shape
         flat_keys, flat_values = keys.view(-1, heads, dim), values.view(-1, heads, dim)  # [N*bs, H, D]
         flat_keys[write] = key_states.transpose(1, 2).to(keys.dtype)  # [B', Q, H, D]
         flat_values[write] = value_states.transpose(1, 2).to(values.dtype)
-        if read is None:  # bound in place
+        if self._in_place == "blocks":
+            return keys, values  # [N, bs, H, D]
+        if read is None:  # bound in place, flat
             pooled = (1, -1, heads, dim)
             return keys.view(pooled).transpose(1, 2), values.view(pooled).transpose(1, 2)  # [1, H, N*bs, D]
         length = read.shape[1] * self.block_size
@@ -251,14 +258,17 @@ class PagedKVCache:
         self._built = self._num_blocks
 
     def bind(self, write_slots: torch.Tensor, positions: torch.Tensor, read_slots: torch.Tensor | None,
-             tables: torch.Tensor | None = None, in_place: bool = False) -> None:
+             tables: torch.Tensor | None = None, in_place: str | None = None) -> None:
         """Inside a forward (device tensors): positions [B', Q], tables [B', K / bs] block ids
-        (the slot columns are the dense cache's and unused here); in_place: layers get the whole
-        pool back, not their rows' keys (no read indices)."""
+        (the slot columns are the dense cache's and unused here); in_place ("flat" or "blocks"):
+        layers get the whole pool back in that layout, not their rows' keys (no read indices)."""
+        if in_place not in IN_PLACE:
+            raise ValueError(f"in_place is one of {IN_PLACE}, got {in_place!r}")
         size = self.block_size
         block = tables.gather(1, torch.div(positions, size, rounding_mode="floor"))  # [B', Q]
         self._write = block * size + positions % size
         self._read = None if in_place else tables
+        self._in_place = in_place
         self._on_device = {}
 
     def upload(self, device: torch.device, key_length: int) -> int:
