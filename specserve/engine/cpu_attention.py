@@ -4,7 +4,7 @@ A paged cache (engine/paged_cache.py) keeps each layer's keys in one pool `[N, b
 request's positions scattered over its blocks. torch's CPU attention kernels take keys as one
 strided tensor per batch, so the paged path gathered every row's blocks into a copy, every layer,
 every forward: on this project's 2-core CPU that copy alone cost about as much as the attention
-(SmolLM2-135M's shapes, batch 16, ~300 positions: the gathered path took 1.07-1.69x the time of
+(SmolLM2-135M's shapes, batch 16, ~300 positions: the gathered path took 1.03-1.69x the time of
 the dense cache's attention). `paged_attention.c` reads the pool through the block tables
 instead, for forwards of up to a few query positions per row (decode, draft, verify):
 
