@@ -45,10 +45,11 @@ from tqdm import tqdm
 
 from specserve.bench.policy import Costs
 from specserve.bench.rows import SpeedAndAcceptance
-from specserve.engine.model_runner import CALIBRATION_CONTEXT, CALIBRATION_SIZES, cache_kwarg
+from specserve.engine.model_runner import (
+    ATTENTION_MODES, CALIBRATION_CONTEXT, CALIBRATION_SIZES, EXECUTION_MODES, ModelRunner, cache_kwarg,
+)
 from specserve.engine import RowInput, SamplingParams, SpeculativeEngine
 from specserve.engine.admission import allocation
-from specserve.engine.model_runner import ModelRunner
 from specserve.engine.planted import PlantedProposer
 from specserve.engine.proposers import DraftModelProposer
 from specserve.engine.policy import expected_tokens
@@ -480,10 +481,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=None, help="repetitions per cost measurement (default 10)")
     p.add_argument("--repeats", type=int, default=None, help="timed rounds per configuration, median kept "
                    "(default 3; tiny 2)")
-    p.add_argument("--execution", default="auto", choices=["auto", "eager", "compile", "graph", "fused-graph"],
+    p.add_argument("--execution", default="auto", choices=EXECUTION_MODES,
                    help="how the engine runs its fixed-shape forwards (auto: CUDA graphs on a GPU; fused-graph: "
                         "of decoder layers compiled first, engine/fusion.py)")
-    p.add_argument("--attention", default="auto", choices=["auto", "mask", "flex"],
+    p.add_argument("--attention", default="auto", choices=ATTENTION_MODES,
                    help="how every model attends: under a materialised mask, or FlexAttention under the rows' "
                         "positions (auto: mask; docs/engine.md)")
     p.add_argument("--kv-block-size", type=int, default=None,

@@ -53,7 +53,7 @@ _library: ctypes.CDLL | None = None
 _tried = False
 
 
-def available(head_dim: int, dtype: torch.dtype) -> bool:
+def available(head_dim: int | None, dtype: torch.dtype) -> bool:
     """Whether a paged forward of this model should read its pool through the kernel (built now
     if it is not yet): float32, a head size the vectorised path takes, AVX-512, a compiler."""
     if os.environ.get("SPECSERVE_CPU_KERNELS", "1") == "0" or dtype != torch.float32 or head_dim not in VECTOR_DIMS:

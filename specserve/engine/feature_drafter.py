@@ -773,7 +773,6 @@ class FeatureDrafterProposer(DraftModelProposer):
         return tokens, torch.where(beyond[:, None], hot, q)
 
 
-
 class _Confidence:
     """Where rows stop drafting: a row drafts position j while the product of the head's top
     probabilities at positions 0..j stays >= floor (EAGLE-2's estimate of the chance that the

@@ -38,6 +38,7 @@ from . import attention, cpu_attention, cpu_linear
 from .fusion import BlockFusion, repeated_blocks
 from .kv_cache import CAPACITY_STEP, SlotKVCache, capacity_for
 from .paged_cache import SCRATCH, PagedKVCache
+from .sharding import head_dim
 
 # Batch sizes a forward is padded up to: every power of two up to 8 (small batches are weight-bound
 # on a GPU, so a padded row costs next to nothing, and few shapes keep few graphs), then steps of 8
@@ -313,11 +314,9 @@ class ModelRunner:
         if self.attention == "flex":
             return "flat"
         config = self.model.config
-        heads, width = getattr(config, "num_attention_heads", None), getattr(config, "hidden_size", None)
-        head_dim = getattr(config, "head_dim", None) or (width // heads if heads and width else 0)
         kernel = (self.grouped_attention and self.execution == "eager" and self.fusion is None
                   and getattr(config, "_attn_implementation", None) == "sdpa")
-        return "blocks" if kernel and cpu_attention.available(head_dim, self.dtype) else None
+        return "blocks" if kernel and cpu_attention.available(head_dim(config), self.dtype) else None
 
     def _key_step(self) -> int:
         """What a forward's key length K is rounded up to: the cache's growth step where forwards

@@ -44,8 +44,15 @@ def kv_cache_bytes_per_token(config, dtype: torch.dtype | str = torch.bfloat16, 
     layers = text.num_hidden_layers if num_layers is None else num_layers
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    return layers * kv_heads * head_dim * 2 * dtype_bytes(dtype)
+    return layers * kv_heads * head_dim(text) * 2 * dtype_bytes(dtype)
+
+
+def head_dim(config) -> int | None:
+    """A model config's attention head size: its `head_dim`, else hidden size / heads (None: the
+    config names neither)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads, hidden = getattr(text, "num_attention_heads", None), getattr(text, "hidden_size", None)
+    return getattr(text, "head_dim", None) or (hidden // heads if heads and hidden else None)
 
 
 def headroom_for_tokens(config, tokens: int, num_devices: int, dtype: torch.dtype | str = torch.bfloat16) -> int:
