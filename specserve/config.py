@@ -383,8 +383,8 @@ class AppConfig(_Strict):
     kv_block_size: int | None = Field(None, ge=1, le=4096)
     # With kv_block_size: a prompt prefix whose KV an earlier request computed (a shared system
     # prompt, a multi-turn chat) is shared block by block instead of computed again; reported in
-    # usage.prompt_tokens_details.cached_tokens. Not where a feature head reads the target's
-    # hidden states at every position (its prefixes are always computed).
+    # usage.prompt_tokens_details.cached_tokens. A feature head's target features are kept with
+    # the blocks (docs/engine.md).
     prefix_caching: bool = False
     # Per request, arrival to last token: a request still unfinished after this fails with a 504
     # (the Serve proxy's http_options.request_timeout_s should be a little longer).

@@ -34,13 +34,13 @@ def head_dir(tmp_path_factory):
     return train_tiny_head(model, tmp_path_factory.mktemp("head"))
 
 
-def config(head_dir, worker: str, pipelined: bool = False, lookup_min_n: int | None = None) -> AppConfig:
+def config(head_dir, worker: str, pipelined: bool = False, lookup_min_n: int | None = None, **kw) -> AppConfig:
     drafter = {"kind": "eagle", "path": str(head_dir), "worker": worker, "lookup_min_n": lookup_min_n}
     return AppConfig.model_validate(dict(
         served_model_name="tiny", target=TINY, drafter=drafter,
         speculation=dict(num_speculative_tokens=3, adaptive=False, pipelined=pipelined, execution="eager",
                          transport="actor_calls"),
-        max_model_len=256))
+        max_model_len=256, **kw))
 
 
 def greedy():
@@ -82,6 +82,36 @@ def test_pipelined_and_on_the_graph_stay_lossless(local_coordinator, head_dir, g
         assert coordinator._totals["pipelined_hits"] > 0
     if graph:
         assert coordinator._totals["graph_steps"] > 0
+
+
+@pytest.mark.parametrize("worker", ["target", "draft"])
+def test_a_cached_prefix_comes_with_its_features_beside_the_target_or_pulled(local_coordinator, head_dir,
+                                                                             monkeypatch, worker):
+    """Under the target's prefix cache, requests that share a system prompt take its blocks, and
+    the head (beside the target, or on the draft worker pulling them) gets the features kept with
+    them: same tokens as the target alone, as many drafts accepted as without the cache."""
+    from specserve.engine.paged_cache import PagedKVCache
+
+    taken, match = [0], PagedKVCache.match
+
+    def counted(self, *args):
+        got = match(self, *args)
+        taken[0] += got
+        return got
+    monkeypatch.setattr(PagedKVCache, "match", counted)
+    system = list(range(40, 100))
+    prompts = [system + p for p in PROMPTS]
+    accepted = {}
+    for sharing in (True, False):
+        taken[0] = 0
+        coordinator = local_coordinator(config(head_dir, worker, kv_block_size=8, prefix_caching=sharing))
+        first = generate(coordinator, prompts[:1], greedy()[:1])
+        later = [generate(coordinator, [p], [sp])[0] for p, sp in zip(prompts[1:], greedy()[1:])]
+        target = coordinator.target._obj.model.runner.model
+        assert first + later == [hf_greedy(target, p, n) for p, n in zip(prompts, LENGTHS)]
+        accepted[sharing] = coordinator._totals["spec_decode_num_accepted_tokens"]
+        assert taken[0] == (3 * 56 if sharing else 0)  # each later request: the system prompt's whole blocks
+    assert accepted[True] == accepted[False] > 0
 
 
 def test_a_draft_worker_that_loses_its_state_pulls_every_feature_again(local_coordinator, head_dir):

@@ -164,7 +164,7 @@ def test_admission_by_blocks_takes_in_what_a_dense_cache_cannot():
 SYSTEM = list(range(1, 70))  # a shared "system prompt" of 69 tokens
 
 
-@pytest.mark.parametrize("name", ["draft-model", "layer-skip", "prompt-lookup"])
+@pytest.mark.parametrize("name", ["draft-model", "feature-head", "layer-skip", "prompt-lookup"])
 @pytest.mark.parametrize("block_size", [1, 7, 16])
 def test_shared_prefixes_are_taken_not_computed_and_change_no_token(name, block_size, head_dir):
     """Requests that share a prefix, one after another and together (chunked prefill in chunks of
@@ -249,14 +249,76 @@ def test_a_full_pool_evicts_the_least_recently_used_cached_blocks():
     assert_pool_full(engine)
 
 
-def test_prefix_caching_needs_blocks_and_stays_off_under_a_feature_head(head_dir):
+def test_prefix_caching_needs_blocks():
     with pytest.raises(ValueError, match="kv_block_size"):
         SpeculativeEngine(target(), num_speculative_tokens=0, prefix_caching=True)
-    engine = SpeculativeEngine(target(), proposer=drafter("feature-head", head_dir), num_speculative_tokens=3,
-                               adaptive=False, kv_block_size=16, prefix_caching=True)
-    assert not engine.verifier.runner.cache.prefix_caching  # its features come from computing every position
-    outs = engine.generate([SYSTEM + [5], SYSTEM + [6]], SamplingParams(max_tokens=MAX_NEW, temperature=0.0))
-    assert [o.token_ids for o in outs] == [reference(tuple(SYSTEM + [5])), reference(tuple(SYSTEM + [6]))]
+
+
+def test_a_tapped_runner_hands_out_the_features_kept_with_a_shared_prefix():
+    """A feature tap under prefix caching: a prefill that takes cached blocks hands its sink the
+    features the first request's prefill kept with them. Every position's features equal what a
+    runner computing each position itself hands out (blocks of 7, a chunk ending inside a block,
+    whose private copy is then swapped for the cached one), and a tap once prefixes are cached is
+    refused (their features were never kept)."""
+    from specserve.engine.feature_drafter import feature_modules
+
+    def tapped(sharing: bool) -> tuple[ModelRunner, dict[str, dict[int, torch.Tensor]]]:
+        runner, seen = ModelRunner(target(), execution="eager"), {}
+
+        def sink(request_id: str, start: int, features: torch.Tensor) -> None:  # features [n, F]
+            seen.setdefault(request_id, {}).update({start + i: f.clone() for i, f in enumerate(features)})
+        runner.tap(feature_modules(runner.model, (0, 1)), "test", sink)
+        runner.page(7, None, sharing)
+        return runner, seen
+
+    (shared, kept), (plain, computed) = tapped(True), tapped(False)
+    prompts_ = {"a": SYSTEM + [80, 81], "b": SYSTEM + [90, 91, 92]}
+    for runner in (shared, plain):
+        for rid, cut in (("a", 30), ("b", 40)):  # two chunks each; b's first ends inside a block
+            runner.forward([RowInput(rid, 0, prompts_[rid][:cut])], logits="none")
+            runner.forward([RowInput(rid, cut, prompts_[rid][cut:])], logits="none")
+    # b: [0, 35) taken, [35, 40) computed; then the rest of block 5 and blocks 6-8 taken: 2 + 21
+    assert shared.cached_tokens == {"b": 35 + 23} and plain.cached_tokens == {}
+    for rid, prompt in prompts_.items():
+        assert sorted(kept[rid]) == sorted(computed[rid]) == list(range(len(prompt)))
+        for p in range(len(prompt)):
+            assert torch.allclose(kept[rid][p], computed[rid][p], atol=1e-5), (rid, p)
+    shared.free("a")
+    shared.free("b")
+    with pytest.raises(RuntimeError, match="no prefix"):
+        shared.tap(feature_modules(shared.model, (0, 1)), "test", lambda *args: None)
+
+
+def test_a_feature_head_drafts_from_the_features_kept_with_a_cached_prefix(head_dir):
+    """The feature head behind a prefix cache: a later request that takes the shared blocks gets
+    the features kept with them, the ones an engine without the cache computes, drafts as often
+    accepted, and the target's tokens."""
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    first, later = SYSTEM + [80, 81], SYSTEM + [90, 91, 92]
+    runs = {}
+    for sharing in (True, False):
+        engine = SpeculativeEngine(target(), proposer=drafter("feature-head", head_dir), num_speculative_tokens=3,
+                                   adaptive=False, kv_block_size=16, prefix_caching=sharing)
+        engine.generate([first], params)
+        store, seen, free = engine.proposer.features, {}, engine.proposer.features.free
+
+        def keep_and_free(rid: str) -> None:  # what the store held for the request, when it goes
+            if store.written(rid):
+                seen[rid] = store.read(rid, 0, store.written(rid)).clone()  # [positions, F]
+            free(rid)
+        store.free = keep_and_free
+        engine.add_request("later", later, params)
+        seq, outs = engine.sequence("later"), []
+        while engine.has_unfinished():
+            outs += engine.step()
+        assert [t for out in outs for t in out.new_token_ids] == reference(tuple(later))
+        assert seq.cached_tokens == (64 if sharing else 0)  # the system prompt's whole blocks
+        runs[sharing] = seq.metrics, seen["later"]
+        assert_pool_full(engine)
+    (metrics, kept), (plain_metrics, computed) = runs[True], runs[False]
+    assert kept.shape == computed.shape and torch.allclose(kept, computed, atol=1e-5)
+    assert metrics.num_accepted_tokens == plain_metrics.num_accepted_tokens > 0
+    assert metrics.num_draft_tokens == plain_metrics.num_draft_tokens
 
 
 def test_requests_that_outgrow_the_budget_are_preempted_and_lose_nothing():

@@ -397,38 +397,23 @@ class FeatureTap:
     The runner taps the feature modules (`ModelRunner.tap`): each forward yields their outputs as
     `last_features` ([B', Q, F], the runner's slot order, padded rows last), an output of the
     forward itself, so the target's forwards may be compiled or replayed as CUDA graphs. The
-    runner's `forward(rows, ..., tail=...)` is wrapped so that, once it returns, row b's first
-    len(tokens) + tail positions are written for its request from `start` on, and its `free` so
-    that they go with the request.
+    runner hands each row's positions to the store once a forward has run (and, for a prompt
+    prefix it took from cached blocks, the features kept with them); the runner's `free` is
+    wrapped so that they go with the request.
     """
 
     def __init__(self, runner: ModelRunner, feature_layers: tuple[int, ...], store: FeatureStore) -> None:
         self.runner = runner
         self.store = store
-        # every position's features are stored as the target computes it: a prefix taken from
-        # shared KV blocks would leave its features missing
         runner.tap(feature_modules(runner.model, feature_layers),
-                   "a feature drafter reads the target's hidden states at every position")
-        inner_forward, inner_free = runner.forward, runner.free
-
-        def forward(rows: list[RowInput], logits: str = "last", tail: torch.Tensor | None = None):
-            out = inner_forward(rows, logits, tail=tail)
-            self._store(rows, 0 if tail is None else tail.shape[1])
-            return out
+                   "a feature drafter reads the target's hidden states at every position", store.write)
+        inner_free = runner.free
 
         def free(request_id: str) -> None:  # features live as long as the target's cache of them
             inner_free(request_id)
             store.free(request_id)
 
-        runner.forward, runner.free = forward, free  # instance attributes: this runner only
-
-    def _store(self, rows: list[RowInput], tail_width: int) -> None:
-        feats = self.runner.last_features  # [B', Q, F]
-        # the runner ran the rows sorted by slot (see ModelRunner.stage): sorted row i is caller row order[i]
-        order = sorted(range(len(rows)), key=lambda b: self.runner._slot_of[rows[b].request_id])
-        for i, b in enumerate(order):
-            row = rows[b]
-            self.store.write(row.request_id, row.start, feats[i, : len(row.tokens) + tail_width])
+        runner.free = free  # an instance attribute: this runner only
 
 
 class FeatureServer:

@@ -255,9 +255,10 @@ class ModelRunner:
         self.last_features: torch.Tensor | None = None
         self._taps: list[torch.Tensor | None] = []  # per tapped module, its output in the forward running
         self._tapped_modules: list[int] = []  # ids of the tapped modules
-        # why each forward must compute every position of every row itself, in one pass (a feature
-        # tap stores what it sees): no shared prefixes, no split batches (None: nothing taps it)
-        self.tapped: str | None = None
+        # who reads them, per request and position (`tap`); with prefix caching, prefills also keep
+        # them beside their keys, so that a request taking a cached prefix gets its features
+        self._feature_sinks: list[Callable[[str, int, torch.Tensor], None]] = []
+        self.tapped: str | None = None  # what taps this runner's forwards (None: nothing)
         self.cached_tokens: dict[str, int] = {}  # request -> prompt tokens its prefills took from shared blocks
         self._bytes: int | None = None  # the weights' bytes (`_weight_bytes`)
         limit = getattr(model.config, "max_position_embeddings", None)
@@ -298,12 +299,11 @@ class ModelRunner:
     def page(self, block_size: int, num_blocks: int | None = None, prefix_caching: bool = False) -> None:
         """Keep keys and values by block (engine/paged_cache.py) from now on: blocks of
         `block_size` positions from one pool of `num_blocks` (None: a pool that grows), sharing
-        computed prompt prefixes when prefix_caching (not where a drafter reads this model's
-        hidden states at every position: `tapped`). Before the first request only."""
+        computed prompt prefixes when prefix_caching (a tapped runner's features shared with them).
+        Before the first request only."""
         if self._slot_of:
             raise RuntimeError("the cache layout changes only while no request is cached")
-        sharing = prefix_caching and self.tapped is None
-        self.cache = PagedKVCache(block_size, self.max_model_len, num_blocks, sharing, self._key_step())
+        self.cache = PagedKVCache(block_size, self.max_model_len, num_blocks, prefix_caching, self._key_step())
         self.in_place = self._in_place_layout()
 
     def _in_place_layout(self) -> str | None:
@@ -448,7 +448,7 @@ class ModelRunner:
         if len(groups) == 1:
             return self._forward_rows(rows, logits, tail)
         outs = []
-        for group in groups:  # (never tapped: a tapped runner's rows are one group)
+        for group in groups:
             picked = None if tail is None else tail[torch.tensor(group, device=tail.device)]
             outs.append(self._forward_rows([rows[b] for b in group], logits, picked))
         return None if outs[0] is None else regroup(outs, groups, len(rows))
@@ -458,17 +458,32 @@ class ModelRunner:
         if tail is not None:
             staged.ids[:, staged.width - tail.shape[1]:] = tail.to(self.device).index_select(0, staged.sorted_to_caller)
         out = self.run(staged, logits, prefill=logits == "none")
+        if self._feature_sinks:
+            self._hand_features(rows, staged, 0 if tail is None else tail.shape[1], keep=logits == "none")
         if logits == "none" and self.paged:  # committed tokens: the blocks they filled may be shared
             for row in rows:
                 self.cache.register(self._slot_of[row.request_id], row.start, row.tokens)
         return None if out is None else self.unsort(staged, out)
+
+    def _hand_features(self, rows: list[RowInput], staged: Staged, tail_width: int, keep: bool) -> None:
+        """After a forward of a tapped runner: each row's positions (its tokens and the tail) go to
+        the sinks; a prefill under prefix caching (`keep`) also keeps them by block with its keys."""
+        features = self.last_features  # [B', Q, F] sorted row order
+        keep = keep and getattr(self.cache, "prefix_caching", False)
+        for i, b in enumerate(staged.order):
+            row = rows[b]
+            mine = features[i, : len(row.tokens) + tail_width]  # [n, F]
+            for sink in self._feature_sinks:
+                sink(row.request_id, row.start, mine)
+            if keep:
+                self.cache.keep_features(self._slot_of[row.request_id], row.start, mine)
 
     def length_groups(self, rows: list[RowInput], tail_width: int = 0, extra_positions: int = 0) -> list[list[int]]:
         """A paged cache's rows (caller indices) in two forwards, short ones and long ones, where
         the key positions the short rows would otherwise attend over (up to the longest row's)
         cost more than a second pass over the weights; else one group. Dense, or read in place
         (each row visits its own blocks only): always one group."""
-        if not self.paged or len(rows) < 2 or self.tapped:
+        if not self.paged or len(rows) < 2:
             return [list(range(len(rows)))]
         if self._reads_in_place(max(len(r.tokens) for r in rows) + tail_width):
             return [list(range(len(rows)))]
@@ -519,9 +534,18 @@ class ModelRunner:
             if taken:
                 self._valid[row.request_id] = row.start + taken
                 self.cached_tokens[row.request_id] = self.cached_tokens.get(row.request_id, 0) + taken
+                self._hand_kept_features(row.request_id, row.start, row.start + taken)
             if taken < len(row.tokens):
                 left.append(RowInput(row.request_id, row.start + taken, row.tokens[taken:]))
         return left
+
+    def _hand_kept_features(self, request_id: str, start: int, end: int) -> None:
+        """Positions [start, end) of a request were taken from cached blocks, not computed: the
+        features kept with them go to the sinks, as a forward's would."""
+        if self._feature_sinks:
+            features = self.cache.kept_features(self._slot_of[request_id], start, end)  # [end - start, F]
+            for sink in self._feature_sinks:
+                sink(request_id, start, features)
 
     def stage(self, rows: list[RowInput], tail_width: int = 0, extra_positions: int = 0) -> Staged:
         """Host half of a forward: slots, row order, shapes, and one copy of the inputs to the
@@ -704,21 +728,25 @@ class ModelRunner:
             result = result[torch.arange(result.shape[0], device=result.device), last]  # [B', V']
         return result, features
 
-    def tap(self, modules: Sequence[torch.nn.Module], why: str) -> None:
+    def tap(self, modules: Sequence[torch.nn.Module], why: str,
+            sink: Callable[[str, int, torch.Tensor], None]) -> None:
         """From now on each forward also yields what `modules` output (a drafter's features), as
         `last_features` [B', Q, F] (sorted row order; F their widths together): an output of the
         forward itself, so compiled and captured forwards keep it (a replayed graph's static
-        buffer, valid until the next forward). why: the reason every forward must then compute
-        every row's positions itself (`tapped`): no shared prefixes, no split batches. Tapping the
-        same modules again changes nothing (two readers share the features); others are refused."""
-        if self.tapped is not None:
-            if [id(m) for m in modules] == self._tapped_modules:
-                return
+        buffer, valid until the next forward). After each forward, sink(request id, start,
+        features [n, F]) gets every row's positions (its tokens and any tail), and, for a prompt
+        prefix taken from cached blocks (prefix caching), the features a prefill kept with them.
+        why: what taps (`tapped`). Tapping the same modules again adds a sink (two readers share
+        the features); other modules are refused. Before the first request only."""
+        if self._slot_of or (self.paged and self.cache.num_registered_blocks):
+            raise RuntimeError("a runner is tapped only while its cache holds no request and no prefix")
+        if self.tapped is not None and [id(m) for m in modules] != self._tapped_modules:
             raise RuntimeError(f"this runner is tapped already, at other modules ({self.tapped})")
+        self._feature_sinks.append(sink)
+        if self.tapped is not None:
+            return
         self.tapped = why
         self._tapped_modules = [id(m) for m in modules]
-        if getattr(self.cache, "prefix_caching", False):
-            self.cache.prefix_caching = False
         self._taps = [None] * len(modules)
         for i, module in enumerate(modules):
             module.register_forward_hook(self._keeper(i))

@@ -34,7 +34,10 @@ its own tokens). A later prefill of the same prefix takes those blocks instead o
 (`match`): they join its table read-only, counted by reference. A block nobody references stays
 cached, least recently used first out when the pool needs blocks. A forward that would write into
 a shared or registered block (a request rolled back into its prompt) first copies it into a block
-of its own (`writable`: copy on write), so a cached block never changes.
+of its own (`writable`: copy on write), so a cached block never changes. A runner whose forwards
+also output per-position features (a feature drafter's tap) keeps a prefill's features by block
+beside its keys (`keep_features`, one more pool `[N, bs, F]`), so that a request taking the blocks
+gets their features too (`kept_features`): the drafter needs one per position.
 
 The object is passed to a HF model as `past_key_values` (`update(keys, values, layer_idx)`), like
 `SlotKVCache`; layers are allocated lazily on the device of their keys (a sharded model gets one
@@ -90,6 +93,7 @@ class PagedKVCache:
         self._tails: list[list[int] | None] = []  # slot -> tokens written past them (None: not followed)
         self._keys: list[torch.Tensor | None] = []  # per layer [N, bs, H, D]
         self._values: list[torch.Tensor | None] = []
+        self._features: torch.Tensor | None = None  # [N, bs, F] what prefills' tapped forwards output (`keep_features`)
         self._built = 0  # blocks every layer was last seen at after a forward
         self.generation = 0  # bumped whenever storage moves (captured graphs hold its addresses)
         self._view_length = 0  # K of the current forward
@@ -227,12 +231,28 @@ class PagedKVCache:
         """Copy positions [start, end) of slot src into slot dst (taking the blocks dst lacks)."""
         self.place(dst, end)
         self.writable(dst, start, end)
+        self._fit_features()
         src_index = self._flat(self._tables[src], start, end)
         dst_index = self._flat(self._tables[dst], start, end)
-        for store in (*self._keys, *self._values):
-            if store is not None:
-                flat = store.view(-1, *store.shape[2:])
-                flat[dst_index.to(store.device)] = flat[src_index.to(store.device)]
+        for store in self._stores():
+            flat = store.view(-1, *store.shape[2:])
+            flat[dst_index.to(store.device)] = flat[src_index.to(store.device)]
+
+    def keep_features(self, slot: int, start: int, features: torch.Tensor) -> None:
+        """After a prefill wrote slot's positions [start, start + n): features [n, F] its forward
+        output there, kept by block beside their keys (taken along with the blocks). Host-built
+        indices: prefills only, never a decode step."""
+        store = self._fit_features(features)
+        index = self._flat(self._tables[slot], start, start + features.shape[0]).to(store.device)
+        store.view(-1, store.shape[-1])[index] = features.to(store.dtype)
+
+    def kept_features(self, slot: int, start: int, end: int) -> torch.Tensor:
+        """[end - start, F]: the features `keep_features` kept at slot's positions [start, end)
+        (blocks it took from the prefix cache hold those of the request that computed them)."""
+        if self._features is None:
+            raise RuntimeError("no features were kept in this cache (keep_features)")
+        index = self._flat(self._tables[slot], start, end).to(self._features.device)
+        return self._features.view(-1, self._features.shape[-1])[index]
 
     def reserve(self, num_slots: int, needed_positions: int) -> int:
         """Before a forward (host integers only) -> K, the key length to attend over: the dense
@@ -324,6 +344,11 @@ class PagedKVCache:
         return len(self._cached)
 
     @property
+    def num_registered_blocks(self) -> int:
+        """Blocks that hold a registered prefix, held by a request or cached."""
+        return len(self._hash_of)
+
+    @property
     def num_free_blocks(self) -> int:
         return len(self._free) + len(self._cached)
 
@@ -337,7 +362,7 @@ class PagedKVCache:
         return sum(2 * t.shape[2] * t.shape[3] * t.element_size() for t in self._keys if t is not None)
 
     def memory_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._keys + self._values if t is not None)
+        return sum(t.numel() * t.element_size() for t in self._stores())
 
     # -- internals --------------------------------------------------------------------------
     def _change(self, slot: int, first: int) -> None:
@@ -395,10 +420,28 @@ class PagedKVCache:
             else:
                 self._free.append(block)
 
+    def _stores(self) -> list[torch.Tensor]:
+        """Every pool allocated so far, indexed by block first: keys, values, kept features."""
+        return [t for t in (*self._keys, *self._values, self._features) if t is not None]
+
     def _copy_block(self, src: int, dst: int) -> None:
-        for store in (*self._keys, *self._values):
+        self._fit_features()
+        for store in self._stores():
+            store[dst] = store[src]
+
+    def _fit_features(self, like: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The features pool, allocated (F, dtype and device of `like` [n, F]) or grown to every
+        block of the pool; None while none was kept and `like` is None."""
+        store = self._features
+        if store is None and like is None:
+            return None
+        if store is None or store.shape[0] < self._num_blocks:
+            like = store if store is not None else like
+            grown = like.new_zeros(self._num_blocks, self.block_size, like.shape[-1])
             if store is not None:
-                store[dst] = store[src]
+                grown[: store.shape[0]] = store
+            self._features = store = grown
+        return store
 
     def _grow(self, num_blocks: int) -> None:
         """More blocks (storage reallocated at the next forward, `_layer`)."""
