@@ -735,7 +735,7 @@ def _peak_running(client, bodies: list[dict]) -> tuple[int, list[dict]]:
     return client.get("/v1/stats").json()["running_peak"], [a.json() for a in answers]
 
 
-def test_paged_app_runs_what_a_dense_budget_cannot_and_shares_prompts(http, server):
+def test_paged_app_runs_what_a_dense_budget_cannot_and_shares_prompts(http, server, tmp_path):
     """One ~430-token request and 40 short ones arriving together, at one budget (4,096 KV
     positions, batch 64): the dense cache sizes every slot by the long one; paged (kv_block_size
     16) runs them by their own lengths. Every answer is the session app's own. Then a second
@@ -756,8 +756,20 @@ def test_paged_app_runs_what_a_dense_budget_cannot_and_shares_prompts(http, serv
                 assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
                 assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 256, second["usage"]
                 memory = client.get("/v1/stats").json()["memory"]
+                report = _bench_http_with_a_system_prompt(f"{server}/{name}", tmp_path)
     assert peaks["dense"] <= 8 and peaks["paged"] >= 32, peaks
     assert any("kv_blocks_total" in m for m in memory.values() if isinstance(m, dict)), memory
+    (row,) = report["rows"]  # bench http's shared system prompt: its requests find it cached
+    assert row["prompt_tokens_mean"] > row["cached_tokens_mean"] >= 128 and row["output_tokens"] == 8, row
+
+
+def _bench_http_with_a_system_prompt(url: str, tmp_path) -> dict:
+    from specserve.bench import http as bench_http
+
+    out = tmp_path / "http.json"
+    assert bench_http.main(["--url", url, "--concurrency", "1", "--requests", "2", "--max-tokens", "4",
+                            "--gammas", "default", "--system-words", "40", "--out", str(out)]) == 0
+    return json.loads(out.read_text())
 
 
 # -- pipelined speculation (speculation.pipelined) -------------------------------------------------

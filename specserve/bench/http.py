@@ -12,7 +12,10 @@ Per level: output tokens/s (all tokens / wall time), TTFT p50/p99, inter-token l
 tokens in one chunk, so per-chunk gaps would overstate it), the acceptance rate, and the
 coordinator's per-step timings from /v1/stats (step wall p50; overhead p50 = step wall - model
 forward time; rpc p50 = step wall - time inside the worker calls). Stats are per coordinator
-replica: run against a single-replica app for exact figures. Prints a table, writes JSON.
+replica: run against a single-replica app for exact figures. With `--system-words N` every
+request starts with the same system prompt of N words (a system message with `--chat`), and the
+table reports the prompt tokens per request and how many of them the server took from its prefix
+cache (`usage.prompt_tokens_details.cached_tokens`). Prints a table, writes JSON.
 """
 from __future__ import annotations
 
@@ -37,6 +40,16 @@ PROMPTS = [
     "Why is the sky blue?",
     "Summarise the plot of Hamlet.",
 ]
+# the shared system prompt's words (`--system-words`), repeated as far as asked
+SYSTEM = ("You are a support assistant for a company that sells bicycles, spare parts and repairs. Answer in "
+          "plain English, briefly, and only about the company's products and services. Prices are in euros "
+          "and include tax. Opening hours are nine to six on weekdays and ten to four on Saturdays. Never "
+          "promise a delivery date; say that the shop confirms it by email. If a question is about safety, "
+          "advise the customer to visit a workshop.").split()
+
+
+def system_prompt(words: int) -> str:
+    return " ".join(SYSTEM[i % len(SYSTEM)] for i in range(words))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -50,15 +63,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat", action="store_true", help="use /v1/chat/completions")
     p.add_argument("--out", type=Path, default=Path("bench-results/http.json"))
     p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--system-words", type=int, default=0,
+                   help="a system prompt of this many words shared by every request (0: none)")
 
 
 async def _one(client: httpx.AsyncClient, args, model: str, prompt: str, gamma: int | None) -> dict:
     body = {"model": model, "max_tokens": args.max_tokens, "temperature": args.temperature, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
+    system = system_prompt(args.system_words) if args.system_words else None
     if args.chat:
-        path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": prompt}]
+        messages = [{"role": "system", "content": system}] if system else []
+        path, body["messages"] = "/v1/chat/completions", messages + [{"role": "user", "content": prompt}]
     else:
-        path, body["prompt"] = "/v1/completions", prompt
+        path, body["prompt"] = "/v1/completions", f"{system}\n\n{prompt}" if system else prompt
     if gamma is not None:
         body["num_speculative_tokens"] = gamma
     began, chunk_times, usage, spec = time.perf_counter(), [], None, None
@@ -75,7 +92,9 @@ async def _one(client: httpx.AsyncClient, args, model: str, prompt: str, gamma: 
     tokens = usage["completion_tokens"] if usage else 0
     ttft = chunk_times[0] - began if chunk_times else None
     itl = (chunk_times[-1] - chunk_times[0]) / (tokens - 1) if tokens > 1 and len(chunk_times) > 1 else None
-    return {"tokens": tokens, "ttft": ttft, "itl": itl, "speculation": spec or {}}
+    cached = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return {"tokens": tokens, "ttft": ttft, "itl": itl, "speculation": spec or {},
+            "prompt_tokens": (usage or {}).get("prompt_tokens", 0), "cached_tokens": cached}
 
 
 async def _level(client, args, model: str, concurrency: int, gamma: int | None) -> dict:
@@ -102,7 +121,8 @@ async def _level(client, args, model: str, concurrency: int, gamma: int | None) 
         "ttft_p50_ms": ms(nearest_rank(ttfts, 0.5), None), "ttft_p99_ms": ms(nearest_rank(ttfts, 0.99), None),
         "itl_p50_ms": ms(nearest_rank(itls, 0.5), None), "itl_p99_ms": ms(nearest_rank(itls, 0.99), None),
         "acceptance_rate": accepted / drafted if drafted else None, "draft_tokens": drafted,
-        "accepted_tokens": accepted, "coordinator": stats,
+        "accepted_tokens": accepted, "prompt_tokens_mean": sum(r["prompt_tokens"] for r in results) / n,
+        "cached_tokens_mean": sum(r["cached_tokens"] for r in results) / n, "coordinator": stats,
     }
 
 
@@ -112,7 +132,7 @@ def _fmt(x, spec: str = ".1f") -> str:
 
 def _table(rows: list[dict]) -> str:
     head = (f"{'gamma':>7} {'conc':>4} {'req':>4} {'tok/s':>8} {'ttft50':>7} {'ttft99':>7} {'itl50':>6} "
-            f"{'itl99':>6} {'alpha':>5} {'step50':>7} {'ovh50':>6} {'rpc50':>6}   (ms)")
+            f"{'itl99':>6} {'alpha':>5} {'step50':>7} {'ovh50':>6} {'rpc50':>6} {'prompt':>6} {'cached':>6}   (ms)")
     lines = [head]
     for r in rows:
         c = r["coordinator"]
@@ -121,7 +141,7 @@ def _table(rows: list[dict]) -> str:
             f"{_fmt(r['ttft_p50_ms']):>7} {_fmt(r['ttft_p99_ms']):>7} {_fmt(r['itl_p50_ms']):>6} "
             f"{_fmt(r['itl_p99_ms']):>6} {_fmt(r['acceptance_rate'], '.2f'):>5} "
             f"{_fmt(c.get('step_wall_p50_ms')):>7} {_fmt(c.get('overhead_p50_ms')):>6} "
-            f"{_fmt(c.get('rpc_overhead_p50_ms')):>6}")
+            f"{_fmt(c.get('rpc_overhead_p50_ms')):>6} {r['prompt_tokens_mean']:>6.0f} {r['cached_tokens_mean']:>6.0f}")
     return "\n".join(lines)
 
 
@@ -144,7 +164,7 @@ async def _main(args) -> dict:
                 rows.append(await _level(client, args, model, c, gamma))
                 print(_table(rows[-1:]).splitlines()[1], flush=True)
     return {"url": args.url, "model": model, "max_tokens": args.max_tokens, "temperature": args.temperature,
-            "chat": args.chat, "rows": rows, "speedup_vs_gamma0": _speedups(rows)}
+            "chat": args.chat, "system_words": args.system_words, "rows": rows, "speedup_vs_gamma0": _speedups(rows)}
 
 
 def run(args: argparse.Namespace) -> int:
