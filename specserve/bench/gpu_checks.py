@@ -12,7 +12,9 @@ configurations are the ones whose graph capture has run on a CPU only under emul
 - draft model, FlexAttention reading a fixed paged pool in place (attention.pool_block_mask);
 - the feature head: the tapped target's verify forwards and the head's whole draft loop as graphs;
 - draft model and feature head again with fused blocks (`execution="fused-graph"`,
-  engine/fusion.py: the decoder layers compiled, then captured).
+  engine/fusion.py: the decoder layers compiled, then captured);
+- the feature head over a paged cache with prefix caching: the sampled run's prompts take the
+  blocks (and the kept target features) of the greedy run's.
 
 Greedy rows must equal the target alone (masked, dense, eager; the target's greedy choices are
 made robust to kernel noise, `peaked`); seeded sampled rows must equal the same configuration run
@@ -37,7 +39,7 @@ from specserve.engine.planted import PlantedProposer
 
 PROMPTS = [[5, 9, 2, 7], [7] * 19, [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [8, 8], [11, 12, 13, 14, 15, 16]]
 CHECKS = ("draft, mask", "draft, flex", "draft, flex, paged in place", "feature head", "draft, mask, fused",
-          "feature head, fused")
+          "feature head, fused", "feature head, paged, prefix cache")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -67,7 +69,8 @@ def engine_for(check: str, target, draft, graphs: bool, references) -> Speculati
     paged = "paged" in check
     engine = SpeculativeEngine(target, proposer=proposer, num_speculative_tokens=3, adaptive=False,
                                execution=execution, attention="flex" if flex else "mask",
-                               kv_block_size=16 if paged else None, max_cached_tokens=4096 if paged else None)
+                               kv_block_size=16 if paged else None, max_cached_tokens=4096 if paged else None,
+                               prefix_caching="prefix cache" in check)
     if fused and execution == "eager":  # the reference of a fused check: its fused blocks, run eagerly
         for runner in (engine.verifier.runner, engine.proposer.runner):
             runner.fuse()
@@ -100,9 +103,9 @@ def run_check(check: str, target, draft, graphs: bool, alone: list[list[int]], m
 
 def table(rows: list[dict], device: str) -> str:
     lines = [f"graph paths against eager, {device}",
-             f"{'check':<30} {'ok':>4} {'greedy = alone':>15} {'sampled = eager':>16} {'graphs':>7} {'s':>6}"]
+             f"{'check':<34} {'ok':>4} {'greedy = alone':>15} {'sampled = eager':>16} {'graphs':>7} {'s':>6}"]
     for r in rows:
-        lines.append(f"{r['check']:<30} {'yes' if r['ok'] else 'NO':>4} {str(r.get('greedy_same', '-')):>15} "
+        lines.append(f"{r['check']:<34} {'yes' if r['ok'] else 'NO':>4} {str(r.get('greedy_same', '-')):>15} "
                      f"{str(r.get('sampled_same', '-')):>16} {r.get('graphs', '-')!s:>7} {r['seconds']:>6}")
         if "error" in r:
             lines.append(f"    {r['error']}")
