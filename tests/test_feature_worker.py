@@ -87,30 +87,32 @@ def test_pipelined_and_on_the_graph_stay_lossless(local_coordinator, head_dir, g
 @pytest.mark.parametrize("worker", ["target", "draft"])
 def test_a_cached_prefix_comes_with_its_features_beside_the_target_or_pulled(local_coordinator, head_dir,
                                                                              monkeypatch, worker):
-    """Under the target's prefix cache, requests that share a system prompt take its blocks, and
-    the head (beside the target, or on the draft worker pulling them) gets the features kept with
-    them: same tokens as the target alone, as many drafts accepted as without the cache."""
+    """Under prefix caching, requests that share a system prompt take its blocks in the target's
+    cache and in the head's (beside the target, or on the draft worker), and the head gets the
+    target features kept with them: same tokens as the target alone, as many drafts accepted as
+    without the cache."""
     from specserve.engine.paged_cache import PagedKVCache
 
-    taken, match = [0], PagedKVCache.match
+    taken, match = {}, PagedKVCache.match
 
-    def counted(self, *args):
-        got = match(self, *args)
-        taken[0] += got
+    def counted(self, *args, **kwargs):
+        got = match(self, *args, **kwargs)
+        taken[id(self)] = taken.get(id(self), 0) + got
         return got
     monkeypatch.setattr(PagedKVCache, "match", counted)
     system = list(range(40, 100))
     prompts = [system + p for p in PROMPTS]
     accepted = {}
     for sharing in (True, False):
-        taken[0] = 0
+        taken.clear()
         coordinator = local_coordinator(config(head_dir, worker, kv_block_size=8, prefix_caching=sharing))
         first = generate(coordinator, prompts[:1], greedy()[:1])
         later = [generate(coordinator, [p], [sp])[0] for p, sp in zip(prompts[1:], greedy()[1:])]
         target = coordinator.target._obj.model.runner.model
         assert first + later == [hf_greedy(target, p, n) for p, n in zip(prompts, LENGTHS)]
         accepted[sharing] = coordinator._totals["spec_decode_num_accepted_tokens"]
-        assert taken[0] == (3 * 56 if sharing else 0)  # each later request: the system prompt's whole blocks
+        # each later request, in each cache (the target's, the head's): the system prompt's whole blocks
+        assert sorted(taken.values()) == ([3 * 56, 3 * 56] if sharing else [])
     assert accepted[True] == accepted[False] > 0
 
 

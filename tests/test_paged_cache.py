@@ -289,10 +289,24 @@ def test_a_tapped_runner_hands_out_the_features_kept_with_a_shared_prefix():
         shared.tap(feature_modules(shared.model, (0, 1)), "test", lambda *args: None)
 
 
+def test_a_hash_chain_from_another_root_matches_nothing():
+    """Blocks registered under one root (a feature head's: the token before its first pair) are
+    not taken by a prefix of the same tokens under another root, and are under the same one."""
+    from specserve.engine.paged_cache import PagedKVCache
+
+    cache = PagedKVCache(4, max_model_len=64, prefix_caching=True)
+    tokens = list(range(1, 14))
+    cache.place(0, len(tokens))
+    cache.register(0, 0, tokens, root=5)
+    assert cache.match(1, 0, tokens, root=6) == 0
+    assert cache.match(2, 0, tokens) == 0
+    assert cache.match(3, 0, tokens, root=5) == 12  # whole blocks
+
+
 def test_a_feature_head_drafts_from_the_features_kept_with_a_cached_prefix(head_dir):
     """The feature head behind a prefix cache: a later request that takes the shared blocks gets
-    the features kept with them, the ones an engine without the cache computes, drafts as often
-    accepted, and the target's tokens."""
+    the features kept with them, the ones an engine without the cache computes; the head takes its
+    own cached blocks of the prefix too; it drafts as often accepted, and the target's tokens."""
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
     first, later = SYSTEM + [80, 81], SYSTEM + [90, 91, 92]
     runs = {}
@@ -307,12 +321,15 @@ def test_a_feature_head_drafts_from_the_features_kept_with_a_cached_prefix(head_
                 seen[rid] = store.read(rid, 0, store.written(rid)).clone()  # [positions, F]
             free(rid)
         store.free = keep_and_free
+        head, head_took = engine.proposer.runner, []
+        take = head.take_cached_prefix
+        head.take_cached_prefix = lambda row, root=None: head_took.append(take(row, root)) or head_took[-1]
         engine.add_request("later", later, params)
         seq, outs = engine.sequence("later"), []
         while engine.has_unfinished():
             outs += engine.step()
         assert [t for out in outs for t in out.new_token_ids] == reference(tuple(later))
-        assert seq.cached_tokens == (64 if sharing else 0)  # the system prompt's whole blocks
+        assert seq.cached_tokens == sum(head_took) == (64 if sharing else 0)  # the system prompt's whole blocks
         runs[sharing] = seq.metrics, seen["later"]
         assert_pool_full(engine)
     (metrics, kept), (plain_metrics, computed) = runs[True], runs[False]

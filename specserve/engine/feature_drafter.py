@@ -593,13 +593,17 @@ class FeatureDrafterProposer(DraftModelProposer):
         """Catch up on the exact pairs, then one head forward per further draft -> (drafts [b, G]
         on the host, q [b, G, V] or None, drafts worth verifying [b] on the host: G, or fewer
         under `min_confidence`). One forward per length group of the head's runner (paged)."""
-        catch_up, feats = self._catch_up(rows, seqs)
+        catch_up, feats = self._take_cached(*self._catch_up(rows, seqs), seqs)
         groups = self.runner.length_groups(catch_up, extra_positions=num_tokens - 1)
         if len(groups) == 1:
-            return self._draft_rows(catch_up, feats, num_tokens, sampling, uniforms)
-        parts = [self._draft_rows([catch_up[b] for b in g], [feats[b] for b in g], num_tokens, sampling.select(g),
-                                  None if uniforms is None else uniforms[g]) for g in groups]
-        return tuple(regroup([p[i] for p in parts], groups, len(rows)) for i in range(3))
+            out = self._draft_rows(catch_up, feats, num_tokens, sampling, uniforms)
+        else:
+            parts = [self._draft_rows([catch_up[b] for b in g], [feats[b] for b in g], num_tokens,
+                                      sampling.select(g), None if uniforms is None else uniforms[g]) for g in groups]
+            out = tuple(regroup([p[i] for p in parts], groups, len(rows)) for i in range(3))
+        for row, seq in zip(catch_up, seqs):  # exact pairs only: the drafts' positions are rewritten
+            self.runner.register_prefix(row, root=seq[0])
+        return out
 
     def _catch_up(self, rows, seqs) -> tuple[list[RowInput], list[torch.Tensor]]:
         """The exact pairs each row's head has not seen (the tokens since its last call) -> the
@@ -612,6 +616,16 @@ class FeatureDrafterProposer(DraftModelProposer):
             feats.append(self.features.read(row.request_id, exact, last))
             self._exact[row.request_id] = last
         return catch_up, feats
+
+    def _take_cached(self, catch_up: list[RowInput], feats: list[torch.Tensor], seqs):
+        """Under prefix caching, each row skips the leading exact pairs whose keys the head's
+        cached blocks hold (another request's catch-up computed them) -> its rows and features
+        less those. A pair at position p is (the target's feature of p, token p + 1), so the hash
+        chain starts from token 0; the last pair is always computed: its logits give draft 1."""
+        taken = [self.runner.take_cached_prefix(RowInput(row.request_id, row.start, row.tokens[:-1]), root=seq[0])
+                 for row, seq in zip(catch_up, seqs)]
+        return ([RowInput(row.request_id, row.start + n, row.tokens[n:]) for row, n in zip(catch_up, taken)],
+                [f[n:] for f, n in zip(feats, taken)])
 
     def _draft_rows(self, catch_up, feats, num_tokens, sampling, uniforms):
         """`_draft` over one forward's rows: staged once (the key length covers the G-1 single-token

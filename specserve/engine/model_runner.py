@@ -460,9 +460,9 @@ class ModelRunner:
         out = self.run(staged, logits, prefill=logits == "none")
         if self._feature_sinks:
             self._hand_features(rows, staged, 0 if tail is None else tail.shape[1], keep=logits == "none")
-        if logits == "none" and self.paged:  # committed tokens: the blocks they filled may be shared
+        if logits == "none":  # committed tokens: the blocks they filled may be shared
             for row in rows:
-                self.cache.register(self._slot_of[row.request_id], row.start, row.tokens)
+                self.register_prefix(row)
         return None if out is None else self.unsort(staged, out)
 
     def _hand_features(self, rows: list[RowInput], staged: Staged, tail_width: int, keep: bool) -> None:
@@ -528,16 +528,32 @@ class ModelRunner:
         requests take those blocks and their valid lengths move past them): rows left to compute."""
         left = []
         for row in rows:
-            taken = 0
-            if row.start == self.valid_length(row.request_id):
-                taken = self.cache.match(self._slot(row.request_id), row.start, row.tokens)
-            if taken:
-                self._valid[row.request_id] = row.start + taken
-                self.cached_tokens[row.request_id] = self.cached_tokens.get(row.request_id, 0) + taken
-                self._hand_kept_features(row.request_id, row.start, row.start + taken)
+            taken = self.take_cached_prefix(row)
             if taken < len(row.tokens):
                 left.append(RowInput(row.request_id, row.start + taken, row.tokens[taken:]))
         return left
+
+    def take_cached_prefix(self, row: RowInput, root: int | None = None) -> int:
+        """Before computing a row of committed tokens at its request's valid length (prefix
+        caching): the request takes the cached blocks that hold a leading part of them, and its
+        valid length moves past them -> how many tokens they hold (0: none, or no prefix caching).
+        root: what the cache's hash chain starts from (`register_prefix`'s for the same rows)."""
+        if not getattr(self.cache, "prefix_caching", False) or row.start != self.valid_length(row.request_id):
+            return 0
+        taken = self.cache.match(self._slot(row.request_id), row.start, row.tokens, root)
+        if taken:
+            self._valid[row.request_id] = row.start + taken
+            self.cached_tokens[row.request_id] = self.cached_tokens.get(row.request_id, 0) + taken
+            self._hand_kept_features(row.request_id, row.start, row.start + taken)
+        return taken
+
+    def register_prefix(self, row: RowInput, root: int | None = None) -> None:
+        """After a forward wrote a row of committed tokens (paged): the blocks they filled may be
+        shared from now on (with prefix caching), their prefix hashed as a chain from `root`: a
+        model whose position p depends on more than tokens 0..p (a feature head's on token p + 1
+        and the target's features of 0..p) names here what else its first block depends on."""
+        if self.paged:
+            self.cache.register(self._slot_of[row.request_id], row.start, row.tokens, root)
 
     def _hand_kept_features(self, request_id: str, start: int, end: int) -> None:
         """Positions [start, end) of a request were taken from cached blocks, not computed: the

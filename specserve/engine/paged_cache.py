@@ -163,11 +163,12 @@ class PagedKVCache:
         self._change(src, 0)
 
     # -- prefix sharing ---------------------------------------------------------------------
-    def match(self, slot: int, start: int, tokens: list[int]) -> int:
+    def match(self, slot: int, start: int, tokens: list[int], root: int | None = None) -> int:
         """Before a prefill of `tokens` at `start` (committed tokens): take the cached blocks that
         hold a leading part of them -> how many of the tokens they hold. It continues the slot's
         registered blocks: from a block boundary, or from inside the block the slot's last prefill
-        ended in (its private copy of that block is then swapped for the cached one)."""
+        ended in (its private copy of that block is then swapped for the cached one). root: the
+        hash chain's start (`register`'s)."""
         self.place(slot, 0)
         chain, tail, table = self._chains[slot], self._tails[slot], self._tables[slot]
         size = self.block_size
@@ -177,7 +178,7 @@ class PagedKVCache:
             return 0
         taken = 0
         while taken + size - len(tail) <= len(tokens):
-            content = (chain[-1] if chain else None, tuple(tail) + tuple(tokens[taken : taken + size - len(tail)]))
+            content = (chain[-1] if chain else root, tuple(tail) + tuple(tokens[taken : taken + size - len(tail)]))
             block = self._index.get(hash(content))
             if block is None or self._content[block] != content:  # (a hash collision is a miss)
                 break
@@ -191,8 +192,10 @@ class PagedKVCache:
             tail = self._tails[slot] = []
         return taken
 
-    def register(self, slot: int, start: int, tokens: list[int]) -> None:
-        """After a prefill wrote committed `tokens` at `start`: index the slot's blocks they filled."""
+    def register(self, slot: int, start: int, tokens: list[int], root: int | None = None) -> None:
+        """After a prefill wrote committed `tokens` at `start`: index the slot's blocks they filled.
+        root: what the first block's hash chains from, beside its tokens (None for a model whose
+        position p depends on tokens 0..p only)."""
         tail = self._tails[slot] if slot < len(self._tails) else None
         chain = self._chains[slot] if slot < len(self._chains) else []
         if not self.prefix_caching or tail is None or len(chain) * self.block_size + len(tail) != start:
@@ -202,7 +205,7 @@ class PagedKVCache:
         tail = tail + list(tokens)
         size = self.block_size
         while len(tail) >= size:
-            content = (chain[-1] if chain else None, tuple(tail[:size]))
+            content = (chain[-1] if chain else root, tuple(tail[:size]))
             key, block = hash(content), self._tables[slot][len(chain)]
             if key not in self._index and block not in self._hash_of:
                 self._index[key], self._hash_of[block], self._content[block] = block, key, content
