@@ -8,9 +8,9 @@ every forward: on this project's 2-core CPU that copy alone cost about as much a
 the dense cache's attention). `paged_attention.c` reads the pool through the block tables
 instead, for forwards of up to a few query positions per row (decode, draft, verify):
 
-- one task per batch row, its keys a tile of at most 16 positions at a time (never across a
-  block), every query head of the tile while it is in cache, and the tile 16 positions on
-  prefetched;
+- one task per (batch row, KV head), so that a single row's forward uses every thread; its keys
+  a tile of at most 16 positions at a time (never across a block), every query head of the
+  group over the tile while it is in cache, and the tile 16 positions on prefetched;
 - online softmax (a running max and sum per query), so the pool is read once and nothing the
   size of K is written;
 - a row visits its own positions only (a short row costs its own length).

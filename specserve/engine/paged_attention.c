@@ -1,8 +1,9 @@
 /* Attention of a few query positions per row over a paged KV pool, read where it lies.
  *
- * Built and loaded by engine/cpu_attention.py (which documents the layout and why). One batch row
- * per task: its key tiles in order (a tile is at most 16 keys and never crosses a block), every
- * query head of a tile while the tile is in cache, the tile AHEAD positions on prefetched. Each
+ * Built and loaded by engine/cpu_attention.py (which documents the layout and why). One (batch
+ * row, KV head) pair per task, so that a single row's forward uses every thread: the row's key
+ * tiles in order (a tile is at most 16 keys and never crosses a block), every query head of the
+ * group over a tile while the tile is in cache, the tile AHEAD positions on prefetched. Each
  * query row keeps a running max, a running sum and an accumulator (online softmax), so the pool
  * is read once and nothing the size of K is written. AVX-512 where the build has it and the head
  * size is 32, 64, 128 or 256; plain C otherwise.
@@ -139,16 +140,69 @@ static void row_tile_scalar(const float *q, float *acc, float *m, float *l, cons
 }
 
 static inline __attribute__((always_inline)) void prefetch_tile(const float *keys, const float *values, const int64_t *table, int64_t first,
-                          int64_t last, int64_t block_size, int64_t stride) {
+                          int64_t last, int64_t block_size, int64_t stride, int64_t head_at, int64_t dim) {
     if (first > last) return;
-    const int64_t at = (table[first / block_size] * block_size + first % block_size) * stride;
+    const int64_t at = (table[first / block_size] * block_size + first % block_size) * stride + head_at;
     int64_t span = block_size - first % block_size;
     if (span > TILE) span = TILE;
     if (span > last - first + 1) span = last - first + 1;
-    for (int64_t i = 0; i < span * stride; i += 16) {  /* a 64-byte line at a time, into L2 */
-        __builtin_prefetch(keys + at + i, 0, 2);
-        __builtin_prefetch(values + at + i, 0, 2);
+    for (int64_t t = 0; t < span; t++) {  /* this KV head's dim floats of each key, a 64-byte line at a time, into L2 */
+        for (int64_t i = 0; i < dim; i += 16) {
+            __builtin_prefetch(keys + at + t * stride + i, 0, 2);
+            __builtin_prefetch(values + at + t * stride + i, 0, 2);
+        }
     }
+}
+
+/* Batch row b, KV head h: its query rows (G query heads x Q positions, G = heads / kv_heads) over
+ * the row's key tiles. Returns 0, or -1 when out of memory. */
+static int attend_group(const float *query, const float *keys, const float *values, const int64_t *reads,
+                        float *out, int64_t b, int64_t h, int64_t heads, int64_t kv_heads, int64_t width,
+                        int64_t dim, int64_t block_size, int64_t entries, float scale, int vector) {
+    const int64_t rows = heads / kv_heads * width, stride = kv_heads * dim, head_at = h * dim;
+    const int64_t *positions = reads + b * (width + entries), *table = positions + width;
+    float *q = malloc(sizeof(float) * 2 * rows * dim), m[MAX_ROWS], l[MAX_ROWS];
+    if (q == NULL) return -1;
+    float *acc = q + rows * dim;
+    const float *src = query + (b * heads * width + h * rows) * dim;  /* row r: query head h G + r / Q, query r % Q */
+    int64_t last = -1;
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t d = 0; d < dim; d++) { q[r * dim + d] = src[r * dim + d] * scale; acc[r * dim + d] = 0.f; }
+        m[r] = -INFINITY;
+        l[r] = 0.f;
+        if (positions[r % width] > last) last = positions[r % width];
+    }
+    if (last >= entries * block_size) last = entries * block_size - 1;  /* never past the table */
+    for (int64_t first = 0; first <= last;) {
+        const int64_t j = first / block_size, offset = first % block_size;
+        int64_t n = block_size - offset;
+        if (n > TILE) n = TILE;
+        if (n > last - first + 1) n = last - first + 1;
+        prefetch_tile(keys, values, table, first + AHEAD, last, block_size, stride, head_at, dim);
+        const int64_t at = (table[j] * block_size + offset) * stride + head_at;
+        for (int64_t r = 0; r < rows; r++) {
+            int64_t visible = positions[r % width] - first + 1;
+            if (visible <= 0) continue;
+            if (visible > n) visible = n;
+#ifdef __AVX512F__
+            if (vector) {
+                row_tile_vector(q + r * dim, acc + r * dim, &m[r], &l[r], keys + at, values + at, stride, dim,
+                                (int)n, (int)visible);
+                continue;
+            }
+#endif
+            row_tile_scalar(q + r * dim, acc + r * dim, &m[r], &l[r], keys + at, values + at, stride, dim,
+                            (int)visible);
+        }
+        first += n;
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        float *dst = out + ((b * width + r % width) * heads + h * (rows / width) + r / width) * dim;
+        const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+        for (int64_t d = 0; d < dim; d++) dst[d] = acc[r * dim + d] * inv;
+    }
+    free(q);
+    return 0;
 }
 
 /* See cpu_attention.py for the arguments. Returns 0, or -1 for shapes it does not take. */
@@ -156,54 +210,13 @@ int paged_attention_f32(const float *query, const float *keys, const float *valu
                         float *out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t width, int64_t dim,
                         int64_t block_size, int64_t entries, float scale, int threads) {
     if (kv_heads < 1 || heads % kv_heads || heads * width > MAX_ROWS || width < 1 || dim < 1) return -1;
-    const int64_t groups = heads / kv_heads, rows = heads * width, stride = kv_heads * dim;
     const int vector = paged_attention_vectorized() && vector_dim(dim);
-    (void)vector;  /* (unused without AVX-512) */
     int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-    for (int64_t b = 0; b < batch; b++) {
-        const int64_t *positions = reads + b * (width + entries), *table = positions + width;
-        float *q = malloc(sizeof(float) * 2 * rows * dim), m[MAX_ROWS], l[MAX_ROWS];
-        if (q == NULL) { failed = 1; continue; }
-        float *acc = q + rows * dim;
-        int64_t last = -1;
-        for (int64_t r = 0; r < rows; r++) {  /* row r: query head r / Q (KV head r / (G Q)), query r % Q */
-            const float *src = query + (b * rows + r) * dim;
-            for (int64_t d = 0; d < dim; d++) { q[r * dim + d] = src[d] * scale; acc[r * dim + d] = 0.f; }
-            m[r] = -INFINITY;
-            l[r] = 0.f;
-            if (positions[r % width] > last) last = positions[r % width];
-        }
-        if (last >= entries * block_size) last = entries * block_size - 1;  /* never past the table */
-        for (int64_t first = 0; first <= last;) {
-            const int64_t j = first / block_size, offset = first % block_size;
-            int64_t n = block_size - offset;
-            if (n > TILE) n = TILE;
-            if (n > last - first + 1) n = last - first + 1;
-            prefetch_tile(keys, values, table, first + AHEAD, last, block_size, stride);
-            for (int64_t r = 0; r < rows; r++) {
-                int64_t visible = positions[r % width] - first + 1;
-                if (visible <= 0) continue;
-                if (visible > n) visible = n;
-                const int64_t at = (table[j] * block_size + offset) * stride + (r / (groups * width)) * dim;
-#ifdef __AVX512F__
-                if (vector) {
-                    row_tile_vector(q + r * dim, acc + r * dim, &m[r], &l[r], keys + at, values + at, stride, dim,
-                                    (int)n, (int)visible);
-                    continue;
-                }
-#endif
-                row_tile_scalar(q + r * dim, acc + r * dim, &m[r], &l[r], keys + at, values + at, stride, dim,
-                                (int)visible);
-            }
-            first += n;
-        }
-        for (int64_t r = 0; r < rows; r++) {
-            float *dst = out + ((b * width + r % width) * heads + r / width) * dim;
-            const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-            for (int64_t d = 0; d < dim; d++) dst[d] = acc[r * dim + d] * inv;
-        }
-        free(q);
+    for (int64_t task = 0; task < batch * kv_heads; task++) {
+        if (attend_group(query, keys, values, reads, out, task / kv_heads, task % kv_heads, heads, kv_heads, width,
+                         dim, block_size, entries, scale, vector))
+            failed = 1;
     }
     return failed ? -1 : 0;
 }
