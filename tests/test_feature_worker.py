@@ -84,9 +84,9 @@ def test_pipelined_and_on_the_graph_stay_lossless(local_coordinator, head_dir, g
         assert coordinator._totals["graph_steps"] > 0
 
 
-@pytest.mark.parametrize("worker", ["target", "draft"])
+@pytest.mark.parametrize("worker, pipelined", [("target", False), ("draft", False), ("draft", True)])
 def test_a_cached_prefix_comes_with_its_features_beside_the_target_or_pulled(local_coordinator, head_dir,
-                                                                             monkeypatch, worker):
+                                                                             monkeypatch, worker, pipelined):
     """Under prefix caching, requests that share a system prompt take its blocks in the target's
     cache and in the head's (beside the target, or on the draft worker), and the head gets the
     target features kept with them: same tokens as the target alone, as many drafts accepted as
@@ -105,7 +105,7 @@ def test_a_cached_prefix_comes_with_its_features_beside_the_target_or_pulled(loc
     accepted = {}
     for sharing in (True, False):
         taken.clear()
-        coordinator = local_coordinator(config(head_dir, worker, kv_block_size=8, prefix_caching=sharing))
+        coordinator = local_coordinator(config(head_dir, worker, pipelined, kv_block_size=8, prefix_caching=sharing))
         first = generate(coordinator, prompts[:1], greedy()[:1])
         later = [generate(coordinator, [p], [sp])[0] for p, sp in zip(prompts[1:], greedy()[1:])]
         target = coordinator.target._obj.model.runner.model
