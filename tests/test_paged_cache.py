@@ -323,7 +323,11 @@ def test_a_feature_head_drafts_from_the_features_kept_with_a_cached_prefix(head_
         store.free = keep_and_free
         head, head_took = engine.proposer.runner, []
         take = head.take_cached_prefix
-        head.take_cached_prefix = lambda row, root=None: head_took.append(take(row, root)) or head_took[-1]
+
+        def counted(row, root=None) -> int:  # what the head's own cache takes
+            head_took.append(take(row, root))
+            return head_took[-1]
+        head.take_cached_prefix = counted
         engine.add_request("later", later, params)
         seq, outs = engine.sequence("later"), []
         while engine.has_unfinished():
