@@ -337,6 +337,8 @@ def test_a_step_that_plans_drafts_for_a_row_marks_it_drafted_for(target):
     policy = SpeculationPolicy(max_gamma=3, adaptive=False)
     seqs = [new_sequence(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=m, temperature=0.0), vocab_size=64,
                          max_model_len=64, eos_token_ids=frozenset()) for i, m in enumerate((8, 1))]
+    for s in seqs:  # prefilled (a row still carrying its prompt drafts nothing: its first step)
+        s.target_len = s.draft_len = 2
     assert not any(s.drafted_for for s in seqs)
     plan_step(seqs, policy)
     assert [s.drafted_for for s in seqs] == [True, False]  # the second may emit one token: no drafts

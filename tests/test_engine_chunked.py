@@ -117,6 +117,87 @@ def test_chunks_go_fifo_and_bound_the_padded_forward():
     assert prefill_rows(seqs, "draft_len", 100)[0].request_id == "a"  # each model by its own mark
 
 
+def test_the_prompts_last_chunk_goes_with_the_first_step_unless_a_seeded_row_resumes():
+    from specserve.engine.step import folding, prefilling
+
+    seqs = [new_sequence(rid, [1] * n, GREEDY, vocab_size=96, max_model_len=256, eos_token_ids=frozenset())
+            for rid, n in (("a", 21), ("b", 6), ("c", 30))]
+    assert folding(seqs, 8) == frozenset()  # a's chunk [0, 8) is not its last
+    seqs[0].target_len = 16
+    fold = folding(seqs, 8)
+    assert fold == {"a"}  # [16, 20) ends a's prompt; b's [0, 4) does not
+    rows = prefill_rows(seqs, "target_len", 8, fold)
+    assert [(r.request_id, r.start, len(r.tokens)) for r in rows] == [("b", 0, 4)]  # the same forward less a's
+    assert not prefilling(seqs[0], False, fold) and prefilling(seqs[0], False)
+    assert prefilling(seqs[0], True, fold)  # ... but it waits while the draft lacks the prompt
+    seqs[0].draft_len = 20
+    assert not prefilling(seqs[0], True, fold)
+    # a seeded sampled request resumed with output keeps drafting from its first step here
+    resumed = new_sequence("r", [1] * 6, SamplingParams(max_tokens=8, temperature=1.0, seed=3), vocab_size=96,
+                           max_model_len=256, eos_token_ids=frozenset())
+    resumed.output = [2, 3]
+    greedy = new_sequence("g", [1] * 6, GREEDY, vocab_size=96, max_model_len=256, eos_token_ids=frozenset())
+    greedy.output = [2, 3]
+    assert folding([resumed, greedy], 64) == {"g"}
+
+
+@pytest.mark.parametrize("chunk", [0, 16, 64])
+def test_a_first_token_costs_the_target_one_forward_over_the_prompts_last_chunk(chunk):
+    """A lone request: the target's forwards before its first token are the prompt's chunks, the
+    last of them carrying the prompt's last token too (no forward of that token alone after it);
+    the draft's prefill is unchanged, and the output is the target's."""
+    p = prompt(40, seed=4)
+    engine = SpeculativeEngine(target(), draft(), num_speculative_tokens=3, adaptive=False,
+                               prefill_chunk_tokens=chunk)
+    sizes = forward_sizes(engine.verifier.runner)
+    engine.add_request("a", p, GREEDY)
+    tokens = []
+    while not tokens:
+        tokens += [t for out in engine.step() for t in out.new_token_ids]
+    expected = [40] if chunk in (0, 64) else [16, 16, 8]
+    assert sizes == expected and tokens == reference(tuple(p))[:1]
+    while engine.has_unfinished():
+        tokens += [t for out in engine.step() for t in out.new_token_ids]
+    assert tokens == reference(tuple(p))
+
+
+def test_a_verify_of_a_prompts_last_chunk_beside_drafting_rows_is_each_alone():
+    """One verify over a row carrying a prompt's last chunk (no drafts) and rows verifying drafts:
+    the same verdict as each row verified in a target of its own, and the logits at the chunk's
+    end are a plain forward's (rows of unequal lengths: the output head only where each ends)."""
+    import torch
+
+    from specserve.engine import RowInput
+    from specserve.engine.sampling import BatchSampling
+
+    def verify(verifier, rows, drafts, num_draft):
+        params = [GREEDY] * len(rows)
+        return verifier.verify(rows, torch.tensor(drafts), None, torch.tensor(num_draft),
+                               BatchSampling.from_params(params), None, None)
+
+    prompts = {"long": prompt(23, seed=1), "short": prompt(9, seed=2), "d1": prompt(6, seed=3), "d2": prompt(11, seed=4)}
+    together = TargetVerifier(target(), None, "eager")
+    for rid in ("d1", "d2"):  # decoding rows: all but their last token cached
+        together.prefill([RowInput(rid, 0, prompts[rid][:-1])])
+    rows = [RowInput("long", 0, prompts["long"]), RowInput("d1", 5, prompts["d1"][-1:]),
+            RowInput("short", 0, prompts["short"]), RowInput("d2", 10, prompts["d2"][-1:])]
+    drafts = [[0, 0], [7, 9], [0, 0], [3, 3]]
+    verdict = verify(together, rows, drafts, [0, 2, 0, 2])
+    for b, row in enumerate(rows):
+        alone = TargetVerifier(target(), None, "eager")
+        if row.start:
+            alone.prefill([RowInput(row.request_id, 0, prompts[row.request_id][:-1])])
+        one = verify(alone, [row], [drafts[b]], [0 if not row.start else 2])
+        assert (verdict.num_accepted[b], verdict.next_token[b]) == (one.num_accepted[0], one.next_token[0]), b
+    fresh = TargetVerifier(target(), None, "eager")
+    logits = fresh.runner.prefill_last([RowInput("long", 0, prompts["long"]), RowInput("short", 0, prompts["short"])])
+    with torch.no_grad():
+        for b, rid in enumerate(("long", "short")):
+            plain = target()(input_ids=torch.tensor([prompts[rid]])).logits[0, -1]
+            torch.testing.assert_close(logits[b], plain, rtol=1e-4, atol=1e-4)
+    assert [f.prefill for f in verdict.forwards].count(True) == 1  # the two chunks: one prefill forward
+
+
 def test_admission_and_first_tokens_follow_arrival_order():
     engine = SpeculativeEngine(target(), draft(), num_speculative_tokens=2, adaptive=False, max_batch_size=2,
                                prefill_chunk_tokens=16)
@@ -135,15 +216,20 @@ def test_admission_and_first_tokens_follow_arrival_order():
 
 
 def forward_sizes(runner) -> list[int]:
-    """Wrap a runner's forward so that each call's token count (tail included) is logged."""
+    """Wrap a runner's forward (and a first step's prompt forward, `prefill_last`) so that each
+    call's token count (tail included) is logged."""
     sizes: list[int] = []
-    inner = runner.forward
+    inner, inner_last = runner.forward, runner.prefill_last
 
     def forward(rows, logits="last", tail=None):
         sizes.append(sum(len(r.tokens) for r in rows) + (0 if tail is None else len(rows) * tail.shape[1]))
         return inner(rows, logits, tail=tail)
 
-    runner.forward = forward
+    def prefill_last(rows):
+        sizes.append(sum(len(r.tokens) for r in rows))
+        return inner_last(rows)
+
+    runner.forward, runner.prefill_last = forward, prefill_last
     return sizes
 
 

@@ -216,7 +216,7 @@ def allowed_by_hand(out: list[int]) -> list[int]:
 def test_sampling_follows_the_masked_target():
     small = dict(vocab=VOCAB, init_range=0.3, layers=1, hidden=16)
     model, draft = tiny_llama(0, **small), tiny_llama(5, **small)
-    p = SamplingParams(max_tokens=3, temperature=1.0, grammar=PAIRS, ignore_eos=True)
+    p = SamplingParams(max_tokens=4, temperature=1.0, grammar=PAIRS, ignore_eos=True)  # (token 1: the prompt forward)
 
     def dist(out: list[int]) -> torch.Tensor:
         with torch.no_grad():

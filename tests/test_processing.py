@@ -107,7 +107,8 @@ def test_a_verifier_that_does_not_count_the_drafts_is_caught(monkeypatch, broken
         monkeypatch.setattr(processing_module, "_drafts_before",
                             lambda drafts, width, vocab, device: torch.zeros(drafts.shape[0], width, vocab))
     prompt = [11] * 12
-    p = params(dict(logit_bias={11: 12.0}, frequency_penalty=2.0))
+    # (a bias at which the broken rule's extra acceptances fall inside one step's drafts)
+    p = params(dict(logit_bias={11: 10.0}, frequency_penalty=2.0))
     engine = SpeculativeEngine(target(), proposer=drafter("prompt-lookup", None), num_speculative_tokens=4,
                                adaptive=False)
     (out,) = engine.generate([prompt], [p])
@@ -116,7 +117,7 @@ def test_a_verifier_that_does_not_count_the_drafts_is_caught(monkeypatch, broken
 
 
 # -- sampling: the processed distribution, exactly ------------------------------------------------------
-SAMPLED = SamplingParams(max_tokens=3, temperature=1.0, presence_penalty=0.8, frequency_penalty=0.6,
+SAMPLED = SamplingParams(max_tokens=4, temperature=1.0, presence_penalty=0.8, frequency_penalty=0.6,
                          repetition_penalty=1.5, logit_bias={3: 1.0, 6: -1.5})
 
 

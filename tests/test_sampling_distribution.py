@@ -20,10 +20,12 @@ from specserve.engine.sampling import BatchSampling, logits_to_probs, sample_wit
 VOCAB = 8
 PROMPT = [1, 2, 3]
 NUM_SEQUENCES = 20_000
+# 4 tokens: the first comes from the prompt's forward alone (a first step drafts nothing), then a
+# step of γ 2 drafts the 2nd and 3rd, whose marginals are checked
 SETTINGS = {
-    "plain": SamplingParams(max_tokens=3, temperature=1.0),
-    "top_k": SamplingParams(max_tokens=3, temperature=0.8, top_k=3),
-    "top_p": SamplingParams(max_tokens=3, temperature=1.0, top_p=0.7),
+    "plain": SamplingParams(max_tokens=4, temperature=1.0),
+    "top_k": SamplingParams(max_tokens=4, temperature=0.8, top_k=3),
+    "top_p": SamplingParams(max_tokens=4, temperature=1.0, top_p=0.7),
 }
 
 

@@ -71,7 +71,8 @@ def test_proposals_keep_q_and_odd_tensors_exact():
 
 
 def test_replies_misses_verdicts_and_anything_else():
-    verdict = Verdict([2, 0], [7, 8], [ForwardTiming(6, 0.01)], [[4, 5], [6, 0]])
+    verdict = Verdict([2, 0], [7, 8], [ForwardTiming(6, 0.01), ForwardTiming(40, 0.2, True)], [[4, 5], [6, 0]],
+                      cached_tokens={"b": 32})
     step = StepReply(Proposal(torch.tensor([[4, 5], [6, 0]]), None), verdict, {}, {"b": 3}, 0.01, 0.02,
                      Reply(Proposal(torch.tensor([[1, 2, 3]]), None), 0.004))
     assert same(unpack(pack(step)), step)

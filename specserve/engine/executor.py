@@ -46,8 +46,9 @@ class Executor(Protocol):
         """The policy a step plans with: `policy`, or a target-only one while no drafter can run
         (drafting=False: the target-only one, for a step whose draft side just failed)."""
 
-    async def prefill(self, seqs: list[Sequence], budget: int) -> None:
-        """This step's prompt chunks (`prefill_rows`) into each model's cache; moves the marks."""
+    async def prefill(self, seqs: list[Sequence], budget: int, fold: frozenset[str] = frozenset()) -> None:
+        """This step's prompt chunks (`prefill_rows`) into each model's cache, but for the target
+        those of `fold`, which its verify takes with the step (`folding`); moves the marks."""
 
     async def execute(self, plan: StepPlan) -> Ran | None:
         """Run the plan's propose and verify. None: the draft side failed before the verify ran;
@@ -100,9 +101,9 @@ class InProcessExecutor:
     def policy_for(self, policy: SpeculationPolicy, drafting: bool = True) -> SpeculationPolicy:
         return policy if drafting else self.target_only
 
-    async def prefill(self, seqs: list[Sequence], budget: int) -> None:
-        """The target's chunks, then the draft's."""
-        rows = prefill_rows(seqs, "target_len", budget)
+    async def prefill(self, seqs: list[Sequence], budget: int, fold: frozenset[str] = frozenset()) -> None:
+        """The target's chunks (less `fold`'s), then the draft's."""
+        rows = prefill_rows(seqs, "target_len", budget, fold)
         if rows:
             self.verifier.prefill(rows)
             advance_marks(seqs, "target_len", rows)

@@ -1,7 +1,8 @@
 """The step loop, written once for the in-process engine and the served coordinator.
 
     admit (FIFO, batch size and KV budget) -> prefill chunks -> one step over the ready requests
-    -> publish (the caller's) -> retire finished requests
+    (a new request's first step carries its target's last prompt chunk) -> publish (the
+    caller's) -> retire finished requests
 
 `SpeculativeEngine.step` runs it in process (`run_sync` over an `InProcessExecutor`); the
 coordinator (serve/coordinator.py) awaits it on its event loop over a remote executor, and keeps
@@ -13,7 +14,7 @@ from __future__ import annotations
 from .admission import Admission
 from .executor import Executor
 from .policy import SpeculationPolicy
-from .step import Sequence, StepOutput, prefilling
+from .step import Sequence, StepOutput, folding, prefilling
 
 
 class StepLoop:
@@ -39,8 +40,9 @@ class StepLoop:
         the step uses holds (the target's alone while no drafter runs)."""
         ready = seqs
         if self.prefill_chunk_tokens is not None:
-            await self.executor.prefill(seqs, self.prefill_chunk_tokens)
-            ready = [s for s in seqs if not prefilling(s, self.executor.with_draft)]
+            fold = folding(seqs, self.prefill_chunk_tokens)  # target chunks that go with the step
+            await self.executor.prefill(seqs, self.prefill_chunk_tokens, fold)
+            ready = [s for s in seqs if not prefilling(s, self.executor.with_draft, fold)]
         for s in ready:
             s.preempted = False  # (prefilled again: it steps as before)
         return await self.executor.step(ready, self.policy) if ready else []

@@ -437,33 +437,65 @@ class ModelRunner:
         """
         self.check(rows)
         if logits == "none" and getattr(self.cache, "prefix_caching", False):
-            return self._prefill_sharing(rows)
-        return self._forward_groups(rows, logits, tail)
+            for _ in self._prefill_sharing(rows, "none"):
+                pass
+            return None
+        return self._forward_groups(rows, logits, tail, prefill=logits == "none")
 
-    def _forward_groups(self, rows: list[RowInput], logits: str, tail: torch.Tensor | None) -> torch.Tensor | None:
+    @torch.no_grad()
+    def prefill_last(self, rows: list[RowInput]) -> torch.Tensor:
+        """Cache rows of committed tokens as a prefill does (a prompt's last chunk, through the
+        prompt's last token) and return the logits at each row's last token, [B, V'] in caller
+        order: the prompt's last forward also gives the request's first output token. Eager, its
+        timing a prefill's; the output head runs only at the positions rows end at. Under prefix
+        caching, shared blocks are taken for all but each row's last token, which is always computed."""
+        self.check(rows)
+        if not getattr(self.cache, "prefix_caching", False):
+            return self._forward_groups(rows, "last", None, prefill=True)
+        where = {row.request_id: b for b, row in enumerate(rows)}
+        out: list = [None] * len(rows)
+        for computed, logits in self._prefill_sharing(rows, "last"):
+            for row, row_logits in zip(computed, logits):
+                out[where[row.request_id]] = row_logits
+        return torch.stack(out)
+
+    def _forward_groups(self, rows: list[RowInput], logits: str, tail: torch.Tensor | None,
+                        prefill: bool = False) -> torch.Tensor | None:
         """One forward per length group of rows (`length_groups`: usually one), the results put
         back in caller order ([B, Q, V'] with Q the longest group's: a shorter group's extra
-        positions are zeros)."""
+        positions are zeros). prefill: the rows are committed tokens (a prompt's), forwarded eagerly."""
         groups = self.length_groups(rows, 0 if tail is None else tail.shape[1])
         if len(groups) == 1:
-            return self._forward_rows(rows, logits, tail)
+            return self._forward_rows(rows, logits, tail, prefill)
         outs = []
         for group in groups:
             picked = None if tail is None else tail[torch.tensor(group, device=tail.device)]
-            outs.append(self._forward_rows([rows[b] for b in group], logits, picked))
+            outs.append(self._forward_rows([rows[b] for b in group], logits, picked, prefill))
         return None if outs[0] is None else regroup(outs, groups, len(rows))
 
-    def _forward_rows(self, rows: list[RowInput], logits: str, tail: torch.Tensor | None) -> torch.Tensor | None:
+    def _forward_rows(self, rows: list[RowInput], logits: str, tail: torch.Tensor | None,
+                      prefill: bool = False) -> torch.Tensor | None:
         staged = self.stage(rows, tail_width=0 if tail is None else tail.shape[1])
         if tail is not None:
             staged.ids[:, staged.width - tail.shape[1]:] = tail.to(self.device).index_select(0, staged.sorted_to_caller)
-        out = self.run(staged, logits, prefill=logits == "none")
+        ends = self._row_ends(rows, staged) if prefill and logits == "last" else None
+        out = self.run(staged, logits, prefill=prefill, ends=ends)
         if self._feature_sinks:
-            self._hand_features(rows, staged, 0 if tail is None else tail.shape[1], keep=logits == "none")
-        if logits == "none":  # committed tokens: the blocks they filled may be shared
+            self._hand_features(rows, staged, 0 if tail is None else tail.shape[1], keep=prefill)
+        if prefill:  # committed tokens: the blocks they filled may be shared
             for row in rows:
                 self.register_prefix(row)
         return None if out is None else self.unsort(staged, out)
+
+    def _row_ends(self, rows: list[RowInput], staged: Staged) -> tuple[torch.Tensor, torch.Tensor]:
+        """For a prefill's logits at each row's last token: (the positions some row ends at [k],
+        each sorted row's index among them [B']), so that the output head runs at k <= B'
+        positions instead of all Q (a prompt's Q can be hundreds; the head is [V, H])."""
+        lasts = [len(rows[b].tokens) - 1 for b in staged.order] + [0] * (staged.padded - staged.rows)
+        kept = sorted(set(lasts))
+        picks = [kept.index(last) for last in lasts]
+        # (the positions on the host: a model split over devices indexes its last device's hidden states)
+        return torch.tensor(kept), torch.tensor(picks, device=self.device)
 
     def _hand_features(self, rows: list[RowInput], staged: Staged, tail_width: int, keep: bool) -> None:
         """After a forward of a tapped runner: each row's positions (its tokens and the tail) go to
@@ -507,11 +539,14 @@ class ModelRunner:
             self._bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         return self._bytes
 
-    def _prefill_sharing(self, rows: list[RowInput]) -> None:
+    def _prefill_sharing(self, rows: list[RowInput], logits: str):
         """A prefill under prefix caching: each row takes what shared blocks hold; rows whose first
         block repeats an earlier row's (n choices of one prompt, a batch of prompts with a common
-        head) wait for that row's forward, so that they take its blocks instead of computing them too."""
-        rows = self._take_cached_prefixes(rows)
+        head) wait for that row's forward, so that they take its blocks instead of computing them too.
+        Yields each forward's (rows it computed, their logits: None, or [b, V'] for "last", where
+        no row's last token is ever taken from the cache)."""
+        spare = logits == "last"
+        rows = self._take_cached_prefixes(rows, spare)
         while rows:
             first, later, seen = [], [], set()
             for row in rows:
@@ -519,16 +554,16 @@ class ModelRunner:
                 repeats = len(row.tokens) >= self.cache.block_size and head in seen
                 (later if repeats else first).append(row)
                 seen.add(head)
-            self._forward_groups(first, "none", None)
-            rows = self._take_cached_prefixes(later)
-        return None
+            yield first, self._forward_groups(first, logits, None, prefill=True)
+            rows = self._take_cached_prefixes(later, spare)
 
-    def _take_cached_prefixes(self, rows: list[RowInput]) -> list[RowInput]:
+    def _take_cached_prefixes(self, rows: list[RowInput], spare_last: bool = False) -> list[RowInput]:
         """A prefill's rows less the leading tokens whose keys shared blocks already hold (their
-        requests take those blocks and their valid lengths move past them): rows left to compute."""
+        requests take those blocks and their valid lengths move past them): rows left to compute.
+        spare_last: each row's last token is computed whatever the cache holds (its logits are wanted)."""
         left = []
         for row in rows:
-            taken = self.take_cached_prefix(row)
+            taken = self.take_cached_prefix(RowInput(row.request_id, row.start, row.tokens[:-1]) if spare_last else row)
             if taken < len(row.tokens):
                 left.append(RowInput(row.request_id, row.start + taken, row.tokens[taken:]))
         return left
@@ -645,22 +680,26 @@ class ModelRunner:
         """The static block `advance` writes: [B', 1 + 6]."""
         return self._block(staged.padded, 1)
 
-    def run(self, staged: Staged, logits: str = "last", prefill: bool = False) -> torch.Tensor | None:
-        """Device half of a forward, timed: logits in sorted order ([B', V'] or [B', Q, V']) or None."""
+    def run(self, staged: Staged, logits: str = "last", prefill: bool = False,
+            ends: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
+        """Device half of a forward, timed: logits in sorted order ([B', V'] or [B', Q, V']) or None.
+        ends: a prefill's "last" logits computed at those positions only (`_row_ends`)."""
         began = self.clock()
-        out, self.last_features = self.execute(staged, logits, prefill)
+        out, self.last_features = self.execute(staged, logits, prefill, ends)
         self.commit(staged)
         self.record(staged.tokens, began, prefill)
         return out
 
     def execute(
-        self, staged: Staged, logits: str, prefill: bool = False
+        self, staged: Staged, logits: str, prefill: bool = False, ends: tuple[torch.Tensor, torch.Tensor] | None = None
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """`_compute` as this runner's execution mode says: eager for prefills, for a gathered
         batch, for one that would allocate cache storage and for widths above 16; else compiled
         or replayed."""
         with self.running():
-            return self._execute(staged, logits, prefill)
+            if prefill:
+                return self._compute(staged.block, staged.width, staged.key_length, staged.gather, logits, ends)
+            return self._execute(staged, logits)
 
     def forward_in_capture(self, staged: Staged, logits: str) -> torch.Tensor | None:
         """The forward itself, as a loop being captured runs it: `_compute` in this runner's
@@ -668,8 +707,8 @@ class ModelRunner:
         with self.running():
             return self._compute(staged.block, staged.width, staged.key_length, False, logits)[0]
 
-    def _execute(self, staged: Staged, logits: str, prefill: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        static = self.execution != "eager" and not prefill and self.fixed_shape(staged)
+    def _execute(self, staged: Staged, logits: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        static = self.execution != "eager" and self.fixed_shape(staged)
         if static and self.execution == "graph" and self.capture_forwards:
             key = ("forward", *staged.static_key, logits, self.cache.generation)
             return self.graphs.run(key, lambda: self._compute(staged.block, staged.width, staged.key_length, False,
@@ -701,10 +740,13 @@ class ModelRunner:
         return None if x is None else x.index_select(0, staged.caller_to_sorted[: staged.rows])
 
     def _compute(
-        self, block: torch.Tensor, width: int, key_length: int, gather: bool, logits: str
+        self, block: torch.Tensor, width: int, key_length: int, gather: bool, logits: str,
+        ends: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The forward itself, device only. block [B', Q + 6] -> (logits in sorted order, [B', V']
-        or [B', Q, V'] or None; the tapped modules' outputs [B', Q, F] or None: `tap`)."""
+        or [B', Q, V'] or None; the tapped modules' outputs [B', Q, F] or None: `tap`).
+        ends (logits "last" only): (positions [k], each row's index among them [B']): the output
+        head runs at those k positions only."""
         ids = block[:, :width]  # [B', Q]
         starts, write_slots, read_slots, last = block[:, width : width + 4].unbind(1)  # [B'] each
         positions = starts[:, None] + torch.arange(width, device=block.device)  # [B', Q]
@@ -734,14 +776,15 @@ class ModelRunner:
                 attention_mask=mask,
                 **{self.cache_arg: self.cache if self.fusion is None else self.fusion.cache(self.cache)},
                 use_cache=True,
-                logits_to_keep={"last": width, "all": width, "none": 1}[logits],
+                logits_to_keep=ends[0] if ends is not None else {"last": width, "all": width, "none": 1}[logits],
             )
         features = self._take_taps()
         if logits == "none":
             return None, features
-        result = out.logits  # [B', Q, V']
+        result = out.logits  # [B', Q, V'] ([B', k, V'] with ends)
         if logits == "last":
-            result = result[torch.arange(result.shape[0], device=result.device), last]  # [B', V']
+            at = last if ends is None else ends[1]
+            result = result[torch.arange(result.shape[0], device=result.device), at]  # [B', V']
         return result, features
 
     def tap(self, modules: Sequence[torch.nn.Module], why: str,

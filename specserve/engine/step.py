@@ -162,30 +162,56 @@ class StepPlan:
 
 
 # -- chunked prefill -------------------------------------------------------------------------------
-# A new request's prompt (all but its last token, which the first step's verify row carries) goes
-# into each model's cache a chunk per step, in forwards of its own beside the step, so that a long
-# prompt costs every running stream one bounded forward per step instead of one long stall.
+# A new request's prompt goes into each model's cache a chunk per step, in forwards of its own
+# beside the step, so that a long prompt costs every running stream one bounded forward per step
+# instead of one long stall. The draft takes all of it but the last token; the target's last chunk
+# rides in the request's first step, whose verify row carries it with the prompt's last token and
+# no drafts (`folding`): one forward over it gives the first output token.
 def prefill_end(seq: Sequence) -> int:
-    """Positions each model must cache before the request's first step: all its tokens but the
-    last (the prompt, and for a continuation the tokens delivered before it moved replicas)."""
+    """Positions each model caches before the request's first step: all its tokens but the
+    last (the prompt, and for a continuation the tokens delivered before it moved replicas); the
+    target's last chunk of them may instead go with that step (`folding`)."""
     return seq.num_tokens - 1
 
 
-def prefilling(seq: Sequence, with_draft: bool) -> bool:
+def prefilling(seq: Sequence, with_draft: bool, fold: frozenset[str] = frozenset()) -> bool:
     """Whether the request still waits for its tokens to be cached (target, and draft when
-    with_draft) before it can step. Only before its first step: a draft lagging behind a running
-    request (steps without drafts) is caught up by the next propose, as before."""
+    with_draft) before it can step; the target's last chunk need not be if the request is in
+    `fold` (its first step carries it). Only before its first step: a draft lagging behind a
+    running request (steps without drafts) is caught up by the next propose, as before."""
     if seq.metrics.num_steps and not seq.preempted:
         return False
     end = prefill_end(seq)
-    return seq.target_len < end or (with_draft and seq.draft_len < end)
+    return (seq.target_len < end and seq.request_id not in fold) or (with_draft and seq.draft_len < end)
 
 
-def prefill_rows(seqs: list[Sequence], mark: str, budget: int) -> list[RowInput]:
+def folding(seqs: list[Sequence], budget: int) -> frozenset[str]:
+    """The requests whose target chunk this step (`prefill_rows`) is their prompt's last: it goes
+    with their first step instead, in the verify row (one forward for the chunk and the first
+    token, not a prefill forward and then a forward of the last token). The same rows as the
+    prefill would take, so a step's forwards stay within the chunk budget. A request that
+    `replays` its random stream is left out."""
+    by_id = {s.request_id: s for s in seqs}
+    return frozenset(r.request_id for r in prefill_rows(seqs, "target_len", budget)
+                     if r.start + len(r.tokens) == prefill_end(by_id[r.request_id])
+                     and not replays(by_id[r.request_id]))
+
+
+def replays(seq: Sequence) -> bool:
+    """A seeded sampled request resumed with output (preempted, or continued from another
+    replica): its first step here drafts as its next step would have where it began, drawing the
+    same random numbers, so that its tokens stay those of an uninterrupted run. So it does not
+    fold (`folding`), and drafts even with a prompt backlog."""
+    return seq.reproducible and bool(seq.output)
+
+
+def prefill_rows(seqs: list[Sequence], mark: str, budget: int, fold: frozenset[str] = frozenset()) -> list[RowInput]:
     """This step's prefill chunks for one model ("target_len" or "draft_len" names its cache
     mark), FIFO over seqs (their admission order): the first request short of its prefill end gets
     w = min(what it lacks, budget) tokens; later ones join the same forward with at most w tokens
-    each while (rows x w), the padded size of that forward, stays within budget."""
+    each while (rows x w), the padded size of that forward, stays within budget. fold: requests
+    whose chunk goes with their first step instead (`folding`): left out of the forward, where
+    they still count against the budget."""
     rows: list[RowInput] = []
     width = 0
     for s in seqs:
@@ -197,7 +223,7 @@ def prefill_rows(seqs: list[Sequence], mark: str, budget: int) -> list[RowInput]
         elif (len(rows) + 1) * width > budget:
             break
         rows.append(RowInput(s.request_id, start, s.tokens[start : min(end, start + width)]))
-    return rows
+    return [r for r in rows if r.request_id not in fold]
 
 
 def advance_marks(seqs: list[Sequence], mark: str, rows: list[RowInput]) -> None:
@@ -227,8 +253,11 @@ def plan_step(seqs: list[Sequence], policy: SpeculationPolicy) -> StepPlan:
     own = [policy.max_gamma if s.reproducible else batch_gamma for s in seqs]
     own = [g if s.max_gamma is None else min(g, s.max_gamma) for g, s in zip(own, seqs)]
     # g_b <= remaining - 1 keeps every real position of a row below its limit minus one; drafts a
-    # row will not use (when another row asks for more) go to clamped junk positions.
-    num_draft = [max(0, min(g, s.remaining - 1)) for g, s in zip(own, seqs)]
+    # row will not use (when another row asks for more) go to clamped junk positions. A row whose
+    # target has not cached its prompt yet drafts nothing: its verify row is the prompt's last
+    # chunk, whose one forward gives its first token (`folding`).
+    num_draft = [0 if s.target_len < prefill_end(s) and not replays(s) else max(0, min(g, s.remaining - 1))
+                 for g, s in zip(own, seqs)]
     positions = max(num_draft)
     for s, g in zip(seqs, num_draft):
         s.drafted_for = s.drafted_for or g > 0
@@ -271,6 +300,9 @@ def apply_verdict(plan: StepPlan, proposal: Proposal, verdict: Verdict) -> list[
     drafts = verdict.draft_tokens if verdict.draft_tokens is not None else proposal.tokens.tolist()
     plan.verified = verified_counts(plan.num_draft, proposal)
     verified = plan.verified.tolist()
+    if verdict.cached_tokens:  # the prompt's last chunk went with this step (prefix caching's share)
+        for s in plan.seqs:
+            s.cached_tokens = verdict.cached_tokens.get(s.request_id, s.cached_tokens)
     for b, s in enumerate(plan.seqs):
         accepted, g = verdict.num_accepted[b], verified[b]
         s.metrics.record(g, accepted)

@@ -24,6 +24,9 @@ class Verdict:
     # likeliest alternatives at each ([B][a + 1][k] (token, logprob))
     logprobs: list[list[float]] | None = None
     top_logprobs: list[list[list[tuple[int, float]]]] | None = None
+    # rows whose prompt's last chunk this verify computed (`first_tokens`), under prefix caching:
+    # request id -> prompt tokens its cache has taken from shared blocks so far
+    cached_tokens: dict[str, int] | None = None
 
     @property
     def seconds(self) -> float:
@@ -76,15 +79,9 @@ class TargetVerifier:
             draft_probs = None if draft_probs is None else draft_probs[:, :width]
             accept_uniforms = None if accept_uniforms is None else accept_uniforms[:, :width]
         self.runner.take_forward_log()
-        backlog = [RowInput(r.request_id, r.start, r.tokens[:-1])
-                   for r in rows if catch_up(r.tokens, VERIFY_ROW_TOKENS)]
-        if backlog:
-            self.runner.forward(backlog, logits="none")
-        step_rows = [RowInput(r.request_id, r.start + len(r.tokens) - 1, r.tokens[-1:]) for r in rows]
         drafts = draft_tokens.to(self.runner.device)  # [B, G]
-        tail = drafts if drafts.shape[1] else None
-        logits = self.runner.forward(step_rows, logits="all", tail=tail)  # [B, G+1, V']
-        logits = logits[..., : self.vocab_size]
+        first = first_tokens(rows, num_draft)
+        logits = self._logits(rows, drafts, first)[..., : self.vocab_size]  # [B, G+1, V]
         if sampling.processing is not None:  # penalties / bias, per position through the drafts
             logits = sampling.processing.apply(logits, drafts)
         if sampling.grammar is not None:  # each grammar row's mask, per position through the drafts
@@ -92,11 +89,40 @@ class TargetVerifier:
         result = self._accept(logits, drafts, draft_probs, num_draft, sampling, accept_uniforms, final_uniforms)
         # The step's one device-to-host copy: [B, 2 + G] = accepted count, next token, drafts.
         packed = torch.cat([result.num_accepted[:, None], result.next_token[:, None], drafts], dim=1).cpu()
+        cached = {rows[b].request_id: self.runner.cached_tokens[rows[b].request_id] for b in first
+                  if rows[b].request_id in self.runner.cached_tokens}
         verdict = Verdict(packed[:, 0].tolist(), packed[:, 1].tolist(), self.runner.take_forward_log(),
-                          packed[:, 2:].tolist())
+                          packed[:, 2:].tolist(), cached_tokens=cached or None)
         if sampling.logprobs is None:
             return verdict
         return token_logprobs(verdict, logits, drafts, result, sampling)
+
+    def _logits(self, rows: list[RowInput], drafts: torch.Tensor, first: list[int]) -> torch.Tensor:
+        """The target's logits at each row's last token and drafts, [B, G+1, V'] (a `first` row's:
+        its prompt's last forward's at every position; it verifies no draft). Rows holding more
+        than their last token (a lagging cache, resent rows) first catch up in a forward of their own."""
+        folded = set(first)
+        rest = [b for b in range(len(rows)) if b not in folded]
+        width = 1 + drafts.shape[1]
+        logits = None
+        if rest:
+            picked = rows if not first else [rows[b] for b in rest]
+            backlog = [RowInput(r.request_id, r.start, r.tokens[:-1]) for r in picked
+                       if catch_up(r.tokens, VERIFY_ROW_TOKENS)]
+            if backlog:
+                self.runner.forward(backlog, logits="none")
+            step_rows = [RowInput(r.request_id, r.start + len(r.tokens) - 1, r.tokens[-1:]) for r in picked]
+            tail = drafts if not first else drafts[torch.tensor(rest, device=drafts.device)]
+            logits = self.runner.forward(step_rows, logits="all", tail=tail if width > 1 else None)  # [B', G+1, V']
+            if not first:
+                return logits
+        prompt_last = self.runner.prefill_last([rows[b] for b in first])[:, None, :].expand(-1, width, -1)
+        if logits is None:
+            return prompt_last  # [B, G+1, V']
+        out = logits.new_empty(len(rows), width, logits.shape[-1])
+        out[torch.tensor(rest, device=out.device)] = logits
+        out[torch.tensor(first, device=out.device)] = prompt_last
+        return out
 
     def _mask(self, logits: torch.Tensor, drafts: torch.Tensor, num_draft: torch.Tensor,
               rows: GrammarRows) -> torch.Tensor:
@@ -129,6 +155,15 @@ class TargetVerifier:
         return rejection_sample(
             probs, draft_tokens, draft_probs.to(device), num_draft, accept_uniforms.to(device), final_uniforms
         )
+
+
+def first_tokens(rows: list[RowInput], num_draft: torch.Tensor) -> list[int]:
+    """The rows that carry a prompt's last chunk and verify no draft: a request's first step after
+    chunked prefill (or with the prompt whole). One forward over the chunk, its last token
+    included, gives their logits (`ModelRunner.prefill_last`), instead of a prefill forward and
+    then a forward of the last token alone. num_draft [B] on the host."""
+    counts = num_draft.tolist()
+    return [b for b, (r, g) in enumerate(zip(rows, counts)) if g == 0 and len(r.tokens) > VERIFY_ROW_TOKENS]
 
 
 def token_logprobs(verdict: Verdict, logits: torch.Tensor, drafts: torch.Tensor, result: AcceptResult,

@@ -130,11 +130,12 @@ class RemoteExecutor:
         if self.draft is not None:
             self.draft.free.remote(request_ids)
 
-    async def prefill(self, seqs: list[Sequence], budget: int) -> None:
-        """Send each worker its chunks of at most `budget` prompt tokens (FIFO, `prefill_rows`), the
-        two workers at once. A draft failure only turns the draft off (as in a step); a target
-        failure is raised once both calls are over, so that no mark moves after the caller moved on."""
-        calls = [self._prefill_side("target", self.target.prefill, seqs, "target_len", budget)]
+    async def prefill(self, seqs: list[Sequence], budget: int, fold: frozenset[str] = frozenset()) -> None:
+        """Send each worker its chunks of at most `budget` prompt tokens (FIFO, `prefill_rows`; the
+        target's less `fold`'s, which go with the step), the two workers at once. A draft failure
+        only turns the draft off (as in a step); a target failure is raised once both calls are
+        over, so that no mark moves after the caller moved on."""
+        calls = [self._prefill_side("target", self.target.prefill, seqs, "target_len", budget, fold=fold)]
         if self.with_draft:
             calls.append(self._prefill_side("draft", self.draft.prefill, seqs, "draft_len", budget, retry=False))
         results = await asyncio.gather(*calls, return_exceptions=True)
@@ -144,16 +145,16 @@ class RemoteExecutor:
             raise results[0]
 
     async def _prefill_side(self, side: str, method, seqs: list[Sequence], mark: str, budget: int,
-                            retry: bool = True) -> None:
+                            retry: bool = True, fold: frozenset[str] = frozenset()) -> None:
         """One worker's prefill call: rows planned from the marks (again after cache misses, which
         move marks back), then the marks moved to the ends of the chunks the worker cached."""
         sent: list[RowInput] = []
 
         def make_args():
-            sent[:] = prefill_rows(seqs, mark, budget)
+            sent[:] = prefill_rows(seqs, mark, budget, fold)
             return (list(sent),)
 
-        if not prefill_rows(seqs, mark, budget):
+        if not prefill_rows(seqs, mark, budget, fold):
             return
         reply = await self.calls.call(side, method, seqs, mark, make_args, retry=retry)
         advance_marks(seqs, mark, sent)
@@ -220,6 +221,8 @@ class RemoteExecutor:
         if self.draft_worker is None or self.draft_ok:
             self._drafted.append(plan.gamma > 0)
         self.totals["steps"] += 1
+        # prompt chunks the verify took (a first step's, `folding`), as the prefill calls count theirs
+        self.totals["prefill_tokens"] += sum(f.tokens for f in verdict.forwards if f.prefill)
         num_draft = plan.num_verified.tolist()
         drafted, accepted = sum(num_draft), sum(verdict.num_accepted)
         self.totals["spec_decode_num_draft_tokens"] += drafted

@@ -288,7 +288,7 @@ class Pipeline:
                 return None  # a row finishes with this block: its next block will never be verified
             n = s.num_tokens + g + 1
             optimistic.append(dataclasses.replace(s, output=s.output + gained + [_UNKNOWN], draft_len=n - 1,
-                                                  metrics=s.metrics, acceptance=s.acceptance))
+                                                  target_len=n - 1, metrics=s.metrics, acceptance=s.acceptance))
             last = gained[-1] if g else s.tokens[-1]  # the row's last token if all of block k is accepted
             rows.append(RowInput(s.request_id, s.num_tokens + g - 1, [last]))
         states = {b: s.generator.get_state() for b, s in enumerate(seqs) if not s.params.greedy}

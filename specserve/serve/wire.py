@@ -266,7 +266,8 @@ def _encode(m):
         return "p", (_tensor(m.tokens), _tensor(m.probs), _times(m.forwards), m.deterministic, _tensor(m.num_draft),
                      _tensor(m.alternates))
     if kind is Verdict:
-        return "v", (m.num_accepted, m.next_token, _times(m.forwards), m.draft_tokens, m.logprobs, m.top_logprobs)
+        return "v", (m.num_accepted, m.next_token, _times(m.forwards), m.draft_tokens, m.logprobs, m.top_logprobs,
+                     m.cached_tokens)
     out = io.BytesIO()
     _Pickler(out, protocol=pickle.HIGHEST_PROTOCOL).dump(m)
     return "x", out.getvalue()
@@ -289,5 +290,5 @@ def _decode(e):
     if kind == "p":
         return Proposal(_untensor(f[0]), _untensor(f[1]), _untimes(f[2]), f[3], _untensor(f[4]), _untensor(f[5]))
     if kind == "v":
-        return Verdict(f[0], f[1], _untimes(f[2]), f[3], f[4], f[5])
+        return Verdict(f[0], f[1], _untimes(f[2]), f[3], f[4], f[5], f[6])
     return pickle.loads(f)
