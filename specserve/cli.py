@@ -117,6 +117,7 @@ BENCHES = {  # name -> module with `main(argv: list[str]) -> int`; its own argpa
     "overload": "specserve.bench.overload",
     "ingress": "specserve.bench.ingress",
     "prefill": "specserve.bench.prefill",
+    "ttft": "specserve.bench.ttft",
     "overlap": "specserve.bench.overlap",
     "soak": "specserve.bench.soak",
     "serve-gpu": "specserve.bench.serve_gpu",
