@@ -324,8 +324,8 @@ def test_a_feature_head_drafts_from_the_features_kept_with_a_cached_prefix(head_
         head, head_took = engine.proposer.runner, []
         take = head.take_cached_prefix
 
-        def counted(row, root=None) -> int:  # what the head's own cache takes
-            head_took.append(take(row, root))
+        def counted(row, root=None, spare_last=False) -> int:  # what the head's own cache takes
+            head_took.append(take(row, root, spare_last))
             return head_took[-1]
         head.take_cached_prefix = counted
         engine.add_request("later", later, params)

@@ -622,8 +622,7 @@ class FeatureDrafterProposer(DraftModelProposer):
         cached blocks hold (another request's catch-up computed them) -> its rows and features
         less those. A pair at position p is (the target's feature of p, token p + 1), so the hash
         chain starts from token 0; the last pair is always computed: its logits give draft 1."""
-        taken = [self.runner.take_cached_prefix(RowInput(row.request_id, row.start, row.tokens[:-1]), root=seq[0])
-                 for row, seq in zip(catch_up, seqs)]
+        taken = [self.runner.take_cached_prefix(row, root=seq[0], spare_last=True) for row, seq in zip(catch_up, seqs)]
         return ([RowInput(row.request_id, row.start + n, row.tokens[n:]) for row, n in zip(catch_up, taken)],
                 [f[n:] for f, n in zip(feats, taken)])
 

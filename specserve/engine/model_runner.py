@@ -563,19 +563,21 @@ class ModelRunner:
         spare_last: each row's last token is computed whatever the cache holds (its logits are wanted)."""
         left = []
         for row in rows:
-            taken = self.take_cached_prefix(RowInput(row.request_id, row.start, row.tokens[:-1]) if spare_last else row)
+            taken = self.take_cached_prefix(row, spare_last=spare_last)
             if taken < len(row.tokens):
                 left.append(RowInput(row.request_id, row.start + taken, row.tokens[taken:]))
         return left
 
-    def take_cached_prefix(self, row: RowInput, root: int | None = None) -> int:
+    def take_cached_prefix(self, row: RowInput, root: int | None = None, spare_last: bool = False) -> int:
         """Before computing a row of committed tokens at its request's valid length (prefix
         caching): the request takes the cached blocks that hold a leading part of them, and its
         valid length moves past them -> how many tokens they hold (0: none, or no prefix caching).
-        root: what the cache's hash chain starts from (`register_prefix`'s for the same rows)."""
+        root: what the cache's hash chain starts from (`register_prefix`'s for the same rows).
+        spare_last: the row's last token is computed whatever the cache holds (its logits are wanted)."""
         if not getattr(self.cache, "prefix_caching", False) or row.start != self.valid_length(row.request_id):
             return 0
-        taken = self.cache.match(self._slot(row.request_id), row.start, row.tokens, root)
+        tokens = row.tokens[:-1] if spare_last else row.tokens
+        taken = self.cache.match(self._slot(row.request_id), row.start, tokens, root)
         if taken:
             self._valid[row.request_id] = row.start + taken
             self.cached_tokens[row.request_id] = self.cached_tokens.get(row.request_id, 0) + taken
