@@ -149,6 +149,16 @@ def _server(fake, monkeypatch, **config_overrides):
         servable_object = server
 
     monkeypatch.setattr(serve, "get_replica_context", lambda: _Context())  # the routes' `self`
+
+    async def no_controller() -> bool:
+        return False
+
+    # This ingress has no Serve controller of its own. With the session's Ray up (the other serve test
+    # files), its readiness probe would ask the real controller from a pool thread that outlives the
+    # test, and Ray builds autoscaling configs through a process-global pickling registry that is not
+    # thread-safe: a later test's serve.run in the main thread then fails ("... is not registered for
+    # pickle by value").
+    monkeypatch.setattr(server, "_serve_reports_running", no_controller)
     return server
 
 
