@@ -107,3 +107,34 @@ def test_shared_probs_keep_the_sampled_rows_and_rebuild_greedy_rows_one_hot(monk
     sampled = BatchSampling.from_params([SamplingParams(temperature=0.5)] * 3)
     everyone = SharedProbs.put(probs, sampled)
     assert everyone.rows == (0, 1, 2) and torch.equal(everyone.resolve(drafts, get=store.__getitem__), probs)
+
+
+def test_ray_pickles_host_tensors_as_arrays_exactly():
+    """After `fast_tensor_pickling`, Ray's pickler sends a host tensor as a numpy array (torch's
+    storage format only where it must): every kind comes back exact, its grad flag kept, a tensor
+    of the receiver's own, and a whole step call as Ray sends a plain call's argument."""
+    import numpy as np
+    from ray import cloudpickle
+
+    from specserve.serve.wire import _tensor_in, fast_tensor_pickling
+
+    fast_tensor_pickling()
+    g = torch.Generator().manual_seed(2)
+    fast = [torch.rand(2, 3, generator=g), torch.arange(6).view(2, 3).t(), torch.tensor([True, False]),
+            torch.zeros(()), torch.rand(4, 5, generator=g).bfloat16(), torch.rand(3, generator=g).half(),
+            torch.zeros(2, 0, dtype=torch.long), torch.tensor([1, 255], dtype=torch.uint8)]
+    as_torch = [torch.randn(3, dtype=torch.complex64, generator=g).conj(), torch.rand(2, requires_grad=True)]
+    for i, t in enumerate(fast + as_torch):
+        data = cloudpickle.dumps(t)
+        back = pickle.loads(data)
+        assert same(back, t) and back.requires_grad == t.requires_grad
+        assert (b"_rebuild_tensor" in data) == (i >= len(fast))  # which path it took
+    call = StepCall([RowInput("b", 3, [1, 2])], 2, sampling(), torch.rand(2, 2, generator=g),
+                    [RowInput("a", 7, [5]), RowInput("b", 2, [5, 1, 2])], torch.tensor([2, 1]),
+                    torch.rand(2, 2, generator=g), torch.rand(2, generator=g))
+    assert same(pickle.loads(cloudpickle.dumps(call)), call)
+    shared = np.arange(4.0)
+    shared.flags.writeable = False  # as Ray hands out an array read in place from its buffers
+    mine = _tensor_in((shared, None))
+    mine.add_(1)
+    assert shared[0] == 0.0 and mine[0] == 1.0

@@ -63,6 +63,7 @@ from .calls import ProposerSide, StepRecord, answers
 from .executor import RemoteExecutor
 from .metrics import CoordinatorMetrics
 from .placement import POLL_S, TARGET_BUNDLE, PlacementWatch
+from .wire import fast_tensor_pickling
 from .workers import DraftWorker, TargetWorker, TokenizerSource
 
 logger = logging.getLogger("specserve.coordinator")
@@ -138,6 +139,7 @@ class Coordinator:
     _watch_task: asyncio.Task | None = None
 
     def __init__(self, config: AppConfig) -> None:
+        fast_tensor_pickling()  # every step call carries tensors (sampling parameters, uniforms)
         self.config = config
         self.deadlines = config.deadlines
         self.max_gamma = config.speculation.num_speculative_tokens

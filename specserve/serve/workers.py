@@ -35,7 +35,8 @@ from specserve.engine.step import empty_proposal, verified_counts
 from specserve.engine.verifier import prompt_logprobs
 from specserve.engine.sampling import BatchSampling
 
-from .wire import AheadCall, Block, Reply, SharedProbs, StepCall, StepReply, light, pack, pack_pair, unpack
+from .wire import (AheadCall, Block, Reply, SharedProbs, StepCall, StepReply, fast_tensor_pickling, light, pack,
+                   pack_pair, unpack)
 from .pipeline import branch_points, combine_drafts
 
 
@@ -80,6 +81,7 @@ def _serialised(method):
 
 class _Worker:
     def __init__(self, torch_threads: int | None) -> None:
+        fast_tensor_pickling()  # replies carry tensors (draft tokens, features)
         self._lock = threading.RLock()
         # the draft side of a compiled step graph (DraftWorker.graph_propose / graph_ahead)
         self._proposing = False  # inside graph_propose (waiting for the lock included)
