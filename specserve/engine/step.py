@@ -263,7 +263,7 @@ def plan_step(seqs: list[Sequence], policy: SpeculationPolicy) -> StepPlan:
         s.drafted_for = s.drafted_for or g > 0
     sampling = step_sampling(seqs)
     draft_u = accept_u = final_u = None
-    if not sampling.all_greedy:
+    if not all(s.params.greedy for s in seqs):  # (from the params: no tensor read on the host)
         draft_u = torch.full((len(seqs), positions), 0.5)
         accept_u = torch.zeros(len(seqs), positions)
         final_u = torch.zeros(len(seqs))
