@@ -198,11 +198,17 @@ class _Large:
         self.tensor = tensor
 
     def __reduce__(self):
-        host = self.tensor.detach().cpu().contiguous()
-        try:
-            return torch.from_numpy, (host.numpy(),)
-        except TypeError:  # numpy has no such dtype
-            return _from_bits, (host.view(_BITS[host.element_size()]).numpy(), host.dtype)
+        array, dtype = _host_array(self.tensor.detach().cpu().contiguous())
+        return (torch.from_numpy, (array,)) if dtype is None else (_from_bits, (array, dtype))
+
+
+def _host_array(host: torch.Tensor):
+    """A host tensor as a numpy array sharing its memory -> (array, None), or (its bits, its
+    dtype) where numpy has no such dtype (bfloat16, ...)."""
+    try:
+        return host.numpy(), None
+    except TypeError:
+        return host.view(_BITS[host.element_size()]).numpy(), host.dtype
 
 
 def _from_bits(bits, dtype: torch.dtype) -> torch.Tensor:
@@ -232,9 +238,7 @@ def fast_tensor_pickling() -> None:
 def _tensor_out(t: torch.Tensor):
     if t.device.type == "cpu" and not t.requires_grad and t.layout == torch.strided:
         try:
-            return t.numpy(), None
-        except TypeError:  # numpy has no such dtype (bfloat16, ...)
-            return t.view(_BITS[t.element_size()]).numpy(), t.dtype
+            return _host_array(t)
         except RuntimeError:  # conjugate or negative views, ...: as torch pickles it
             pass
     return pickle.dumps(t, protocol=pickle.HIGHEST_PROTOCOL)
@@ -246,8 +250,7 @@ def _tensor_in(data) -> torch.Tensor:
     array, dtype = data
     if not array.flags.writeable:  # a view of Ray's buffers: the receiver gets a tensor of its own
         array = array.copy()
-    tensor = torch.from_numpy(array)
-    return tensor if dtype is None else tensor.view(dtype)
+    return torch.from_numpy(array) if dtype is None else _from_bits(array, dtype)
 
 
 # -- messages ------------------------------------------------------------------------------------
