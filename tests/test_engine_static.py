@@ -165,6 +165,30 @@ def emulate_graphs(runner: ModelRunner) -> None:
     runner.execution, runner.graphs = "graph", graphs
 
 
+def test_graphs_take_a_new_pool_once_every_graph_of_the_old_one_is_gone(monkeypatch):
+    """Capturing into a pool whose graphs were all destroyed fails CUDA's allocator (an internal
+    assert: served workers on a GPU hit it when the cache grew between two concurrency levels).
+    Graphs of one cache generation share a pool; a generation that drops them all starts a new one."""
+    from specserve.engine.model_runner import GraphSet
+
+    handles = iter(range(100))
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (next(handles), 0))
+    graphs = GraphSet.__new__(GraphSet)
+    graphs.device, graphs.pool, graphs._entries, graphs.capture_seconds = torch.device("cpu"), None, {}, 0.0
+    pools = []
+
+    def capture(fn, inputs):
+        pools.append(graphs._pool_for_capture())
+        return ReplayOnCpu(fn, fn()), None
+
+    graphs._capture = capture
+    fn = lambda: torch.zeros(1)  # noqa: E731
+    for key in (("a", 0), ("b", 0), ("a", 0), ("c", 1), ("d", 1), ("e", 2)):
+        graphs.run(key, fn)
+    assert pools == [(0, 0), (0, 0), (1, 0), (1, 0), (2, 0)]  # a new pool at each generation that left none alive
+    assert len(graphs) == 1
+
+
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_graph_mode_logic_on_cpu(target, temperature, fused):

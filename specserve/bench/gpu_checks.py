@@ -14,7 +14,10 @@ configurations are the ones whose graph capture has run on a CPU only under emul
 - draft model and feature head again with fused blocks (`execution="fused-graph"`,
   engine/fusion.py: the decoder layers compiled, then captured);
 - the feature head over a paged cache with prefix caching: the sampled run's prompts take the
-  blocks (and the kept target features) of the greedy run's.
+  blocks (and the kept target features) of the greedy run's;
+- draft model, masked, with prompts whose contexts cross the dense cache's first 256 positions:
+  the cache grows mid-run, every graph goes stale, and the next ones are captured in a new pool
+  (capturing into the old one, all its graphs gone, fails CUDA's allocator).
 
 Greedy rows must equal the target alone (masked, dense, eager; the target's greedy choices are
 made robust to kernel noise, `peaked`); seeded sampled rows must equal the same configuration run
@@ -38,8 +41,13 @@ from specserve.engine.feature_drafter import FeatureDrafterProposer
 from specserve.engine.planted import PlantedProposer
 
 PROMPTS = [[5, 9, 2, 7], [7] * 19, [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [8, 8], [11, 12, 13, 14, 15, 16]]
+LONG_PROMPTS = [(p * 250)[: 240 - 3 * i] for i, p in enumerate(PROMPTS)]  # 24 new tokens pass position 256
 CHECKS = ("draft, mask", "draft, flex", "draft, flex, paged in place", "feature head", "draft, mask, fused",
-          "feature head, fused", "feature head, paged, prefix cache")
+          "feature head, fused", "feature head, paged, prefix cache", "draft, mask, cache grows")
+
+
+def prompts_of(check: str) -> list[list[int]]:
+    return LONG_PROMPTS if "grows" in check else PROMPTS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -77,21 +85,23 @@ def engine_for(check: str, target, draft, graphs: bool, references) -> Speculati
     return engine
 
 
-def tokens(engine: SpeculativeEngine, params: SamplingParams) -> list[list[int]]:
-    return [o.token_ids for o in engine.generate(PROMPTS, params)]
+def tokens(engine: SpeculativeEngine, params: SamplingParams, prompts: list[list[int]]) -> list[list[int]]:
+    return [o.token_ids for o in engine.generate(prompts, params)]
 
 
 def run_check(check: str, target, draft, graphs: bool, alone: list[list[int]], max_new: int) -> dict:
+    """alone: the target's own greedy tokens for this check's prompts."""
     greedy = SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True)
     sampled = SamplingParams(max_tokens=max_new, temperature=0.8, seed=7, ignore_eos=True)
-    references = [p + o for p, o in zip(PROMPTS, alone)]
+    prompts = prompts_of(check)
+    references = [p + o for p, o in zip(prompts, alone)]
     began = time.perf_counter()
     row = {"check": check}
     try:
         engine = engine_for(check, target, draft, graphs, references)
-        row["greedy_same"] = tokens(engine, greedy) == alone
-        got = tokens(engine, sampled)
-        row["sampled_same"] = got == tokens(engine_for(check, target, draft, False, references), sampled)
+        row["greedy_same"] = tokens(engine, greedy, prompts) == alone
+        got = tokens(engine, sampled, prompts)
+        row["sampled_same"] = got == tokens(engine_for(check, target, draft, False, references), sampled, prompts)
         runners = [engine.verifier.runner, engine.proposer.runner]
         row["graphs"] = sum(len(r.graphs) for r in runners if r.graphs is not None)
         row["ok"] = row["greedy_same"] and row["sampled_same"] and (row["graphs"] > 0 or not graphs)
@@ -121,8 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     target = random_llama("tiny-target", device, torch.float32, 0, peaked=True)
     draft = random_llama("tiny-draft", device, torch.float32, 1, peaked=False)
     greedy = SamplingParams(max_tokens=args.max_new, temperature=0.0, ignore_eos=True)
-    alone = tokens(SpeculativeEngine(target, num_speculative_tokens=0, execution="eager"), greedy)
-    rows = [run_check(check, target, draft, graphs, alone, args.max_new) for check in CHECKS]
+    plain = SpeculativeEngine(target, num_speculative_tokens=0, execution="eager")
+    alone = {id(p): tokens(plain, greedy, p) for p in (PROMPTS, LONG_PROMPTS)}
+    rows = [run_check(check, target, draft, graphs, alone[id(prompts_of(check))], args.max_new) for check in CHECKS]
     name = torch.cuda.get_device_name() if graphs else "cpu (eager: no graphs to check)"
     print(table(rows, name))
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -915,7 +915,7 @@ class GraphSet:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = None  # the graphs' memory pool, taken at the first capture (`_pool_for_capture`)
         self._entries: dict[tuple, tuple[torch.cuda.CUDAGraph, object]] = {}
         self.capture_seconds = 0.0
 
@@ -926,8 +926,22 @@ class GraphSet:
         return key in self._entries
 
     def drop_stale(self, generation: int) -> None:
-        """Forget graphs captured over cache storage that has since moved."""
-        self._entries = {k: v for k, v in self._entries.items() if k[-1] == generation}
+        """Forget graphs captured over cache storage that has since moved. Where none is left, the
+        next capture takes a new pool: the allocator keeps a pool whose graphs are all gone as a
+        dead entry until `empty_cache`, and capturing into it again fails an internal assert
+        (`use_count > 0`); empty_cache also gives the dead pool's memory back."""
+        kept = {k: v for k, v in self._entries.items() if k[-1] == generation}
+        if self._entries and not kept:
+            self._entries.clear()  # the graphs go before their pool's memory is released
+            self.pool = None
+            torch.cuda.empty_cache()
+        self._entries = kept
+
+    def _pool_for_capture(self):
+        """The pool every live graph shares (a new one where no graph is alive)."""
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        return self.pool
 
     def run(self, key: tuple, fn: Callable[[], object], inputs: tuple[torch.Tensor, ...] = ()):
         """Replay key's graph (capturing fn first if new) -> its static outputs. key[-1] is the KV
@@ -952,7 +966,7 @@ class GraphSet:
                 t.copy_(s)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self._pool_for_capture()):
             out = fn()
         self.capture_seconds += time.perf_counter() - began
         return graph, out
