@@ -115,6 +115,25 @@ def test_flex_refuses_a_model_over_several_devices():
         ModelRunner(model, attention="flex")
 
 
+def test_flex_on_a_gpu_refuses_heads_narrower_than_its_kernel_takes():
+    """FlexAttention's GPU kernel needs a head dimension >= 16 (an H200 run failed in Inductor at 8):
+    refused up front with the way out; a CPU runs such heads, and a 16-wide head passes."""
+    from types import SimpleNamespace
+
+    from specserve.engine.model_runner import _resolve_attention
+
+    def model(hidden, heads, cuda):
+        weight = SimpleNamespace(device=torch.device("cuda:0" if cuda else "cpu"), is_cuda=cuda)
+        return SimpleNamespace(config=LlamaConfig(hidden_size=hidden, num_attention_heads=heads),
+                               parameters=lambda: iter([weight]))
+
+    with pytest.raises(ValueError, match="head dimension of at least 16.*is 8: use attention='mask'"):
+        _resolve_attention("flex", model(32, 4, cuda=True))
+    assert _resolve_attention("flex", model(32, 4, cuda=False)) == "flex"
+    assert _resolve_attention("flex", model(32, 2, cuda=True)) == "flex"
+    assert _resolve_attention("auto", model(32, 4, cuda=True)) == "mask"
+
+
 def test_auto_keeps_the_masked_path():
     runner = ModelRunner(tiny_llama(0))
     assert runner.attention == "mask" and runner.grouped_attention

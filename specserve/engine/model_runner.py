@@ -989,7 +989,20 @@ def _resolve_attention(mode: str, model: torch.nn.Module) -> str:
     if mode == "flex" and len({p.device for p in model.parameters()}) > 1:
         # the BlockMask's mask_mod reads tensors on the first device; layers elsewhere cannot
         raise ValueError("attention='flex' needs the whole model on one device (a sharded model attends under a mask)")
+    head_dim = _head_dim(model.config)
+    if mode == "flex" and head_dim is not None and head_dim < 16 and any(p.is_cuda for p in model.parameters()):
+        raise ValueError(f"attention='flex' on a GPU needs a head dimension of at least 16 (FlexAttention's "
+                         f"kernel); this model's is {head_dim}: use attention='mask'")
     return "mask" if mode == "auto" else mode
+
+
+def _head_dim(config) -> int | None:
+    """The attention heads' width, where the config tells it."""
+    named = getattr(config, "head_dim", None)
+    if named:
+        return named
+    hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
+    return hidden // heads if hidden and heads else None
 
 
 def _reject_sliding_window(config) -> None:
