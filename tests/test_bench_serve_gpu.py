@@ -28,11 +28,13 @@ def test_a_row_is_same_only_when_every_token_is_and_meets_its_engine_row():
     results = [{"tokens": [10, 11, 12], "ttft": 0.01, "itl": 0.002, "speculation": {"num_draft_tokens": 4,
                                                                                      "num_accepted_tokens": 2}},
                {"tokens": [20, 21, 22], "ttft": 0.03, "itl": 0.004, "speculation": {}}]
-    stats = {"rpc_overhead_p50_ms": 0.4, "overhead_p99_ms": 2.0, "transport": "compiled_graph",
+    stats = {"rpc_overhead_p50_ms": 0.4, "overhead_p99_ms": 2.0, "transport": "compiled_graph", "steps": 8,
+             "graph_steps": 6,
              "memory": {"target": {"cuda_peak_allocated_bytes": 3 << 30}, "draft": {"cuda_peak_allocated_bytes": 1 << 30}}}
     row = serve_gpu.served_row("sequential", 0.8, 2, results, 0.5, stats, refs, prompt_len=2)
     assert row["same"] and row["tokens_per_s"] == 12.0 and row["acceptance"] == 0.5
     assert row["coordination_p50_ms"] == 0.4 and row["overhead_p99_ms"] == 2.0 and row["cuda_peak_bytes"] == 4 << 30
+    assert row["graph_share"] == 0.75
     results[1]["tokens"] = [20, 21, 23]
     assert not serve_gpu.served_row("sequential", 0.8, 2, results, 0.5, stats, refs, prompt_len=2)["same"]
     engine = [{"mode": "sequential", "alpha": 0.8, "concurrency": 2, "tokens_per_s": 24.0},
@@ -41,6 +43,27 @@ def test_a_row_is_same_only_when_every_token_is_and_meets_its_engine_row():
     assert serve_gpu.with_engine({**row, "alpha": None}, engine, "γ=0", None)["ratio"] == 1.0
     lines = serve_gpu.table([row]).splitlines()
     assert lines[0].split()[:3] == ["mode", "α", "acc"] and "0.50" in lines[1] and "4.0" in lines[1]
+    assert "0.75" in lines[1]
+
+
+def test_a_failed_level_is_a_row_and_the_report_is_saved_as_it_goes(tmp_path):
+    """A level that fails on the GPU machine must not cost the rows already measured: each row
+    rewrites DIR/serve-gpu.json (partial until the end), a failure is a row of its own."""
+    args = serve_gpu.parse_args(["--tiny", "--out", str(tmp_path)])
+    engine = {"device": "cpu", "rows": [{"mode": "γ=0", "alpha": None, "concurrency": 1, "same": True}],
+              "peak_cuda_bytes": None}
+    progress = serve_gpu.Progress(args, engine, began=0.0)
+    progress.add({"mode": "sequential", "alpha": 0.8, "concurrency": 1, "tokens_per_s": 10.0, "itl_p50_ms": 5.0,
+                  "same": True})
+    saved = json.loads((tmp_path / "serve-gpu.json").read_text())
+    assert saved["partial"] and len(saved["served"]) == 1 and saved["all_same"]
+    progress.add({"mode": "sequential", "alpha": 0.8, "concurrency": 8, "same": False, "error": "RuntimeError: boom"})
+    saved = json.loads((tmp_path / "serve-gpu.json").read_text())
+    assert len(saved["served"]) == 2 and not saved["all_same"]
+    assert "c=8: FAILED RuntimeError: boom" in serve_gpu.table(saved["served"])
+    assert not progress.save(partial=False)["partial"]
+    why = serve_gpu.plot({**saved, "shapes": "tiny"}, tmp_path / "p.png")  # (the failed row is left out)
+    assert why is None or "matplotlib" in why
 
 
 @pytest.mark.serve
@@ -60,6 +83,10 @@ def test_tiny_run_serves_the_engines_tokens(tmp_path):
     assert report["all_same"] and all(r["same"] for r in served)
     assert all(r["tokens_per_s"] > 0 and r["engine_tokens_per_s"] > 0 for r in served)
     assert served[0]["transport"] == "compiled_graph" and served[0]["acceptance"] > 0
+    assert all(r["graph_share"] == 1.0 for r in served)  # every timed step on the compiled graph
+    assert not report["partial"] and (out / "ray-warnings.txt").exists()
+    steps = report["engine"][0]["steps"]  # where the in-process engine's timed steps went
+    assert steps["steps"] > 0 and steps["graphs_captured"] == 0 and steps["step_ms"] > 0
     assert {(r["mode"], r["concurrency"]) for r in report["engine"]} == {(m, c) for m in ("γ=0", "sequential")
                                                                         for c in (1, 3)}
     assert "every served and in-process token the same: True" in done.stdout

@@ -135,6 +135,40 @@ def generate(engine: SpeculativeEngine, prompts: list[list[int]], ids: list[str]
     return seqs, time.perf_counter() - began
 
 
+class StepTimes:
+    """Where an in-process engine's steps go, recorded while it runs (`engine.loop.executor.stepped`):
+    per step its wall, the draft's and the target's device seconds (their forward logs, whose
+    CUDA events are read only in `summary`, after the run), rows and γ; and graphs captured while
+    recording (a capture inside a timed run is a stall the warm-up should have taken)."""
+
+    def __init__(self, engine: SpeculativeEngine) -> None:
+        self.engine, self.steps = engine, []
+        self._runners = [r for r in (engine.verifier.runner, getattr(engine.proposer, "runner", None)) if r is not None]
+        self._graphs = self._captured()
+        engine.loop.executor.stepped = self._stepped  # (the in-process executor's own is a no-op)
+
+    def _captured(self) -> tuple[int, float]:
+        sets = [r.graphs for r in self._runners if r.graphs is not None]
+        return sum(len(g) for g in sets), sum(g.capture_seconds for g in sets)
+
+    def _stepped(self, plan, ran, policy, began: float) -> None:
+        self.steps.append((time.perf_counter() - began, ran.proposal.forwards, ran.verdict.forwards,
+                           len(plan.seqs), plan.gamma))
+
+    def summary(self) -> dict:
+        """Means per step (ms): wall, draft and verify device time, the rest (host work and gaps);
+        graphs captured and their seconds while recording."""
+        n = max(1, len(self.steps))
+        wall = sum(w for w, *_ in self.steps) / n
+        draft = sum(sum(f.seconds for f in d) for _, d, *_ in self.steps) / n
+        verify = sum(sum(f.seconds for f in v) for _, _, v, *_ in self.steps) / n
+        graphs, seconds = self._captured()
+        return dict(steps=len(self.steps), rows_per_step=sum(s[3] for s in self.steps) / n,
+                    step_ms=1e3 * wall, draft_ms=1e3 * draft, verify_ms=1e3 * verify,
+                    rest_ms=1e3 * (wall - draft - verify), graphs_captured=graphs - self._graphs[0],
+                    capture_s=seconds - self._graphs[1])
+
+
 @dataclass(frozen=True)
 class Layout:
     """How every engine and cost runner of a run executes, attends and keeps its KV cache."""

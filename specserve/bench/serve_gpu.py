@@ -117,33 +117,47 @@ def engine_phase(args) -> dict:
     pool = prompts(args, vocab)
     runs = iter(range(1 << 30))
 
-    def timed(proposer, gamma: int, batch: int) -> tuple[list[list[int]], float]:
+    def timed(proposer, gamma: int, batch: int) -> tuple[list[list[int]], float, dict]:
+        """-> (outputs, tok/s, where the timed run's steps went: gpu.StepTimes.summary)."""
         engine = gpu.build_engine(target, proposer, gamma, gamma, batch, gpu.Layout(args.execution))
         chosen = pool[: requests_at(args, batch)]
-        for _ in range(2):  # the first run is the warm-up (graphs, caches)
+        for run in range(2):  # the first run is the warm-up (graphs, caches)
             ids = [f"run{next(runs)}-{i}" for i in range(len(chosen))]
+            times = gpu.StepTimes(engine) if run else None
             seqs, seconds = gpu.generate(engine, chosen, ids, batch, args.max_tokens, device)
-        del engine
+        steps = times.summary()
+        del engine, times
         gpu.release_memory(device)  # ten engines one after another: only one cache at a time
-        return [list(s.output) for s in seqs], len(chosen) * args.max_tokens / seconds
+        return [list(s.output) for s in seqs], len(chosen) * args.max_tokens / seconds, steps
 
-    outputs, _ = timed(None, 0, max(args.levels))
+    outputs, _, _ = timed(None, 0, max(args.levels))
     references = [p + o for p, o in zip(pool, outputs)]
     rows = []
     for batch in args.levels:
-        got, speed = timed(None, 0, batch)
+        got, speed, steps = timed(None, 0, batch)
         rows.append(dict(mode="γ=0", alpha=None, concurrency=batch, tokens_per_s=speed,
-                         same=got == outputs[: len(got)]))
+                         same=got == outputs[: len(got)], steps=steps))
         for alpha in args.alpha_list:
             proposer = PlantedProposer(draft, vocab, alpha, references, seed=args.seed, execution=args.execution)
-            got, speed = timed(proposer, args.gamma, batch)
+            got, speed, steps = timed(proposer, args.gamma, batch)
             counts = proposer.counts
             rows.append(dict(mode="sequential", alpha=alpha, concurrency=batch, tokens_per_s=speed,
-                             same=got == outputs[: len(got)], planted=counts.planted / max(1, counts.proposed)))
-        print(f"engine b={batch}: " + ", ".join(f"{r['mode']} α={r['alpha']} {r['tokens_per_s']:.1f} tok/s"
-                                                 for r in rows if r["concurrency"] == batch), flush=True)
+                             same=got == outputs[: len(got)], planted=counts.planted / max(1, counts.proposed),
+                             steps=steps))
+        for r in rows:
+            if r["concurrency"] == batch:
+                print(engine_line(r), flush=True)
     peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
     return {"device": device, "rows": rows, "references": references, "peak_cuda_bytes": peak}
+
+
+def engine_line(row: dict) -> str:
+    """One in-process row and where its steps went (ms per step)."""
+    s = row["steps"]
+    return (f"engine b={row['concurrency']} {row['mode']} α={row['alpha']}: {row['tokens_per_s']:.1f} tok/s, "
+            f"same={row['same']}; per step: {s['step_ms']:.2f} wall = {s['draft_ms']:.2f} draft + "
+            f"{s['verify_ms']:.2f} verify + {s['rest_ms']:.2f} rest; {s['rows_per_step']:.1f} rows, "
+            f"{s['steps']} steps, {s['graphs_captured']} graphs captured ({s['capture_s']:.1f} s) while timed")
 
 
 def run_engine_subprocess(args, argv: list[str]) -> dict:
@@ -226,13 +240,18 @@ def served_row(mode: str, alpha, concurrency: int, results: list[dict], wall: fl
         itl_p50_ms=ms(nearest_rank(itls, 0.5), 2), itl_p99_ms=ms(nearest_rank(itls, 0.99), 2),
         **{f"{name}_{q}_ms": stats.get(f"{key}_{q}_ms") for name, key in
            (("coordination", "rpc_overhead"), ("overhead", "overhead")) for q in ("p50", "p99")},
+        step_p50_ms=stats.get("step_wall_p50_ms"), forward_p50_ms=stats.get("forward_p50_ms"),
         transport=stats.get("transport"), cuda_peak_bytes=peak,
+        # the timed steps that ran on the compiled graph (the rest: plain actor calls)
+        graph_share=stats.get("graph_steps", 0) / stats["steps"] if stats.get("steps") else None,
+        graph_breaks=stats.get("graph_breaks"), worker_restarts=stats.get("worker_restarts"),
         same=all(r["tokens"] == ref[prompt_len:] for r, ref in zip(results, references)))
 
 
 @contextlib.contextmanager
-def local_serve(gpu: bool):
-    """Ray on this machine (its CPUs, and the GPU when there is one) with Serve's proxy on loopback."""
+def local_serve(gpu: bool, out: Path):
+    """Ray on this machine (its CPUs, and the GPU when there is one) with Serve's proxy on loopback;
+    at the end, the warnings and errors its processes logged are appended to out/ray-warnings.txt."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a throwaway cluster on loopback only
     import ray
     from ray import serve
@@ -244,19 +263,70 @@ def local_serve(gpu: bool):
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         yield f"http://127.0.0.1:{port}"
     finally:
+        harvest_warnings(out / "ray-warnings.txt")
         serve.shutdown()
         ray.shutdown()
 
 
+def harvest_warnings(path: Path, limit: int = 400) -> None:
+    """Lines of this Ray session's worker logs that warn or fail, each distinct one once (the
+    workers log to files, not to this driver): what a run on a machine one cannot log into says."""
+    try:
+        from ray._private.worker import _global_node
+
+        logs = Path(_global_node.get_logs_dir_path())
+    except Exception as err:  # (a private API: a Ray without it just leaves no harvest)
+        path.open("a").write(f"no logs: {type(err).__name__}: {err}\n")
+        return
+    seen, kept = set(), []
+    for log in sorted(logs.glob("worker-*.err")) + sorted(logs.glob("worker-*.out")):
+        for line in log.read_text(errors="replace").splitlines():
+            if any(w in line for w in ("WARNING", "ERROR", "Error", "failed", "broken")) and " INFO " not in line:
+                text = line.strip()[:400]
+                if text not in seen and len(kept) < limit:
+                    seen.add(text)
+                    kept.append(f"{log.name[:40]}: {text}")
+    with path.open("a") as f:
+        f.write("\n".join(kept) + "\n")
+
+
+class Progress:
+    """The served rows so far: each printed as it comes and the report rewritten with it (a run cut
+    short by its time limit still leaves DIR/serve-gpu.json, marked partial)."""
+
+    def __init__(self, args, engine: dict, began: float) -> None:
+        self.args, self.engine, self.began = args, engine, began
+        self.rows: list[dict] = []
+        self.notes: dict = {}
+
+    def add(self, row: dict) -> None:
+        self.rows.append(row)
+        print(format_row(row) if "error" not in row else
+              f"{row['mode']} α={row['alpha']} c={row['concurrency']}: FAILED {row['error']}", flush=True)
+        self.save(partial=True)
+
+    def save(self, partial: bool) -> dict:
+        report = report_of(self.args, self.engine, self.rows, self.notes, time.monotonic() - self.began)
+        report["partial"] = partial
+        (self.args.out / "serve-gpu.json").write_text(json.dumps(report, indent=1))
+        return report
+
+
 def serve_mode(url: str, args, mode: str, alpha: float, engine: dict, references: Path, gpu: bool,
-               tag: str, rows: list[dict]) -> None:
-    """Deploy the app for (mode, α), drive every level (and the γ=0 rows when asked), append rows."""
+               tag: str, progress: Progress) -> None:
+    """Deploy the app for (mode, α), drive every level (and the γ=0 rows when asked), add rows. A
+    deploy or a level that fails is a row with its error; the app's later levels are skipped."""
     from ray import serve
 
     from specserve.serve.app import build_app
 
     began = time.monotonic()
-    serve.run(build_app(app_args(args, mode, alpha, references, gpu)), name="bench", route_prefix="/")
+    try:
+        serve.run(build_app(app_args(args, mode, alpha, references, gpu)), name="bench", route_prefix="/")
+    except Exception as err:
+        progress.add(dict(mode=mode + tag, alpha=alpha, concurrency=None, same=False,
+                          error=f"deploy: {type(err).__name__}: {str(err)[:400]}"))
+        return
     print(f"deployed {mode} α={alpha} in {time.monotonic() - began:.0f} s", flush=True)
     refs = engine["references"]
     pool = [r[: args.prompt_len] for r in refs]
@@ -268,14 +338,19 @@ def serve_mode(url: str, args, mode: str, alpha: float, engine: dict, references
         async with httpx.AsyncClient(base_url=url, timeout=600.0, limits=limits) as client:
             for name, gamma in gammas:
                 for c in args.levels:
-                    results, wall, stats = await level(client, args, pool, c, gamma)
-                    row = served_row(name + tag, None if gamma == 0 else alpha, c, results, wall, stats, refs,
-                                     args.prompt_len)
-                    rows.append(with_engine(row, engine["rows"], name, None if gamma == 0 else alpha))
-                    print(format_row(rows[-1]), flush=True)
+                    planted = None if gamma == 0 else alpha
+                    try:
+                        results, wall, stats = await level(client, args, pool, c, gamma)
+                    except Exception as err:
+                        progress.add(dict(mode=name + tag, alpha=planted, concurrency=c, same=False,
+                                          error=f"{type(err).__name__}: {str(err)[:400]}"))
+                        return
+                    row = served_row(name + tag, planted, c, results, wall, stats, refs, args.prompt_len)
+                    progress.add(with_engine(row, engine["rows"], name, planted))
 
     asyncio.run(drive())
-    serve.delete("bench")
+    with contextlib.suppress(Exception):
+        serve.delete("bench")
 
 
 def with_engine(row: dict, engine_rows: list[dict], mode: str, alpha) -> dict:
@@ -309,6 +384,7 @@ COLUMNS = (("mode", "mode", 14, "s"), ("alpha", "α", 4, ".1f"), ("acceptance", 
            ("itl_p50_ms", "itl50", 6, ".2f"), ("itl_p99_ms", "itl99", 6, ".2f"),
            ("coordination_p50_ms", "crd50", 6, ".2f"), ("coordination_p99_ms", "crd99", 6, ".2f"),
            ("overhead_p50_ms", "ovh50", 6, ".2f"), ("overhead_p99_ms", "ovh99", 6, ".2f"),
+           ("step_p50_ms", "step50", 6, ".2f"), ("graph_share", "graph", 5, ".2f"),
            ("cuda_peak_gib", "GiB", 5, ".1f"), ("same", "same", 5, "s"))
 
 
@@ -324,7 +400,10 @@ def format_row(row: dict) -> str:
 
 def table(rows: list[dict]) -> str:
     head = " ".join(h.ljust(w) if k == "mode" else h.rjust(w) for k, h, w, _ in COLUMNS)
-    return "\n".join([head, *map(format_row, rows)]) + "\n(ms; crd: coordination = step wall - time in worker calls)"
+    lines = [format_row(r) if "error" not in r else f"{r['mode']} α={r['alpha']} c={r['concurrency']}: FAILED {r['error']}"
+             for r in rows]
+    return "\n".join([head, *lines]) + ("\n(ms; crd: coordination = step wall - time in worker calls; graph: share"
+                                        " of the timed steps on the compiled graph)")
 
 
 def plot(report: dict, path: Path) -> str | None:
@@ -338,7 +417,7 @@ def plot(report: dict, path: Path) -> str | None:
         return "matplotlib is not installed here: draw it elsewhere with --plot " + str(path.with_suffix(".json"))
     fig, (speed, itl) = plt.subplots(1, 2, figsize=(11, 4))
     lines: dict[str, list[dict]] = {}
-    for row in report["served"]:
+    for row in (r for r in report["served"] if "error" not in r):
         lines.setdefault(f"{row['mode']} α={row['alpha']}" if row["alpha"] is not None else row["mode"], []).append(row)
     for label, rows in lines.items():
         rows.sort(key=lambda r: r["concurrency"])
@@ -380,24 +459,23 @@ def run(args, argv: list[str]) -> int:
     references = args.out / "references.jsonl"
     write_references(references, engine["references"])
     gpu = engine["device"] == "cuda"
-    rows: list[dict] = []
-    notes = {}
-    with local_serve(gpu) as url:
+    progress = Progress(args, engine, began)
+    notes = progress.notes
+    with local_serve(gpu, args.out) as url:
         for mode in args.mode_list:
             for alpha in args.alpha_list:
-                serve_mode(url, args, mode, alpha, engine, references, gpu, "", rows)
+                serve_mode(url, args, mode, alpha, engine, references, gpu, "", progress)
     if args.mps and gpu:
         notes["mps_start"] = mps("-d")
         if notes["mps_start"] is None:
             try:
-                with local_serve(gpu) as url:
+                with local_serve(gpu, args.out) as url:
                     for alpha in args.alpha_list:
-                        serve_mode(url, args, "pipelined", alpha, engine, references, gpu, "+mps", rows)
+                        serve_mode(url, args, "pipelined", alpha, engine, references, gpu, "+mps", progress)
             finally:
                 notes["mps_stop"] = mps("quit")
         print(f"MPS: {notes}", flush=True)
-    report = report_of(args, engine, rows, notes, time.monotonic() - began)
-    return write_report(args, report)
+    return write_report(args, progress.save(partial=False))
 
 
 def report_of(args, engine: dict, rows: list[dict], notes: dict, seconds: float) -> dict:
@@ -410,10 +488,10 @@ def report_of(args, engine: dict, rows: list[dict], notes: dict, seconds: float)
 
 
 def write_report(args, report: dict) -> int:
+    """Print the table, draw the PNG (DIR/serve-gpu.json is already written) -> exit status."""
     print()
     print(table(report["served"]))
     path = args.out / "serve-gpu.json"
-    path.write_text(json.dumps(report, indent=1))
     why = plot(report, path.with_suffix(".png"))
     print(f"wrote {path}" + ("" if why else f" and {path.with_suffix('.png')}") + (f" ({why})" if why else ""))
     print(f"every served and in-process token the same: {report['all_same']}; {report['wall_s']} s")
