@@ -157,6 +157,7 @@ def engine_line(row: dict) -> str:
     return (f"engine b={row['concurrency']} {row['mode']} α={row['alpha']}: {row['tokens_per_s']:.1f} tok/s, "
             f"same={row['same']}; per step: {s['step_ms']:.2f} wall = {s['draft_ms']:.2f} draft + "
             f"{s['verify_ms']:.2f} verify + {s['rest_ms']:.2f} rest; {s['rows_per_step']:.1f} rows, "
+            f"{s['accepted_per_row_step']:.2f} accepted per row, "
             f"{s['steps']} steps, {s['graphs_captured']} graphs captured ({s['capture_s']:.1f} s) while timed")
 
 
