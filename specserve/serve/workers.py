@@ -138,6 +138,7 @@ class _Worker:
             result = call()
         except CacheMiss as miss:
             return Reply(None, time.perf_counter() - began, {miss.request_id: miss.valid_length})
+        _device_done()
         return Reply(result, time.perf_counter() - began)
 
     @_serialised
@@ -582,6 +583,15 @@ def _shared(proposal: Proposal, sampling: BatchSampling, share: bool) -> Proposa
     if not share or proposal.probs is None or not ray.is_initialized():
         return proposal
     return dataclasses.replace(proposal, probs=SharedProbs.put(proposal.probs, sampling))
+
+
+def _device_done() -> None:
+    """Wait for this process's queued GPU work. A method's result can still be computing when it
+    returns (a draft's tokens are on the device until its reply is pickled): its seconds must
+    include that work, or the coordinator books it as coordination (`rpc_overhead`). The reply
+    would wait for it anyway, so this costs no wall time."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def _free(holder, request_ids: list[str]) -> None:
