@@ -25,6 +25,8 @@ class _Done:
 
 
 def _value(ref):
+    if isinstance(ref, list):  # ray.get of several refs
+        return [_value(r) for r in ref]
     if not isinstance(ref, _Done):
         return ref
     if ref.error is not None:

@@ -309,3 +309,23 @@ def test_a_worker_calls_seconds_include_its_queued_gpu_work(monkeypatch):
     worker._lock, worker._torch_threads, worker._thread_state = threading.RLock(), None, threading.local()
     reply = worker._run([], lambda: "queued", holder=object())
     assert reply.result == "queued" and waited and reply.seconds >= 0.05
+
+
+def test_a_replica_has_its_workers_capture_their_graphs_before_any_request(local_coordinator, monkeypatch):
+    """Served workers capture the usual step shapes at start, as the in-process engine does (on
+    the first H200 run they captured only as shapes came, inside requests): the target its
+    verifier's, the draft worker its proposer's, for the replica's batch size and γ."""
+    import specserve.serve.workers as workers
+    from specserve.config import AppConfig
+    from specserve.engine import DraftModelProposer, TargetVerifier
+
+    calls = []
+    monkeypatch.setattr(workers, "capture_graphs", lambda *a, **kw: calls.append(a) or 0.0)
+    tiny = {"kind": "tiny", "seed": 0, "layers": 2, "hidden_size": 64}
+    config = AppConfig.model_validate(dict(
+        served_model_name="tiny", target=tiny, draft={**tiny, "noise": 0.15, "noise_seed": 1}, max_batch_size=6,
+        speculation=dict(num_speculative_tokens=3, execution="eager", transport="actor_calls"), max_model_len=256))
+    local_coordinator(config)
+    (verifier, none, *sizes), (none_too, proposer, *same) = calls
+    assert isinstance(verifier, TargetVerifier) and isinstance(proposer, DraftModelProposer)
+    assert none is None and none_too is None and sizes == same == [6, 3]

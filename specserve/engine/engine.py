@@ -208,8 +208,9 @@ def capture_graphs(verifier, proposer, max_batch_size: int, max_gamma: int, prog
     slots are allocated once), the target's verify forward at widths 1..γ+1 and a draft model's
     whole greedy γ-forward loop (first width 1 or 2) for γ in 1..max_gamma, over the first key
     length bucket; longer contexts and sampled loops are captured when first met. Only runners in
-    graph mode take part. Returns the seconds spent."""
-    target = verifier.runner if verifier.runner.execution == "graph" else None
+    graph mode take part (verifier or proposer None: that side is another process's). Returns the
+    seconds spent."""
+    target = verifier.runner if verifier is not None and verifier.runner.execution == "graph" else None
     draft = proposer if (isinstance(proposer, DraftModelProposer) and proposer.captures_ahead
                          and proposer.runner.execution == "graph") else None
     if target is None and draft is None:

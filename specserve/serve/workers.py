@@ -29,7 +29,7 @@ from specserve.config import ColocatedDrafter, FeatureDrafter, ModelSource, Plan
 from specserve.engine import CacheMiss, DraftModelProposer, Proposal, RowInput, TargetVerifier
 from specserve.engine.planted import PlantedProposer, read_references
 from specserve.engine.proposers import branch_id
-from specserve.engine.engine import model_eos_ids, page_runners
+from specserve.engine.engine import capture_graphs, model_eos_ids, page_runners
 from specserve.engine.grammar import GrammarBook
 from specserve.engine.step import empty_proposal, verified_counts
 from specserve.engine.verifier import prompt_logprobs
@@ -174,6 +174,18 @@ class _Worker:
         """ForwardTimings of a few dummy forwards, so the coordinator's γ policy starts measured."""
         return self.model.runner.time_forwards()
 
+    @_serialised
+    def capture_graphs(self, max_batch_size: int, max_gamma: int) -> float:
+        """Capture this worker's CUDA graphs of the usual step shapes now, before any request
+        (`engine.capture_graphs`; nothing unless a runner is in graph mode) -> seconds spent.
+        Shapes met later (longer contexts, sampled loops, a cache that grew) are captured then."""
+        verifier, proposer = self._graph_sides()
+        return capture_graphs(verifier, proposer, max_batch_size, max_gamma, progress=False)
+
+    def _graph_sides(self) -> tuple:
+        """(the verifier, the proposer) this worker holds, None for a side it does not."""
+        raise NotImplementedError
+
     def _propose_step(self, call: StepCall, alternates: bool = False) -> Reply:
         if call.gamma == 0:
             return Reply(empty_proposal(len(call.draft_rows)), 0.0)
@@ -243,6 +255,9 @@ class TargetWorker(_Worker):
     def proposer_time_forwards(self) -> list:
         runner = getattr(self.proposer, "runner", None)
         return runner.time_forwards() if runner is not None else []
+
+    def _graph_sides(self) -> tuple:
+        return self.model, self.proposer  # (a colocated drafter, or None)
 
     def info(self) -> ModelInfo:
         return self.info_
@@ -374,6 +389,9 @@ class DraftWorker(_Worker):
         page_runners([getattr(self.model, "runner", None)], *kv)
         if tokenizer is not None and hasattr(self.model, "grammar"):  # a draft model masks grammar rows' drafts
             self.model.grammar = tokenizer.book(vocab_size, eos_token_ids)
+
+    def _graph_sides(self) -> tuple:
+        return None, self.model
 
     def _pull_features(self, rows: list[RowInput]) -> None:
         """A feature head's missing target features for these rows' committed tokens, from the
