@@ -277,7 +277,8 @@ def harvest_warnings(path: Path, limit: int = 400) -> None:
 
         logs = Path(_global_node.get_logs_dir_path())
     except Exception as err:  # (a private API: a Ray without it just leaves no harvest)
-        path.open("a").write(f"no logs: {type(err).__name__}: {err}\n")
+        with path.open("a") as f:
+            f.write(f"no logs: {type(err).__name__}: {err}\n")
         return
     seen, kept = set(), []
     for log in sorted(logs.glob("worker-*.err")) + sorted(logs.glob("worker-*.out")):
@@ -302,8 +303,7 @@ class Progress:
 
     def add(self, row: dict) -> None:
         self.rows.append(row)
-        print(format_row(row) if "error" not in row else
-              f"{row['mode']} α={row['alpha']} c={row['concurrency']}: FAILED {row['error']}", flush=True)
+        print(row_line(row), flush=True)
         self.save(partial=True)
 
     def save(self, partial: bool) -> dict:
@@ -399,11 +399,16 @@ def format_row(row: dict) -> str:
     return " ".join(cells)
 
 
+def row_line(row: dict) -> str:
+    """A measured row's cells, or what failed."""
+    if "error" in row:
+        return f"{row['mode']} α={row['alpha']} c={row['concurrency']}: FAILED {row['error']}"
+    return format_row(row)
+
+
 def table(rows: list[dict]) -> str:
     head = " ".join(h.ljust(w) if k == "mode" else h.rjust(w) for k, h, w, _ in COLUMNS)
-    lines = [format_row(r) if "error" not in r else f"{r['mode']} α={r['alpha']} c={r['concurrency']}: FAILED {r['error']}"
-             for r in rows]
-    return "\n".join([head, *lines]) + ("\n(ms; crd: coordination = step wall - time in worker calls; graph: share"
+    return "\n".join([head, *map(row_line, rows)]) + ("\n(ms; crd: coordination = step wall - time in worker calls; graph: share"
                                         " of the timed steps on the compiled graph)")
 
 
