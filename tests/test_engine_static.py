@@ -215,6 +215,39 @@ def test_graph_mode_logic_on_cpu(target, temperature, fused):
         assert got == [hf_greedy(target, p, 16) for p in prompts]
 
 
+@pytest.mark.parametrize("fits", [True, False])
+def test_graphs_survive_long_contexts_where_the_cache_was_sized_up_front(monkeypatch, fits):
+    """Graph mode (emulated): capturing first sizes a dense cache for the batch at max_model_len
+    where that fits the device, so a request whose context passes the first 256 positions moves
+    no storage and drops no graph. Where it does not fit, the cache grows as before (the graphs
+    are dropped and captured again). Tokens are the target's either way."""
+    import specserve.engine.model_runner as model_runner
+    from specserve.engine.kv_cache import capacity_for
+    from specserve.models.tiny import tiny_llama as byte_llama
+
+    monkeypatch.setattr(model_runner, "free_memory_bytes", lambda device: (1 << 40) if fits else 1)
+    target = byte_llama(0, max_position_embeddings=600)
+    draft = perturbed(target, 0.6, seed=1)
+    prompt = [(7 * i) % 200 + 1 for i in range(250)]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    engine = SpeculativeEngine(target, draft, num_speculative_tokens=3, adaptive=False, max_batch_size=4,
+                               execution="eager", max_model_len=400)
+    runners = (engine.verifier.runner, engine.proposer.runner)
+    for runner in runners:
+        emulate_graphs(runner)
+    engine.capture_graphs(progress=False)
+    sized = [r.cache.allocated() for r in runners]
+    generations = [r.cache.generation for r in runners]
+    got = engine.generate([prompt], params)[0].token_ids
+    assert got == hf_greedy(target, prompt, 20)
+    if fits:
+        assert sized == [(5, capacity_for(400, 400))] * 2  # buckets up to 4 and the scratch slot, at 400 positions
+        assert [r.cache.generation for r in runners] == generations  # nothing moved: no graph dropped
+    else:
+        assert sized == [(5, 256)] * 2
+        assert all(r.cache.generation > g for r, g in zip(runners, generations))
+
+
 @pytest.mark.parametrize("paged", [False, True])
 def test_an_eager_forward_attends_over_its_rows_not_the_growth_step(paged):
     """Eager forwards attend over the longest row rounded up to EAGER_KEY_STEP (a whole number

@@ -320,12 +320,13 @@ def test_a_replica_has_its_workers_capture_their_graphs_before_any_request(local
     from specserve.engine import DraftModelProposer, TargetVerifier
 
     calls = []
-    monkeypatch.setattr(workers, "capture_graphs", lambda *a, **kw: calls.append(a) or 0.0)
+    monkeypatch.setattr(workers, "capture_graphs", lambda *a, **kw: calls.append((*a, kw["budget"])) or 0.0)
     tiny = {"kind": "tiny", "seed": 0, "layers": 2, "hidden_size": 64}
     config = AppConfig.model_validate(dict(
         served_model_name="tiny", target=tiny, draft={**tiny, "noise": 0.15, "noise_seed": 1}, max_batch_size=6,
+        max_cached_tokens=4096,
         speculation=dict(num_speculative_tokens=3, execution="eager", transport="actor_calls"), max_model_len=256))
     local_coordinator(config)
     (verifier, none, *sizes), (none_too, proposer, *same) = calls
     assert isinstance(verifier, TargetVerifier) and isinstance(proposer, DraftModelProposer)
-    assert none is None and none_too is None and sizes == same == [6, 3]
+    assert none is None and none_too is None and sizes == same == [6, 3, 4096]

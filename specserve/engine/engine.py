@@ -192,7 +192,7 @@ class SpeculativeEngine:
         before the first step. Nothing to do unless a runner is in graph mode."""
         self._captured = True
         return capture_graphs(self.verifier, self.proposer, self.admission.max_batch_size, self.policy.max_gamma,
-                              progress)
+                              progress, self.admission.budget)
 
     def calibrate(self, sizes: tuple[int, ...] = CALIBRATION_SIZES) -> None:
         """Time each model on dummy rows of a few sizes so the policy starts from measurements
@@ -203,13 +203,16 @@ class SpeculativeEngine:
             self.policy.calibrate_costs("draft", self.proposer.runner.time_forwards(sizes))
 
 
-def capture_graphs(verifier, proposer, max_batch_size: int, max_gamma: int, progress: bool = True) -> float:
+def capture_graphs(verifier, proposer, max_batch_size: int, max_gamma: int, progress: bool = True,
+                   budget: int | None = None) -> float:
     """Capture, for every batch bucket up to max_batch_size (largest first, so that the cache's
     slots are allocated once), the target's verify forward at widths 1..γ+1 and a draft model's
     whole greedy γ-forward loop (first width 1 or 2) for γ in 1..max_gamma, over the first key
     length bucket; longer contexts and sampled loops are captured when first met. Only runners in
-    graph mode take part (verifier or proposer None: that side is another process's). Returns the
-    seconds spent."""
+    graph mode take part (verifier or proposer None: that side is another process's). A dense
+    cache is first sized for the whole batch at max_model_len where that fits `budget` positions
+    and the device (`ModelRunner.preallocate`): then it never grows and no graph is dropped.
+    Returns the seconds spent."""
     target = verifier.runner if verifier is not None and verifier.runner.execution == "graph" else None
     draft = proposer if (isinstance(proposer, DraftModelProposer) and proposer.captures_ahead
                          and proposer.runner.execution == "graph") else None
@@ -218,6 +221,9 @@ def capture_graphs(verifier, proposer, max_batch_size: int, max_gamma: int, prog
     from tqdm import tqdm
 
     sizes = [b for b in BATCH_BUCKETS if b <= batch_bucket(max_batch_size)][::-1]
+    for runner in (target, draft and draft.runner):
+        if runner is not None:
+            runner.preallocate(sizes[0], budget)
     per_size = (max_gamma + 1 if target else 0) + (2 * max_gamma if draft else 0)
     began = time.perf_counter()
     with tqdm(total=len(sizes) * per_size, desc="capturing CUDA graphs", unit="graph", disable=not progress) as bar:

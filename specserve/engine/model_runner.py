@@ -38,7 +38,7 @@ from . import attention, cpu_attention, cpu_linear
 from .fusion import BlockFusion, repeated_blocks
 from .kv_cache import CAPACITY_STEP, SlotKVCache, capacity_for
 from .paged_cache import SCRATCH, PagedKVCache
-from .sharding import head_dim
+from .sharding import head_dim, kv_cache_bytes_per_token
 
 # Batch sizes a forward is padded up to: every power of two up to 8 (small batches are weight-bound
 # on a GPU, so a padded row costs next to nothing, and few shapes keep few graphs), then steps of 8
@@ -207,6 +207,20 @@ class Staged:
         return self.padded, self.width, self.key_length
 
 
+# Graph mode: a dense cache sized up front for the whole batch at max_model_len takes at most this
+# share of the device's free memory (`ModelRunner.preallocate`); above it, the cache grows instead.
+PREALLOCATE_SHARE = 0.5
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Memory free on the device now (a CPU's: what the OS reports available)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    import psutil
+
+    return psutil.virtual_memory().available
+
+
 CALIBRATION_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 64)
 CALIBRATION_CONTEXT = 16  # tokens before each calibration forward
 
@@ -263,6 +277,7 @@ class ModelRunner:
         self._bytes: int | None = None  # the weights' bytes (`_weight_bytes`)
         limit = getattr(model.config, "max_position_embeddings", None)
         self.max_model_len = min(p for p in (max_model_len, limit) if p) if (max_model_len or limit) else None
+        self.stated_max_model_len = max_model_len  # what the caller asked for (None: the model's limit only)
         self.cache = SlotKVCache(self.max_model_len, self._key_step())
         self.cache_arg = cache_kwarg(model)
         self.token_map: torch.Tensor | None = getattr(model, "draft_token_map", None)  # [K] target ids, or None
@@ -393,6 +408,27 @@ class ModelRunner:
         live_positions = max(self._valid.values(), default=0) + 1
         if slots * positions and live_slots * live_positions * 4 < slots * positions:
             self.cache.shrink(max(live_slots, 1), live_positions)
+
+    def preallocate(self, num_slots: int, budget: int | None = None) -> bool:
+        """Graph mode over a dense cache, before any request: size the storage now for `num_slots`
+        rows (and the scratch slot) at max_model_len, where the caller stated one and that is at
+        most `budget` positions and PREALLOCATE_SHARE of the device's free memory. Such a cache
+        never grows, so no captured graph is ever dropped for it (a growth drops them all, and each
+        is captured again when next met, mid-request). -> whether it did; else the cache grows as
+        requests need (as it does without a stated length: a model's own limit is often far longer
+        than what is served, and benches keep many engines alive at once)."""
+        if self.paged or self.execution != "graph" or self.stated_max_model_len is None or self._slot_of:
+            return False
+        positions = (num_slots + 1) * capacity_for(self.max_model_len, self.max_model_len)
+        try:
+            per_position = kv_cache_bytes_per_token(self.model.config, self.dtype)
+        except (AttributeError, TypeError):  # a config that does not say its attention's shape
+            return False
+        if (budget is not None and positions > budget) or \
+                positions * per_position > PREALLOCATE_SHARE * free_memory_bytes(self.device):
+            return False
+        self.cache.reserve(num_slots, self.max_model_len)  # (the next forward allocates every layer)
+        return True
 
     def _fit(self, num_slots: int, needed: int) -> None:
         """Before the cache grows, drop what no live request uses (slots past those a forward needs,
@@ -989,20 +1025,11 @@ def _resolve_attention(mode: str, model: torch.nn.Module) -> str:
     if mode == "flex" and len({p.device for p in model.parameters()}) > 1:
         # the BlockMask's mask_mod reads tensors on the first device; layers elsewhere cannot
         raise ValueError("attention='flex' needs the whole model on one device (a sharded model attends under a mask)")
-    head_dim = _head_dim(model.config)
-    if mode == "flex" and head_dim is not None and head_dim < 16 and any(p.is_cuda for p in model.parameters()):
+    width = head_dim(model.config)
+    if mode == "flex" and width is not None and width < 16 and any(p.is_cuda for p in model.parameters()):
         raise ValueError(f"attention='flex' on a GPU needs a head dimension of at least 16 (FlexAttention's "
-                         f"kernel); this model's is {head_dim}: use attention='mask'")
+                         f"kernel); this model's is {width}: use attention='mask'")
     return "mask" if mode == "auto" else mode
-
-
-def _head_dim(config) -> int | None:
-    """The attention heads' width, where the config tells it."""
-    named = getattr(config, "head_dim", None)
-    if named:
-        return named
-    hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
-    return hidden // heads if hidden and heads else None
 
 
 def _reject_sliding_window(config) -> None:

@@ -177,7 +177,7 @@ class Coordinator:
         else:
             self.policy = SpeculationPolicy(self.max_gamma, adaptive=config.speculation.adaptive, fused=fused)
         # the usual step shapes' CUDA graphs, before any request pays for their capture (GPU workers)
-        ray.get([w.capture_graphs.remote(config.max_batch_size, self.max_gamma)
+        ray.get([w.capture_graphs.remote(config.max_batch_size, self.max_gamma, config.max_cached_tokens)
                  for w in (self.target, self.draft_worker) if w is not None])
         # measured costs start γ (adaptive) and size every worker call's deadline
         self.policy.calibrate_costs("target", ray.get(self.target.time_forwards.remote()))

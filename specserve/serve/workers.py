@@ -175,12 +175,13 @@ class _Worker:
         return self.model.runner.time_forwards()
 
     @_serialised
-    def capture_graphs(self, max_batch_size: int, max_gamma: int) -> float:
-        """Capture this worker's CUDA graphs of the usual step shapes now, before any request
+    def capture_graphs(self, max_batch_size: int, max_gamma: int, budget: int | None = None) -> float:
+        """Capture this worker's CUDA graphs of the usual step shapes now, before any request, a
+        dense cache first sized up front where it fits `budget` positions and the device
         (`engine.capture_graphs`; nothing unless a runner is in graph mode) -> seconds spent.
         Shapes met later (longer contexts, sampled loops, a cache that grew) are captured then."""
         verifier, proposer = self._graph_sides()
-        return capture_graphs(verifier, proposer, max_batch_size, max_gamma, progress=False)
+        return capture_graphs(verifier, proposer, max_batch_size, max_gamma, progress=False, budget=budget)
 
     def _graph_sides(self) -> tuple:
         """(the verifier, the proposer) this worker holds, None for a side it does not."""
