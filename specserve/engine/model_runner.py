@@ -419,7 +419,7 @@ class ModelRunner:
         than what is served, and benches keep many engines alive at once)."""
         if self.paged or self.execution != "graph" or self.stated_max_model_len is None or self._slot_of:
             return False
-        positions = (num_slots + 1) * capacity_for(self.max_model_len, self.max_model_len)
+        positions = allocation(num_slots, self.max_model_len)  # as admission counts it (num_slots is a bucket)
         try:
             per_position = kv_cache_bytes_per_token(self.model.config, self.dtype)
         except (AttributeError, TypeError):  # a config that does not say its attention's shape
