@@ -159,13 +159,13 @@ class StepTimes:
         """Means per step (ms): wall, draft and verify device time, the rest (host work and gaps);
         drafts accepted per row and step; graphs captured and their seconds while recording."""
         n = max(1, len(self.steps))
-        row_steps = max(1, sum(s[3] for s in self.steps))
+        row_steps = sum(s[3] for s in self.steps)
         wall = sum(w for w, *_ in self.steps) / n
         draft = sum(sum(f.seconds for f in d) for _, d, *_ in self.steps) / n
         verify = sum(sum(f.seconds for f in v) for _, _, v, *_ in self.steps) / n
         graphs, seconds = self._captured()
-        return dict(steps=len(self.steps), rows_per_step=sum(s[3] for s in self.steps) / n,
-                    accepted_per_row_step=sum(s[5] for s in self.steps) / row_steps,
+        return dict(steps=len(self.steps), rows_per_step=row_steps / n,
+                    accepted_per_row_step=sum(s[5] for s in self.steps) / max(1, row_steps),
                     step_ms=1e3 * wall, draft_ms=1e3 * draft, verify_ms=1e3 * verify,
                     rest_ms=1e3 * (wall - draft - verify), graphs_captured=graphs - self._graphs[0],
                     capture_s=seconds - self._graphs[1])
