@@ -163,6 +163,9 @@ def emulate_graphs(runner: ModelRunner) -> None:
 
     graphs._capture = capture
     runner.execution, runner.graphs = "graph", graphs
+    # as a runner made in graph mode: batches padded to their buckets, keys in steps of 256
+    runner.pad_batches = True
+    runner.cache.key_step = runner._key_step()
 
 
 def test_graphs_take_a_new_pool_once_every_graph_of_the_old_one_is_gone(monkeypatch):
@@ -238,14 +241,62 @@ def test_graphs_survive_long_contexts_where_the_cache_was_sized_up_front(monkeyp
     engine.capture_graphs(progress=False)
     sized = [r.cache.allocated() for r in runners]
     generations = [r.cache.generation for r in runners]
+    captured = [len(r.graphs) for r in runners]
     got = engine.generate([prompt], params)[0].token_ids
     assert got == hf_greedy(target, prompt, 20)
     if fits:
         assert sized == [(5, capacity_for(400, 400))] * 2  # buckets up to 4 and the scratch slot, at 400 positions
         assert [r.cache.generation for r in runners] == generations  # nothing moved: no graph dropped
+        # captured ahead at both key lengths the cache holds (256, then 400): none captured while decoding
+        assert [len(r.graphs) for r in runners] == captured
+        assert {key[3] for key in runners[0].graphs._entries} == {256, 400}
     else:
         assert sized == [(5, 256)] * 2
         assert all(r.cache.generation > g for r, g in zip(runners, generations))
+
+
+@pytest.mark.parametrize("fits", [True, False])
+def test_without_a_stated_length_the_cache_grows_when_requests_join_not_mid_decode(monkeypatch, fits):
+    """Graph mode (emulated), no max_model_len: the engine sizes each dense cache for the running
+    requests' worst case (prompt + max_tokens + γ) when they are admitted, so storage moves before
+    their first forward and never while they decode (a move drops every captured graph, and each
+    is captured again, mid-request, as it is next met); a second batch like the first captures
+    nothing. Where that size does not fit the device, the cache grows as requests need, as before.
+    Tokens are the target's either way."""
+    import specserve.engine.model_runner as model_runner
+    from specserve.models.tiny import tiny_llama as byte_llama
+
+    monkeypatch.setattr(model_runner, "free_memory_bytes", lambda device: (1 << 40) if fits else 1)
+    target = byte_llama(0, max_position_embeddings=1024)
+    draft = perturbed(target, 0.6, seed=1)
+    prompts = [[(7 * i + k) % 200 + 1 for i in range(240 + 5 * k)] for k in range(3)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    engine = SpeculativeEngine(target, draft, num_speculative_tokens=3, adaptive=False, max_batch_size=4,
+                               execution="eager")
+    runners = (engine.verifier.runner, engine.proposer.runner)
+    for runner in runners:
+        emulate_graphs(runner)
+    expected = [hf_greedy(target, p, 24) for p in prompts]
+    for run in range(2):
+        ids = [f"r{run}-{k}" for k in range(len(prompts))]
+        seqs = []
+        for rid, prompt in zip(ids, prompts):
+            engine.add_request(rid, prompt, params)
+            seqs.append(engine.sequence(rid))
+        engine.step()  # admitted, caches sized (where it fits), graphs captured ahead, prompts prefilled
+        generations = [r.cache.generation for r in runners]
+        captured = [len(r.graphs) for r in runners]
+        while engine.has_unfinished():
+            engine.step()
+        assert [s.output for s in seqs] == expected
+        moved = [r.cache.generation != g for r, g in zip(runners, generations)]
+        if fits:
+            assert moved == [False, False]  # contexts passed 256 positions with no storage moved
+            assert [r.cache.allocated()[1] for r in runners] == [512, 512]  # 264 + 24 + 3 positions, rounded
+            if run:
+                assert [len(r.graphs) for r in runners] == captured  # every shape met was captured before
+        elif not run:
+            assert moved == [True, True]  # grown as contexts passed 256
 
 
 @pytest.mark.parametrize("paged", [False, True])

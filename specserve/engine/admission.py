@@ -99,6 +99,10 @@ class Admission:
         """Token positions the running batch may allocate on each worker (what the budget bounds)."""
         return allocation(list(self._needs.values()), self.block_size)
 
+    def sizing(self) -> tuple[int, int]:
+        """(running requests, the longest one's need): what a dense cache is sized by."""
+        return len(self._needs), max(self._needs.values(), default=0)
+
     def fits_extra_slots(self, extra: int) -> bool:
         """Whether the running batch plus `extra` more cache slots, each as long as the longest
         running request's (a pipelined step's branch forks on the draft worker), stays within

@@ -110,6 +110,7 @@ class SpeculativeEngine:
         self._ids = itertools.count()
         self._calibrated = not (adaptive and num_speculative_tokens > 0)
         self._captured = False
+        self._reserved = (0, 0)  # (requests, longest need) the caches were last sized for (`_reserve_ahead`)
 
     # -- incremental API ----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -154,6 +155,7 @@ class SpeculativeEngine:
         seqs = self.loop.admit()
         if not seqs:
             return []
+        self._reserve_ahead()
         if not self._captured:
             self.capture_graphs()
         if not self._calibrated:
@@ -187,12 +189,24 @@ class SpeculativeEngine:
         return [_output(seqs[r]) for r in ids]
 
     # -- internals ----------------------------------------------------------------------------
+    def _reserve_ahead(self) -> None:
+        """Graph mode, dense caches: size each model's cache for the running requests at the
+        longest one's worst case (what admission budgets) when that has grown, so that storage
+        grows as requests join, not mid-decode (`ModelRunner.reserve_ahead`)."""
+        size = self.admission.sizing()
+        if size == self._reserved:
+            return
+        self._reserved = size
+        for runner in (self.verifier.runner, getattr(self.proposer, "runner", None)):
+            if isinstance(runner, ModelRunner):
+                runner.reserve_ahead(*size, self.admission.budget)
+
     def capture_graphs(self, progress: bool = True) -> float:
         """Capture the CUDA graphs of the usual step shapes now (see `capture_graphs`); done
         before the first step. Nothing to do unless a runner is in graph mode."""
         self._captured = True
         return capture_graphs(self.verifier, self.proposer, self.admission.max_batch_size, self.policy.max_gamma,
-                              progress, self.admission.budget)
+                              progress, self.admission.budget, self.verifier.runner.stated_max_model_len)
 
     def calibrate(self, sizes: tuple[int, ...] = CALIBRATION_SIZES) -> None:
         """Time each model on dummy rows of a few sizes so the policy starts from measurements
@@ -203,16 +217,22 @@ class SpeculativeEngine:
             self.policy.calibrate_costs("draft", self.proposer.runner.time_forwards(sizes))
 
 
+# Key-length buckets `capture_graphs` captures ahead, at most: a cache sized for longer contexts
+# has the rest captured as contexts first reach them.
+AHEAD_KEY_BUCKETS = 4
+
+
 def capture_graphs(verifier, proposer, max_batch_size: int, max_gamma: int, progress: bool = True,
-                   budget: int | None = None) -> float:
+                   budget: int | None = None, max_model_len: int | None = None) -> float:
     """Capture, for every batch bucket up to max_batch_size (largest first, so that the cache's
     slots are allocated once), the target's verify forward at widths 1..γ+1 and a draft model's
-    whole greedy γ-forward loop (first width 1 or 2) for γ in 1..max_gamma, over the first key
-    length bucket; longer contexts and sampled loops are captured when first met. Only runners in
-    graph mode take part (verifier or proposer None: that side is another process's). A dense
-    cache is first sized for the whole batch at max_model_len where that fits `budget` positions
-    and the device (`ModelRunner.preallocate`): then it never grows and no graph is dropped.
-    Returns the seconds spent."""
+    whole greedy γ-forward loop (first width 1 or 2) for γ in 1..max_gamma, at each key-length
+    bucket the cache is already sized for (`key_prefixes`); longer contexts and sampled loops are
+    captured when first met. Only runners in graph mode take part (verifier or proposer None:
+    that side is another process's). A dense cache is first sized for the whole batch at
+    max_model_len (given here, or stated to the runner) where that fits `budget` positions and the
+    device (`ModelRunner.preallocate`): then it never grows and no graph is dropped. Returns the
+    seconds spent."""
     target = verifier.runner if verifier is not None and verifier.runner.execution == "graph" else None
     draft = proposer if (isinstance(proposer, DraftModelProposer) and proposer.captures_ahead
                          and proposer.runner.execution == "graph") else None
@@ -223,32 +243,50 @@ def capture_graphs(verifier, proposer, max_batch_size: int, max_gamma: int, prog
     sizes = [b for b in BATCH_BUCKETS if b <= batch_bucket(max_batch_size)][::-1]
     for runner in (target, draft and draft.runner):
         if runner is not None:
-            runner.preallocate(sizes[0], budget)
-    per_size = (max_gamma + 1 if target else 0) + (2 * max_gamma if draft else 0)
+            runner.preallocate(sizes[0], budget, max_model_len)
+    target_keys = key_prefixes(target, max_gamma) if target else []
+    draft_keys = key_prefixes(draft.runner, max_gamma) if draft else []
+    per_size = len(target_keys) * (max_gamma + 1) + len(draft_keys) * 2 * max_gamma
     began = time.perf_counter()
     with tqdm(total=len(sizes) * per_size, desc="capturing CUDA graphs", unit="graph", disable=not progress) as bar:
         for b in sizes:
             ids = [f"__capture_{i}__" for i in range(b)]
             if target is not None:
-                target.forward([RowInput(i, 0, [0] * 4) for i in ids], logits="none")
-                for width in range(1, max_gamma + 2):
-                    target.forward([RowInput(i, 4, [0] * width) for i in ids], logits="all")
-                    bar.update(1)
+                for prefix in target_keys:
+                    target.forward([RowInput(i, 0, [0] * prefix) for i in ids], logits="none")
+                    for width in range(1, max_gamma + 2):
+                        target.forward([RowInput(i, prefix, [0] * width) for i in ids], logits="all")
+                        bar.update(1)
                 for i in ids:
                     target.free(i)
             if draft is not None:
                 greedy = BatchSampling.from_params([SamplingParams(temperature=0.0)] * b)
-                draft.runner.forward([RowInput(i, 0, [0] * 4) for i in ids], logits="none")
-                for gamma in range(1, max_gamma + 1):
-                    for first in (1, 2):
-                        draft.propose([RowInput(i, 5 - first, [0] * first) for i in ids], gamma, greedy, None)
-                        bar.update(1)
+                for prefix in draft_keys:
+                    draft.runner.forward([RowInput(i, 0, [0] * prefix) for i in ids], logits="none")
+                    for gamma in range(1, max_gamma + 1):
+                        for first in (1, 2):
+                            draft.propose([RowInput(i, prefix + 1 - first, [0] * first) for i in ids], gamma,
+                                          greedy, None)
+                            bar.update(1)
                 for i in ids:
                     draft.free(i)
     seconds = time.perf_counter() - began
     graphs = sum(len(r.graphs) for r in (target, draft and draft.runner) if r is not None)
     logging.getLogger(__name__).info("captured %d CUDA graphs for batch buckets %s in %.1f s", graphs, sizes, seconds)
     return seconds
+
+
+def key_prefixes(runner: ModelRunner, max_gamma: int) -> list[int]:
+    """Context lengths whose step forwards (up to γ + 1 tokens wide, or a γ-forward draft loop)
+    attend over each key-length bucket a dense cache is already sized for, up to
+    AHEAD_KEY_BUCKETS of them: 4, then 4 past each key step while such a step still fits the
+    capacity. A cache not sized yet (or paged) has the first bucket only."""
+    step = runner.cache.key_step
+    capacity = 0 if runner.paged else runner.cache.allocated()[1]
+    prefixes = [4]
+    while len(prefixes) < AHEAD_KEY_BUCKETS and len(prefixes) * step + 4 + max_gamma + 2 <= capacity:
+        prefixes.append(len(prefixes) * step + 4)
+    return prefixes
 
 
 def attach_grammar(tokenizer, verifier: TargetVerifier, proposer, eos_token_ids) -> GrammarBook:

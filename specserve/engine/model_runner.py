@@ -409,25 +409,54 @@ class ModelRunner:
         if slots * positions and live_slots * live_positions * 4 < slots * positions:
             self.cache.shrink(max(live_slots, 1), live_positions)
 
-    def preallocate(self, num_slots: int, budget: int | None = None) -> bool:
+    def preallocate(self, num_slots: int, budget: int | None = None, max_model_len: int | None = None) -> bool:
         """Graph mode over a dense cache, before any request: size the storage now for `num_slots`
-        rows (and the scratch slot) at max_model_len, where the caller stated one and that is at
-        most `budget` positions and PREALLOCATE_SHARE of the device's free memory. Such a cache
+        rows (and the scratch slot) at max_model_len, where the caller stated one (here, or when
+        the runner was made) and that is at most `budget` positions and PREALLOCATE_SHARE of the
+        device's free memory. Such a cache
         never grows, so no captured graph is ever dropped for it (a growth drops them all, and each
         is captured again when next met, mid-request). -> whether it did; else the cache grows as
         requests need (as it does without a stated length: a model's own limit is often far longer
-        than what is served, and benches keep many engines alive at once)."""
-        if self.paged or self.execution != "graph" or self.stated_max_model_len is None or self._slot_of:
+        than what is served, and benches keep many engines alive at once; `reserve_ahead` then
+        sizes it for the requests admitted)."""
+        stated = max_model_len or self.stated_max_model_len
+        if stated is None or self._slot_of:
             return False
-        positions = allocation(num_slots, self.max_model_len)  # as admission counts it (num_slots is a bucket)
+        return self._size_ahead(num_slots, stated, budget)
+
+    def reserve_ahead(self, num_requests: int, longest: int, budget: int | None = None) -> bool:
+        """Graph mode over a dense cache: size the storage now for `num_requests` live requests
+        the longest of which may come to need `longest` positions (admission's worst case:
+        prompt + max_tokens + γ), under the same limits as `preallocate`. Called when requests
+        are admitted, so the cache grows then, before their first forward, and not in the middle
+        of their decoding, where a growth would drop every captured graph and have each captured
+        again as it is next met (a stall per shape, every time contexts pass a capacity step).
+        -> whether the storage is (or will be, at the next forward) that large."""
+        if num_requests <= 0:
+            return False
+        slots = max(batch_bucket(num_requests), len(self._slot_owner))
+        return self._size_ahead(slots, longest, budget)
+
+    def _size_ahead(self, num_slots: int, positions: int, budget: int | None) -> bool:
+        """Reserve `num_slots` rows (and the scratch slot) at `positions` (capped at max_model_len)
+        in a graph-mode dense cache where that is at most `budget` positions and, counting what
+        the cache holds now, PREALLOCATE_SHARE of the device's memory; the next forward allocates."""
+        if self.paged or self.execution != "graph":
+            return False
+        if self.max_model_len is not None:
+            positions = min(positions, self.max_model_len)
+        slots, capacity = self.cache.allocated()
+        if num_slots + 1 <= slots and capacity_for(positions, self.max_model_len) <= capacity:
+            return True  # already that large
+        total = allocation(num_slots, positions)  # as admission counts it (num_slots is a bucket)
         try:
             per_position = kv_cache_bytes_per_token(self.model.config, self.dtype)
         except (AttributeError, TypeError):  # a config that does not say its attention's shape
             return False
-        if (budget is not None and positions > budget) or \
-                positions * per_position > PREALLOCATE_SHARE * free_memory_bytes(self.device):
+        room = free_memory_bytes(self.device) + self.cache.memory_bytes()  # (the old storage is let go)
+        if (budget is not None and total > budget) or total * per_position > PREALLOCATE_SHARE * room:
             return False
-        self.cache.reserve(num_slots, self.max_model_len)  # (the next forward allocates every layer)
+        self.cache.reserve(num_slots, positions)  # (the next forward allocates every layer)
         return True
 
     def _fit(self, num_slots: int, needed: int) -> None:
