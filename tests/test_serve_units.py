@@ -311,10 +311,12 @@ def test_a_worker_calls_seconds_include_its_queued_gpu_work(monkeypatch):
     assert reply.result == "queued" and waited and reply.seconds >= 0.05
 
 
-def test_a_replica_has_its_workers_capture_their_graphs_before_any_request(local_coordinator, monkeypatch):
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_a_replica_has_its_workers_capture_their_graphs_before_any_request(local_coordinator, monkeypatch, pipelined):
     """Served workers capture the usual step shapes at start, as the in-process engine does (on
     the first H200 run they captured only as shapes came, inside requests): the target its
-    verifier's, the draft worker its proposer's, for the replica's batch size and γ."""
+    verifier's, the draft worker its proposer's, for the replica's batch size and γ (γ + 1 for a
+    pipelined replica's draft worker: its ahead calls draft one more)."""
     import specserve.serve.workers as workers
     from specserve.config import AppConfig
     from specserve.engine import DraftModelProposer, TargetVerifier
@@ -325,8 +327,9 @@ def test_a_replica_has_its_workers_capture_their_graphs_before_any_request(local
     config = AppConfig.model_validate(dict(
         served_model_name="tiny", target=tiny, draft={**tiny, "noise": 0.15, "noise_seed": 1}, max_batch_size=6,
         max_cached_tokens=4096,
-        speculation=dict(num_speculative_tokens=3, execution="eager", transport="actor_calls"), max_model_len=256))
+        speculation=dict(num_speculative_tokens=3, execution="eager", transport="actor_calls", pipelined=pipelined),
+        max_model_len=256))
     local_coordinator(config)
-    (verifier, none, *sizes), (none_too, proposer, *same) = calls
+    (verifier, none, *sizes), (none_too, proposer, *drafts) = calls
     assert isinstance(verifier, TargetVerifier) and isinstance(proposer, DraftModelProposer)
-    assert none is None and none_too is None and sizes == same == [6, 3, 4096]
+    assert none is None and none_too is None and sizes == [6, 3, 4096] and drafts == [6, 3 + pipelined, 4096]

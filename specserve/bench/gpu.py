@@ -179,19 +179,26 @@ class Layout:
     attention: str = "auto"  # see ModelRunner
     kv_block_size: int | None = None  # None: the dense cache; else paged, one fixed pool of kv_pool positions
     kv_pool: int | None = None  # None: what a batch needs (`for_batch`)
+    max_model_len: int | None = None  # the engines' stated context (`for_batch`); None: the model's own
 
     def for_batch(self, batch: int, positions: int, max_gamma: int) -> "Layout":
-        """This layout for `batch` requests of at most `positions` tokens each (prompt + new): a
-        pool left unsized holds what admission counts for them (so that it never preempts) or
-        what an adaptive engine's calibration forwards need (one row of up to `calibration_row`
-        positions), whichever is more, and no more: every engine of a batch size is alive at
-        once, and at 7B shapes a pool of 16k positions per engine would not fit 13 of them in a
-        GPU's memory."""
+        """This layout for `batch` requests of at most `positions` tokens each (prompt + new).
+
+        The engines state a context that holds them, their drafts and an adaptive engine's
+        calibration forwards, so that in graph mode a dense cache is sized once when graphs are
+        first captured (`ModelRunner.preallocate`) and never grows under the warm-up: a growth
+        drops every graph, and the timed runs would capture them again. A paged pool left unsized
+        holds what admission counts for the requests (so that it never preempts) or what the
+        calibration needs (one row of up to `calibration_row` positions), whichever is more, and
+        no more: every engine of a batch size is alive at once, and at 7B shapes a pool of 16k
+        positions per engine would not fit 13 of them in a GPU's memory."""
+        calibration_positions = calibration_row(batch, max_gamma)
+        sized = replace(self, max_model_len=max(positions + 2 * max_gamma + 8, calibration_positions))
         if not self.kv_block_size or self.kv_pool is not None:
-            return self
+            return sized
         requests = allocation([positions + 2 * max_gamma + 3] * batch, self.kv_block_size)
-        calibration = allocation([calibration_row(batch, max_gamma)], self.kv_block_size)
-        return replace(self, kv_pool=max(requests, calibration))
+        calibration = allocation([calibration_positions], self.kv_block_size)
+        return replace(sized, kv_pool=max(requests, calibration))
 
     def runner(self, model: torch.nn.Module) -> ModelRunner:
         runner = ModelRunner(model, execution=self.execution, attention=self.attention)
@@ -223,7 +230,7 @@ def build_engine(target: torch.nn.Module, proposer, gamma: int | None, max_gamma
     engine = SpeculativeEngine(target, num_speculative_tokens=0 if proposer is None else max_gamma,
                                adaptive=gamma is None, proposer=proposer, eos_token_ids=[], max_batch_size=batch,
                                execution=layout.execution, attention=layout.attention,
-                               kv_block_size=layout.kv_block_size,
+                               kv_block_size=layout.kv_block_size, max_model_len=layout.max_model_len,
                                max_cached_tokens=layout.pool() if layout.kv_block_size else None)
     engine.capture_graphs(progress=False)
     if gamma is None:
