@@ -114,8 +114,13 @@ def test_plain_bench_reports_a_failing_layout_in_its_place(tmp_path):
 
     out = tmp_path / "plain.json"
     assert plain.main(["--tiny", "--layouts", "eager:mask,fused-graph:mask,eager:flex", "--batches", "1",
-                       "--max-new-tokens", "4", "--repeats", "1", "--out", str(out)]) == 1
-    rows = json.loads(out.read_text())["rows"]
+                       "--max-new-tokens", "4", "--repeats", "1", "--profile", "--out", str(out)]) == 1
+    result = json.loads(out.read_text())
+    rows = result["rows"]
     assert [r["layout"] for r in rows] == ["eager, mask", "fused-graph, mask", "eager, flex"]
     assert "CUDA" in rows[1]["error"] and "tokens_per_second" not in rows[1]
     assert rows[0]["same_as_first"] and rows[2]["same_as_first"]
+    # --profile: each layout that ran and the static-loop anchor once more under the profiler
+    profiled = [r["profile"] for r in (rows[0], rows[2], result["anchors"][0])]
+    assert all(p["wall_ms"] > 0 and (tmp_path / p["table"]).read_text().count("aten::") > 5 for p in profiled)
+    assert "profile" not in rows[1] and "kernel ms" in result["table"]

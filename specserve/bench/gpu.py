@@ -433,6 +433,30 @@ class StaticDecode:
         return outputs, time.perf_counter() - began
 
 
+def profile_run(fn: Callable[[], object], steps: int, device: str) -> tuple[dict, str]:
+    """Run fn once under torch.profiler -> (per decode step: wall ms, device kernel ms, kernels
+    launched, and the share of the wall the device was busy; the ops' table by their own device
+    time, or on a CPU their own CPU time). `steps`: the decode steps fn runs (tokens per row).
+    Where the share is near 1 the kernels are the cost; well below it, the host is."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.startswith("cuda")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sync(device)
+    with profile(activities=activities) as prof:
+        began = time.perf_counter()
+        fn()
+        sync(device)
+        wall = time.perf_counter() - began
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    busy = sum(e.time_range.elapsed_us() for e in kernels) / 1e6
+    summary = dict(wall_ms=1e3 * wall / steps, device_ms=1e3 * busy / steps, kernels=len(kernels) / steps,
+                   busy_share=busy / wall if wall else 0.0)
+    text = prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=30)
+    return summary, text
+
+
 def copy_bandwidth(device: str) -> float:
     """Bytes per second of a large device-to-device copy (read + write counted), median of 5."""
     n = (1 << 28) if device.startswith("cuda") else (1 << 25)
@@ -449,9 +473,11 @@ def copy_bandwidth(device: str) -> float:
 
 
 def measure_anchors(section: str, model, prompts: list[list[int]], batch: int, max_new: int, device: str,
-                    repeats: int, reference: list[list[int]], engine_tps: float, generate: bool = True) -> list[dict]:
+                    repeats: int, reference: list[list[int]], engine_tps: float, generate: bool = True,
+                    profiler: Callable[[str, Callable], dict] | None = None) -> list[dict]:
     """HF generate() eager (unless not `generate`), the StaticCache decode loop, and the bandwidth
-    limit, on these prompts."""
+    limit, on these prompts. profiler(name, run): called with each anchor once timed; what it
+    returns is the row's "profile"."""
     tokens = len(prompts) * max_new
     static = StaticDecode(model, batch, len(prompts[0]) + max_new, device)
     anchors = {"HF generate() eager": lambda: hf_generate(model, prompts, batch, max_new, device)} if generate else {}
@@ -463,6 +489,8 @@ def measure_anchors(section: str, model, prompts: list[list[int]], batch: int, m
         seconds = statistics.median(fn()[1] for _ in range(repeats))
         rows.append(dict(section=section, batch=batch, anchor=name, tokens_per_second=tokens / seconds,
                          engine_ratio=engine_tps / (tokens / seconds), identical=outputs == reference))
+        if profiler is not None:
+            rows[-1]["profile"] = profiler(name, fn)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     bandwidth = copy_bandwidth(device)
     limit = batch * bandwidth / weight_bytes  # every decode step reads every weight once

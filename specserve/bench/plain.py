@@ -3,6 +3,7 @@
     python -m specserve.bench.plain [--layouts graph:mask,fused-graph:mask,fused-graph:flex]
         [--batches 1,16] [--out bench-results/plain.json]
     python -m specserve.bench.plain --tiny      # a CPU rehearsal (eager layouts)
+    python -m specserve.bench.plain --profile   # then each layout and the compiled anchor under the profiler
 
 Issue 31's first two figures (the engine at γ=0, batch 1 and 16, against HF's StaticCache loop
 under `torch.compile`) for several ways of running the target at once. One random target (7B shapes
@@ -18,6 +19,12 @@ eager generate() is `bench gpu`'s). A layout that fails to build or capture is r
 and the others go on. Each row: tok/s, its ratio to the compiled anchor and to the
 bandwidth limit, the capture seconds, and whether its tokens equal the first layout's that ran (greedy
 on a target whose choices are made robust to kernel noise). Prints a table and writes JSON.
+
+With --profile, each layout and the compiled StaticCache anchor run once more under torch.profiler
+(after all timing): per decode step, the wall, the device's kernel time, the kernels launched and
+the share of the wall the device was busy; the op tables go beside --out. That says where a
+layout's gap to the anchor is: more kernels or slower ones (busy near 1), or host time between
+steps (busy well below 1).
 """
 from __future__ import annotations
 
@@ -30,8 +37,8 @@ import torch
 from tqdm import tqdm
 
 from specserve.bench.gpu import (
-    SHAPES, Config, Layout, build_engine, measure_anchors, measure_configs, prompt_sets, random_llama,
-    release_memory, to_run,
+    SHAPES, Config, Layout, build_engine, generate, measure_anchors, measure_configs, profile_run, prompt_sets,
+    random_llama, release_memory, to_run,
 )
 
 STATIC = "HF StaticCache"  # the anchors' names begin so (bench/gpu.py measure_anchors)
@@ -80,9 +87,40 @@ def measure_batch(target, layouts: list[Layout], prompts: list[list[int]], batch
         run = to_run("plain", config, batch, configs[0].outputs)
         rows[config.name].update(tokens_per_second=run.tokens_per_second, capture_seconds=round(seconds, 1),
                                  same_as_first=run.identical, outputs=run.outputs)
+        if args.profile:
+            rows[config.name]["profile"] = profile_to_file(
+                args, batch, len(prompts), config.name,
+                lambda: generate(config.engine, prompts, ids, batch, args.max_new_tokens, args.device))
         del config.engine
     release_memory(args.device)
     return list(rows.values())
+
+
+def profile_to_file(args, batch: int, num_prompts: int, name: str, run) -> dict:
+    """One more run of `run` (num_prompts prompts, `batch` at a time) under the profiler
+    (`gpu.profile_run`): its op table goes to a text file beside --out, its per-step summary is
+    returned."""
+    steps = args.max_new_tokens * -(-num_prompts // batch)
+    summary, text = profile_run(run, steps, args.device)
+    slug = "-".join(filter(None, "".join(c if c.isalnum() else " " for c in name.lower()).split()))
+    path = args.out.parent / f"{args.out.stem}-profile-b{batch}-{slug}.txt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"{name}, batch {batch}: {summary}\n\n{text}\n")
+    summary["table"] = path.name
+    return summary
+
+
+def profile_table(rows: list[dict], anchors: list[dict]) -> str:
+    """Per profiled layout and anchor: wall and device kernel ms per decode step, kernels per
+    step, and the share of the wall the device was busy."""
+    lines = ["", "", "profiled (one more run each, under torch.profiler; per decode step):",
+             f"{'batch':>5}  {'what':<52}{'wall ms':>9}{'kernel ms':>11}{'kernels':>9}{'busy':>7}"]
+    for r in [*rows, *anchors]:
+        p = r.get("profile")
+        if p:
+            lines.append(f"{r['batch']:>5}  {r.get('layout', r.get('anchor', '')):<52}{p['wall_ms']:>9.2f}"
+                         f"{p['device_ms']:>11.2f}{p['kernels']:>9.0f}{p['busy_share']:>7.2f}")
+    return "\n".join(lines) if len(lines) > 4 else ""
 
 
 def with_anchors(rows: list[dict], anchors: list[dict]) -> None:
@@ -132,6 +170,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 128; tiny 16")
     p.add_argument("--repeats", type=int, default=None, help="timed rounds, median kept (default 3; tiny 2)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", action="store_true",
+                   help="then run each layout and the compiled anchor once more under torch.profiler: kernels and "
+                        "device time per step, op tables beside --out")
     p.add_argument("--out", type=Path, default=Path("bench-results/plain.json"))
     args = p.parse_args(argv)
     tiny = args.tiny
@@ -166,13 +207,15 @@ def main(argv: list[str] | None = None) -> int:
             tqdm.write(f"b={batch} {row['layout']}: {row['tokens_per_second']:.1f} tok/s, "
                        f"capture {row['capture_seconds']} s, same={row['same_as_first']}")
         if ran:
+            profiler = (lambda name, run: profile_to_file(args, batch, len(prompts), name, run)) if args.profile else None
             anchors += measure_anchors("plain", target, prompts, batch, args.max_new_tokens, args.device,
                                        args.repeats, ran[0]["outputs"], ran[0]["tokens_per_second"],
-                                       generate=False)  # (HF's eager generate(): no figure of the issue's)
+                                       generate=False,  # (HF's eager generate(): no figure of the issue's)
+                                       profiler=profiler)
         rows += batch_rows
     bar.close()
     with_anchors(rows, anchors)
-    report = table(rows, anchors, device, shape)
+    report = table(rows, anchors, device, shape) + profile_table(rows, anchors)
     print(report)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     out = {"device": device, "torch": torch.__version__, "shape": shape, "args": {k: str(v) for k, v in vars(args).items()},
