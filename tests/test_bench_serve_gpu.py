@@ -92,3 +92,46 @@ def test_tiny_run_serves_the_engines_tokens(tmp_path):
     assert "every served and in-process token the same: True" in done.stdout
     assert (out / "serve-gpu.png").exists()
     assert serve_gpu.main(["--plot", str(out / "serve-gpu.json")]) == 0
+
+
+@pytest.mark.parametrize("transport, shares, warmups", [
+    ("compiled_graph", [0.1, 0.5, 1.0, 1.0], 3),  # warmed until a pass ran on the graph
+    ("compiled_graph", [1.0, 0.2], 1),
+    ("compiled_graph", [0.0, 0.0, 0.0, 0.0], 3),  # at most MAX_WARMUPS, then timed anyway
+    ("actor_calls", [0.0, 0.0], 1),  # no graph to wait for
+])
+def test_a_level_is_timed_once_its_warm_up_ran_on_the_graph(monkeypatch, transport, shares, warmups):
+    """A replica whose steps stop drafting rebuilds its compiled graph for the target alone and
+    steps over plain calls meanwhile (on a CPU run, the γ=0 rows at 8 streams ran 6% of their
+    timed steps on the graph): a level's timed pass waits until a warm-up pass ran on it."""
+    import asyncio
+
+    passes = iter(shares)
+    calls = []
+
+    class Reply:
+        def __init__(self, body=None):
+            self.body = body
+
+        def raise_for_status(self):
+            pass
+
+        def json(self):
+            return self.body
+
+    class Client:
+        async def post(self, path):
+            calls.append(path)
+            return Reply()
+
+        async def get(self, path):
+            return Reply({"steps": 10, "graph_steps": round(10 * next(passes)), "pass": len(calls)})
+
+    async def stream(client, prompt, max_tokens, gamma):
+        return {"tokens": [1], "ttft": 0.0, "itl": None, "speculation": {}}
+
+    monkeypatch.setattr(serve_gpu, "one_stream", stream)
+    args = serve_gpu.parse_args(["--tiny", "--transport", transport])
+    results, wall, stats = asyncio.run(serve_gpu.level(Client(), args, [[1, 2]] * 4, 2, None))
+    assert stats["bench_warmups"] == warmups and stats["pass"] == warmups + 1 == len(calls)
+    assert len(results) == 2 and wall >= 0
