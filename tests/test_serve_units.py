@@ -333,3 +333,41 @@ def test_a_replica_has_its_workers_capture_their_graphs_before_any_request(local
     (verifier, none, *sizes), (none_too, proposer, *drafts) = calls
     assert isinstance(verifier, TargetVerifier) and isinstance(proposer, DraftModelProposer)
     assert none is None and none_too is None and sizes == [6, 3, 4096] and drafts == [6, 3 + pipelined, 4096]
+
+
+def test_a_worker_says_when_its_graphs_sit_on_a_cache_that_will_grow(monkeypatch, caplog):
+    """CUDA graphs over a dense cache not sized up front are dropped at every growth (each
+    256-position step of context): a served worker warns at start unless its cache holds the whole
+    stated max_model_len."""
+    import logging
+
+    import specserve.engine.model_runner as model_runner
+    import specserve.serve.workers as workers
+    from specserve.engine import ModelRunner
+    from specserve.models.tiny import tiny_llama
+
+    model = tiny_llama(0, max_position_embeddings=1024)
+    free = {"bytes": 1 << 40}
+    monkeypatch.setattr(model_runner, "free_memory_bytes", lambda device: free["bytes"])
+
+    def graph_runner(max_model_len):
+        runner = ModelRunner(model, max_model_len)
+        runner.execution, runner.graphs = "graph", object()  # (as a runner made on a GPU: preallocate's rule)
+        return runner
+
+    sized = graph_runner(300)
+    assert sized.preallocate(4) and workers._sized_up_front(sized)
+    assert not workers._sized_up_front(graph_runner(None))  # nothing stated: it grows as contexts do
+    free["bytes"] = 1
+    squeezed = graph_runner(300)
+    assert not squeezed.preallocate(4) and not workers._sized_up_front(squeezed)  # stated, but did not fit
+
+    worker = workers.TargetWorker.__new__(workers.TargetWorker)
+    monkeypatch.setattr(workers, "capture_graphs", lambda *a, **kw: 0.0)
+    for runner, warned in ((sized, False), (squeezed, True)):
+        verifier = type("Verifier", (), {"runner": runner})()
+        monkeypatch.setattr(worker, "_graph_sides", lambda: (verifier, None), raising=False)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger=workers.__name__):
+            workers.TargetWorker.capture_graphs.__wrapped__(worker, 4, 3)
+        assert ("not sized up front (it did not fit)" in caplog.text) == warned

@@ -79,6 +79,12 @@ def _serialised(method):
     return locked
 
 
+def _sized_up_front(runner) -> bool:
+    """Whether a dense cache holds its whole stated context already (`ModelRunner.preallocate`)."""
+    stated = runner.stated_max_model_len
+    return stated is not None and runner.cache.allocated()[1] >= min(stated, runner.max_model_len or stated)
+
+
 class _Worker:
     def __init__(self, torch_threads: int | None) -> None:
         fast_tensor_pickling()  # replies carry tensors (draft tokens, features)
@@ -181,7 +187,18 @@ class _Worker:
         (`engine.capture_graphs`; nothing unless a runner is in graph mode) -> seconds spent.
         Shapes met later (longer contexts, sampled loops, a cache that grew) are captured then."""
         verifier, proposer = self._graph_sides()
-        return capture_graphs(verifier, proposer, max_batch_size, max_gamma, progress=False, budget=budget)
+        seconds = capture_graphs(verifier, proposer, max_batch_size, max_gamma, progress=False, budget=budget)
+        for side in (verifier, proposer):
+            runner = getattr(side, "runner", None)
+            if runner is not None and runner.graphs is not None and not runner.paged and not _sized_up_front(runner):
+                logger.warning(
+                    "CUDA graphs over a dense KV cache that was not sized up front (%s): it grows as contexts "
+                    "pass each %d-position step, and every growth drops the captured graphs, which are captured "
+                    "again inside requests. State max_model_len (it must fit max_cached_tokens and half the free "
+                    "GPU memory), or page the cache (kv_block_size).",
+                    "max_model_len not stated" if runner.stated_max_model_len is None else "it did not fit",
+                    runner.cache.key_step)
+        return seconds
 
     def _graph_sides(self) -> tuple:
         """(the verifier, the proposer) this worker holds, None for a side it does not."""
