@@ -619,6 +619,19 @@ def test_the_wait_naps_before_it_reads_and_the_nap_follows_what_executions_took(
         asyncio.run(execute(seconds))
     asyncio.run(execute(0.0, verdict=False))  # cache misses: no forward ran, not counted
     assert graph.nap(0.2) == pytest.approx(_EXPECTED_SHARE * 0.9 * 0.2)
+    graph.spins = True  # cores to spare (SPIN_CORES): readers spin, nobody naps
+    assert graph.nap(0.2) == 0.0
+
+
+def test_readers_spin_where_the_coordinator_has_cores_to_spare(monkeypatch):
+    """Napping keeps a spinning reader off the forwards' cores on a small machine; with SPIN_CORES
+    or more (a GPU node) it only delays the step, so there the graph spins."""
+    import specserve.serve.graph as graph_module
+
+    for cores, spins in ((2, False), (graph_module.SPIN_CORES - 1, False), (graph_module.SPIN_CORES, True), (16, True)):
+        monkeypatch.setattr(graph_module, "usable_cores", lambda: cores)
+        assert graph_module.StepGraph(target=None).spins == spins
+    assert graph_module.usable_cores() >= 1
 
 
 def test_after_its_nap_the_wait_looks_for_the_output_until_it_is_there():

@@ -357,7 +357,7 @@ class Coordinator:
                "transport": "compiled_graph" if graph is not None else "actor_calls"}
         if graph is not None:
             out.update(graph_ready=graph.ready, graph_builds=graph.builds, graph_breaks=graph.breaks,
-                       graph_solo=graph.solo, graph_reshapes=graph.reshapes)
+                       graph_solo=graph.solo, graph_reshapes=graph.reshapes, graph_spins=graph.spins)
         if recs:
             for name, values in (("step_wall", [r.wall for r in recs]), ("forward", [r.forward for r in recs]),
                                  ("overhead", [r.wall - r.forward for r in recs]),

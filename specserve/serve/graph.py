@@ -16,7 +16,9 @@ whose policy turned drafting off no longer waits for a draft process's wake-up i
 target forward. graph_verify then hands graph_solo's answer on. A graph loop's read spins a core
 while it waits, so in a target-only step the draft side sleeps first, for the nap the coordinator
 takes itself over the target's forward (`StepGraph.nap`, sent as StepCall.draft_nap_s;
-docs/serving.md: an idle draft's spinning read cost a target-only graph ~9% on 2 cores).
+docs/serving.md: an idle draft's spinning read cost a target-only graph ~9% on 2 cores). Where
+the coordinator has SPIN_CORES cores or more, nobody naps: a spinning reader takes no core a
+forward needs there, and sees its result sooner.
 
 A replica whose steps keep drafting off changes its graph to the target's one-node graph
 (`StepGraph.reshape`, decided by the coordinator's keeper): no draft actor then spins in a graph
@@ -63,6 +65,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import logging
+import os
 import time
 
 from .wire import StepCall, StepReply, pack, unpack, unpack_pair
@@ -74,6 +77,18 @@ _EXPECTED_SHARE = 0.9  # of an execution's expected seconds, slept before its re
 _NAP_WINDOW = 32  # recent executions whose time in the workers sizes the nap
 _POLL_S = 0.0003  # then between looks for the result (a look that finds nothing costs ~0.17 ms)
 _WARM_UP_TIMEOUT_S = 60.0
+# A reader spinning on its channel holds a core. With at least this many cores where it runs, that
+# core is not one a forward needs, and a spinning reader sees its result sooner than one that naps
+# and then looks every _POLL_S: there no one naps (`StepGraph.nap` is 0).
+SPIN_CORES = 8
+
+
+def usable_cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # (no affinity on this platform)
+        return os.cpu_count() or 1
 
 
 class DraftLate(TimeoutError):
@@ -105,6 +120,7 @@ class StepGraph:
         self.builds = 0
         self.breaks = 0
         self._took: collections.deque[float] = collections.deque(maxlen=_NAP_WINDOW)  # seconds in the workers / expected
+        self.spins = usable_cores() >= SPIN_CORES  # readers spin rather than nap (SPIN_CORES)
 
     def nap(self, expected: float) -> float:
         """Seconds to sleep before looking for an execution's result (or, for the draft side of a
@@ -112,8 +128,9 @@ class StepGraph:
         forwards waited for should take, scaled by how the recent executions' time in the workers
         compared to what was expected of them (the lower quartile of those ratios: predictions
         come from costs that may be stale or high, and a nap that ends after the result costs the
-        step its overshoot). 0 before any execution was measured."""
-        if expected <= 0 or not self._took:
+        step its overshoot). 0 before any execution was measured, and on a machine with cores to
+        spare (`spins`)."""
+        if expected <= 0 or not self._took or self.spins:
             return 0.0
         return _EXPECTED_SHARE * sorted(self._took)[len(self._took) // 4] * expected
 
