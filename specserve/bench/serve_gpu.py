@@ -267,6 +267,7 @@ def served_row(mode: str, alpha, concurrency: int, results: list[dict], wall: fl
         # the timed steps that ran on the compiled graph (the rest: plain actor calls)
         graph_share=graph_share(stats) if stats.get("steps") else None, warmups=stats.get("bench_warmups"),
         graph_breaks=stats.get("graph_breaks"), worker_restarts=stats.get("worker_restarts"),
+        graph_spins=stats.get("graph_spins"),  # the graph's readers spin (many cores) rather than nap
         same=all(r["tokens"] == ref[prompt_len:] for r, ref in zip(results, references)))
 
 
