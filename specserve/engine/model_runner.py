@@ -413,9 +413,9 @@ class ModelRunner:
         """Graph mode over a dense cache, before any request: size the storage now for `num_slots`
         rows (and the scratch slot) at max_model_len, where the caller stated one (here, or when
         the runner was made) and that is at most `budget` positions and PREALLOCATE_SHARE of the
-        device's free memory. Such a cache
-        never grows, so no captured graph is ever dropped for it (a growth drops them all, and each
-        is captured again when next met, mid-request). -> whether it did; else the cache grows as
+        device's free memory. Such a cache never grows, so no captured graph is ever dropped for
+        it (a growth drops them all, and each is captured again when next met, mid-request).
+        -> whether it did; else the cache grows as
         requests need (as it does without a stated length: a model's own limit is often far longer
         than what is served, and benches keep many engines alive at once; `reserve_ahead` then
         sizes it for the requests admitted)."""
@@ -439,22 +439,24 @@ class ModelRunner:
 
     def _size_ahead(self, num_slots: int, positions: int, budget: int | None) -> bool:
         """Reserve `num_slots` rows (and the scratch slot) at `positions` (capped at max_model_len)
-        in a graph-mode dense cache where that is at most `budget` positions and, counting what
-        the cache holds now, PREALLOCATE_SHARE of the device's memory; the next forward allocates."""
+        in a graph-mode dense cache, where that is at most `budget` positions as admission counts
+        them and the storage it comes to (never less than it is) at most PREALLOCATE_SHARE of the
+        device's memory, the cache's own included; the next forward allocates."""
         if self.paged or self.execution != "graph":
             return False
         if self.max_model_len is not None:
             positions = min(positions, self.max_model_len)
         slots, capacity = self.cache.allocated()
-        if num_slots + 1 <= slots and capacity_for(positions, self.max_model_len) <= capacity:
+        new_slots, new_capacity = max(num_slots + 1, slots), max(capacity_for(positions, self.max_model_len), capacity)
+        if (new_slots, new_capacity) == (slots, capacity):
             return True  # already that large
-        total = allocation(num_slots, positions)  # as admission counts it (num_slots is a bucket)
         try:
             per_position = kv_cache_bytes_per_token(self.model.config, self.dtype)
         except (AttributeError, TypeError):  # a config that does not say its attention's shape
             return False
         room = free_memory_bytes(self.device) + self.cache.memory_bytes()  # (the old storage is let go)
-        if (budget is not None and total > budget) or total * per_position > PREALLOCATE_SHARE * room:
+        if (budget is not None and allocation(num_slots, positions) > budget) or \
+                new_slots * new_capacity * per_position > PREALLOCATE_SHARE * room:
             return False
         self.cache.reserve(num_slots, positions)  # (the next forward allocates every layer)
         return True

@@ -179,9 +179,9 @@ class Coordinator:
         # the usual step shapes' CUDA graphs, before any request pays for their capture (GPU workers);
         # a pipelined step's ahead call drafts one more than γ (`pipeline.Ahead`)
         ahead = 1 if config.speculation.pipelined else 0
-        ray.get([w.capture_graphs.remote(config.max_batch_size, self.max_gamma + (ahead if w is self.draft_worker else 0),
-                                         config.max_cached_tokens)
-                 for w in (self.target, self.draft_worker) if w is not None])
+        sides = [(self.target, self.max_gamma)] + ([] if self.draft_worker is None else
+                                                    [(self.draft_worker, self.max_gamma + ahead)])
+        ray.get([w.capture_graphs.remote(config.max_batch_size, gamma, config.max_cached_tokens) for w, gamma in sides])
         # measured costs start γ (adaptive) and size every worker call's deadline
         self.policy.calibrate_costs("target", ray.get(self.target.time_forwards.remote()))
         if self.draft is not None:
