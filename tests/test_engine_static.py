@@ -343,3 +343,30 @@ def test_graphs_over_a_pool_read_in_place_are_captured_once_for_every_length(att
         assert [len(r.graphs) for r in runners] == captured
     else:
         assert [len(r.graphs) for r in runners] > captured
+
+
+def test_sizing_ahead_counts_the_storage_the_cache_comes_to(monkeypatch):
+    """A reservation keeps the slots the cache already has (capture gave it every batch bucket's):
+    its memory check counts those slots at the new capacity, not only the rows asked for, and a
+    reservation that does not fit leaves the cache as it was. The budget counts what admission does."""
+    import specserve.engine.model_runner as model_runner
+    from specserve.engine.sharding import kv_cache_bytes_per_token
+    from specserve.models.tiny import tiny_llama as byte_llama
+
+    model = byte_llama(0, max_position_embeddings=1024)
+    per_position = kv_cache_bytes_per_token(model.config, torch.float32)
+    runner = ModelRunner(model)
+    emulate_graphs(runner)
+    runner.forward([RowInput(f"r{i}", 0, [1, 2, 3]) for i in range(16)], logits="none")  # 17 slots x 256
+    for i in range(16):
+        runner.free(f"r{i}")
+    assert runner.cache.allocated() == (17, 256)
+    held = runner.cache.memory_bytes()
+    # room for 5 slots x 512 positions (what 3 rows ask), not for the 17 x 512 the cache would come to
+    monkeypatch.setattr(model_runner, "free_memory_bytes",
+                        lambda device: int(5 * 512 * per_position / model_runner.PREALLOCATE_SHARE) - held)
+    assert not runner.reserve_ahead(3, 400) and runner.cache.allocated() == (17, 256)
+    monkeypatch.setattr(model_runner, "free_memory_bytes", lambda device: 1 << 40)
+    assert not runner.reserve_ahead(3, 400, budget=5 * 512 - 1)  # admission's count: (4 + 1) x 512
+    assert runner.reserve_ahead(3, 400, budget=5 * 512) and runner.cache.allocated() == (17, 512)
+    assert runner.reserve_ahead(2, 300)  # already that large: nothing to do
