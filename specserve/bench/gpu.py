@@ -224,15 +224,18 @@ def calibration_row(batch: int, max_gamma: int) -> int:
 
 
 def build_engine(target: torch.nn.Module, proposer, gamma: int | None, max_gamma: int, batch: int,
-                 layout: Layout = Layout()) -> SpeculativeEngine:
+                 layout: Layout = Layout(), key_buckets: int | None = 1) -> SpeculativeEngine:
     """One configuration's engine, built once and reused by its warm-up and every timed repeat (so
-    its graphs are captured and its cost model calibrated before anything is timed)."""
+    its graphs are captured and its cost model calibrated before anything is timed). key_buckets:
+    key lengths whose graphs are captured ahead (`capture_graphs`; None: the engine's default).
+    One by default: a 7B graph takes ~0.1-0.2 s to capture, a grid holds many engines, and the
+    warm-up captures the rest, which no growth drops (the context is stated, `Layout.for_batch`)."""
     engine = SpeculativeEngine(target, num_speculative_tokens=0 if proposer is None else max_gamma,
                                adaptive=gamma is None, proposer=proposer, eos_token_ids=[], max_batch_size=batch,
                                execution=layout.execution, attention=layout.attention,
                                kv_block_size=layout.kv_block_size, max_model_len=layout.max_model_len,
                                max_cached_tokens=layout.pool() if layout.kv_block_size else None)
-    engine.capture_graphs(progress=False)
+    engine.capture_graphs(progress=False, key_buckets=key_buckets)
     if gamma is None:
         engine.calibrate(sizes=calibration_sizes(batch, max_gamma))
     return engine

@@ -201,12 +201,13 @@ class SpeculativeEngine:
             if isinstance(runner, ModelRunner):
                 runner.reserve_ahead(*size, self.admission.budget)
 
-    def capture_graphs(self, progress: bool = True) -> float:
+    def capture_graphs(self, progress: bool = True, key_buckets: int | None = None) -> float:
         """Capture the CUDA graphs of the usual step shapes now (see `capture_graphs`); done
-        before the first step. Nothing to do unless a runner is in graph mode."""
+        before the first step. Nothing to do unless a runner is in graph mode. key_buckets: at
+        most this many key-length buckets ahead (None: AHEAD_KEY_BUCKETS)."""
         self._captured = True
         return capture_graphs(self.verifier, self.proposer, self.admission.max_batch_size, self.policy.max_gamma,
-                              progress, self.admission.budget, self.verifier.runner.stated_max_model_len)
+                              progress, self.admission.budget, self.verifier.runner.stated_max_model_len, key_buckets)
 
     def calibrate(self, sizes: tuple[int, ...] = CALIBRATION_SIZES) -> None:
         """Time each model on dummy rows of a few sizes so the policy starts from measurements
@@ -223,11 +224,12 @@ AHEAD_KEY_BUCKETS = 4
 
 
 def capture_graphs(verifier, proposer, max_batch_size: int, max_gamma: int, progress: bool = True,
-                   budget: int | None = None, max_model_len: int | None = None) -> float:
+                   budget: int | None = None, max_model_len: int | None = None, key_buckets: int | None = None) -> float:
     """Capture, for every batch bucket up to max_batch_size (largest first, so that the cache's
     slots are allocated once), the target's verify forward at widths 1..γ+1 and a draft model's
     whole greedy γ-forward loop (first width 1 or 2) for γ in 1..max_gamma, at each key-length
-    bucket the cache is already sized for (`key_prefixes`); longer contexts and sampled loops are
+    bucket the cache is already sized for, at most `key_buckets` of them (None: AHEAD_KEY_BUCKETS;
+    `key_prefixes`); longer contexts and sampled loops are
     captured when first met. Only runners in graph mode take part (verifier or proposer None:
     that side is another process's). A dense cache is first sized for the whole batch at
     max_model_len (given here, or stated to the runner) where that fits `budget` positions and the
@@ -244,8 +246,9 @@ def capture_graphs(verifier, proposer, max_batch_size: int, max_gamma: int, prog
     for runner in (target, draft and draft.runner):
         if runner is not None:
             runner.preallocate(sizes[0], budget, max_model_len)
-    target_keys = key_prefixes(target, max_gamma) if target else []
-    draft_keys = key_prefixes(draft.runner, max_gamma) if draft else []
+    limit = key_buckets or AHEAD_KEY_BUCKETS
+    target_keys = key_prefixes(target, max_gamma, limit) if target else []
+    draft_keys = key_prefixes(draft.runner, max_gamma, limit) if draft else []
     per_size = len(target_keys) * (max_gamma + 1) + len(draft_keys) * 2 * max_gamma
     began = time.perf_counter()
     with tqdm(total=len(sizes) * per_size, desc="capturing CUDA graphs", unit="graph", disable=not progress) as bar:
@@ -276,15 +279,15 @@ def capture_graphs(verifier, proposer, max_batch_size: int, max_gamma: int, prog
     return seconds
 
 
-def key_prefixes(runner: ModelRunner, max_gamma: int) -> list[int]:
+def key_prefixes(runner: ModelRunner, max_gamma: int, limit: int = AHEAD_KEY_BUCKETS) -> list[int]:
     """Context lengths whose step forwards (up to γ + 1 tokens wide, or a γ-forward draft loop)
-    attend over each key-length bucket a dense cache is already sized for, up to
-    AHEAD_KEY_BUCKETS of them: 4, then 4 past each key step while such a step still fits the
-    capacity. A cache not sized yet (or paged) has the first bucket only."""
+    attend over each key-length bucket a dense cache is already sized for, up to `limit` of
+    them: 4, then 4 past each key step while such a step still fits the capacity. A cache not
+    sized yet (or paged) has the first bucket only."""
     step = runner.cache.key_step
     capacity = 0 if runner.paged else runner.cache.allocated()[1]
     prefixes = [4]
-    while len(prefixes) < AHEAD_KEY_BUCKETS and len(prefixes) * step + 4 + max_gamma + 2 <= capacity:
+    while len(prefixes) < limit and len(prefixes) * step + 4 + max_gamma + 2 <= capacity:
         prefixes.append(len(prefixes) * step + 4)
     return prefixes
 
