@@ -124,3 +124,18 @@ def test_plain_bench_reports_a_failing_layout_in_its_place(tmp_path):
     profiled = [r["profile"] for r in (rows[0], rows[2], result["anchors"][0])]
     assert all(p["wall_ms"] > 0 and (tmp_path / p["table"]).read_text().count("aten::") > 5 for p in profiled)
     assert "profile" not in rows[1] and "kernel ms" in result["table"]
+
+
+def test_bench_engines_state_a_context_that_holds_their_runs():
+    """Benches' engines state their context (`Layout.for_batch`), so that in graph mode their
+    caches are sized once, before capture, and never grow under the warm-up (a growth drops every
+    graph, and the timed runs would capture them again: the H200's speculative rows at batch 8 and
+    32). The context holds prompt + new tokens + drafts, and an adaptive engine's calibration."""
+    target = gpu.random_llama("tiny-target", "cpu", torch.float32, 0, peaked=True)
+    for batch, positions, max_gamma in ((1, 256, 3), (16, 40, 6), (4, 300, 0)):
+        layout = gpu.Layout().for_batch(batch, positions, max_gamma)
+        assert layout.max_model_len >= max(positions + max_gamma, gpu.calibration_row(batch, max_gamma))
+        engine = gpu.build_engine(target, None, 0, 0, batch, layout)
+        assert engine.verifier.runner.stated_max_model_len == engine.max_model_len == layout.max_model_len
+    paged = gpu.Layout(kv_block_size=16).for_batch(4, 100, 2)
+    assert paged.max_model_len and paged.kv_pool  # (a paged pool is sized as before)
