@@ -479,17 +479,18 @@ def measure_anchors(section: str, model, prompts: list[list[int]], batch: int, m
                     repeats: int, reference: list[list[int]], engine_tps: float, generate: bool = True,
                     profiler: Callable[[str, Callable], dict] | None = None) -> list[dict]:
     """HF generate() eager (unless not `generate`), the StaticCache decode loop, and the bandwidth
-    limit, on these prompts. profiler(name, run): called with each anchor once timed; what it
-    returns is the row's "profile"."""
+    limit, on these prompts. profiler(name, run): called with each anchor once timed, run(prompts,
+    max_new) running it on those (fewer) prompts and tokens; what it returns is the row's
+    "profile"."""
     tokens = len(prompts) * max_new
     static = StaticDecode(model, batch, len(prompts[0]) + max_new, device)
-    anchors = {"HF generate() eager": lambda: hf_generate(model, prompts, batch, max_new, device)} if generate else {}
+    anchors = {"HF generate() eager": lambda ps, n: hf_generate(model, ps, batch, n, device)} if generate else {}
     anchors[f"HF StaticCache {'compiled (reduce-overhead)' if static.compiled else 'eager (no compile on CPU)'}"] = \
-        lambda: static(prompts, batch, max_new)
+        lambda ps, n: static(ps, batch, n)
     rows = []
     for name, fn in anchors.items():
-        outputs, _ = fn()  # warm-up (and, when compiled, capture)
-        seconds = statistics.median(fn()[1] for _ in range(repeats))
+        outputs, _ = fn(prompts, max_new)  # warm-up (and, when compiled, capture)
+        seconds = statistics.median(fn(prompts, max_new)[1] for _ in range(repeats))
         rows.append(dict(section=section, batch=batch, anchor=name, tokens_per_second=tokens / seconds,
                          engine_ratio=engine_tps / (tokens / seconds), identical=outputs == reference))
         if profiler is not None:

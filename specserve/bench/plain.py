@@ -89,19 +89,21 @@ def measure_batch(target, layouts: list[Layout], prompts: list[list[int]], batch
                                  same_as_first=run.identical, outputs=run.outputs)
         if args.profile:
             rows[config.name]["profile"] = profile_to_file(
-                args, batch, len(prompts), config.name,
-                lambda: generate(config.engine, prompts, ids, batch, args.max_new_tokens, args.device))
+                args, prompts[:batch], config.name,
+                lambda ps, n: generate(config.engine, ps, ids[: len(ps)], batch, n, args.device))
         del config.engine
     release_memory(args.device)
     return list(rows.values())
 
 
-def profile_to_file(args, batch: int, num_prompts: int, name: str, run) -> dict:
-    """One more run of `run` (num_prompts prompts, `batch` at a time) under the profiler
-    (`gpu.profile_run`): its op table goes to a text file beside --out, its per-step summary is
+def profile_to_file(args, prompts: list[list[int]], name: str, run) -> dict:
+    """One more run under the profiler (`gpu.profile_run`) of run(prompts, new tokens) on one
+    batch of prompts and --profile-tokens new tokens (a 7B step is ~1000 kernels: the profiler's
+    events stay few); its op table goes to a text file beside --out, its per-step summary is
     returned."""
-    steps = args.max_new_tokens * -(-num_prompts // batch)
-    summary, text = profile_run(run, steps, args.device)
+    batch = len(prompts)
+    steps = min(args.profile_tokens, args.max_new_tokens)
+    summary, text = profile_run(lambda: run(prompts, steps), steps, args.device)
     slug = "-".join(filter(None, "".join(c if c.isalnum() else " " for c in name.lower()).split()))
     path = args.out.parent / f"{args.out.stem}-profile-b{batch}-{slug}.txt"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -113,7 +115,7 @@ def profile_to_file(args, batch: int, num_prompts: int, name: str, run) -> dict:
 def profile_table(rows: list[dict], anchors: list[dict]) -> str:
     """Per profiled layout and anchor: wall and device kernel ms per decode step, kernels per
     step, and the share of the wall the device was busy."""
-    lines = ["", "", "profiled (one more run each, under torch.profiler; per decode step):",
+    lines = ["", "", "profiled (one more run each, one batch, under torch.profiler; per new token, its prefill included):",
              f"{'batch':>5}  {'what':<52}{'wall ms':>9}{'kernel ms':>11}{'kernels':>9}{'busy':>7}"]
     for r in [*rows, *anchors]:
         p = r.get("profile")
@@ -173,6 +175,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--profile", action="store_true",
                    help="then run each layout and the compiled anchor once more under torch.profiler: kernels and "
                         "device time per step, op tables beside --out")
+    p.add_argument("--profile-tokens", type=int, default=32, help="new tokens of each profiled run (one batch)")
     p.add_argument("--out", type=Path, default=Path("bench-results/plain.json"))
     args = p.parse_args(argv)
     tiny = args.tiny
@@ -207,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             tqdm.write(f"b={batch} {row['layout']}: {row['tokens_per_second']:.1f} tok/s, "
                        f"capture {row['capture_seconds']} s, same={row['same_as_first']}")
         if ran:
-            profiler = (lambda name, run: profile_to_file(args, batch, len(prompts), name, run)) if args.profile else None
+            profiler = (lambda name, run: profile_to_file(args, prompts[:batch], name, run)) if args.profile else None
             anchors += measure_anchors("plain", target, prompts, batch, args.max_new_tokens, args.device,
                                        args.repeats, ran[0]["outputs"], ran[0]["tokens_per_second"],
                                        generate=False,  # (HF's eager generate(): no figure of the issue's)
