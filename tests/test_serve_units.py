@@ -356,11 +356,11 @@ def test_a_worker_says_when_its_graphs_sit_on_a_cache_that_will_grow(monkeypatch
         return runner
 
     sized = graph_runner(300)
-    assert sized.preallocate(4) and workers._sized_up_front(sized)
-    assert not workers._sized_up_front(graph_runner(None))  # nothing stated: it grows as contexts do
+    assert sized.preallocate(4) and sized.sized_up_front
+    assert not graph_runner(None).sized_up_front  # nothing stated: it grows as contexts do
     free["bytes"] = 1
     squeezed = graph_runner(300)
-    assert not squeezed.preallocate(4) and not workers._sized_up_front(squeezed)  # stated, but did not fit
+    assert not squeezed.preallocate(4) and not squeezed.sized_up_front  # stated, but did not fit
 
     worker = workers.TargetWorker.__new__(workers.TargetWorker)
     monkeypatch.setattr(workers, "capture_graphs", lambda *a, **kw: 0.0)

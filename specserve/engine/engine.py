@@ -229,9 +229,8 @@ def capture_graphs(verifier, proposer, max_batch_size: int, max_gamma: int, prog
     slots are allocated once), the target's verify forward at widths 1..γ+1 and a draft model's
     whole greedy γ-forward loop (first width 1 or 2) for γ in 1..max_gamma, at each key-length
     bucket the cache is already sized for, at most `key_buckets` of them (None: AHEAD_KEY_BUCKETS;
-    `key_prefixes`); longer contexts and sampled loops are
-    captured when first met. Only runners in graph mode take part (verifier or proposer None:
-    that side is another process's). A dense cache is first sized for the whole batch at
+    `key_prefixes`); longer contexts and sampled loops are captured when first met. Only runners
+    in graph mode take part (verifier or proposer None: that side is another process's). A dense cache is first sized for the whole batch at
     max_model_len (given here, or stated to the runner) where that fits `budget` positions and the
     device (`ModelRunner.preallocate`): then it never grows and no graph is dropped. Returns the
     seconds spent."""

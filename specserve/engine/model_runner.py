@@ -415,14 +415,19 @@ class ModelRunner:
         the runner was made) and that is at most `budget` positions and PREALLOCATE_SHARE of the
         device's free memory. Such a cache never grows, so no captured graph is ever dropped for
         it (a growth drops them all, and each is captured again when next met, mid-request).
-        -> whether it did; else the cache grows as
-        requests need (as it does without a stated length: a model's own limit is often far longer
-        than what is served, and benches keep many engines alive at once; `reserve_ahead` then
-        sizes it for the requests admitted)."""
+        -> whether it did; else the cache grows as requests need (as it does without a stated
+        length: a model's own limit is often far longer than what is served, and benches keep many
+        engines alive at once; `reserve_ahead` then sizes it for the requests admitted)."""
         stated = max_model_len or self.stated_max_model_len
         if stated is None or self._slot_of:
             return False
         return self._size_ahead(num_slots, stated, budget)
+
+    @property
+    def sized_up_front(self) -> bool:
+        """Whether the cache already holds the whole context stated when the runner was made
+        (`preallocate`): then it never grows."""
+        return self.stated_max_model_len is not None and self.cache.allocated()[1] >= self.max_model_len
 
     def reserve_ahead(self, num_requests: int, longest: int, budget: int | None = None) -> bool:
         """Graph mode over a dense cache: size the storage now for `num_requests` live requests

@@ -79,12 +79,6 @@ def _serialised(method):
     return locked
 
 
-def _sized_up_front(runner) -> bool:
-    """Whether a dense cache holds its whole stated context already (`ModelRunner.preallocate`)."""
-    stated = runner.stated_max_model_len
-    return stated is not None and runner.cache.allocated()[1] >= min(stated, runner.max_model_len or stated)
-
-
 class _Worker:
     def __init__(self, torch_threads: int | None) -> None:
         fast_tensor_pickling()  # replies carry tensors (draft tokens, features)
@@ -190,7 +184,7 @@ class _Worker:
         seconds = capture_graphs(verifier, proposer, max_batch_size, max_gamma, progress=False, budget=budget)
         for side in (verifier, proposer):
             runner = getattr(side, "runner", None)
-            if runner is not None and runner.graphs is not None and not runner.paged and not _sized_up_front(runner):
+            if runner is not None and runner.graphs is not None and not runner.paged and not runner.sized_up_front:
                 logger.warning(
                     "CUDA graphs over a dense KV cache that was not sized up front (%s): it grows as contexts "
                     "pass each %d-position step, and every growth drops the captured graphs, which are captured "
