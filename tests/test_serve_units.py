@@ -371,3 +371,55 @@ def test_a_worker_says_when_its_graphs_sit_on_a_cache_that_will_grow(monkeypatch
         with caplog.at_level(logging.WARNING, logger=workers.__name__):
             workers.TargetWorker.capture_graphs.__wrapped__(worker, 4, 3)
         assert ("not sized up front (it did not fit)" in caplog.text) == warned
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_served_caches_without_a_stated_length_grow_as_requests_join_not_mid_decode(local_coordinator, monkeypatch,
+                                                                                  pipelined):
+    """Served workers in graph mode (emulated) with no max_model_len: the coordinator has their
+    dense caches sized for the running requests' worst case when requests join, as the in-process
+    engine does, so no storage moves while they decode (a move drops every captured graph, and each
+    is captured again mid-request). Before, their caches grew as contexts passed 256 positions.
+    Tokens are the target's."""
+    import specserve.engine.model_runner as model_runner
+    import specserve.serve.workers as workers
+    from models import hf_greedy
+    from specserve.config import AppConfig
+    from specserve.engine import SamplingParams
+    from test_engine_static import emulate_graphs
+    from test_pipeline import TINY, generate
+
+    monkeypatch.setattr(model_runner, "free_memory_bytes", lambda device: 1 << 40)
+    capture = workers.capture_graphs
+
+    def in_graph_mode(verifier, proposer, *args, **kwargs):
+        for side in (verifier, proposer):
+            if side is not None:
+                emulate_graphs(side.runner)
+        return capture(verifier, proposer, *args, **kwargs)
+
+    monkeypatch.setattr(workers, "capture_graphs", in_graph_mode)
+    coordinator = local_coordinator(AppConfig.model_validate(dict(
+        served_model_name="tiny", target=TINY, draft={**TINY, "noise": 0.15, "noise_seed": 1}, max_batch_size=4,
+        speculation=dict(num_speculative_tokens=3, adaptive=False, pipelined=pipelined, execution="eager",
+                         transport="actor_calls"))))
+    assert coordinator.executor.growing == [coordinator.target, coordinator.draft_worker]
+    runners = [coordinator.target._obj.model.runner, coordinator.draft_worker._obj.model.runner]
+    steps = []  # per step: (requests that joined, whether either cache's storage moved)
+    step = coordinator.executor.step
+
+    async def recorded(seqs, policy):
+        before = [r.cache.generation for r in runners]
+        joined = {s.request_id for s in seqs} - {rid for step_ids, *_ in steps for rid in step_ids}
+        outputs = await step(seqs, policy)
+        steps.append(({s.request_id for s in seqs}, joined, [r.cache.generation for r in runners] != before))
+        return outputs
+
+    coordinator.executor.step = recorded
+    prompts = [[(7 * i + k) % 200 + 1 for i in range(240 + 5 * k)] for k in range(3)]
+    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)] * 3
+    target = coordinator.target._obj.model.runner.model
+    assert generate(coordinator, prompts, params) == [hf_greedy(target, p, 24) for p in prompts]
+    assert len(steps) > 10
+    assert not any(moved for _, joined, moved in steps if not joined)  # contexts passed 256: nothing moved
+    assert [r.cache.allocated()[1] for r in runners] == [512, 512]

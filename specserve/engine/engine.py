@@ -110,7 +110,6 @@ class SpeculativeEngine:
         self._ids = itertools.count()
         self._calibrated = not (adaptive and num_speculative_tokens > 0)
         self._captured = False
-        self._reserved = (0, 0)  # (requests, longest need) the caches were last sized for (`_reserve_ahead`)
 
     # -- incremental API ----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -155,7 +154,6 @@ class SpeculativeEngine:
         seqs = self.loop.admit()
         if not seqs:
             return []
-        self._reserve_ahead()
         if not self._captured:
             self.capture_graphs()
         if not self._calibrated:
@@ -189,18 +187,6 @@ class SpeculativeEngine:
         return [_output(seqs[r]) for r in ids]
 
     # -- internals ----------------------------------------------------------------------------
-    def _reserve_ahead(self) -> None:
-        """Graph mode, dense caches: size each model's cache for the running requests at the
-        longest one's worst case (what admission budgets) when that has grown, so that storage
-        grows as requests join, not mid-decode (`ModelRunner.reserve_ahead`)."""
-        size = self.admission.sizing()
-        if size == self._reserved:
-            return
-        self._reserved = size
-        for runner in (self.verifier.runner, getattr(self.proposer, "runner", None)):
-            if isinstance(runner, ModelRunner):
-                runner.reserve_ahead(*size, self.admission.budget)
-
     def capture_graphs(self, progress: bool = True, key_buckets: int | None = None) -> float:
         """Capture the CUDA graphs of the usual step shapes now (see `capture_graphs`); done
         before the first step. Nothing to do unless a runner is in graph mode. key_buckets: at

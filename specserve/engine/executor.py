@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
+from .model_runner import ModelRunner
 from .proposers import Proposal, Proposer
 from .policy import SpeculationPolicy
 from .step import (
@@ -62,6 +63,10 @@ class Executor(Protocol):
 
     def free(self, request_ids: list[str]) -> None:
         """Forget finished or aborted requests' caches."""
+
+    def reserve(self, num_requests: int, longest: int, budget: int | None) -> None:
+        """The running batch's sizing changed (`Admission.sizing`: requests joined, or a longer
+        one): size the dense caches of graph-mode runners for it now (`ModelRunner.reserve_ahead`)."""
 
 
 async def run_step(seqs: list[Sequence], policy: SpeculationPolicy, executor: Executor) -> list[StepOutput]:
@@ -134,6 +139,11 @@ class InProcessExecutor:
             self.verifier.free(rid)
             if self.proposer is not None:
                 self.proposer.free(rid)
+
+    def reserve(self, num_requests: int, longest: int, budget: int | None) -> None:
+        for runner in (self.verifier.runner, getattr(self.proposer, "runner", None)):
+            if isinstance(runner, ModelRunner):
+                runner.reserve_ahead(num_requests, longest, budget)
 
 
 def run_sync(coroutine):

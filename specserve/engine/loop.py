@@ -25,15 +25,28 @@ class StepLoop:
         inside its first step."""
         self.admission, self.executor, self.policy = admission, executor, policy
         self.prefill_chunk_tokens = prefill_chunk_tokens or None
+        self._reserved = (0, 0)  # the sizing (`Admission.sizing`) the executor last sized caches for
 
     def admit(self) -> list[Sequence]:
-        """Preempt what the budget no longer holds (paged caches), admit waiting requests; -> the
-        running batch."""
+        """Preempt what the budget no longer holds (paged caches), admit waiting requests, have
+        the caches sized for them (`reserve`); -> the running batch."""
         preempted = self.admission.preempt()
         if preempted:
             self.executor.free([s.request_id for s in preempted])
         self.admission.admit()
+        self.reserve()
         return list(self.admission.running.values())
+
+    def reserve(self) -> None:
+        """When the running batch's sizing changed, have the executor size the dense caches of
+        graph-mode runners for it (the running requests, at the longest one's worst case: what
+        admission budgets). So storage grows as requests join, before their first forward, and
+        not in the middle of their decoding, where a growth would drop every captured graph and
+        each would be captured again as it is next met."""
+        size = self.admission.sizing()
+        if size != self._reserved:
+            self._reserved = size
+            self.executor.reserve(*size, self.admission.budget)
 
     async def iterate(self, seqs: list[Sequence]) -> list[StepOutput]:
         """This step's prompt chunks, then one step over the requests whose prompts every cache

@@ -205,6 +205,10 @@ class Coordinator:
         # how steps run on the workers (transports, pipelining, the draft's availability)
         self.executor = RemoteExecutor(config, self.target, self.draft_worker, self.draft, self.policy,
                                        self.admission, self._totals, self._records, self.metrics)
+        # workers whose graphs sit on dense caches that grow: sized as requests join (`executor.reserve`)
+        workers = [w for w, _ in sides]
+        self.executor.growing = [w for w, grows in zip(workers, ray.get([w.cache_grows.remote() for w in workers]))
+                                 if grows]
         self.loop = StepLoop(self.admission, self.executor, self.policy, config.prefill_chunk_tokens)
         # failure domains: the group's bundles watched for a node that is gone (serve/placement.py)
         pg = ray.util.get_current_placement_group() if ray.is_initialized() else None  # (None: in-process tests)

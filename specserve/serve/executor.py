@@ -80,6 +80,7 @@ class RemoteExecutor:
         # draft block k+1 while the target verifies block k (speculation.pipelined; needs a DraftWorker)
         self.pipeline = Pipeline(self) if config.speculation.pipelined and draft_worker is not None else None
         self.graph = None  # the step's worker calls as one compiled-graph execution (serve/graph.py)
+        self.growing: list = []  # workers whose dense caches grow under their graphs (`reserve`; set at start)
         self._graph_task: asyncio.Task | None = None
         self._drafted: deque[bool] = deque(maxlen=_SOLO_WINDOW)  # recent steps with the draft up: whether each drafted
         self._reshaped_at = -_RESHAPE_EVERY_S  # time.monotonic() of the graph's last reshape
@@ -129,6 +130,14 @@ class RemoteExecutor:
         self.target.free.remote(request_ids)
         if self.draft is not None:
             self.draft.free.remote(request_ids)
+
+    def reserve(self, num_requests: int, longest: int, budget: int | None) -> None:
+        """Sent to the workers whose graphs sit on a dense cache that grows (`growing`, set at
+        start), before the step: on plain calls it is run first (submission order); beside a
+        compiled graph's execution it may be run after that step, whose forward then grows the
+        cache as it needs, as it would without it."""
+        for worker in self.growing:
+            worker.reserve.remote(num_requests, longest, budget)
 
     async def prefill(self, seqs: list[Sequence], budget: int, fold: frozenset[str] = frozenset()) -> None:
         """Send each worker its chunks of at most `budget` prompt tokens (FIFO, `prefill_rows`; the

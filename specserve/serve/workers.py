@@ -182,17 +182,32 @@ class _Worker:
         Shapes met later (longer contexts, sampled loops, a cache that grew) are captured then."""
         verifier, proposer = self._graph_sides()
         seconds = capture_graphs(verifier, proposer, max_batch_size, max_gamma, progress=False, budget=budget)
-        for side in (verifier, proposer):
-            runner = getattr(side, "runner", None)
-            if runner is not None and runner.graphs is not None and not runner.paged and not runner.sized_up_front:
-                logger.warning(
-                    "CUDA graphs over a dense KV cache that was not sized up front (%s): it grows as contexts "
-                    "pass each %d-position step, and every growth drops the captured graphs, which are captured "
-                    "again inside requests. State max_model_len (it must fit max_cached_tokens and half the free "
-                    "GPU memory), or page the cache (kv_block_size).",
-                    "max_model_len not stated" if runner.stated_max_model_len is None else "it did not fit",
-                    runner.cache.key_step)
+        for runner in self._growing():
+            logger.warning(
+                "CUDA graphs over a dense KV cache that was not sized up front (%s): it grows as requests join "
+                "(to the longest one's worst case), and every growth drops the captured graphs, which are captured "
+                "again inside requests. State max_model_len (it must fit max_cached_tokens and half the free "
+                "GPU memory), or page the cache (kv_block_size).",
+                "max_model_len not stated" if runner.stated_max_model_len is None else "it did not fit")
         return seconds
+
+    def cache_grows(self) -> bool:
+        """Whether a runner here replays CUDA graphs over a dense cache that was not sized for the
+        whole context up front: the coordinator then has it sized as requests join (`reserve`)."""
+        return bool(self._growing())
+
+    @_serialised
+    def reserve(self, num_requests: int, longest: int, budget: int | None) -> None:
+        """The coordinator's running batch changed its sizing: size the growing dense caches for
+        `num_requests` requests of at most `longest` positions now (`ModelRunner.reserve_ahead`),
+        so that they grow as requests join, not in the middle of their decoding."""
+        for runner in self._growing():
+            runner.reserve_ahead(num_requests, longest, budget)
+
+    def _growing(self) -> list:
+        """This worker's graph-mode runners over dense caches not sized up front."""
+        runners = [getattr(side, "runner", None) for side in self._graph_sides()]
+        return [r for r in runners if r is not None and r.graphs is not None and not r.paged and not r.sized_up_front]
 
     def _graph_sides(self) -> tuple:
         """(the verifier, the proposer) this worker holds, None for a side it does not."""
