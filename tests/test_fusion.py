@@ -79,6 +79,27 @@ def test_inductor_fused_blocks_write_and_read_the_cache_as_the_plain_model(plain
         assert forwards_beside(fused, plain, prompts, [1, 4, 1, 1, 2, 1, 4, 1, 1, 1]) < 1e-4
 
 
+@pytest.mark.parametrize("block_size", [None, 16])
+def test_over_a_dense_cache_the_cache_write_compiles_into_the_block(plain_linears, block_size):
+    """A dense cache under fused blocks is stacked, every layer's keys in one tensor, so the write
+    and the read of a layer's keys compile with the block: no graph break, and still one compile
+    for every layer. A paged cache's update stays eager: a break at each layer's write."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    counter = CompileCounterWithBackend("aot_eager")
+    fused, plain = fused_and_plain(tiny_llama(0, layers=3), counter, block_size)
+    assert forwards_beside(fused, plain, {"a": [1, 2, 3], "b": [4, 5, 6, 7, 8]}, [1, 3, 1]) < 1e-4
+    assert getattr(fused.cache, "stacked", False) == (block_size is None)
+    assert not getattr(plain.cache, "stacked", False)
+    breaks = sum(counters["graph_break"].values())
+    assert (breaks == 0) == (block_size is None), dict(counters["graph_break"])
+    if block_size is None:
+        assert fused.cache.memory_bytes() == sum(s.numel() * s.element_size() for s in fused.cache._stack)
+        slots, positions = fused.cache.allocated()
+        assert fused.cache._stack[0].shape[:2] == (3, slots) and fused.cache._stack[0].shape[3] == positions
+
+
 def test_a_fused_tapped_target_gives_the_feature_head_its_features(plain_linears, head_dir):
     """The feature head's tap (forward hooks on the target's layers) fires inside fused blocks,
     captured ones too (graphs emulated): the head drafts from the same features and decodes as

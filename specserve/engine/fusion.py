@@ -22,17 +22,21 @@ largest `ModuleList` of one block class, `repeated_blocks`), not the whole forwa
 Two things would still make a compiled layer layer-specific. The KV cache's `update` picks the
 layer's storage by its index. And dynamo treats an integer module attribute (`layer_idx`) as a
 constant. So:
-- the runner hands the model its cache behind `OpaqueCache`, whose `update` runs outside the
-  compiled code (a graph break: a layer compiles as the code before its cache write and the code
-  after it; the write and the read of the rows' keys stay eager);
+- the runner keeps a dense cache stacked, every layer's keys in one tensor [L, S, H, C, D]
+  (`SlotKVCache.stack_layers`), and hands the model its cache behind `OpaqueCache`, whose `update`
+  indexes the stack with the layer's index as a number: compiled into the block, the write fused
+  with the rotary embedding before it. Over a paged cache `update` runs outside the compiled code
+  (a graph break: a layer compiles as the code before its cache write and the code after it; the
+  write and the read of the rows' keys stay eager);
 - within `active`, module integers are compiled as symbols (dynamo's
   `allow_unspec_int_on_nn_module`), and sizes that happen to be equal stay distinct symbols (no
   "duck shaping": a batch of 8 rows over 8 KV heads would otherwise compile a graph that only
   batches of 8 can take).
 
-A graph break costs host time on every eager call, which a captured forward never pays. On a CPU
-(eager) the fused blocks measured slower than the plain ones, so fusion is for captured forwards
-only (`execution="fused-graph"`); CPU tests use it for equality. Logits equal the plain model's
+A graph break costs host time on every eager call, which a captured forward never pays; inside
+a captured forward, the write kept out of the compiled code costs kernels of its own. On a CPU
+(eager) the fused blocks measured no faster than the plain ones (docs/engine.md), so fusion is for
+captured forwards only (`execution="fused-graph"`); CPU tests use it for equality. Logits equal the plain model's
 up to float rounding (inductor may reorder a reduction). The promise is unchanged: the fused
 target is the one that verifies, so a speculative engine's tokens are that target's own
 (tests/test_fusion.py: the captured fused engine against the eager engine and HF's greedy).
@@ -67,7 +71,9 @@ def repeated_blocks(model: torch.nn.Module) -> torch.nn.ModuleList | None:
 
 class OpaqueCache:
     """A runner's KV cache as compiled blocks see it: the same object (every attribute passes
-    through), except that `update` (this layer's writes, its rows' keys back) always runs eagerly."""
+    through), except for `update` (this layer's writes, its rows' keys back). Over stacked storage
+    (engine/kv_cache.py, `stack_layers`) it is compiled with the block, one code for every layer;
+    over anything else (a paged cache) it runs eagerly, between the block's two compiled halves."""
 
     def __init__(self, cache) -> None:
         self.inner = cache
@@ -75,8 +81,13 @@ class OpaqueCache:
     def __getattr__(self, name: str):
         return getattr(self.inner, name)
 
-    @torch.compiler.disable
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if getattr(self.inner, "stacked", False):
+            return self.inner.update_in_stack(key_states, value_states, layer_idx)
+        return self._eager_update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    @torch.compiler.disable
+    def _eager_update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         return self.inner.update(key_states, value_states, layer_idx, *args, **kwargs)
 
 

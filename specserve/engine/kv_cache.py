@@ -21,6 +21,14 @@ The object is passed to a HF model as `past_key_values`; HF calls `update(keys, 
 in every attention layer. Before each forward the runner calls `reserve` (host integers only) and,
 inside the forward, `bind` (device index tensors). Layers are allocated lazily on the device of
 their keys, so a model sharded with accelerate works; each device gets its own copy of the indices.
+
+Stacked (`stack_layers`; a runner whose blocks are compiled, on one device): every layer's keys
+live in one tensor [L, S, H, C, D] (and values in another), allocated by `reserve`, before the
+forward, and `_keys[i]` are its views. Compiled blocks then write and read a layer's storage
+through the layer's index as a number (`update_in_stack`): one compiled code serves every layer,
+with the cache write inside it (fused with the rotary embedding that precedes it) rather than an
+eager call between two compiled halves. The price: a growth copies the whole stack at once, so it
+needs the old and the new storage side by side (a cache sized up front never grows).
 """
 from __future__ import annotations
 
@@ -60,6 +68,8 @@ class SlotKVCache:
         self._read_slots: torch.Tensor | None = None  # [B'] slots to gather, or None: the first B' slots
         self._view_length = 0  # K: key positions the current forward attends over
         self._on_device: dict[torch.device, tuple] = {}  # indices copied to other devices (sharded models)
+        self._stacking: tuple | None = None  # (L, H, D, dtype, device) of stacked storage (`stack_layers`)
+        self._stack: tuple[torch.Tensor, torch.Tensor] | None = None  # keys, values [L, S, H, C, D]
 
     # -- HF Cache duck-typing -------------------------------------------------------------
     is_compileable = False
@@ -72,6 +82,8 @@ class SlotKVCache:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """key_states/value_states [B', H, Q, D] -> keys/values of the batch rows [B', H, K, D]."""
         keys, values = self._layer(layer_idx, key_states)
+        if self._stack is not None:
+            return self.update_in_stack(key_states, value_states, layer_idx)
         write_slots, positions, read_slots = self._indices(keys.device)  # [B', 1], [B', Q], [B'] or None
         keys[write_slots, :, positions] = key_states.transpose(1, 2).to(keys.dtype)  # indexed view [B', Q, H, D]
         values[write_slots, :, positions] = value_states.transpose(1, 2).to(values.dtype)
@@ -81,7 +93,39 @@ class SlotKVCache:
             return keys[:batch, :, :length], values[:batch, :, :length]
         return keys[read_slots, :, :length], values[read_slots, :, :length]
 
+    def update_in_stack(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`update` over stacked storage, allocated already (`reserve`), in code that compiles
+        once for every layer: the layer is an index tensor in the write (an integer would select
+        a view of the stack, and compiled code copies a view whole to write into it) and a
+        number in the read. key_states/value_states [B', H, Q, D] -> [B', H, K, D]."""
+        keys, values = self._stack  # [L, S, H, C, D]
+        write_slots, positions, read_slots = self._write_slots, self._positions, self._read_slots
+        layer = write_slots * 0 + layer_idx  # [B', 1]
+        keys[layer, write_slots, :, positions] = key_states.transpose(1, 2).to(keys.dtype)  # [B', Q, H, D]
+        values[layer, write_slots, :, positions] = value_states.transpose(1, 2).to(values.dtype)
+        keys, values = keys.select(0, layer_idx), values.select(0, layer_idx)  # [S, H, C, D]
+        length = self._view_length
+        if read_slots is None:
+            batch = positions.shape[0]
+            return keys[:batch, :, :length], values[:batch, :, :length]
+        return keys[read_slots, :, :length], values[read_slots, :, :length]
+
+    @property
+    def stacked(self) -> bool:
+        """Whether every layer's storage is one stacked tensor, allocated (`stack_layers`)."""
+        return self._stack is not None
+
     # -- runner API -----------------------------------------------------------------------
+    def stack_layers(self, num_layers: int, heads: int, head_dim: int, dtype: torch.dtype,
+                     device: torch.device | str) -> None:
+        """From the next `reserve` on, keep the `num_layers` layers' keys and values stacked, each
+        [L, S, H, C, D] (see the module docstring), copying what the layers already hold."""
+        self._stacking = (num_layers, heads, head_dim, dtype, torch.device(device))
+        if self._capacity:
+            self._grow_stack()
+
     @property
     def scratch_slot(self) -> int:
         return self._num_slots - 1
@@ -95,6 +139,8 @@ class SlotKVCache:
         self._num_slots = max(self._num_slots, num_slots + 1)
         self._capacity = max(self._capacity, capacity_for(needed_positions, self.max_model_len))
         self._view_length = key_length_for(needed_positions, self.key_step, self.max_model_len)
+        if self._stacking is not None and (self._stack is None or not self.ready):
+            self._grow_stack()  # (stacked storage is allocated here, not inside the forward)
         return self._view_length
 
     @property
@@ -141,6 +187,8 @@ class SlotKVCache:
         what a fork drafted, back), growing every allocated layer first when dst lies past its
         slots (the scratch slot moves up)."""
         self._num_slots = max(self._num_slots, dst + 2)  # dst, then scratch
+        if self._stack is not None and not self.ready:
+            self._grow_stack()
         for i, keys in enumerate(self._keys):
             if keys is None:
                 continue
@@ -159,8 +207,11 @@ class SlotKVCache:
         follows the live requests down again after a burst of many or long ones."""
         capacity = min(capacity_for(num_positions), self._capacity)
         num_slots = min(num_slots + 1, self._num_slots)
+        if self._stack is not None:
+            self._stack = tuple(s[:, :num_slots, :, :capacity].clone() for s in self._stack)
+            self._keys, self._values = list(self._stack[0].unbind(0)), list(self._stack[1].unbind(0))
         for i, (keys, values) in enumerate(zip(self._keys, self._values)):
-            if keys is not None:
+            if keys is not None and self._stack is None:
                 self._keys[i] = keys[:num_slots, :, :capacity].clone()
                 self._values[i] = values[:num_slots, :, :capacity].clone()
         self._num_slots, self._capacity = num_slots, capacity
@@ -168,10 +219,16 @@ class SlotKVCache:
         self.generation += 1
 
     def memory_bytes(self) -> int:
+        if self._stack is not None:
+            return sum(s.numel() * s.element_size() for s in self._stack)
         return sum(t.numel() * t.element_size() for t in self._keys + self._values if t is not None)
 
     def _layer(self, layer_idx: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's storage, allocated or grown to [S, H, C, D] as the last reserve() asked."""
+        if self._stack is not None:
+            if not self.ready:
+                self._grow_stack()
+            return self._keys[layer_idx], self._values[layer_idx]
         while len(self._keys) <= layer_idx:
             self._keys.append(None)
             self._values.append(None)
@@ -191,4 +248,19 @@ class SlotKVCache:
             new_keys[:old_slots, :, :old_capacity] = keys
             new_values[:old_slots, :, :old_capacity] = values
         self._keys[layer_idx], self._values[layer_idx] = new_keys, new_values
+        self.generation += 1
+
+    def _grow_stack(self) -> None:
+        """(Re)allocate stacked storage at the reserved size, copying what every layer holds."""
+        layers, heads, head_dim, dtype, device = self._stacking
+        shape = (layers, self._num_slots, heads, self._capacity, head_dim)
+        stacks = (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for stack, held in zip(stacks, (self._keys, self._values)):
+            for i, layer in enumerate(held):
+                if layer is not None:
+                    slots, _, capacity, _ = layer.shape
+                    stack[i, :slots, :, :capacity] = layer
+        self._stack = stacks
+        self._keys, self._values = list(stacks[0].unbind(0)), list(stacks[1].unbind(0))
+        self._built = (self._num_slots, self._capacity)
         self.generation += 1

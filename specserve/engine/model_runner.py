@@ -307,9 +307,23 @@ class ModelRunner:
                              "fuse a model no eager CPU runner has set up (or set SPECSERVE_CPU_KERNELS=0)")
         blocks = repeated_blocks(self.model)
         self.fusion = None if blocks is None else BlockFusion(blocks, backend)
+        self._stack_cache()
         self.linear_kernels = False
         if self.in_place == "blocks":  # compiled blocks would break their graphs at the kernel's call
             self.in_place = None
+
+    def _stack_cache(self) -> None:
+        """Fused blocks over a dense cache on one device: every layer's storage stacked, so that
+        the blocks compile their cache writes in (engine/kv_cache.py, `stack_layers`)."""
+        config = getattr(self.model, "config", None)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        layers = getattr(text, "num_hidden_layers", None)
+        heads = getattr(text, "num_key_value_heads", None) or getattr(text, "num_attention_heads", None)
+        size = head_dim(text) if text is not None else None
+        if self.fusion is None or self.paged or not (layers and heads and size) or \
+                len({p.device for p in self.model.parameters()}) != 1:
+            return
+        self.cache.stack_layers(layers, heads, size, self.dtype, self.device)
 
     def page(self, block_size: int, num_blocks: int | None = None, prefix_caching: bool = False) -> None:
         """Keep keys and values by block (engine/paged_cache.py) from now on: blocks of
