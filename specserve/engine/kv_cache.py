@@ -131,8 +131,9 @@ class SlotKVCache:
         return self._num_slots - 1
 
     def reserve(self, num_slots: int, needed_positions: int) -> int:
-        """Before a forward (host integers only): make room for `num_slots` owned or padded slots
-        plus the scratch slot, and for `needed_positions`. Returns K, the key length to attend over."""
+        """Before a forward (host integers; stacked storage is allocated here too): make room for
+        `num_slots` owned or padded slots plus the scratch slot, and for `needed_positions`.
+        Returns K, the key length to attend over."""
         if self.max_model_len is not None and needed_positions > self.max_model_len:
             raise ValueError(
                 f"position {needed_positions - 1} is beyond the cache limit of {self.max_model_len} tokens")
@@ -210,10 +211,11 @@ class SlotKVCache:
         if self._stack is not None:
             self._stack = tuple(s[:, :num_slots, :, :capacity].clone() for s in self._stack)
             self._keys, self._values = list(self._stack[0].unbind(0)), list(self._stack[1].unbind(0))
-        for i, (keys, values) in enumerate(zip(self._keys, self._values)):
-            if keys is not None and self._stack is None:
-                self._keys[i] = keys[:num_slots, :, :capacity].clone()
-                self._values[i] = values[:num_slots, :, :capacity].clone()
+        else:
+            for i, (keys, values) in enumerate(zip(self._keys, self._values)):
+                if keys is not None:
+                    self._keys[i] = keys[:num_slots, :, :capacity].clone()
+                    self._values[i] = values[:num_slots, :, :capacity].clone()
         self._num_slots, self._capacity = num_slots, capacity
         self._built = (num_slots, capacity)
         self.generation += 1

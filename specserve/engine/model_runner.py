@@ -460,7 +460,7 @@ class ModelRunner:
         """Reserve `num_slots` rows (and the scratch slot) at `positions` (capped at max_model_len)
         in a graph-mode dense cache, where that is at most `budget` positions as admission counts
         them and the storage it comes to (never less than it is) at most PREALLOCATE_SHARE of the
-        device's memory, the cache's own included; the next forward allocates."""
+        device's memory, the cache's own included; the next forward allocates (a stacked cache, now)."""
         if self.paged or self.execution != "graph":
             return False
         if self.max_model_len is not None:
@@ -477,7 +477,7 @@ class ModelRunner:
         if (budget is not None and allocation(num_slots, positions) > budget) or \
                 new_slots * new_capacity * per_position > PREALLOCATE_SHARE * room:
             return False
-        self.cache.reserve(num_slots, positions)  # (the next forward allocates every layer)
+        self.cache.reserve(num_slots, positions)  # (the next forward allocates every layer; a stacked cache, now)
         return True
 
     def _fit(self, num_slots: int, needed: int) -> None:
