@@ -92,6 +92,7 @@ def test_over_a_dense_cache_the_cache_write_compiles_into_the_block(plain_linear
     assert forwards_beside(fused, plain, {"a": [1, 2, 3], "b": [4, 5, 6, 7, 8]}, [1, 3, 1]) < 1e-4
     assert getattr(fused.cache, "stacked", False) == (block_size is None)
     assert not getattr(plain.cache, "stacked", False)
+    assert 0 < fused.fusion.variants() <= 3  # (Q of 1 and more; not one per layer)
     breaks = sum(counters["graph_break"].values())
     assert (breaks == 0) == (block_size is None), dict(counters["graph_break"])
     if block_size is None:

@@ -85,8 +85,10 @@ def measure_batch(target, layouts: list[Layout], prompts: list[list[int]], batch
         measure_configs(configs, prompts, ids, batch, args.max_new_tokens, args.device, args.repeats, bar)
     for config, seconds in zip(configs, captures):
         run = to_run("plain", config, batch, configs[0].outputs)
+        fusion = config.engine.verifier.runner.fusion  # (compiled variants: a few expected, not one per layer)
         rows[config.name].update(tokens_per_second=run.tokens_per_second, capture_seconds=round(seconds, 1),
-                                 same_as_first=run.identical, outputs=run.outputs)
+                                 same_as_first=run.identical, outputs=run.outputs,
+                                 fused_variants=None if fusion is None else fusion.variants())
         if args.profile:
             rows[config.name]["profile"] = profile_to_file(
                 args, prompts[:batch], config.name,
@@ -140,7 +142,7 @@ def with_anchors(rows: list[dict], anchors: list[dict]) -> None:
 def table(rows: list[dict], anchors: list[dict], device: str, shape: str) -> str:
     lines = [f"plain decoding (γ=0), {device}", shape]
     head = (f"{'batch':>5}  {'layout':<28}{'tok/s':>9}{'/ static loop':>15}{'/ limit':>9}{'capture s':>11}"
-            f"{'same':>6}")
+            f"{'same':>6}{'compiled':>10}")
     lines += [head, "-" * len(head)]
     for r in rows:
         if "error" in r:
@@ -149,13 +151,16 @@ def table(rows: list[dict], anchors: list[dict], device: str, shape: str) -> str
         ratio = "-" if r["vs_static_loop"] is None else f"{r['vs_static_loop']:.2f}"
         limit = "-" if r["vs_limit"] is None else f"{r['vs_limit']:.2f}"
         lines.append(f"{r['batch']:>5}  {r['layout']:<28}{r['tokens_per_second']:>9.1f}{ratio:>15}{limit:>9}"
-                     f"{r['capture_seconds']:>11}{'yes' if r['same_as_first'] else 'NO':>6}")
+                     f"{r['capture_seconds']:>11}{'yes' if r['same_as_first'] else 'NO':>6}"
+                     f"{'-' if r.get('fused_variants') is None else r['fused_variants']:>10}")
     lines += ["", "anchors (same prompts, same target):"]
     for a in anchors:
         same = "-" if a["identical"] is None else ("yes" if a["identical"] else "NO")
         lines.append(f"{a['batch']:>5}  {a['anchor']:<52}{a['tokens_per_second']:>10.1f}{same:>6}")
     lines.append("same: tokens equal the first layout's that ran (anchors: that layout's too). "
-                 "static loop: HF StaticCache under torch.compile (reduce-overhead) on a GPU, eager on a CPU.")
+                 "static loop: HF StaticCache under torch.compile (reduce-overhead) on a GPU, eager on a CPU. "
+                 "compiled: variants the fused blocks compiled, all layers together (a few; about one per "
+                 "layer would mean each layer compiled on its own).")
     return "\n".join(lines)
 
 

@@ -259,8 +259,11 @@ def capture_graphs(verifier, proposer, max_batch_size: int, max_gamma: int, prog
                 for i in ids:
                     draft.free(i)
     seconds = time.perf_counter() - began
-    graphs = sum(len(r.graphs) for r in (target, draft and draft.runner) if r is not None)
-    logging.getLogger(__name__).info("captured %d CUDA graphs for batch buckets %s in %.1f s", graphs, sizes, seconds)
+    runners = [r for r in (target, draft and draft.runner) if r is not None]
+    graphs = sum(len(r.graphs) for r in runners)
+    fused = [r.fusion.variants() for r in runners if r.fusion is not None]
+    logging.getLogger(__name__).info("captured %d CUDA graphs for batch buckets %s in %.1f s%s", graphs, sizes,
+                                     seconds, f"; fused blocks compiled as {fused} variants" if fused else "")
     return seconds
 
 

@@ -100,6 +100,17 @@ class BlockFusion:
         self.fused = [torch.compile(block, dynamic=True, backend=backend) for block in self.plain]
         self._opaque: OpaqueCache | None = None
 
+    def variants(self) -> int | None:
+        """Compiled variants of the blocks' code so far (dynamo's cache entries for it; None where
+        this torch does not say). A few are expected (sizes of 1 specialised, gathered keys); one
+        per layer would mean the layer's index was specialised, and past RECOMPILE_LIMIT the
+        blocks would run uncompiled: a captured forward as slow as an eager one's kernels."""
+        try:
+            from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+            return len(_debug_get_cache_entry_list(type(self.plain[0]).forward.__code__))
+        except Exception:  # (a private helper: absent or changed in some torch)
+            return None
+
     def cache(self, cache) -> OpaqueCache:
         """`cache` as the fused blocks take it (one wrapper per cache object)."""
         if self._opaque is None or self._opaque.inner is not cache:
