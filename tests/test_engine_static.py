@@ -370,3 +370,35 @@ def test_sizing_ahead_counts_the_storage_the_cache_comes_to(monkeypatch):
     assert not runner.reserve_ahead(3, 400, budget=5 * 512 - 1)  # admission's count: (4 + 1) x 512
     assert runner.reserve_ahead(3, 400, budget=5 * 512) and runner.cache.allocated() == (17, 512)
     assert runner.reserve_ahead(2, 300)  # already that large: nothing to do
+
+
+def test_a_replayed_forward_runs_no_model_code_on_the_host(monkeypatch):
+    """A replay hit skips `running()`: entering it swaps every fused block in and out (~0.17 ms a
+    forward at 32 layers), host time a GPU would spend idle between a step's graphs. A capture,
+    an eager forward and a prefill still run within it."""
+    from contextlib import contextmanager
+
+    monkeypatch.setenv("SPECSERVE_CPU_KERNELS", "0")
+    runner = ModelRunner(tiny_llama(0), execution="eager")
+    emulate_graphs(runner)
+    entered = []
+    running = runner.running
+
+    @contextmanager
+    def counted():
+        entered.append(True)
+        with running():
+            yield
+
+    monkeypatch.setattr(runner, "running", counted)
+    runner.forward([RowInput("a", 0, [1, 2, 3])], logits="none")  # (a prefill: eager)
+    assert len(entered) == 1
+    expected = runner.forward([RowInput("a", 3, [4])], logits="last")
+    assert len(entered) == 4 and len(runner.graphs) == 1  # captured: warm-up, capture, the emulated replay
+    for graph, _ in runner.graphs._entries.values():
+        monkeypatch.setattr(graph, "replay", lambda: None)  # as a CUDA graph replays: no Python
+    runner.free("a")
+    runner.forward([RowInput("a", 0, [1, 2, 3])], logits="none")
+    again = runner.forward([RowInput("a", 3, [4])], logits="last")
+    assert len(entered) == 5  # the prefill only
+    assert torch.equal(again, expected)  # (the static outputs the emulated capture left)
