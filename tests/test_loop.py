@@ -71,3 +71,16 @@ def test_a_step_whose_draft_side_fails_is_planned_again_without_drafts_and_stays
     assert executor.planned.count(3) > 1  # and the next steps draft again
     assert [s.output for s in seqs] == [hf_greedy(target, p, 16) for p in prompts]
     assert verifier.runner.num_cached() == 0 and proposer.runner.num_cached() == 0  # retired: caches freed
+
+
+def test_a_span_of_a_sequence_is_that_slice_of_its_tokens():
+    """`Sequence.span` (the rows' tokens, read every step) is tokens[start:end] without the copy
+    of the whole context that `tokens` makes."""
+    from specserve.engine import SamplingParams
+    from specserve.engine.step import Sequence
+
+    seq = Sequence("r", [1, 2, 3, 4], SamplingParams(), frozenset(), 64, output=[5, 6, 7])
+    for start in range(9):
+        for end in [None, *range(10)]:
+            assert seq.span(start, end) == seq.tokens[start:end], (start, end)
+    assert Sequence("e", [1, 2], SamplingParams(), frozenset(), 64).span(1) == [2]

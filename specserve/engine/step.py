@@ -95,6 +95,19 @@ class Sequence:
     def num_tokens(self) -> int:
         return len(self.prompt) + len(self.output)
 
+    def span(self, start: int, end: int | None = None) -> list[int]:
+        """tokens[start:end], without building `tokens` (a copy of the whole context: per row and
+        per step, at long contexts that copy is host time the step would spend on it)."""
+        cut = len(self.prompt)
+        end = self.num_tokens if end is None else min(end, self.num_tokens)
+        if end <= start:
+            return []
+        if start >= cut:
+            return self.output[start - cut : end - cut]
+        if end <= cut:
+            return self.prompt[start:end]
+        return self.prompt[start:] + self.output[: end - cut]
+
     @property
     def remaining(self) -> int:
         return min(self.params.max_tokens - len(self.output), self.max_model_len - self.num_tokens)
@@ -155,10 +168,10 @@ class StepPlan:
         return self.num_draft if self.verified is None else self.verified
 
     def draft_rows(self) -> list[RowInput]:
-        return [RowInput(s.request_id, s.draft_len, s.tokens[s.draft_len :]) for s in self.seqs]
+        return [RowInput(s.request_id, s.draft_len, s.span(s.draft_len)) for s in self.seqs]
 
     def target_rows(self) -> list[RowInput]:
-        return [RowInput(s.request_id, s.target_len, s.tokens[s.target_len :]) for s in self.seqs]
+        return [RowInput(s.request_id, s.target_len, s.span(s.target_len)) for s in self.seqs]
 
 
 # -- chunked prefill -------------------------------------------------------------------------------
@@ -222,7 +235,7 @@ def prefill_rows(seqs: list[Sequence], mark: str, budget: int, fold: frozenset[s
             width = min(end - start, budget)
         elif (len(rows) + 1) * width > budget:
             break
-        rows.append(RowInput(s.request_id, start, s.tokens[start : min(end, start + width)]))
+        rows.append(RowInput(s.request_id, start, s.span(start, min(end, start + width))))
     return [r for r in rows if r.request_id not in fold]
 
 

@@ -289,7 +289,7 @@ class Pipeline:
             n = s.num_tokens + g + 1
             optimistic.append(dataclasses.replace(s, output=s.output + gained + [_UNKNOWN], draft_len=n - 1,
                                                   target_len=n - 1, metrics=s.metrics, acceptance=s.acceptance))
-            last = gained[-1] if g else s.tokens[-1]  # the row's last token if all of block k is accepted
+            last = gained[-1] if g else s.span(s.num_tokens - 1)[0]  # the row's last token if all of block k is accepted
             rows.append(RowInput(s.request_id, s.num_tokens + g - 1, [last]))
         states = {b: s.generator.get_state() for b, s in enumerate(seqs) if not s.params.greedy}
         ahead_plan = plan_step(optimistic, self.policy)
