@@ -38,7 +38,7 @@ from . import attention, cpu_attention, cpu_linear
 from .fusion import BlockFusion, repeated_blocks
 from .kv_cache import CAPACITY_STEP, SlotKVCache, capacity_for
 from .paged_cache import SCRATCH, PagedKVCache
-from .sharding import head_dim, kv_cache_bytes_per_token
+from .sharding import head_dim, kv_cache_bytes_per_token, kv_shape
 
 # Batch sizes a forward is padded up to: every power of two up to 8 (small batches are weight-bound
 # on a GPU, so a padded row costs next to nothing, and few shapes keep few graphs), then steps of 8
@@ -315,15 +315,14 @@ class ModelRunner:
     def _stack_cache(self) -> None:
         """Fused blocks over a dense cache on one device: every layer's storage stacked, so that
         the blocks compile their cache writes in (engine/kv_cache.py, `stack_layers`)."""
-        config = getattr(self.model, "config", None)
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        layers = getattr(text, "num_hidden_layers", None)
-        heads = getattr(text, "num_key_value_heads", None) or getattr(text, "num_attention_heads", None)
-        size = head_dim(text) if text is not None else None
-        if self.fusion is None or self.paged or not (layers and heads and size) or \
-                len({p.device for p in self.model.parameters()}) != 1:
+        if self.fusion is None or self.paged or len({p.device for p in self.model.parameters()}) != 1:
             return
-        self.cache.stack_layers(layers, heads, size, self.dtype, self.device)
+        try:
+            layers, heads, size = kv_shape(self.model.config)
+        except AttributeError:  # a config that does not say its attention's shape
+            return
+        if size:
+            self.cache.stack_layers(layers, heads, size, self.dtype, self.device)
 
     def page(self, block_size: int, num_blocks: int | None = None, prefix_caching: bool = False) -> None:
         """Keep keys and values by block (engine/paged_cache.py) from now on: blocks of

@@ -40,11 +40,16 @@ def kv_cache_bytes_per_token(config, dtype: torch.dtype | str = torch.bfloat16, 
 
     num_layers: count only that many layers (e.g. those placed on one device); default all.
     """
+    layers, kv_heads, size = kv_shape(config)
+    return (layers if num_layers is None else num_layers) * kv_heads * size * 2 * dtype_bytes(dtype)
+
+
+def kv_shape(config) -> tuple[int, int, int | None]:
+    """(layers, kv heads, head dim) of a model config's attention, its text config's for a
+    multimodal one (AttributeError: the config does not say)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    layers = text.num_hidden_layers if num_layers is None else num_layers
-    heads = text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    return layers * kv_heads * head_dim(text) * 2 * dtype_bytes(dtype)
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    return text.num_hidden_layers, kv_heads, head_dim(text)
 
 
 def head_dim(config) -> int | None:
