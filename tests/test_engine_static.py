@@ -211,9 +211,12 @@ def test_graph_mode_logic_on_cpu(target, temperature, fused):
         emulate_graphs(runner)
     engine.capture_graphs(progress=False)
     captured = len(engine.verifier.runner.graphs), len(engine.proposer.runner.graphs)
-    assert captured == (4 * 4, 4 * 3 * 2)  # buckets 8, 4, 2, 1 x (widths 1..4 | γ 1..3 x first width 1, 2)
+    # buckets 8, 4, 2, 1 x (widths 1..4 | γ 1..3 x first width 1, 2 x greedy, sampled)
+    assert captured == (4 * 4, 4 * 3 * 2 * 2)
     got = [o.token_ids for o in engine.generate(prompts, params)]
     assert got == expected
+    # greedy or sampled, every step's graphs were there before the first request
+    assert (len(engine.verifier.runner.graphs), len(engine.proposer.runner.graphs)) == captured
     if temperature == 0.0:
         assert got == [hf_greedy(target, p, 16) for p in prompts]
 

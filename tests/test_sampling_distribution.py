@@ -163,3 +163,32 @@ def test_deterministic_rule_is_the_one_hot_rule_and_follows_p():
     assert chi_square_pvalue(torch.bincount(first, minlength=VOCAB).double(), p[0]) > 1e-4
     wrong = torch.where(fast.num_accepted > 0, tokens[:, 0], sample_with_uniforms(p[:1].expand(num, -1), final_u))
     assert chi_square_pvalue(torch.bincount(wrong, minlength=VOCAB).double(), p[0]) < 1e-6
+
+
+def test_a_row_that_filters_nothing_keeps_its_distribution_in_a_batch_that_filters():
+    """A row with neither top-k nor top-p has the same probabilities, bit for bit, whether or not a
+    batch-mate filters (then the row goes through the sort too); top-p 1 keeps the tail that the
+    float sum of the sorted probabilities has already rounded to 1. Draft loops rely on it: their
+    sampled variant depends on whether any row filters (`BatchSampling.loop_flags`)."""
+    logits = torch.tensor([[0.0, -30.0, -40.0, -45.0, 1.0, -50.0, -60.0, -70.0]] * 2)  # [2, V]: a long thin tail
+    plain = SamplingParams(temperature=0.7)
+    alone = logits_to_probs(logits[:1], BatchSampling.from_params([plain]))  # [1, V]
+    mixed = BatchSampling.from_params([plain, SamplingParams(temperature=0.7, top_k=2)])
+    assert mixed.flags() == (True, False)
+    beside = logits_to_probs(logits, mixed)  # [2, V]
+    assert (alone > 0).all()  # the tail is kept, however thin
+    assert torch.equal(beside[0], alone[0])
+    assert int((beside[1] > 0).sum()) == 2  # the batch-mate did filter
+    nearly_all = logits_to_probs(logits[:1], BatchSampling.from_params([SamplingParams(temperature=0.7, top_p=0.999)]))
+    assert int((nearly_all > 0).sum()) < VOCAB  # top-p below 1 still drops what lies past it
+
+
+def test_draft_loops_come_in_three_variants_whatever_the_mix_of_rows():
+    """Greedy rows beside sampled ones take no loop variant of their own: a batch is all greedy
+    (None), sampled (False, True) or sampled with some row filtering (True, True)."""
+    greedy, hot, top_p = SamplingParams(temperature=0.0), SamplingParams(temperature=0.9), \
+        SamplingParams(temperature=0.9, top_p=0.8)
+    variant = lambda *ps: BatchSampling.from_params(list(ps)).loop_flags()  # noqa: E731
+    assert variant(greedy, greedy) is None
+    assert variant(hot) == variant(hot, greedy) == (False, True)
+    assert variant(top_p) == variant(top_p, greedy, hot) == (True, True)

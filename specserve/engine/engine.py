@@ -23,6 +23,11 @@ from .loop import StepLoop
 from .step import ContextLengthExceeded, RequestMetrics, Sequence, StepOutput, new_sequence
 from .verifier import TargetVerifier
 
+# The draft loops captured ahead, by the temperature of their rows: greedy (no q) and sampled
+# without top-k / top-p (`BatchSampling.loop_flags`; a batch of greedy and sampled rows runs the
+# sampled loop). Loops that filter are captured when first met.
+LOOP_KINDS = (0.0, 1.0)
+
 
 # Prompt tokens each model prefills per step by default: a bounded forward beside the step (a
 # 2,000-token prompt takes four steps) that is still long enough to run near full efficiency.
@@ -187,13 +192,16 @@ class SpeculativeEngine:
         return [_output(seqs[r]) for r in ids]
 
     # -- internals ----------------------------------------------------------------------------
-    def capture_graphs(self, progress: bool = True, key_buckets: int | None = None) -> float:
+    def capture_graphs(self, progress: bool = True, key_buckets: int | None = None,
+                       kinds: tuple[float, ...] = LOOP_KINDS) -> float:
         """Capture the CUDA graphs of the usual step shapes now (see `capture_graphs`); done
         before the first step. Nothing to do unless a runner is in graph mode. key_buckets: at
-        most this many key-length buckets ahead (None: AHEAD_KEY_BUCKETS)."""
+        most this many key-length buckets ahead (None: AHEAD_KEY_BUCKETS); kinds: the draft loops
+        ahead, by their rows' temperature (a caller whose rows are all greedy may say (0.0,))."""
         self._captured = True
         return capture_graphs(self.verifier, self.proposer, self.admission.max_batch_size, self.policy.max_gamma,
-                              progress, self.admission.budget, self.verifier.runner.stated_max_model_len, key_buckets)
+                              progress, self.admission.budget, self.verifier.runner.stated_max_model_len, key_buckets,
+                              kinds)
 
     def calibrate(self, sizes: tuple[int, ...] = CALIBRATION_SIZES) -> None:
         """Time each model on dummy rows of a few sizes so the policy starts from measurements
@@ -210,12 +218,14 @@ AHEAD_KEY_BUCKETS = 4
 
 
 def capture_graphs(verifier, proposer, max_batch_size: int, max_gamma: int, progress: bool = True,
-                   budget: int | None = None, max_model_len: int | None = None, key_buckets: int | None = None) -> float:
+                   budget: int | None = None, max_model_len: int | None = None, key_buckets: int | None = None,
+                   kinds: tuple[float, ...] = LOOP_KINDS) -> float:
     """Capture, for every batch bucket up to max_batch_size (largest first, so that the cache's
     slots are allocated once), the target's verify forward at widths 1..γ+1 and a draft model's
-    whole greedy γ-forward loop (first width 1 or 2) for γ in 1..max_gamma, at each key-length
-    bucket the cache is already sized for, at most `key_buckets` of them (None: AHEAD_KEY_BUCKETS;
-    `key_prefixes`); longer contexts and sampled loops are captured when first met. Only runners
+    whole γ-forward loop (first width 1 or 2; greedy and sampled: `kinds`) for γ in
+    1..max_gamma, at each key-length bucket the cache is already sized for, at most `key_buckets`
+    of them (None: AHEAD_KEY_BUCKETS; `key_prefixes`); longer contexts and loops that filter
+    (top-k / top-p) are captured when first met. Only runners
     in graph mode take part (verifier or proposer None: that side is another process's). A dense cache is first sized for the whole batch at
     max_model_len (given here, or stated to the runner) where that fits `budget` positions and the
     device (`ModelRunner.preallocate`): then it never grows and no graph is dropped. Returns the
@@ -234,7 +244,7 @@ def capture_graphs(verifier, proposer, max_batch_size: int, max_gamma: int, prog
     limit = key_buckets or AHEAD_KEY_BUCKETS
     target_keys = key_prefixes(target, max_gamma, limit) if target else []
     draft_keys = key_prefixes(draft.runner, max_gamma, limit) if draft else []
-    per_size = len(target_keys) * (max_gamma + 1) + len(draft_keys) * 2 * max_gamma
+    per_size = len(target_keys) * (max_gamma + 1) + len(draft_keys) * 2 * max_gamma * len(kinds)
     began = time.perf_counter()
     with tqdm(total=len(sizes) * per_size, desc="capturing CUDA graphs", unit="graph", disable=not progress) as bar:
         for b in sizes:
@@ -248,13 +258,14 @@ def capture_graphs(verifier, proposer, max_batch_size: int, max_gamma: int, prog
                 for i in ids:
                     target.free(i)
             if draft is not None:
-                greedy = BatchSampling.from_params([SamplingParams(temperature=0.0)] * b)
+                loops = [BatchSampling.from_params([SamplingParams(temperature=t)] * b) for t in kinds]
                 for prefix in draft_keys:
                     draft.runner.forward([RowInput(i, 0, [0] * prefix) for i in ids], logits="none")
                     for gamma in range(1, max_gamma + 1):
-                        for first in (1, 2):
+                        for first, sampling in itertools.product((1, 2), loops):
+                            uniforms = None if sampling.all_greedy else torch.zeros(b, gamma)
                             draft.propose([RowInput(i, prefix + 1 - first, [0] * first) for i in ids], gamma,
-                                          greedy, None)
+                                          sampling, uniforms)
                             bar.update(1)
                 for i in ids:
                     draft.free(i)

@@ -633,7 +633,7 @@ class FeatureDrafterProposer(DraftModelProposer):
         runner.check(catch_up)
         staged = runner.stage(catch_up, extra_positions=num_tokens - 1)
         picked = staged.order + [staged.order[0]] * (staged.padded - staged.rows)  # sorted row -> caller row
-        flags = None if sampling.all_greedy else sampling.flags()  # host reads of host tensors
+        flags = sampling.loop_flags()  # host reads of host tensors
         masks = None  # grammar rows draft from their masked distributions (engine/grammar.py)
         if sampling.grammar is not None and self.grammar is not None:
             masks = DraftMasks(self.grammar, sampling.grammar, staged.order + [-1] * (staged.padded - staged.rows))

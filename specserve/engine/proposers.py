@@ -101,7 +101,7 @@ class DraftModelProposer:
     """
 
     can_branch = True  # `fork` / `adopt`, and runner-ups in `propose` (pipelined branches)
-    captures_ahead = True  # `engine.capture_graphs` captures its greedy loops before the first step
+    captures_ahead = True  # `engine.capture_graphs` captures its greedy and sampled loops before the first step
 
     def __init__(
         self, model: torch.nn.Module, vocab_size: int, max_model_len: int | None = None, execution: str = "auto",
@@ -161,7 +161,7 @@ class DraftModelProposer:
             rows = [RowInput(r.request_id, r.start + len(r.tokens) - 1, r.tokens[-1:])
                     if catch_up(r.tokens, DRAFT_ROW_TOKENS) else r for r in rows]
         staged = runner.stage(rows, extra_positions=num_tokens - 1)
-        flags = None if sampling.all_greedy else sampling.flags()  # host reads of host tensors
+        flags = sampling.loop_flags()  # host reads of host tensors
         alternates = alternates and flags is None
         inputs = self._static_inputs(staged, num_tokens, sampling, uniforms, flags)
         began = runner.clock()
@@ -191,7 +191,9 @@ class DraftModelProposer:
 
     def _static_inputs(self, staged, num_tokens, sampling, uniforms, flags) -> dict[str, torch.Tensor]:
         """This call's sampling parameters and uniforms, in sorted row order, in buffers allocated
-        once per (B', G) (a captured loop reads them at fixed addresses)."""
+        once per (B', G) (a captured loop reads them at fixed addresses); for sampled rows also
+        the buffer a captured loop leaves q in ("probs" [B', G, V]), one per (B', G) rather than
+        one per graph: every key length and variant of the shape shares it."""
         key = (staged.padded, num_tokens)
         device = self.runner.device
         if key not in self._inputs:
@@ -200,6 +202,8 @@ class DraftModelProposer:
                 temperature=torch.zeros(b, device=device), top_k=torch.zeros(b, dtype=torch.long, device=device),
                 top_p=torch.ones(b, device=device), uniforms=torch.zeros(b, num_tokens, device=device))
         buffers = self._inputs[key]
+        if flags is not None and "probs" not in buffers:
+            buffers["probs"] = torch.zeros(staged.padded, num_tokens, self.vocab_size, device=device)
         if flags is not None:
             order = staged.sorted_to_caller  # [B'] caller row of each sorted row
             for name in ("temperature", "top_k", "top_p"):
@@ -232,7 +236,9 @@ class DraftModelProposer:
             if j + 1 < num_tokens:
                 staged = runner.advance(staged, token)
                 logits = forward(staged)
-        draft_probs = None if flags is None else torch.stack(probs, dim=1)  # [B', G, V]
+        draft_probs = None  # [B', G, V]: in the shape's shared buffer when captured (the caller clones it)
+        if flags is not None:
+            draft_probs = torch.stack(probs, dim=1, out=inputs["probs"]) if captured else torch.stack(probs, dim=1)
         runner_ups = torch.stack(ups, dim=1) if alternates else None  # [B', G]
         return torch.stack(tokens, dim=1), draft_probs, runner_ups  # [B', G]
 

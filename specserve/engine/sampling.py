@@ -124,6 +124,17 @@ class BatchSampling:
         filtering = bool(((self.top_k > 0) | (self.top_p < 1)).any())
         return filtering, bool((self.temperature == 0).any())
 
+    def loop_flags(self) -> tuple[bool, bool] | None:
+        """The flags a draft loop (one CUDA graph per variant) runs with: None where every row is
+        greedy (argmax, no q), else (some row filters, True). Sampled loops always treat greedy
+        rows as such, a `where` per position, so a batch's mix of greedy and sampled rows never
+        needs a variant of its own: two sampled variants, the unfiltered one captured ahead
+        (`engine.capture_graphs`). A row's q is the same in both (`_apply_top_k_top_p` leaves a row
+        that filters nothing exactly as it was), so no row's drafts depend on its batch-mates."""
+        if self.all_greedy:
+            return None
+        return self.flags()[0], True
+
     def to(self, device: torch.device | str) -> "BatchSampling":
         return BatchSampling(self.temperature.to(device), self.top_k.to(device), self.top_p.to(device),
                              self.processing, self.logprobs, self.grammar)
@@ -195,7 +206,9 @@ def _apply_top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     sorted_logits = sorted_logits.masked_fill(rank[None, :] >= k[:, None], float("-inf"))
     sorted_probs = torch.softmax(sorted_logits, dim=-1)  # [N, V]
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # [N, V] mass of strictly better tokens
-    drop_p = mass_before >= top_p[:, None]
+    # top-p 1 keeps every token: the float sum of the sorted probabilities may reach 1 before the
+    # tail, and the tail must not go with it
+    drop_p = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1)
     drop_p[:, 0] = False  # the best token always stays
     sorted_logits = sorted_logits.masked_fill(drop_p, float("-inf"))
     return torch.empty_like(scaled).scatter_(-1, order, sorted_logits)

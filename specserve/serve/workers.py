@@ -179,7 +179,7 @@ class _Worker:
         """Capture this worker's CUDA graphs of the usual step shapes now, before any request, a
         dense cache first sized up front where it fits `budget` positions and the device
         (`engine.capture_graphs`; nothing unless a runner is in graph mode) -> seconds spent.
-        Shapes met later (longer contexts, sampled loops, a cache that grew) are captured then."""
+        Shapes met later (longer contexts, draft loops that filter, a cache that grew) are captured then."""
         verifier, proposer = self._graph_sides()
         seconds = capture_graphs(verifier, proposer, max_batch_size, max_gamma, progress=False, budget=budget)
         for runner in self._growing():
