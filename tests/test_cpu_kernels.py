@@ -87,6 +87,30 @@ def test_grouped_attention_equals_hf_sdpa(width):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_grouped_attention_compiles_whole_and_equals_hf_sdpa():
+    """As a captured GPU forward runs it: compiled with no graph break (fused blocks, or a
+    compiled forward), it computes what HF's masked SDPA computes, without repeating the cache."""
+    torch.manual_seed(0)
+    module = torch.nn.Module()
+    module.num_key_value_groups = 4
+    q, k, v = torch.randn(3, 8, 1, 16), torch.randn(3, 2, 48, 16), torch.randn(3, 2, 48, 16)
+    positions = torch.tensor([[5], [20], [47]])  # [B, Q]
+    mask = (torch.arange(48)[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, Q, K]
+    compiled = torch.compile(lambda *a: _attend(attention.grouped_sdpa, module, *a), fullgraph=True)
+    got = compiled(q, k, v, mask)
+    torch.testing.assert_close(got, _attend(sdpa_attention_forward, module, q, k, v, mask), atol=1e-5, rtol=1e-5)
+
+
+def test_grouped_attention_is_on_for_cuda_runners_too(monkeypatch):
+    """HF's masked SDPA repeats the cache per query head on CUDA as on a CPU: a GPU runner takes the
+    grouped path; only SPECSERVE_CPU_KERNELS=0 on a CPU keeps HF's."""
+    from specserve.engine.model_runner import grouped_attention_on
+
+    assert grouped_attention_on(torch.device("cuda", 0)) and grouped_attention_on(torch.device("cpu"))
+    monkeypatch.setenv("SPECSERVE_CPU_KERNELS", "0")
+    assert grouped_attention_on(torch.device("cuda")) and not grouped_attention_on(torch.device("cpu"))
+
+
 def test_runner_selects_grouped_attention_for_its_own_forwards_only():
     model = tiny_llama(0, layers=2)
     seen = []

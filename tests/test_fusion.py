@@ -101,6 +101,28 @@ def test_over_a_dense_cache_the_cache_write_compiles_into_the_block(plain_linear
         assert fused.cache._stack[0].shape[:2] == (3, slots) and fused.cache._stack[0].shape[3] == positions
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_fused_blocks_over_grouped_attention_compile_whole_and_equal_hf_attention(plain_linears, backend):
+    """As a GPU runner runs a grouped-query model (`grouped_attention_on`: the query heads of a
+    group stacked, no repeated cache): fused blocks with no graph break, one compile for every
+    layer, and the logits of HF's own masked SDPA path in plain blocks."""
+    from torch._dynamo.utils import counters
+
+    from specserve.engine import attention
+
+    counters.clear()
+    counter = CompileCounterWithBackend(backend)
+    fused, plain = fused_and_plain(tiny_llama(0, layers=3), counter)
+    fused.grouped_attention = True  # (SPECSERVE_CPU_KERNELS=0 turned it off on this CPU)
+    assert fused.model.config.num_key_value_heads < fused.model.config.num_attention_heads
+    assert not plain.grouped_attention
+    with fused.running():  # what the fused blocks are compiled with: the grouped path
+        assert fused.model.config._attn_implementation == attention.NAME
+    assert forwards_beside(fused, plain, {"a": [1, 2, 3], "b": [4, 5, 6, 7, 8]}, [1, 3, 1, 4]) < 1e-4
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert 0 < fused.fusion.variants() <= 3
+
+
 def test_a_fused_tapped_target_gives_the_feature_head_its_features(plain_linears, head_dir):
     """The feature head's tap (forward hooks on the target's layers) fires inside fused blocks,
     captured ones too (graphs emulated): the head drafts from the same features and decodes as

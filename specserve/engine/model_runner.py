@@ -239,7 +239,7 @@ class ModelRunner:
         "graph" (CUDA graphs, one per shape bucket, replayed); "fused-graph" (graph, the model's
         repeated blocks compiled first: engine/fusion.py); "auto" = graph on a single CUDA
         device, eager otherwise.
-        attention: "mask" (the model's own attention, or grouped SDPA on a CPU, under a
+        attention: "mask" (the model's own attention, or grouped SDPA for a GQA model, under a
         [B', 1, Q, K] mask); "flex" (FlexAttention under the rows' positions, no mask:
         engine/attention.py); "auto" = mask (flex is not yet measured on a GPU)."""
         self.model = model.eval()
@@ -257,10 +257,8 @@ class ModelRunner:
         # batches padded up to BATCH_BUCKETS (fixed shapes to compile or capture); not in eager
         # mode, where a padded row costs a real row's compute on a CPU
         self.pad_batches = self.execution != "eager"
-        # GQA under a mask without a per-head copy of the cache (engine/attention.py); measured and
-        # tested on CPUs, where HF's path costs most (a GPU keeps HF's until measured there)
         cpu_kernels = self.device.type == "cpu" and os.environ.get("SPECSERVE_CPU_KERNELS", "1") != "0"
-        self.grouped_attention = cpu_kernels
+        self.grouped_attention = grouped_attention_on(self.device)
         # linears over a few rows through the fastest measured GEMM call (engine/cpu_linear.py)
         self.linear_kernels = cpu_kernels and self.execution == "eager"
         if self.linear_kernels:
@@ -342,8 +340,8 @@ class ModelRunner:
         if self.attention == "flex":
             return "flat"
         config = self.model.config
-        kernel = (self.grouped_attention and self.execution == "eager" and self.fusion is None
-                  and getattr(config, "_attn_implementation", None) == "sdpa")
+        kernel = (self.grouped_attention and self.device.type == "cpu" and self.execution == "eager"
+                  and self.fusion is None and getattr(config, "_attn_implementation", None) == "sdpa")
         return "blocks" if kernel and cpu_attention.available(head_dim(config), self.dtype) else None
 
     def _key_step(self) -> int:
@@ -1072,6 +1070,18 @@ def _resolve_execution(execution: str, model: torch.nn.Module, device: torch.dev
     if execution in ("graph", "fused-graph") and (device.type != "cuda" or len(devices) != 1):
         raise ValueError(f"execution={execution!r} needs the whole model on one CUDA device")
     return "graph" if execution == "fused-graph" else execution
+
+
+def grouped_attention_on(device: torch.device) -> bool:
+    """Whether a runner's masked forwards run grouped-query attention without copying the cache once
+    per query head (engine/attention.py `grouped_sdpa`). HF's SDPA path, given a mask, repeats every
+    layer's keys and values for each query head of their group (`repeat_kv`) on a CPU and on CUDA
+    alike: on a GPU, for a 1.1B draft of 32 query heads over 4 KV heads, eight copies of its whole
+    cache per forward, 44 extra kernels, and eight times the key reads of one kernel per KV head.
+    On a CPU SPECSERVE_CPU_KERNELS=0 keeps HF's path (with the other CPU kernels)."""
+    if device.type == "cuda":
+        return True
+    return device.type == "cpu" and os.environ.get("SPECSERVE_CPU_KERNELS", "1") != "0"
 
 
 def _resolve_attention(mode: str, model: torch.nn.Module) -> str:
