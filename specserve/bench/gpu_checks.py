@@ -20,7 +20,8 @@ configurations are the ones whose graph capture has run on a CPU only under emul
   graph the short prompts captured goes stale, and the next ones are captured in a new pool
   (capturing into the old one, all its graphs gone, fails CUDA's allocator).
 
-Greedy rows must equal the target alone (masked, dense, eager; the target's greedy choices are
+The target alone (the engine without a draft: masked, dense, eager) must first equal HF's own
+greedy `generate`. Greedy rows must equal the target alone (the target's greedy choices are
 made robust to kernel noise, `peaked`); seeded sampled rows must equal the same configuration run
 eagerly (fused checks: eagerly with the same fused blocks, whose roundings differ from the plain
 model's). Prints a table and writes JSON; exits 1 when a check fails. Imports torch, transformers
@@ -90,6 +91,26 @@ def tokens(engine: SpeculativeEngine, params: SamplingParams, prompts: list[list
     return [o.token_ids for o in engine.generate(prompts, params)]
 
 
+def hf_check(target, alone: dict, max_new: int) -> dict:
+    """The reference itself against HF's own greedy `generate` (HF's attention, not the runner's:
+    on a GPU the runner's grouped-query call is otherwise checked only against itself)."""
+    began = time.perf_counter()
+    row = {"check": "target alone = HF generate", "sampled_same": None, "graphs": 0}
+    try:
+        same = True
+        for prompts in (PROMPTS, LONG_PROMPTS):
+            for prompt, mine in zip(prompts, alone[id(prompts)]):
+                ids = torch.tensor([prompt], device=target.device)
+                out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
+                                      min_new_tokens=max_new, do_sample=False, pad_token_id=0)
+                same = same and out[0, len(prompt):].tolist() == mine
+        row.update(greedy_same=same, ok=same)
+    except Exception as e:
+        row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
+    row["seconds"] = round(time.perf_counter() - began, 1)
+    return row
+
+
 def run_check(check: str, target, draft, graphs: bool, alone: list[list[int]], max_new: int) -> dict:
     """alone: the target's own greedy tokens for this check's prompts."""
     greedy = SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True)
@@ -136,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     greedy = SamplingParams(max_tokens=args.max_new, temperature=0.0, ignore_eos=True)
     plain = SpeculativeEngine(target, num_speculative_tokens=0, execution="eager")
     alone = {id(p): tokens(plain, greedy, p) for p in (PROMPTS, LONG_PROMPTS)}
-    rows = [run_check(check, target, draft, graphs, alone[id(prompts_of(check))], args.max_new) for check in CHECKS]
+    rows = [hf_check(target, alone, args.max_new)]
+    rows += [run_check(check, target, draft, graphs, alone[id(prompts_of(check))], args.max_new) for check in CHECKS]
     name = torch.cuda.get_device_name() if graphs else "cpu (eager: no graphs to check)"
     print(table(rows, name))
     args.out.parent.mkdir(parents=True, exist_ok=True)
