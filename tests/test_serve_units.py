@@ -374,6 +374,40 @@ def test_a_worker_says_when_its_graphs_sit_on_a_cache_that_will_grow(monkeypatch
 
 
 @pytest.mark.parametrize("pipelined", [False, True])
+def test_served_sampled_requests_meet_draft_loops_captured_before_the_first_request(local_coordinator, monkeypatch,
+                                                                                    pipelined):
+    """Served workers in graph mode (emulated), a stated context: greedy and sampled requests
+    together (OpenAI clients sample at temperature 1 unless told otherwise) meet every draft loop
+    already captured; each captured one would have been a stall inside some request. The sampled
+    tokens equal the same requests run eagerly."""
+    import specserve.engine.model_runner as model_runner
+    import specserve.serve.workers as workers
+    from specserve.engine import SamplingParams
+    from test_engine_static import emulate_graphs
+    from test_pipeline import config, generate
+
+    monkeypatch.setattr(model_runner, "free_memory_bytes", lambda device: 1 << 40)
+    capture = workers.capture_graphs
+
+    def in_graph_mode(verifier, proposer, *args, **kwargs):
+        for side in (verifier, proposer):
+            if side is not None:
+                emulate_graphs(side.runner)
+        return capture(verifier, proposer, *args, **kwargs)
+
+    prompts = [[(5 * i + k) % 90 + 1 for i in range(6 + 3 * k)] for k in range(3)]
+    params = [SamplingParams(max_tokens=20, temperature=t, seed=k, ignore_eos=True)
+              for k, t in enumerate((1.0, 0.0, 0.7))]
+    eager = generate(local_coordinator(config(pipelined, gamma=3, max_batch_size=4)), prompts, params)
+    monkeypatch.setattr(workers, "capture_graphs", in_graph_mode)
+    coordinator = local_coordinator(config(pipelined, gamma=3, max_batch_size=4))
+    draft = coordinator.draft_worker._obj.model.runner
+    ahead = len(draft.graphs)
+    assert generate(coordinator, prompts, params) == eager
+    assert len(draft.graphs) == ahead > 0
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
 def test_served_caches_without_a_stated_length_grow_as_requests_join_not_mid_decode(local_coordinator, monkeypatch,
                                                                                   pipelined):
     """Served workers in graph mode (emulated) with no max_model_len: the coordinator has their
