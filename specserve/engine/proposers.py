@@ -177,6 +177,8 @@ class DraftModelProposer:
             finally:
                 masks.close()
         elif static:
+            if flags is not None and "probs" not in inputs:
+                inputs["probs"] = self._q_buffer(staged.padded, num_tokens)
             key = ("draft", *staged.static_key, num_tokens, flags, alternates, runner.cache.generation)
             written = (staged.block, runner.advance_block(staged))  # the loop writes the single-token block
             out = runner.graphs.run(key, lambda: self._loop(staged, num_tokens, flags, inputs, True, alternates),
@@ -189,11 +191,15 @@ class DraftModelProposer:
         return Proposal(runner.unsort(staged, tokens), runner.unsort(staged, probs), runner.take_forward_log(),
                         alternates=runner.unsort(staged, ups))
 
+    def _q_buffer(self, rows: int, num_tokens: int) -> torch.Tensor:
+        """[B', G, V] float32: where the captured sampled loops of a (B', G) leave q, one buffer
+        for the shape rather than an output per graph (every key length and loop variant of it
+        shares the buffer; each replay's q is cloned out). Allocated before the first capture."""
+        return torch.zeros(rows, num_tokens, self.vocab_size, device=self.runner.device)
+
     def _static_inputs(self, staged, num_tokens, sampling, uniforms, flags) -> dict[str, torch.Tensor]:
         """This call's sampling parameters and uniforms, in sorted row order, in buffers allocated
-        once per (B', G) (a captured loop reads them at fixed addresses); for sampled rows also
-        the buffer a captured loop leaves q in ("probs" [B', G, V]), one per (B', G) rather than
-        one per graph: every key length and variant of the shape shares it."""
+        once per (B', G) (a captured loop reads them at fixed addresses)."""
         key = (staged.padded, num_tokens)
         device = self.runner.device
         if key not in self._inputs:
@@ -202,8 +208,6 @@ class DraftModelProposer:
                 temperature=torch.zeros(b, device=device), top_k=torch.zeros(b, dtype=torch.long, device=device),
                 top_p=torch.ones(b, device=device), uniforms=torch.zeros(b, num_tokens, device=device))
         buffers = self._inputs[key]
-        if flags is not None and "probs" not in buffers:
-            buffers["probs"] = torch.zeros(staged.padded, num_tokens, self.vocab_size, device=device)
         if flags is not None:
             order = staged.sorted_to_caller  # [B'] caller row of each sorted row
             for name in ("temperature", "top_k", "top_p"):
