@@ -373,20 +373,12 @@ def test_a_worker_says_when_its_graphs_sit_on_a_cache_that_will_grow(monkeypatch
         assert ("not sized up front (it did not fit)" in caplog.text) == warned
 
 
-@pytest.mark.parametrize("pipelined", [False, True])
-def test_served_sampled_requests_meet_draft_loops_captured_before_the_first_request(local_coordinator, monkeypatch,
-                                                                                    pipelined):
-    """Served workers in graph mode (emulated), a stated context: greedy and sampled requests
-    together (OpenAI clients sample at temperature 1 unless told otherwise) meet every draft loop
-    already captured; each captured one would have been a stall inside some request. The sampled
-    tokens equal the same requests run eagerly."""
-    import specserve.engine.model_runner as model_runner
+def workers_in_graph_mode(monkeypatch) -> None:
+    """Workers made from now on put their runners in graph mode (emulated on the CPU) when the
+    coordinator has them capture their graphs, then capture as on a GPU."""
     import specserve.serve.workers as workers
-    from specserve.engine import SamplingParams
     from test_engine_static import emulate_graphs
-    from test_pipeline import config, generate
 
-    monkeypatch.setattr(model_runner, "free_memory_bytes", lambda device: 1 << 40)
     capture = workers.capture_graphs
 
     def in_graph_mode(verifier, proposer, *args, **kwargs):
@@ -395,11 +387,26 @@ def test_served_sampled_requests_meet_draft_loops_captured_before_the_first_requ
                 emulate_graphs(side.runner)
         return capture(verifier, proposer, *args, **kwargs)
 
+    monkeypatch.setattr(workers, "capture_graphs", in_graph_mode)
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_served_sampled_requests_meet_draft_loops_captured_before_the_first_request(local_coordinator, monkeypatch,
+                                                                                    pipelined):
+    """Served workers in graph mode (emulated), a stated context: greedy and sampled requests
+    together (OpenAI clients sample at temperature 1 unless told otherwise) meet every draft loop
+    already captured; each captured one would have been a stall inside some request. The sampled
+    tokens equal the same requests run eagerly."""
+    import specserve.engine.model_runner as model_runner
+    from specserve.engine import SamplingParams
+    from test_pipeline import config, generate
+
+    monkeypatch.setattr(model_runner, "free_memory_bytes", lambda device: 1 << 40)
     prompts = [[(5 * i + k) % 90 + 1 for i in range(6 + 3 * k)] for k in range(3)]
     params = [SamplingParams(max_tokens=20, temperature=t, seed=k, ignore_eos=True)
               for k, t in enumerate((1.0, 0.0, 0.7))]
     eager = generate(local_coordinator(config(pipelined, gamma=3, max_batch_size=4)), prompts, params)
-    monkeypatch.setattr(workers, "capture_graphs", in_graph_mode)
+    workers_in_graph_mode(monkeypatch)
     coordinator = local_coordinator(config(pipelined, gamma=3, max_batch_size=4))
     draft = coordinator.draft_worker._obj.model.runner
     ahead = len(draft.graphs)
@@ -416,23 +423,13 @@ def test_served_caches_without_a_stated_length_grow_as_requests_join_not_mid_dec
     is captured again mid-request). Before, their caches grew as contexts passed 256 positions.
     Tokens are the target's."""
     import specserve.engine.model_runner as model_runner
-    import specserve.serve.workers as workers
     from models import hf_greedy
     from specserve.config import AppConfig
     from specserve.engine import SamplingParams
-    from test_engine_static import emulate_graphs
     from test_pipeline import TINY, generate
 
     monkeypatch.setattr(model_runner, "free_memory_bytes", lambda device: 1 << 40)
-    capture = workers.capture_graphs
-
-    def in_graph_mode(verifier, proposer, *args, **kwargs):
-        for side in (verifier, proposer):
-            if side is not None:
-                emulate_graphs(side.runner)
-        return capture(verifier, proposer, *args, **kwargs)
-
-    monkeypatch.setattr(workers, "capture_graphs", in_graph_mode)
+    workers_in_graph_mode(monkeypatch)
     coordinator = local_coordinator(AppConfig.model_validate(dict(
         served_model_name="tiny", target=TINY, draft={**TINY, "noise": 0.15, "noise_seed": 1}, max_batch_size=4,
         speculation=dict(num_speculative_tokens=3, adaptive=False, pipelined=pipelined, execution="eager",
