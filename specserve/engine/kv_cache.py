@@ -87,11 +87,7 @@ class SlotKVCache:
         write_slots, positions, read_slots = self._indices(keys.device)  # [B', 1], [B', Q], [B'] or None
         keys[write_slots, :, positions] = key_states.transpose(1, 2).to(keys.dtype)  # indexed view [B', Q, H, D]
         values[write_slots, :, positions] = value_states.transpose(1, 2).to(values.dtype)
-        length = self._view_length
-        if read_slots is None:
-            batch = positions.shape[0]
-            return keys[:batch, :, :length], values[:batch, :, :length]
-        return keys[read_slots, :, :length], values[read_slots, :, :length]
+        return self._rows(keys, values, positions.shape[0], read_slots)
 
     def update_in_stack(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int
@@ -105,10 +101,13 @@ class SlotKVCache:
         layer = write_slots * 0 + layer_idx  # [B', 1]
         keys[layer, write_slots, :, positions] = key_states.transpose(1, 2).to(keys.dtype)  # [B', Q, H, D]
         values[layer, write_slots, :, positions] = value_states.transpose(1, 2).to(values.dtype)
-        keys, values = keys.select(0, layer_idx), values.select(0, layer_idx)  # [S, H, C, D]
+        return self._rows(keys.select(0, layer_idx), values.select(0, layer_idx), positions.shape[0], read_slots)
+
+    def _rows(self, keys: torch.Tensor, values: torch.Tensor, batch: int, read_slots: torch.Tensor | None):
+        """A layer's storage [S, H, C, D] -> its forward's B' rows [B', H, K, D]: a view of the
+        first B' slots (read_slots None), else those slots gathered."""
         length = self._view_length
         if read_slots is None:
-            batch = positions.shape[0]
             return keys[:batch, :, :length], values[:batch, :, :length]
         return keys[read_slots, :, :length], values[read_slots, :, :length]
 
