@@ -257,10 +257,9 @@ class ModelRunner:
         # batches padded up to BATCH_BUCKETS (fixed shapes to compile or capture); not in eager
         # mode, where a padded row costs a real row's compute on a CPU
         self.pad_batches = self.execution != "eager"
-        cpu_kernels = self.device.type == "cpu" and os.environ.get("SPECSERVE_CPU_KERNELS", "1") != "0"
         self.grouped_attention = grouped_attention_on(self.device)
         # linears over a few rows through the fastest measured GEMM call (engine/cpu_linear.py)
-        self.linear_kernels = cpu_kernels and self.execution == "eager"
+        self.linear_kernels = cpu_kernels_on(self.device) and self.execution == "eager"
         if self.linear_kernels:
             cpu_linear.install(model)
         # what the tapped modules output in the last forward (`tap`): [B', Q, F], sorted row order
@@ -1079,8 +1078,11 @@ def grouped_attention_on(device: torch.device) -> bool:
     alike: on a GPU, for a 1.1B draft of 32 query heads over 4 KV heads, eight copies of its whole
     cache per forward, 44 extra kernels, and eight times the key reads of one kernel per KV head.
     On a CPU SPECSERVE_CPU_KERNELS=0 keeps HF's path (with the other CPU kernels)."""
-    if device.type == "cuda":
-        return True
+    return device.type == "cuda" or cpu_kernels_on(device)
+
+
+def cpu_kernels_on(device: torch.device) -> bool:
+    """Whether a runner on this device uses the CPU kernels: a CPU, unless SPECSERVE_CPU_KERNELS=0."""
     return device.type == "cpu" and os.environ.get("SPECSERVE_CPU_KERNELS", "1") != "0"
 
 
