@@ -453,24 +453,46 @@ def test_the_device_loop_proposes_what_the_host_loop_proposed(head_dir, sampled,
 def test_the_captured_loop_proposes_what_the_eager_loop_proposed(head_dir, sampled, floor):
     """Graph mode (graphs emulated on the CPU: test_engine_static.emulate_graphs): the head's whole
     draft loop is one replay per shape, the tapped target's verify forwards too; proposals equal
-    the eager loop's call for call, greedy rows decode as the target alone."""
+    the eager loop's call for call (its catch-ups padded to the same widths), greedy rows decode
+    as the target alone. The loops were captured before the first request (`capture_ahead`),
+    except those whose rows filter (top-p), captured when first met."""
     model = target()
     proposer = build(head_dir, min_confidence=floor)
     proposer.host_stop = False  # (a GPU's setting: the floor never stops the loop from the host)
     emulate_graphs(proposer.runner)
-    engine = SpeculativeEngine(model, proposer=proposer, num_speculative_tokens=4, adaptive=False)
+    engine = SpeculativeEngine(model, proposer=proposer, num_speculative_tokens=4, adaptive=False, max_batch_size=8)
     emulate_graphs(engine.verifier.runner)
     for runner in (proposer.runner, engine.verifier.runner):
         runner.pad_batches = True  # as on a GPU: batches padded up to their bucket, B real rows of B'
     engine.calibrate()  # the head's timing forwards (features unset) must not become graphs that real calls replay
+    engine.capture_graphs(progress=False)
+    ahead = set(proposer.runner.graphs._entries)
+    # buckets 8, 4, 2, 1 x γ 1..4 x catch-up widths 4, 8 (up to γ + 1 = 5) x greedy, sampled
+    assert len(ahead) == 4 * 4 * 2 * 2
+    replayed = keys_run(proposer.runner)
     reference_proposer = build(head_dir, min_confidence=floor)
     reference_proposer.host_stop = False
     reference_proposer.runner.pad_batches = True  # (the same B': a forward's numbers depend on its rows)
+    reference_proposer.loop_width = proposer.loop_width  # (and the same backlogs run first: 8, the widest captured)
     compared = decode_beside(engine, reference_proposer, sampled)
-    head_keys = list(proposer.runner.graphs._entries)
-    assert len(compared) > len(head_keys) > 0  # loops replayed, not only captured
+    head_keys = set(proposer.runner.graphs._entries)
+    assert len(replayed) > 10 and set(replayed) <= head_keys  # loops replayed
     assert all(key[0] == "head" for key in head_keys)  # never a single head forward
-    assert len(engine.verifier.runner.graphs) > 0
+    assert all(key[5] == (True, True) for key in head_keys - ahead)  # only filtering loops captured later
+    assert (head_keys > ahead) == sampled
+    assert len(compared) > 10 and len(engine.verifier.runner.graphs) > 0
+
+
+def keys_run(runner) -> list[tuple]:
+    """From now on, the key of every graph `runner` replays (or captures first) -> their list."""
+    keys, run = [], runner.graphs.run
+
+    def counted(key, fn, inputs=()):
+        keys.append(key)
+        return run(key, fn, inputs)
+
+    runner.graphs.run = counted
+    return keys
 
 
 def test_graph_mode_never_replays_a_head_forward_alone(head_dir):

@@ -84,6 +84,29 @@ def test_pipelined_and_on_the_graph_stay_lossless(local_coordinator, head_dir, g
         assert coordinator._totals["graph_steps"] > 0
 
 
+@pytest.mark.parametrize("worker", ["target", "draft"])
+def test_served_head_loops_are_captured_before_the_first_request(local_coordinator, head_dir, monkeypatch, worker):
+    """Workers in graph mode (emulated), the head beside the target or on the draft worker:
+    the head's draft loops are captured before the first request (`capture_ahead`), and greedy
+    and sampled requests together meet no loop that was not; tokens equal the eager run's."""
+    import specserve.engine.model_runner as model_runner
+    from test_serve_units import workers_in_graph_mode
+
+    monkeypatch.setattr(model_runner, "free_memory_bytes", lambda device: 1 << 40)
+    params = [SamplingParams(temperature=t, max_tokens=n, seed=k, ignore_eos=True)
+              for k, (t, n) in enumerate(zip((0.0, 1.0, 0.0, 0.7), LENGTHS))]
+    eager = generate(local_coordinator(config(head_dir, worker, max_batch_size=4)), PROMPTS, params)
+    workers_in_graph_mode(monkeypatch)
+    coordinator = local_coordinator(config(head_dir, worker, max_batch_size=4))
+    side = coordinator.target if worker == "target" else coordinator.draft_worker
+    head = side._obj.proposer.runner if worker == "target" else side._obj.model.runner
+    ahead = set(head.graphs._entries)
+    assert ahead and all(key[0] == "head" for key in ahead)
+    assert generate(coordinator, PROMPTS, params) == eager
+    assert set(head.graphs._entries) == ahead
+    assert coordinator._totals["spec_decode_num_accepted_tokens"] > 0
+
+
 @pytest.mark.parametrize("worker, pipelined", [("target", False), ("draft", False), ("draft", True)])
 def test_a_cached_prefix_comes_with_its_features_beside_the_target_or_pulled(local_coordinator, head_dir,
                                                                              monkeypatch, worker, pipelined):

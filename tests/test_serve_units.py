@@ -385,6 +385,8 @@ def workers_in_graph_mode(monkeypatch) -> None:
         for side in (verifier, proposer):
             if side is not None:
                 emulate_graphs(side.runner)
+                if hasattr(side, "host_stop"):
+                    side.host_stop = False  # a feature head's setting on a GPU
         return capture(verifier, proposer, *args, **kwargs)
 
     monkeypatch.setattr(workers, "capture_graphs", in_graph_mode)

@@ -15,7 +15,7 @@ import torch
 from .admission import Admission
 from .model_runner import BATCH_BUCKETS, CALIBRATION_SIZES, ModelRunner, RowInput, batch_bucket
 from .proposers import DrafterSpec, DraftModelProposer, DraftModelSpec, Proposer
-from .sampling import BatchSampling, SamplingParams
+from .sampling import SamplingParams
 from .policy import SpeculationPolicy
 from .executor import InProcessExecutor, run_sync
 from .grammar import GrammarBook, check_grammar
@@ -221,18 +221,17 @@ def capture_graphs(verifier, proposer, max_batch_size: int, max_gamma: int, prog
                    budget: int | None = None, max_model_len: int | None = None, key_buckets: int | None = None,
                    kinds: tuple[float, ...] = LOOP_KINDS) -> float:
     """Capture, for every batch bucket up to max_batch_size (largest first, so that the cache's
-    slots are allocated once), the target's verify forward at widths 1..γ+1 and a draft model's
-    whole γ-forward loop (first width 1 or 2; greedy and sampled: `kinds`) for γ in
-    1..max_gamma, at each key-length bucket the cache is already sized for, at most `key_buckets`
-    of them (None: AHEAD_KEY_BUCKETS; `key_prefixes`); longer contexts and loops that filter
-    (top-k / top-p) are captured when first met. Only runners
-    in graph mode take part (verifier or proposer None: that side is another process's). A dense cache is first sized for the whole batch at
-    max_model_len (given here, or stated to the runner) where that fits `budget` positions and the
+    slots are allocated once), the target's verify forward at widths 1..γ+1 and the drafter's
+    whole γ-forward loop (a draft model's or a feature head's: `capture_ahead`; greedy and
+    sampled: `kinds`) for γ in 1..max_gamma, at each key-length bucket the cache is already sized
+    for, at most `key_buckets` of them (None: AHEAD_KEY_BUCKETS; `key_prefixes`); longer contexts
+    and loops that filter (top-k / top-p) are captured when first met. Only runners in graph mode
+    take part (verifier or proposer None: that side is another process's). A dense cache is first
+    sized for the whole batch at max_model_len (given here, or stated to the runner) where that fits `budget` positions and the
     device (`ModelRunner.preallocate`): then it never grows and no graph is dropped. Returns the
     seconds spent."""
     target = verifier.runner if verifier is not None and verifier.runner.execution == "graph" else None
-    draft = proposer if (isinstance(proposer, DraftModelProposer) and proposer.captures_ahead
-                         and proposer.runner.execution == "graph") else None
+    draft = proposer if isinstance(proposer, DraftModelProposer) and proposer.graph_loops() else None
     if target is None and draft is None:
         return 0.0
     from tqdm import tqdm
@@ -244,7 +243,8 @@ def capture_graphs(verifier, proposer, max_batch_size: int, max_gamma: int, prog
     limit = key_buckets or AHEAD_KEY_BUCKETS
     target_keys = key_prefixes(target, max_gamma, limit) if target else []
     draft_keys = key_prefixes(draft.runner, max_gamma, limit) if draft else []
-    per_size = len(target_keys) * (max_gamma + 1) + len(draft_keys) * 2 * max_gamma * len(kinds)
+    per_size = len(target_keys) * (max_gamma + 1) + (len(draft_keys) * draft.ahead_loops(max_gamma, kinds)
+                                                     if draft else 0)
     began = time.perf_counter()
     with tqdm(total=len(sizes) * per_size, desc="capturing CUDA graphs", unit="graph", disable=not progress) as bar:
         for b in sizes:
@@ -258,17 +258,7 @@ def capture_graphs(verifier, proposer, max_batch_size: int, max_gamma: int, prog
                 for i in ids:
                     target.free(i)
             if draft is not None:
-                loops = [BatchSampling.from_params([SamplingParams(temperature=t)] * b) for t in kinds]
-                for prefix in draft_keys:
-                    draft.runner.forward([RowInput(i, 0, [0] * prefix) for i in ids], logits="none")
-                    for gamma in range(1, max_gamma + 1):
-                        for first, sampling in itertools.product((1, 2), loops):
-                            uniforms = None if sampling.all_greedy else torch.zeros(b, gamma)
-                            draft.propose([RowInput(i, prefix + 1 - first, [0] * first) for i in ids], gamma,
-                                          sampling, uniforms)
-                            bar.update(1)
-                for i in ids:
-                    draft.free(i)
+                draft.capture_ahead(b, draft_keys, max_gamma, kinds, lambda: bar.update(1))
     seconds = time.perf_counter() - began
     runners = [r for r in (target, draft and draft.runner) if r is not None]
     graphs = sum(len(r.graphs) for r in runners)

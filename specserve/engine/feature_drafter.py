@@ -25,6 +25,7 @@ over the same positions overwrites them, as it does the target's KV cache).
 """
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from dataclasses import dataclass
@@ -37,10 +38,24 @@ from torch import nn
 from .grammar import DraftMasks
 from .model_runner import CacheMiss, ForwardTiming, ModelRunner, RowInput, regroup
 from .proposers import DraftModelProposer, Proposal, continue_match, decoder_layers, find_continuation, hold_tokens
-from .sampling import BatchSampling, one_hot, rows_over_one_hot
+from .sampling import BatchSampling, SamplingParams, one_hot, rows_over_one_hot
 
 FEEDBACK_KINDS = ("direct", "fc")  # how a draft's own output becomes the next position's feature
 LOOKUP_MAX_N = 8  # the longest suffix n-gram a lookup row tries to match (the most specific context wins)
+# Widths a captured loop's catch-up forward is padded to (a runner that pads batches pads these
+# too): a step's catch-up is as wide as its widest row's accepted drafts + 1, anything from 1 to
+# γ + 1, so one loop per bucket rather than per width. Wider catch-ups run as they are.
+CATCH_UP_WIDTHS = (4, 8, 16)
+
+
+def catch_up_width(width: int) -> int:
+    """The CATCH_UP_WIDTHS bucket a catch-up of this many tokens is padded to (itself past them)."""
+    return next((w for w in CATCH_UP_WIDTHS if w >= width), width)
+
+
+def _widths_up_to(width: int) -> list[int]:
+    """The catch-up widths that catch-ups of 1..width tokens are padded to."""
+    return sorted({catch_up_width(n) for n in range(1, width + 1)})
 
 
 def feature_modules(model: torch.nn.Module, feature_layers: tuple[int, ...] = ()) -> list[torch.nn.Module]:
@@ -448,7 +463,6 @@ class FeatureDrafterProposer(DraftModelProposer):
     target: the first step) gets copies of its last token, which cost nothing and are rejected."""
 
     can_branch = False  # its per-request token and feature stores have no fork (pipelined: one branch)
-    captures_ahead = False  # its loops need features: captured when first met, not by `capture_graphs`
 
     def __init__(self, head: FeatureHead, vocab_size: int, max_model_len: int | None = None,
                  min_confidence: float | None = None, pulled: bool = False,
@@ -475,6 +489,9 @@ class FeatureDrafterProposer(DraftModelProposer):
         self._tokens: dict[str, list[int]] = {}
         self._exact: dict[str, int] = {}  # request id -> leading pairs computed from target features
         self._tap: FeatureTap | None = None
+        self._q_out: dict[tuple[int, int], torch.Tensor] = {}  # (B', G) -> where captured sampled loops leave q
+        # the widest catch-up a loop takes at a fixed shape (`_run_backlog`): the widest captured ahead
+        self.loop_width = CATCH_UP_WIDTHS[-1]
         # True: the target runs elsewhere; its features arrive through `put_features` (the draft
         # worker pulls what `features_wanted` names from the target's FeatureServer before a propose)
         self.pulled = pulled
@@ -521,6 +538,37 @@ class FeatureDrafterProposer(DraftModelProposer):
 
     def num_cached(self) -> int:
         return len(self._tokens)
+
+    def graph_loops(self) -> bool:
+        """Whether its draft loops replay as CUDA graphs: graph mode, and no host read per
+        position (`host_stop`)."""
+        return super().graph_loops() and not self.host_stop
+
+    def ahead_loops(self, max_gamma: int, kinds) -> int:
+        return max_gamma * len(_widths_up_to(max_gamma + 1)) * len(kinds)
+
+    @torch.no_grad()
+    def capture_ahead(self, size: int, prefixes, max_gamma: int, kinds, tick) -> None:
+        """Capture the draft loops of `size` rows (a batch bucket) after each context length of
+        `prefixes`: γ in 1..max_gamma, each catch-up width bucket up to γ + 1 tokens (a step's
+        accepted drafts and bonus token), rows at each temperature of `kinds`; tick() after each.
+        Zero features stand in for the target's (a replay reads whatever its buffers then hold)."""
+        runner, width = self.runner, self.head.cfg.feature_size
+        self.loop_width = _widths_up_to(max_gamma + 1)[-1]
+        ids = [f"__capture_{i}__" for i in range(size)]
+        loops = [BatchSampling.from_params([SamplingParams(temperature=t)] * size) for t in kinds]
+        zeros = [torch.zeros(CATCH_UP_WIDTHS[-1], width, dtype=self.head.fc.weight.dtype)] * size
+        for prefix in prefixes:
+            self.head.set_features(torch.zeros(size, prefix, width, dtype=self.head.fc.weight.dtype,
+                                               device=runner.device), feedback=False)
+            runner.forward([RowInput(i, 0, [0] * prefix) for i in ids], logits="none")
+            for gamma, q, sampling in itertools.product(range(1, max_gamma + 1), _widths_up_to(max_gamma + 1), loops):
+                uniforms = None if sampling.all_greedy else torch.zeros(size, gamma)
+                rows = [RowInput(i, max(prefix + 1 - q, 0), [0] * q) for i in ids]
+                self._draft_rows(rows, [z[:q] for z in zeros], gamma, sampling, uniforms)
+                tick()
+        for i in ids:
+            self.free(i)
 
     def prefill(self, rows: list[RowInput]) -> tuple[ForwardTiming, ...]:
         """Hold rows' tokens (prompt chunks). The head's own cache of them waits for the target's
@@ -594,11 +642,12 @@ class FeatureDrafterProposer(DraftModelProposer):
         on the host, q [b, G, V] or None, drafts worth verifying [b] on the host: G, or fewer
         under `min_confidence`). One forward per length group of the head's runner (paged)."""
         catch_up, feats = self._take_cached(*self._catch_up(rows, seqs), seqs)
-        groups = self.runner.length_groups(catch_up, extra_positions=num_tokens - 1)
+        loop_rows, loop_feats = self._run_backlog(catch_up, feats)
+        groups = self.runner.length_groups(loop_rows, extra_positions=num_tokens - 1)
         if len(groups) == 1:
-            out = self._draft_rows(catch_up, feats, num_tokens, sampling, uniforms)
+            out = self._draft_rows(loop_rows, loop_feats, num_tokens, sampling, uniforms)
         else:
-            parts = [self._draft_rows([catch_up[b] for b in g], [feats[b] for b in g], num_tokens,
+            parts = [self._draft_rows([loop_rows[b] for b in g], [loop_feats[b] for b in g], num_tokens,
                                       sampling.select(g), None if uniforms is None else uniforms[g]) for g in groups]
             out = tuple(regroup([p[i] for p in parts], groups, len(rows)) for i in range(3))
         for row, seq in zip(catch_up, seqs):  # exact pairs only: the drafts' positions are rewritten
@@ -617,6 +666,27 @@ class FeatureDrafterProposer(DraftModelProposer):
             self._exact[row.request_id] = last
         return catch_up, feats
 
+    def _run_backlog(self, catch_up: list[RowInput], feats: list[torch.Tensor]):
+        """Where loops run at fixed shapes (a runner that pads batches), rows whose catch-up is
+        wider than `loop_width` (a new prompt, a row that has not drafted for a while) first run
+        all but their last pair through one forward of their own, as a draft model's backlog does:
+        the loop's catch-up then stays within the widths it was captured at, rather than running
+        eagerly for the whole batch -> the loop's rows and features."""
+        long = [b for b, row in enumerate(catch_up) if len(row.tokens) > self.loop_width]
+        if not long or not self.runner.pad_batches:
+            return catch_up, feats
+        backlog = [RowInput(catch_up[b].request_id, catch_up[b].start, catch_up[b].tokens[:-1]) for b in long]
+        self.runner.check(backlog)
+        staged = self.runner.stage(backlog)
+        self.head.set_features(self._sorted_features(staged, [feats[b][:-1] for b in long]), feedback=False)
+        self.runner.run(staged, logits="none")
+        rows, feats = list(catch_up), list(feats)
+        for b in long:
+            row = catch_up[b]
+            rows[b] = RowInput(row.request_id, row.start + len(row.tokens) - 1, row.tokens[-1:])
+            feats[b] = feats[b][-1:]
+        return rows, feats
+
     def _take_cached(self, catch_up: list[RowInput], feats: list[torch.Tensor], seqs):
         """Under prefix caching, each row skips the leading exact pairs whose keys the head's
         cached blocks hold (another request's catch-up computed them) -> its rows and features
@@ -631,7 +701,8 @@ class FeatureDrafterProposer(DraftModelProposer):
         forwards), the loop in the runner's sorted row order, one copy to the host at the end."""
         runner = self.runner
         runner.check(catch_up)
-        staged = runner.stage(catch_up, extra_positions=num_tokens - 1)
+        width = catch_up_width(max(len(r.tokens) for r in catch_up)) if runner.pad_batches else 0
+        staged = runner.stage(catch_up, extra_positions=num_tokens - 1, min_width=width)
         picked = staged.order + [staged.order[0]] * (staged.padded - staged.rows)  # sorted row -> caller row
         flags = sampling.loop_flags()  # host reads of host tensors
         masks = None  # grammar rows draft from their masked distributions (engine/grammar.py)
@@ -639,7 +710,7 @@ class FeatureDrafterProposer(DraftModelProposer):
             masks = DraftMasks(self.grammar, sampling.grammar, staged.order + [-1] * (staged.padded - staged.rows))
         uniforms = None if uniforms is None else uniforms[picked].to(runner.device)  # [B', G]
         features, sampling = self._sorted_features(staged, feats), sampling.select(picked).to(runner.device)
-        static = runner.execution == "graph" and masks is None and not self.host_stop and runner.fixed_shape(staged)
+        static = self.graph_loops() and masks is None and runner.fixed_shape(staged)
         try:
             if static:
                 drafted, probs, kept, steps = self._replay(staged, features, num_tokens, sampling, flags, uniforms)
@@ -670,6 +741,7 @@ class FeatureDrafterProposer(DraftModelProposer):
             for name in ("temperature", "top_k", "top_p"):
                 buffers[name].copy_(getattr(sampling, name))
             buffers["uniforms"].copy_(uniforms)
+            buffers["probs"] = self._q_buffer_of(staged.padded, num_tokens)
         buffers["real"].copy_(staged.real)
         static = BatchSampling(buffers["temperature"], buffers["top_k"], buffers["top_p"])
         key = ("head", *staged.static_key, num_tokens, flags, runner.cache.generation)
@@ -680,6 +752,12 @@ class FeatureDrafterProposer(DraftModelProposer):
         runner.record(staged.rows, began, forwards=num_tokens)
         drafted, probs, kept = (None if t is None else t.clone() for t in out)
         return drafted, probs, kept, num_tokens - 1
+
+    def _q_buffer_of(self, rows: int, num_tokens: int) -> torch.Tensor:
+        """The (B', G) q buffer every captured sampled loop of that shape writes (`_q_buffer`)."""
+        if (rows, num_tokens) not in self._q_out:
+            self._q_out[rows, num_tokens] = self._q_buffer(rows, num_tokens)
+        return self._q_out[rows, num_tokens]
 
     def _static_buffers(self, staged, num_tokens: int, width: int) -> dict[str, torch.Tensor]:
         """The captured loop's inputs for (B', Q, G), allocated once (a replay reads them at fixed
@@ -739,7 +817,8 @@ class FeatureDrafterProposer(DraftModelProposer):
         steps = min(len(out), num_tokens - 1)
         if steps and not captured:
             runner.record(staged.rows, began, forwards=steps)
-        drafted, probs = self._fill(out, qs, flags, confidence, last, num_tokens)
+        q_out = inputs.get("probs") if captured else None  # [B', G, V] shared by the shape's graphs
+        drafted, probs = self._fill(out, qs, flags, confidence, last, num_tokens, q_out)
         return drafted, probs, confidence.kept, steps
 
     def _step(self, staged, token: torch.Tensor, feedback: torch.Tensor, captured: bool = False):
@@ -750,15 +829,19 @@ class FeatureDrafterProposer(DraftModelProposer):
         logits = self._forward(staged, captured)
         return staged, logits, self.head.last_feedback[:, -1]
 
-    def _fill(self, out, qs, flags, confidence: "_Confidence", last: torch.Tensor, num_tokens: int):
+    def _fill(self, out, qs, flags, confidence: "_Confidence", last: torch.Tensor, num_tokens: int,
+              q_out: torch.Tensor | None = None):
         """The drafts of the n positions run (tokens [B'] and q [B', V] each) -> tokens [B', G] and q
         [B', G, V] or None. Under a floor, positions no row drafts (from the longest row's count on)
         hold copies of the last draft some row kept (the newest token where none did), q one-hot
-        there: what the loop sent when it stopped at the first such position. Device only."""
+        there: what the loop sent when it stopped at the first such position. Device only.
+        q_out: a captured loop's shared q buffer [B', G, V] (q is written there)."""
         drafted = torch.stack(out, dim=1) if out else last[:, :0]  # [B', n]
-        probs = torch.stack(qs, dim=1) if out and flags is not None else None  # [B', n, V]
         if confidence.floor is None:
-            return drafted, probs
+            if not out or flags is None:
+                return drafted, None
+            return drafted, torch.stack(qs, dim=1, out=q_out) if q_out is not None else torch.stack(qs, dim=1)
+        probs = torch.stack(qs, dim=1) if out and flags is not None else None  # [B', n, V]
         longest = confidence.longest()  # 0-d
         fill = torch.cat([last, drafted], dim=1).index_select(1, longest.view(1))  # [B', 1]
         ran = drafted.shape[1]
@@ -768,6 +851,8 @@ class FeatureDrafterProposer(DraftModelProposer):
             return tokens, None
         hot = one_hot(tokens, self.vocab_size)  # [B', G, V]
         q = hot if probs is None else torch.cat([probs, hot[:, ran:]], dim=1)
+        if q_out is not None:
+            return tokens, torch.where(beyond[:, None], hot, q, out=q_out)
         return tokens, torch.where(beyond[:, None], hot, q)
 
 

@@ -682,12 +682,15 @@ class ModelRunner:
             for sink in self._feature_sinks:
                 sink(request_id, start, features)
 
-    def stage(self, rows: list[RowInput], tail_width: int = 0, extra_positions: int = 0) -> Staged:
+    def stage(self, rows: list[RowInput], tail_width: int = 0, extra_positions: int = 0,
+              min_width: int = 0) -> Staged:
         """Host half of a forward: slots, row order, shapes, and one copy of the inputs to the
         device. tail_width: ids the caller writes into `ids[:, -tail_width:]` itself (on the
-        device); extra_positions: later single-token forwards (`advance`) the key length covers."""
+        device); extra_positions: later single-token forwards (`advance`) the key length covers;
+        min_width: pad every row to at least this many tokens (one shape for several widths: the
+        padding lands just past each row's end, as a shorter row's does, and costs no position)."""
         lengths = [len(r.tokens) + tail_width for r in rows]
-        width = max(lengths)
+        width = max(*lengths, min_width)
         if tail_width and len(set(lengths)) > 1:
             raise ValueError("rows with a tail must hold the same number of tokens")
         slots = [self._slot(r.request_id) for r in rows]

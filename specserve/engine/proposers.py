@@ -22,8 +22,9 @@ G-1 drafts (the step's bookkeeping in `apply_verdict` relies on this).
 from __future__ import annotations
 
 import copy
+import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -31,7 +32,7 @@ import torch
 
 from .grammar import DraftMasks, GrammarBook
 from .model_runner import DRAFT_ROW_TOKENS, CacheMiss, ForwardTiming, ModelRunner, RowInput, catch_up
-from .sampling import BatchSampling, logits_to_probs, sample_with_uniforms
+from .sampling import BatchSampling, SamplingParams, logits_to_probs, sample_with_uniforms
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,6 @@ class DraftModelProposer:
     """
 
     can_branch = True  # `fork` / `adopt`, and runner-ups in `propose` (pipelined branches)
-    captures_ahead = True  # `engine.capture_graphs` captures its greedy and sampled loops before the first step
 
     def __init__(
         self, model: torch.nn.Module, vocab_size: int, max_model_len: int | None = None, execution: str = "auto",
@@ -134,6 +134,35 @@ class DraftModelProposer:
     @property
     def max_model_len(self) -> int | None:
         return self.runner.max_model_len
+
+    def graph_loops(self) -> bool:
+        """Whether its draft loops replay as CUDA graphs (`engine.capture_graphs` then captures
+        the usual ones before the first step: `capture_ahead`)."""
+        return self.runner.execution == "graph"
+
+    def ahead_loops(self, max_gamma: int, kinds: Sequence[float]) -> int:
+        """How many loops `capture_ahead` captures per batch size and context length."""
+        return 2 * max_gamma * len(kinds)
+
+    @torch.no_grad()
+    def capture_ahead(self, size: int, prefixes: Sequence[int], max_gamma: int, kinds: Sequence[float],
+                      tick: Callable[[], None]) -> None:
+        """Capture the draft loops of `size` rows (a batch bucket) after each context length of
+        `prefixes`: γ in 1..max_gamma, a first width of 1 or 2 (the bonus token, after a step
+        whose drafts were all accepted also the last draft), and rows at each temperature of
+        `kinds` (greedy, sampled: `BatchSampling.loop_flags`); tick() after each."""
+        ids = [f"__capture_{i}__" for i in range(size)]
+        loops = [BatchSampling.from_params([SamplingParams(temperature=t)] * size) for t in kinds]
+        for prefix in prefixes:
+            self.runner.forward([RowInput(i, 0, [0] * prefix) for i in ids], logits="none")
+            for gamma in range(1, max_gamma + 1):
+                for first, sampling in itertools.product((1, 2), loops):
+                    uniforms = None if sampling.all_greedy else torch.zeros(size, gamma)
+                    self.propose([RowInput(i, prefix + 1 - first, [0] * first) for i in ids], gamma, sampling,
+                                 uniforms)
+                    tick()
+        for i in ids:
+            self.free(i)
 
     @torch.no_grad()
     def prefill(self, rows: list[RowInput]) -> Sequence[ForwardTiming]:
