@@ -14,9 +14,11 @@ from models import hf_greedy, tiny_llama
 from specserve import SamplingParams, SpeculativeEngine
 from specserve.engine import RowInput
 from specserve.engine.model_runner import CacheMiss
+from specserve.engine import lookup
+from specserve.engine.lookup import TokenStore
 from specserve.engine.proposers import (
     DraftModelProposer, LayerSkipProposer, LayerSkipSpec, PromptLookupProposer, PromptLookupSpec,
-    find_continuation, layer_skip_view, target_vocab_size,
+    layer_skip_view, target_vocab_size,
 )
 from specserve.engine.sampling import BatchSampling
 from test_sampling_distribution import VOCAB, assert_proposer_follows_target
@@ -90,14 +92,72 @@ def test_sampling_matches_target_distribution(small_target, spec):
 
 
 # -- prompt lookup ----------------------------------------------------------------------------------
-def test_find_continuation_prefers_longest_then_most_recent():
+def find_continuation(tokens: list[int], min_n: int, max_n: int) -> int | None:
+    """The full search (the specification `TokenStore.find` keeps): index j < L where the
+    continuation of the best earlier match of the suffix starts, or None. The match ending just
+    before j is the longest (up to max_n, at least min_n) that equals the suffix; ties go to the
+    largest j (the most recent occurrence)."""
+    length = len(tokens)
+    cap = min(max_n, length - 1)
+    best, found = 0, None
+    for j in range(length):  # the earlier occurrence ends at j - 1 (overlapping the suffix is fine)
+        k = 0
+        while k < cap and j - 1 - k >= 0 and tokens[j - 1 - k] == tokens[length - 1 - k]:
+            k += 1
+        if k >= max(best, min_n):
+            best, found = k, j
+    return found
+
+
+def store_find(tokens: list[int], min_n: int, max_n: int) -> int | None:
+    store = TokenStore(min_n, max_n)
+    store.rewrite("a", 0, tokens)
+    return store.find("a")
+
+
+@pytest.mark.parametrize("find", [find_continuation, store_find])
+def test_lookup_prefers_longest_then_most_recent(find):
     #        0  1  2  3  4  5  6  7  8  9
     seq = [1, 2, 3, 9, 5, 3, 7, 1, 2, 3]
-    assert find_continuation(seq, 1, 3) == 3  # "1 2 3" at 0..2 beats the more recent "3" at 5
-    assert find_continuation(seq, 1, 1) == 6  # unigrams only: the most recent earlier "3"
-    assert find_continuation(seq, 4, 5) is None  # no earlier 4-gram
-    assert find_continuation([4], 1, 3) is None
-    assert find_continuation([7, 7], 1, 3) == 1  # overlapping occurrence
+    assert find(seq, 1, 3) == 3  # "1 2 3" at 0..2 beats the more recent "3" at 5
+    assert find(seq, 1, 1) == 6  # unigrams only: the most recent earlier "3"
+    assert find(seq, 4, 5) is None  # no earlier 4-gram
+    assert find([4], 1, 3) is None
+    assert find([7, 7], 1, 3) == 1  # overlapping occurrence
+
+
+@pytest.mark.parametrize("min_n, max_n", [(1, 3), (2, 2), (3, 8)])
+def test_the_index_finds_what_the_full_search_finds_as_tokens_come_and_go(monkeypatch, min_n, max_n):
+    """Tokens appended and cut back at random (accepted tokens, rolled-back drafts, a preempted
+    request prefilled again from an earlier point), several requests interleaved: after every
+    change each request's lookup equals the full search over its tokens (no bound on the
+    occurrences looked at)."""
+    monkeypatch.setattr(lookup, "CANDIDATES", 10**9)
+    rng = random.Random(min_n * 10 + max_n)
+    store, held = TokenStore(min_n, max_n), {}
+    for step in range(3000):
+        rid = f"r{rng.randrange(3)}"
+        seq = held.setdefault(rid, [])
+        start = max(0, len(seq) - rng.choice([0, 0, 1, 3, 5, 40]))
+        tokens = [rng.randrange(4) for _ in range(rng.choice([1, 1, 2, 4, 7]))]
+        seq[start:] = tokens
+        assert store.rewrite(rid, start, tokens) == seq
+        if rng.random() < 0.7:
+            assert store.find(rid) == find_continuation(seq, min_n, max_n), (step, seq)
+        if len(seq) > 300:
+            store.free(rid)
+            held.pop(rid)
+
+
+def test_a_lookup_extends_the_most_recent_occurrences_only():
+    """Past CANDIDATES occurrences of the suffix's min_n tokens, a longer match further back is
+    not found: the best among the most recent ones is (what bounds a lookup's cost)."""
+    far = [1, 2, 3, 4]  # the suffix's 4-token match, far back
+    recent = [9, 3, 4] * lookup.CANDIDATES  # the suffix's last 2 tokens, then one more, many times
+    tokens = far + [7] + recent + [1, 2, 3, 4]
+    assert find_continuation(tokens, 2, 4) == 4
+    assert store_find(tokens, 2, 4) == len(tokens) - 4  # the latest "3 4" (a 2-token match)
+    assert store_find(far + [7] + recent[: 3 * (lookup.CANDIDATES - 1)] + [1, 2, 3, 4], 2, 4) == 4
 
 
 def test_prompt_lookup_proposes_the_continuation():

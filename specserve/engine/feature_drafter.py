@@ -37,7 +37,8 @@ from torch import nn
 
 from .grammar import DraftMasks
 from .model_runner import CacheMiss, ForwardTiming, ModelRunner, RowInput, regroup
-from .proposers import DraftModelProposer, Proposal, continue_match, decoder_layers, find_continuation, hold_tokens
+from .lookup import TokenStore, continue_match
+from .proposers import DraftModelProposer, Proposal, decoder_layers
 from .sampling import BatchSampling, SamplingParams, one_hot, rows_over_one_hot
 
 FEEDBACK_KINDS = ("direct", "fc")  # how a draft's own output becomes the next position's feature
@@ -486,7 +487,8 @@ class FeatureDrafterProposer(DraftModelProposer):
         self.num_rows = 0  # rows drafted for, and how many of them by lookup
         self.num_looked_up = 0
         self.features = FeatureStore()
-        self._tokens: dict[str, list[int]] = {}
+        # per request: the tokens sent (and the last G-1 drafts), indexed for lookups
+        self._tokens = TokenStore(lookup_min_n, None if lookup_min_n is None else max(LOOKUP_MAX_N, lookup_min_n))
         self._exact: dict[str, int] = {}  # request id -> leading pairs computed from target features
         self._tap: FeatureTap | None = None
         self._q_out: dict[tuple[int, int], torch.Tensor] = {}  # (B', G) -> where captured sampled loops leave q
@@ -528,13 +530,13 @@ class FeatureDrafterProposer(DraftModelProposer):
     def free(self, request_id: str) -> None:
         self.runner.free(request_id)
         self.features.free(request_id)
-        self._tokens.pop(request_id, None)
+        self._tokens.free(request_id)
         self._exact.pop(request_id, None)
         if self.grammar is not None:
             self.grammar.free(request_id)
 
     def valid_length(self, request_id: str) -> int:
-        return len(self._tokens.get(request_id, ()))
+        return self._tokens.length(request_id)
 
     def num_cached(self) -> int:
         return len(self._tokens)
@@ -574,7 +576,7 @@ class FeatureDrafterProposer(DraftModelProposer):
         """Hold rows' tokens (prompt chunks). The head's own cache of them waits for the target's
         features (written by the target's prefill forwards) and is caught up by the next propose:
         one forward of the head's single layer, a small fraction of the target's prefill."""
-        hold_tokens(self._tokens, rows, self.valid_length)
+        self._tokens.hold(rows, self.valid_length)
         for row in rows:
             self._exact[row.request_id] = min(self._exact.get(row.request_id, 0), row.start - 1)
         return ()
@@ -593,12 +595,9 @@ class FeatureDrafterProposer(DraftModelProposer):
         began = time.perf_counter()
         seqs = []
         for row in rows:
-            seq = self._tokens.setdefault(row.request_id, [])
-            del seq[row.start :]
-            seq.extend(row.tokens)
+            seqs.append(self._tokens.rewrite(row.request_id, row.start, row.tokens))
             self._exact[row.request_id] = min(self._exact.get(row.request_id, 0), row.start - 1)
-            seqs.append(seq)
-        looked = self._look_up(seqs, num_tokens)  # row -> its G drafts by prompt lookup
+        looked = self._look_up(rows, seqs, num_tokens)  # row -> its G drafts by prompt lookup
         ready = [b for b, (row, seq) in enumerate(zip(rows, seqs)) if b not in looked
                  and self.features.written(row.request_id) >= len(seq) - 1 and len(seq) >= 2]
         tokens = torch.tensor([looked.get(b, seq[-1:] * num_tokens) for b, seq in enumerate(seqs)],
@@ -615,14 +614,14 @@ class FeatureDrafterProposer(DraftModelProposer):
             probs = rows_over_one_hot(probs, ready, tokens.to(self.runner.device), self.vocab_size)  # [B, G, V]
         elif not sampling.all_greedy:
             probs = one_hot(tokens.to(self.runner.device), self.vocab_size)  # [B, G, V]
-        for seq, row_tokens in zip(seqs, tokens.tolist()):
-            seq.extend(row_tokens[: num_tokens - 1])
+        for row, seq, row_tokens in zip(rows, seqs, tokens.tolist()):
+            self._tokens.rewrite(row.request_id, len(seq), row_tokens[: num_tokens - 1])
         forwards = self.runner.take_forward_log() or (ForwardTiming(0, time.perf_counter() - began),)
         return Proposal(tokens, probs, forwards, num_draft=None if self.min_confidence is None else counts)
 
-    def _look_up(self, seqs: list[list[int]], num_tokens: int) -> dict[int, list[int]]:
+    def _look_up(self, rows: list[RowInput], seqs: list[list[int]], num_tokens: int) -> dict[int, list[int]]:
         """Rows whose suffix repeats an earlier n-gram of at least `lookup_min_n` tokens -> their
-        drafts: what followed the match (find_continuation). On a model's own text a match of 3
+        drafts: what followed the match (`TokenStore.find`). On a model's own text a match of 3
         or more tokens predicts 1.8-3.3 of 4 drafts (docs/drafters.md), more than the head does;
         there the head's forwards are skipped. The choice depends only on tokens already there,
         so q (one-hot at each looked-up draft) keeps the acceptance rule exact for sampled rows."""
@@ -630,8 +629,8 @@ class FeatureDrafterProposer(DraftModelProposer):
         if self.lookup_min_n is None or num_tokens == 0:
             return {}
         looked = {}
-        for b, seq in enumerate(seqs):
-            start = find_continuation(seq, self.lookup_min_n, max(LOOKUP_MAX_N, self.lookup_min_n))
+        for b, (row, seq) in enumerate(zip(rows, seqs)):
+            start = self._tokens.find(row.request_id)
             if start is not None:
                 looked[b] = continue_match(seq, start, num_tokens)
         self.num_looked_up += len(looked)

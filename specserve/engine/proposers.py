@@ -31,6 +31,7 @@ from typing import Protocol
 import torch
 
 from .grammar import DraftMasks, GrammarBook
+from .lookup import TokenStore, continue_match
 from .model_runner import DRAFT_ROW_TOKENS, CacheMiss, ForwardTiming, ModelRunner, RowInput, catch_up
 from .sampling import BatchSampling, SamplingParams, logits_to_probs, sample_with_uniforms
 
@@ -425,22 +426,22 @@ class PromptLookupProposer:
         self.min_n = min_n
         self.max_n = max_n
         self.max_model_len = max_model_len
-        self._tokens: dict[str, list[int]] = {}  # request id -> the prefix it holds (+ its last drafts)
+        self._tokens = TokenStore(min_n, max_n)  # request id -> the prefix it holds (+ its last drafts)
         self.num_lookups = 0  # rows proposed for, and how many of them found a match
         self.num_matches = 0
 
     def free(self, request_id: str) -> None:
-        self._tokens.pop(request_id, None)
+        self._tokens.free(request_id)
 
     def valid_length(self, request_id: str) -> int:
-        return len(self._tokens.get(request_id, ()))
+        return self._tokens.length(request_id)
 
     def num_cached(self) -> int:
         return len(self._tokens)
 
     def prefill(self, rows: list[RowInput]) -> Sequence[ForwardTiming]:
         """Hold rows' tokens (prompt chunks): no model, nothing to compute."""
-        hold_tokens(self._tokens, rows, self.valid_length)
+        self._tokens.hold(rows, self.valid_length)
         return ()
 
     def propose(
@@ -452,56 +453,26 @@ class PromptLookupProposer:
             if row.start > self.valid_length(row.request_id):
                 raise CacheMiss(row.request_id, self.valid_length(row.request_id), row.start)
         drafts = []
-        for row in rows:
-            seq = self._tokens.setdefault(row.request_id, [])
-            del seq[row.start :]  # roll back to what the caller says is still valid
-            seq.extend(row.tokens)
-            draft = self.continuation(seq, num_tokens)
-            seq.extend(draft[: num_tokens - 1])  # held like a draft model's cache: tokens + G-1 drafts
+        for row in rows:  # rolled back to what the caller says is still valid
+            seq = self._tokens.rewrite(row.request_id, row.start, row.tokens)
+            draft = self.continuation(row.request_id, num_tokens)
+            # held like a draft model's cache: tokens + G-1 drafts
+            self._tokens.rewrite(row.request_id, len(seq), draft[: num_tokens - 1])
             drafts.append(draft)
         tokens = torch.tensor(drafts, dtype=torch.long).view(len(rows), num_tokens)  # [B, G]
         # One entry so the policy's draft cost becomes known (and near zero): no model, no tokens.
         return Proposal(tokens, None, (ForwardTiming(0, time.perf_counter() - began),), deterministic=True)
 
-    def continuation(self, seq: list[int], num_tokens: int) -> list[int]:
-        """num_tokens drafts following `seq` (its last token repeated when nothing matches)."""
+    def continuation(self, request_id: str, num_tokens: int) -> list[int]:
+        """num_tokens drafts following the request's tokens (its last token repeated when nothing
+        matches: `TokenStore.find`)."""
         self.num_lookups += 1
-        start = find_continuation(seq, self.min_n, self.max_n) if num_tokens > 0 else None
+        seq = self._tokens[request_id]
+        start = self._tokens.find(request_id) if num_tokens > 0 else None
         if start is None:
             return seq[-1:] * num_tokens
         self.num_matches += 1
         return continue_match(seq, start, num_tokens)
-
-
-def continue_match(seq: list[int], start: int, num_tokens: int) -> list[int]:
-    """num_tokens tokens from seq[start] on, continued periodically past the end of seq (a
-    repeating pattern keeps repeating); start < len(seq)."""
-    out: list[int] = []
-    for k in range(num_tokens):  # position start+k of seq + out; start < len(seq), so out[.] exists
-        i = start + k
-        out.append(seq[i] if i < len(seq) else out[i - len(seq)])
-    return out
-
-
-def find_continuation(tokens: list[int], min_n: int, max_n: int) -> int | None:
-    """Index j < L where the continuation of the best earlier match of the suffix starts, or None.
-
-    The match ending just before j is the longest (up to max_n, at least min_n) that equals the
-    sequence's suffix; ties go to the largest j (the most recent occurrence). O(L·max_n), vectorised.
-    """
-    length = len(tokens)
-    n = min(max_n, length - 1)
-    if n < min_n:
-        return None
-    seq = torch.tensor(tokens, dtype=torch.long)  # [L]
-    suffix = seq[length - n :].flip(0)  # [n], suffix[k] = seq[L-1-k]
-    padded = torch.cat([seq.new_full((n,), -1), seq[: length - 1]])  # [n + L - 1]
-    windows = padded.unfold(0, n, 1).flip(1)  # [L, n], windows[j, k] = seq[j-1-k] (-1 before the start)
-    matched = (windows == suffix).long().cumprod(dim=1).sum(dim=1)  # [L] suffix tokens matched ending at j-1
-    best = int(matched.max())
-    if best < min_n:
-        return None
-    return int((matched == best).nonzero()[-1])
 
 
 # -- drafter specs: what a configuration names, and how it becomes a proposer --------------------
@@ -559,15 +530,3 @@ class PromptLookupSpec:
 def target_vocab_size(model: torch.nn.Module) -> int:
     """V: the size of the target's output head (what the verifier uses)."""
     return int(model.get_output_embeddings().weight.shape[0])
-
-
-def hold_tokens(store: dict[str, list[int]], rows: list[RowInput], valid_length) -> None:
-    """A model-free drafter's prefill: every row checked first (CacheMiss past what is held, so
-    nothing changes on a miss), then each request's tokens kept from the row's start on."""
-    for row in rows:
-        if row.start > valid_length(row.request_id):
-            raise CacheMiss(row.request_id, valid_length(row.request_id), row.start)
-    for row in rows:
-        seq = store.setdefault(row.request_id, [])
-        del seq[row.start :]
-        seq.extend(row.tokens)
