@@ -92,7 +92,11 @@ def patch_coordinator(monkeypatch):
         return type("ActorClass", (), {"remote": staticmethod(build)})
 
     monkeypatch.setattr(coordinator, "_actor", actor)
-    monkeypatch.setattr(coordinator.ray, "get", lambda ref, **_: _value(ref))
+    # the stand-ins' results are theirs to give; an object in Ray's store (a worker's q shared
+    # through it, where a test has Ray running) is the store's
+    real_get = coordinator.ray.get
+    monkeypatch.setattr(coordinator.ray, "get", lambda ref, **kw: (
+        real_get(ref, **kw) if isinstance(ref, coordinator.ray.ObjectRef) else _value(ref)))
     monkeypatch.setattr(coordinator, "CoordinatorMetrics", lambda name: _NoMetrics())
     monkeypatch.setattr(workers, "_assigned_gpus", lambda: [])
 
