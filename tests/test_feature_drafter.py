@@ -22,7 +22,8 @@ from specserve.config import FeatureDrafter, load_app_config
 from specserve.distill.data import FeatureCapture
 from specserve.distill.train import TrainSettings, choose_draft_vocab, init_head, train_head
 from specserve.engine.feature_drafter import (
-    FeatureDrafterProposer, FeatureDrafterSpec, eagle3_feature_layers, load_feature_head, save_feature_head,
+    FeatureDrafterProposer, FeatureDrafterSpec, FeatureStore, eagle3_feature_layers, feature_modules,
+    load_feature_head, save_feature_head,
 )
 from specserve.engine.grammar import DraftMasks
 from specserve.engine.model_runner import RowInput
@@ -102,6 +103,7 @@ def test_a_compiled_target_yields_the_features_an_eager_one_does(head_dir):
     engines = {execution: SpeculativeEngine(model, proposer=build(head_dir), num_speculative_tokens=3,
                                             adaptive=False, execution=execution)
                for execution in ("eager", "compile")}
+    stores = {name: kept_features(engine) for name, engine in engines.items()}
     batch_prompts = prompts(3, seed=5)
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
     outs = {name: {f"r{i}": [] for i in range(len(batch_prompts))} for name in engines}
@@ -115,7 +117,6 @@ def test_a_compiled_target_yields_the_features_an_eager_one_does(head_dir):
             engine.add_request(f"r{i}", prompt, params)
         for _ in range(4):
             step(name)
-    stores = {name: engine.proposer.features for name, engine in engines.items()}
     for i in range(len(batch_prompts)):
         written = stores["eager"].written(f"r{i}")
         assert written == stores["compile"].written(f"r{i}") > len(batch_prompts[i])
@@ -154,6 +155,64 @@ def test_adaptive_and_joining_requests_identical(head_dir):
     for i, prompt in enumerate(batch_prompts):
         assert outputs[f"r{i}"] == reference(tuple(prompt)), i
     assert engine.proposer.num_cached() == 0 and len(engine.proposer.features) == 0  # all freed
+
+
+def kept_features(engine) -> FeatureStore:
+    """A second reader of the features the engine's target taps for its head, which releases
+    nothing (the head releases what it consumed from its own store) -> its store."""
+    kept, runner = FeatureStore(), engine.verifier.runner
+    layers = engine.proposer.head.cfg.feature_layers
+    runner.tap(feature_modules(runner.model, layers), "a feature drafter reads the target's hidden states "
+               "at every position", lambda rid, start, features: kept.write(rid, start, features.clone()))
+    return kept
+
+
+def test_the_feature_store_keeps_what_is_not_yet_consumed():
+    """Rows written, read, released below what the head consumed, grown and shrunk: reads of held
+    positions return what was written there; a read below what was released is refused; a
+    rewrite from below starts over from there; storage shrinks once a prompt is consumed."""
+    store, width = FeatureStore(), 3
+    feats = lambda start, n: torch.arange(start, start + n, dtype=torch.float32)[:, None].expand(n, width)  # noqa: E731
+    store.write("a", 0, feats(0, 500))  # a prompt
+    assert torch.equal(store.read("a", 10, 20), feats(10, 10)) and store.written("a") == 500
+    big = store.held_bytes()
+    store.release("a", 499)  # the head consumed the prompt's pairs
+    assert store.held_bytes() < big / 4 and torch.equal(store.read("a", 499, 500), feats(499, 1))
+    with pytest.raises(RuntimeError, match="released"):
+        store.read("a", 498, 500)
+    for start in range(500, 1500, 4):  # decoding: a step's tokens written, the previous ones consumed
+        store.write("a", start, feats(start, 4))
+        store.release("a", start)
+        assert torch.equal(store.read("a", start, start + 4), feats(start, 4))
+    assert store.held_bytes() <= 128 * width * 4
+    store.write("a", 1497, feats(7000, 2))  # a rejected draft's position rewritten: beyond is stale
+    assert store.written("a") == 1499 and torch.equal(store.read("a", 1496, 1499)[1:], feats(7000, 2))
+    store.write("a", 3, feats(3, 5))  # below what is held (a target re-prefilled): from there on
+    assert store.written("a") == 8 and torch.equal(store.read("a", 3, 8), feats(3, 5))
+    store.free("a")
+    assert len(store) == 0 and store.held_bytes() == 0
+
+
+def test_a_head_keeps_features_of_what_it_has_not_consumed_only(head_dir):
+    """Decoding long prompts, the head's store holds a few positions per request (the step's new
+    ones), not every position of every context; greedy output is the target's."""
+    model = target()
+    engine = SpeculativeEngine(model, drafter=FeatureDrafterSpec(str(head_dir)), num_speculative_tokens=3,
+                               adaptive=False)
+    batch_prompts = [[(7 * i + k) % 90 + 1 for i in range(200)] for k in range(3)]
+    width = engine.proposer.head.cfg.feature_size
+    held = []
+    for i, prompt in enumerate(batch_prompts):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=MAX_NEW, temperature=0.0))
+    outputs = {f"r{i}": [] for i in range(len(batch_prompts))}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs[out.request_id] += out.new_token_ids
+        held.append(engine.proposer.features.held_bytes())
+    for i, prompt in enumerate(batch_prompts):
+        assert outputs[f"r{i}"] == hf_greedy(model, prompt, MAX_NEW), i
+    assert held[0] >= 3 * 200 * width * 4  # the prompts' features, before the head's first catch-up
+    assert max(held[3:-1]) <= 3 * 128 * width * 4  # then at most 64 rows' storage per request, twice over
 
 
 def test_trained_head_beats_chance(head_dir):
