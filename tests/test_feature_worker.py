@@ -164,6 +164,28 @@ def test_a_draft_worker_that_loses_its_state_pulls_every_feature_again(local_coo
     assert coordinator._totals["spec_decode_num_accepted_tokens"] > accepted_at_swap[0]
 
 
+def test_features_handed_to_the_draft_worker_leave_the_targets_device(local_coordinator, head_dir):
+    """Once a read hands a request's committed features to the draft worker, the target keeps them
+    on the host only: on its device stay the positions not handed out yet (the newest token's and
+    the last verify's drafts), and a later read from 0 (a restarted draft worker) still gets them."""
+    coordinator = local_coordinator(config(head_dir, "draft"))
+    server = coordinator.target._obj.feature_server
+    on_device, read = [], server.read
+
+    def counted(wants):
+        got = read(wants)
+        on_device.extend(server.store.written(rid) - server.store.held_from(rid) for rid in wants)
+        for rid, (start, features) in got.items():  # what a restarted worker would get
+            again = read({rid: (0, start + features.shape[0])})[rid][1]
+            assert torch.equal(again[start:], features)
+        return got
+
+    server.read = counted
+    outs = generate(coordinator, PROMPTS, greedy())
+    assert outs == expected(coordinator)
+    assert on_device and max(on_device) <= coordinator.config.speculation.num_speculative_tokens + 1
+
+
 def test_the_shipped_draft_worker_config_asks_for_a_draft_worker_bundle():
     from pathlib import Path
 

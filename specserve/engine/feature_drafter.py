@@ -419,6 +419,11 @@ class FeatureStore:
         held = self._held.get(request_id)
         return 0 if held is None else held.written
 
+    def held_from(self, request_id: str) -> int:
+        """The first position held (those below were released)."""
+        held = self._held.get(request_id)
+        return 0 if held is None else held.base
+
     def read(self, request_id: str, start: int, end: int) -> torch.Tensor:
         held = self._held[request_id]
         if start < held.base:
@@ -473,24 +478,39 @@ class FeatureTap:
 
 class FeatureServer:
     """The target's side of a feature head that drafts in another process (the draft worker):
-    a FeatureTap on the target's runner, and `read`, which hands out committed features."""
+    a FeatureTap on the target's runner, and `read`, which hands out committed features. What it
+    handed out leaves the device (the target's GPU) for a host copy, the one the reply was made
+    from: a draft worker that restarts asks for every position again."""
 
     def __init__(self, runner: ModelRunner, feature_layers: tuple[int, ...]) -> None:
         self.runner = runner
-        self.store = FeatureStore()
+        self.store = FeatureStore()  # on the target's device: what no read has handed out yet
+        self.handed = FeatureStore()  # on the host: what reads handed out, never released
         self.tap = FeatureTap(runner, feature_layers, self.store)
+        tapped_free = runner.free
+
+        def free(request_id: str) -> None:
+            tapped_free(request_id)
+            self.handed.free(request_id)
+
+        runner.free = free  # an instance attribute: this runner only
 
     def read(self, wants: dict[str, tuple[int, int]]) -> dict[str, tuple[int, torch.Tensor]]:
         """{request id: (first position wanted, end)} -> {request id: (that position, features
         [n, F] on the host)} for the positions held up to `end`. The caller's end is its committed
         tokens' count - 1: every position below it holds the feature of the committed prefix (a
         rejected draft's position is the recovered token's, which the next forward rewrites before
-        it falls below an end). Requests with none are left out."""
+        it falls below an end), so those leave the device once read. Requests with none are left out."""
         out = {}
         for rid, (start, end) in wants.items():
             end = min(self.store.written(rid), end)
-            if end > start:
-                out[rid] = (start, self.store.read(rid, start, end).cpu())
+            if end <= start:
+                continue
+            device_from = self.store.held_from(rid)  # the first position not handed out yet
+            if device_from < end:
+                self.handed.write(rid, device_from, self.store.read(rid, device_from, end).cpu())  # [n, F]
+                self.store.release(rid, end)
+            out[rid] = (start, self.handed.read(rid, start, end))
         return out
 
 
