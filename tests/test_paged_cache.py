@@ -16,7 +16,7 @@ from specserve.engine.admission import Admission, allocation, positions_needed
 from specserve.engine.model_runner import ModelRunner
 from specserve.engine.step import new_sequence
 from test_drafters import prompts
-from test_feature_drafter import target
+from test_feature_drafter import kept_features, target
 from test_processing import drafter
 
 MAX_NEW = 24
@@ -313,12 +313,13 @@ def test_a_feature_head_drafts_from_the_features_kept_with_a_cached_prefix(head_
     for sharing in (True, False):
         engine = SpeculativeEngine(target(), proposer=drafter("feature-head", head_dir), num_speculative_tokens=3,
                                    adaptive=False, kv_block_size=16, prefix_caching=sharing)
+        kept = kept_features(engine)  # every feature the head's store was given (it releases what it consumed)
         engine.generate([first], params)
         store, seen, free = engine.proposer.features, {}, engine.proposer.features.free
 
-        def keep_and_free(rid: str) -> None:  # what the store held for the request, when it goes
-            if store.written(rid):
-                seen[rid] = store.read(rid, 0, store.written(rid)).clone()  # [positions, F]
+        def keep_and_free(rid: str) -> None:  # what the store was given for the request, when it goes
+            if kept.written(rid):
+                seen[rid] = kept.read(rid, 0, kept.written(rid)).clone()  # [positions, F]
             free(rid)
         store.free = keep_and_free
         head, head_took = engine.proposer.runner, []
