@@ -253,6 +253,11 @@ def test_graphs_survive_long_contexts_where_the_cache_was_sized_up_front(monkeyp
         # captured ahead at both key lengths the cache holds (256, then 400): none captured while decoding
         assert [len(r.graphs) for r in runners] == captured
         assert {key[3] for key in runners[0].graphs._entries} == {256, 400}
+        # the verify graphs of one (B', Q, logits) at both key lengths leave their outputs in one place
+        outputs = {}
+        for key, (_, out) in runners[0].graphs._entries.items():
+            outputs.setdefault((key[1], key[2], key[4]), []).append(out)
+        assert all(len(outs) == 2 and outs[0] is outs[1] for outs in outputs.values())
     else:
         assert sized == [(5, 256)] * 2
         assert all(r.cache.generation > g for r, g in zip(runners, generations))

@@ -283,6 +283,8 @@ class ModelRunner:
         self._slot_owner: list[str] = []  # slot -> request id, dense
         self._forked_at: dict[str, tuple[str, int]] = {}  # fork -> (its request, positions copied from it)
         self._blocks: dict[tuple[int, int], torch.Tensor] = {}  # (B', Q) -> static input block
+        # (B', Q, logits) -> where captured forwards of that shape leave their outputs (`_into_shared`)
+        self._outputs: dict[tuple[int, int, str], tuple[torch.Tensor | None, ...]] = {}
         self._pending: list[tuple] = []  # every forward since the log was last taken
         self._compiled: Callable | None = None
         self.graphs = GraphSet(self.device) if self.execution == "graph" else None
@@ -800,7 +802,9 @@ class ModelRunner:
         static = self.execution != "eager" and self.fixed_shape(staged)
         if static and self.execution == "graph" and self.capture_forwards:
             key = ("forward", *staged.static_key, logits, self.cache.generation)
-            return self.graphs.run(key, lambda: self._compute_running(self._compute, staged, logits, False))
+            shape = (staged.padded, staged.width, logits)
+            return self.graphs.run(key, lambda: self._into_shared(
+                shape, self._compute_running(self._compute, staged, logits, False)))
         if static and self.execution == "compile":
             if self._compiled is None:
                 # one graph per shape bucket (B', Q, K): more than dynamo's default of 8 per code
@@ -810,6 +814,20 @@ class ModelRunner:
                     self._compute, fullgraph=True, dynamic=False, backend=self.compile_backend)
             return self._compute_running(self._compiled, staged, logits, False)
         return self._compute_running(self._compute, staged, logits, staged.gather)
+
+    def _into_shared(self, shape: tuple[int, int, str], outputs: tuple) -> tuple:
+        """A captured forward's outputs (logits, features) copied into buffers that every key
+        length of its (B', Q, logits) shares -> those buffers. A graph's own outputs stay
+        allocated for as long as the graph: for a 128k vocabulary, batch buckets up to 64 and
+        widths up to 6 that is 0.7 GB of bf16 logits per key length, on one GPU. Callers copy a
+        forward's outputs before the next forward (`unsort`, the feature sinks). The buffers are
+        made by the warm-up run, outside the capture."""
+        if shape not in self._outputs:
+            self._outputs[shape] = tuple(None if t is None else torch.empty_like(t) for t in outputs)
+        for buffer, t in zip(self._outputs[shape], outputs):
+            if t is not None:
+                buffer.copy_(t)
+        return self._outputs[shape]
 
     def _compute_running(self, compute, staged: Staged, logits: str, gather: bool):
         """compute (`_compute` or its compiled form) of the staged rows, within `running()`."""
