@@ -739,12 +739,12 @@ class FeatureDrafterProposer(DraftModelProposer):
         staged = self.runner.stage(backlog)
         self.head.set_features(self._sorted_features(staged, [feats[b][:-1] for b in long]), feedback=False)
         self.runner.run(staged, logits="none")
-        rows, feats = list(catch_up), list(feats)
+        rows, loop_feats = list(catch_up), list(feats)
         for b in long:
             row = catch_up[b]
             rows[b] = RowInput(row.request_id, row.start + len(row.tokens) - 1, row.tokens[-1:])
-            feats[b] = feats[b][-1:]
-        return rows, feats
+            loop_feats[b] = feats[b][-1:]
+        return rows, loop_feats
 
     def _take_cached(self, catch_up: list[RowInput], feats: list[torch.Tensor], seqs):
         """Under prefix caching, each row skips the leading exact pairs whose keys the head's

@@ -408,9 +408,10 @@ class PromptLookupProposer:
     """Proposes what followed the most recent earlier occurrence of the sequence's suffix n-gram.
 
     The longest suffix of n tokens (min_n <= n <= max_n) that also occurs earlier in the request's
-    own tokens (prompt + output so far) wins; among its occurrences, the most recent. The drafts
-    are the tokens that followed it, continued periodically when they run into the end of the
-    sequence (a repeating pattern keeps repeating). No model runs.
+    own tokens (prompt + output so far) wins; among its occurrences, the most recent (searched
+    among the 64 most recent occurrences of its last min_n tokens, through an index kept per
+    request: engine/lookup.py). The drafts are the tokens that followed it, continued periodically
+    when they run into the end of the sequence (a repeating pattern keeps repeating). No model runs.
 
     Without a match the row still gets `num_tokens` drafts (the protocol is rectangular): copies of
     its last token, which cost nothing to make and which the engine's adaptive γ sees as low
