@@ -227,9 +227,9 @@ def capture_graphs(verifier, proposer, max_batch_size: int, max_gamma: int, prog
     for, at most `key_buckets` of them (None: AHEAD_KEY_BUCKETS; `key_prefixes`); longer contexts
     and loops that filter (top-k / top-p) are captured when first met. Only runners in graph mode
     take part (verifier or proposer None: that side is another process's). A dense cache is first
-    sized for the whole batch at max_model_len (given here, or stated to the runner) where that fits `budget` positions and the
-    device (`ModelRunner.preallocate`): then it never grows and no graph is dropped. Returns the
-    seconds spent."""
+    sized for the whole batch at max_model_len (given here, or stated to the runner) where that
+    fits `budget` positions and the device (`ModelRunner.preallocate`): then it never grows and no
+    graph is dropped. Returns the seconds spent."""
     target = verifier.runner if verifier is not None and verifier.runner.execution == "graph" else None
     draft = proposer if isinstance(proposer, DraftModelProposer) and proposer.graph_loops() else None
     if target is None and draft is None:

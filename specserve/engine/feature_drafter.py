@@ -25,7 +25,6 @@ over the same positions overwrites them, as it does the target's KV cache).
 """
 from __future__ import annotations
 
-import itertools
 import json
 import time
 from dataclasses import dataclass
@@ -39,7 +38,7 @@ from .grammar import DraftMasks
 from .model_runner import CacheMiss, ForwardTiming, ModelRunner, RowInput, regroup
 from .lookup import TokenStore, continue_match
 from .proposers import DraftModelProposer, Proposal, decoder_layers
-from .sampling import BatchSampling, SamplingParams, one_hot, rows_over_one_hot
+from .sampling import BatchSampling, one_hot, rows_over_one_hot
 
 FEEDBACK_KINDS = ("direct", "fc")  # how a draft's own output becomes the next position's feature
 LOOKUP_MAX_N = 8  # the longest suffix n-gram a lookup row tries to match (the most specific context wins)
@@ -550,7 +549,6 @@ class FeatureDrafterProposer(DraftModelProposer):
         self._tokens = TokenStore(lookup_min_n, None if lookup_min_n is None else max(LOOKUP_MAX_N, lookup_min_n))
         self._exact: dict[str, int] = {}  # request id -> leading pairs computed from target features
         self._tap: FeatureTap | None = None
-        self._q_out: dict[tuple[int, int], torch.Tensor] = {}  # (B', G) -> where captured sampled loops leave q
         # the widest catch-up a loop takes at a fixed shape (`_run_backlog`): the widest captured ahead
         self.loop_width = CATCH_UP_WIDTHS[-1]
         # True: the target runs elsewhere; its features arrive through `put_features` (the draft
@@ -605,31 +603,28 @@ class FeatureDrafterProposer(DraftModelProposer):
         position (`host_stop`)."""
         return super().graph_loops() and not self.host_stop
 
-    def ahead_loops(self, max_gamma: int, kinds) -> int:
-        return max_gamma * len(_widths_up_to(max_gamma + 1)) * len(kinds)
-
-    @torch.no_grad()
     def capture_ahead(self, size: int, prefixes, max_gamma: int, kinds, tick) -> None:
-        """Capture the draft loops of `size` rows (a batch bucket) after each context length of
-        `prefixes`: γ in 1..max_gamma, each catch-up width bucket up to γ + 1 tokens (a step's
-        accepted drafts and bonus token), rows at each temperature of `kinds`; tick() after each.
-        Zero features stand in for the target's (a replay reads whatever its buffers then hold)."""
-        runner, width = self.runner, self.head.cfg.feature_size
-        self.loop_width = _widths_up_to(max_gamma + 1)[-1]
-        ids = [f"__capture_{i}__" for i in range(size)]
-        loops = [BatchSampling.from_params([SamplingParams(temperature=t)] * size) for t in kinds]
-        zeros = [torch.zeros(CATCH_UP_WIDTHS[-1], width, dtype=self.head.fc.weight.dtype)] * size
-        for prefix in prefixes:
-            self.head.set_features(torch.zeros(size, prefix, width, dtype=self.head.fc.weight.dtype,
-                                               device=runner.device), feedback=False)
-            runner.forward([RowInput(i, 0, [0] * prefix) for i in ids], logits="none")
-            for gamma, q, sampling in itertools.product(range(1, max_gamma + 1), _widths_up_to(max_gamma + 1), loops):
-                uniforms = None if sampling.all_greedy else torch.zeros(size, gamma)
-                rows = [RowInput(i, max(prefix + 1 - q, 0), [0] * q) for i in ids]
-                self._draft_rows(rows, [z[:q] for z in zeros], gamma, sampling, uniforms)
-                tick()
-        for i in ids:
-            self.free(i)
+        """As a draft model's, at each catch-up width bucket up to γ + 1 tokens (a step's accepted
+        drafts and bonus token); from then on wider catch-ups first run their backlog."""
+        self.loop_width = self._ahead_widths(max_gamma)[-1]
+        super().capture_ahead(size, prefixes, max_gamma, kinds, tick)
+
+    def _ahead_widths(self, max_gamma: int) -> list[int]:
+        return _widths_up_to(max_gamma + 1)
+
+    def _ahead_context(self, ids: list[str], prefix: int) -> None:
+        head = self.head
+        head.set_features(torch.zeros(len(ids), prefix, head.cfg.feature_size, dtype=head.fc.weight.dtype,
+                                      device=self.runner.device), feedback=False)
+        super()._ahead_context(ids, prefix)
+
+    def _ahead_loop(self, rows: list[RowInput], gamma: int, sampling: BatchSampling,
+                    uniforms: torch.Tensor | None) -> None:
+        """The loop over zero features, standing in for the target's (a replay reads whatever its
+        buffers then hold)."""
+        head, width = self.head, len(rows[0].tokens)
+        zeros = torch.zeros(width, head.cfg.feature_size, dtype=head.fc.weight.dtype)
+        self._draft_rows(rows, [zeros] * len(rows), gamma, sampling, uniforms)
 
     def prefill(self, rows: list[RowInput]) -> tuple[ForwardTiming, ...]:
         """Hold rows' tokens (prompt chunks). The head's own cache of them waits for the target's
@@ -800,7 +795,7 @@ class FeatureDrafterProposer(DraftModelProposer):
             for name in ("temperature", "top_k", "top_p"):
                 buffers[name].copy_(getattr(sampling, name))
             buffers["uniforms"].copy_(uniforms)
-            buffers["probs"] = self._q_buffer_of(staged.padded, num_tokens)
+            buffers["probs"] = self._q_buffer(staged.padded, num_tokens)
         buffers["real"].copy_(staged.real)
         static = BatchSampling(buffers["temperature"], buffers["top_k"], buffers["top_p"])
         key = ("head", *staged.static_key, num_tokens, flags, runner.cache.generation)
@@ -811,12 +806,6 @@ class FeatureDrafterProposer(DraftModelProposer):
         runner.record(staged.rows, began, forwards=num_tokens)
         drafted, probs, kept = (None if t is None else t.clone() for t in out)
         return drafted, probs, kept, num_tokens - 1
-
-    def _q_buffer_of(self, rows: int, num_tokens: int) -> torch.Tensor:
-        """The (B', G) q buffer every captured sampled loop of that shape writes (`_q_buffer`)."""
-        if (rows, num_tokens) not in self._q_out:
-            self._q_out[rows, num_tokens] = self._q_buffer(rows, num_tokens)
-        return self._q_out[rows, num_tokens]
 
     def _static_buffers(self, staged, num_tokens: int, width: int) -> dict[str, torch.Tensor]:
         """The captured loop's inputs for (B', Q, G), allocated once (a replay reads them at fixed

@@ -111,6 +111,7 @@ class DraftModelProposer:
         self.runner = ModelRunner(model, max_model_len, execution, attention=attention)
         self.vocab_size = vocab_size  # V, the target's
         self._inputs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # (B', G) -> static loop inputs
+        self._q_out: dict[tuple[int, int], torch.Tensor] = {}  # (B', G) -> where captured sampled loops leave q
         self.grammar: GrammarBook | None = None  # masks grammar rows' drafts when set (engine/grammar.py)
 
     def free(self, request_id: str) -> None:
@@ -143,27 +144,41 @@ class DraftModelProposer:
 
     def ahead_loops(self, max_gamma: int, kinds: Sequence[float]) -> int:
         """How many loops `capture_ahead` captures per batch size and context length."""
-        return 2 * max_gamma * len(kinds)
+        return max_gamma * len(self._ahead_widths(max_gamma)) * len(kinds)
 
     @torch.no_grad()
     def capture_ahead(self, size: int, prefixes: Sequence[int], max_gamma: int, kinds: Sequence[float],
                       tick: Callable[[], None]) -> None:
         """Capture the draft loops of `size` rows (a batch bucket) after each context length of
-        `prefixes`: γ in 1..max_gamma, a first width of 1 or 2 (the bonus token, after a step
-        whose drafts were all accepted also the last draft), and rows at each temperature of
-        `kinds` (greedy, sampled: `BatchSampling.loop_flags`); tick() after each."""
+        `prefixes`: γ in 1..max_gamma, each first width a call starts with (`_ahead_widths`), and
+        rows at each temperature of `kinds` (greedy, sampled: `BatchSampling.loop_flags`); tick()
+        after each."""
         ids = [f"__capture_{i}__" for i in range(size)]
         loops = [BatchSampling.from_params([SamplingParams(temperature=t)] * size) for t in kinds]
         for prefix in prefixes:
-            self.runner.forward([RowInput(i, 0, [0] * prefix) for i in ids], logits="none")
-            for gamma in range(1, max_gamma + 1):
-                for first, sampling in itertools.product((1, 2), loops):
-                    uniforms = None if sampling.all_greedy else torch.zeros(size, gamma)
-                    self.propose([RowInput(i, prefix + 1 - first, [0] * first) for i in ids], gamma, sampling,
-                                 uniforms)
-                    tick()
+            self._ahead_context(ids, prefix)
+            for gamma, width, sampling in itertools.product(range(1, max_gamma + 1), self._ahead_widths(max_gamma),
+                                                            loops):
+                uniforms = None if sampling.all_greedy else torch.zeros(size, gamma)
+                self._ahead_loop([RowInput(i, max(prefix + 1 - width, 0), [0] * width) for i in ids], gamma,
+                                 sampling, uniforms)
+                tick()
         for i in ids:
             self.free(i)
+
+    def _ahead_widths(self, max_gamma: int) -> Sequence[int]:
+        """The widths a call's rows start with: the bonus token, or after a step whose drafts were
+        all accepted also the last draft (wider rows first prefill their backlog)."""
+        return (1, 2)
+
+    def _ahead_context(self, ids: list[str], prefix: int) -> None:
+        """The capture rows' first `prefix` positions, cached."""
+        self.runner.forward([RowInput(i, 0, [0] * prefix) for i in ids], logits="none")
+
+    def _ahead_loop(self, rows: list[RowInput], gamma: int, sampling: BatchSampling,
+                    uniforms: torch.Tensor | None) -> None:
+        """One call over the capture rows, which captures its loop."""
+        self.propose(rows, gamma, sampling, uniforms)
 
     @torch.no_grad()
     def prefill(self, rows: list[RowInput]) -> Sequence[ForwardTiming]:
@@ -207,7 +222,7 @@ class DraftModelProposer:
             finally:
                 masks.close()
         elif static:
-            if flags is not None and "probs" not in inputs:
+            if flags is not None:
                 inputs["probs"] = self._q_buffer(staged.padded, num_tokens)
             key = ("draft", *staged.static_key, num_tokens, flags, alternates, runner.cache.generation)
             written = (staged.block, runner.advance_block(staged))  # the loop writes the single-token block
@@ -225,7 +240,9 @@ class DraftModelProposer:
         """[B', G, V] float32: where the captured sampled loops of a (B', G) leave q, one buffer
         for the shape rather than an output per graph (every key length and loop variant of it
         shares the buffer; each replay's q is cloned out). Allocated before the first capture."""
-        return torch.zeros(rows, num_tokens, self.vocab_size, device=self.runner.device)
+        if (rows, num_tokens) not in self._q_out:
+            self._q_out[rows, num_tokens] = torch.zeros(rows, num_tokens, self.vocab_size, device=self.runner.device)
+        return self._q_out[rows, num_tokens]
 
     def _static_inputs(self, staged, num_tokens, sampling, uniforms, flags) -> dict[str, torch.Tensor]:
         """This call's sampling parameters and uniforms, in sorted row order, in buffers allocated
