@@ -202,8 +202,8 @@ async def _stream(client, prompt: str, max_tokens: int, record: dict) -> None:
         record["error"] = f"{type(err).__name__}: {err}"
 
 
-async def _round(url: str, prompts: list[str], max_tokens: int, fault) -> dict:
-    """The streams; once each has its first tokens (and 0.5 s more), `fault()` (in a thread)."""
+async def _round(url: str, prompts: list[str], max_tokens: int, fault, settle_s: float) -> dict:
+    """The streams; once each has its first tokens (and settle_s more), `fault()` (in a thread)."""
     import asyncio
 
     import httpx
@@ -215,7 +215,7 @@ async def _round(url: str, prompts: list[str], max_tokens: int, fault) -> dict:
         began = time.monotonic()
         while not all(r["times"] or r["error"] for r in records) and time.monotonic() - began < 60:
             await asyncio.sleep(0.05)
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(settle_s)
         fault_at = time.monotonic()
         detail = await asyncio.to_thread(fault)
         await asyncio.gather(*tasks)
@@ -270,13 +270,15 @@ def run_node_loss(port: int, prompts: list, max_tokens: int) -> dict:
         serve.run(build_app(node_loss_args()), name=APP_NAME, route_prefix="/")
         if _wait_for(lambda: _replicas_running(APP_NAME) == 2, 120) is None:
             raise RuntimeError("two coordinator groups did not start")
-        target_lost = asyncio.run(_round(url, prompts, max_tokens, lambda: _remove_group_node(cluster, 1)))
+        target_lost = asyncio.run(_round(url, prompts, max_tokens, lambda: _remove_group_node(cluster, 1), 0.5))
         added = time.monotonic()  # capacity returns: a new A node, where Serve rebuilds the group
         cluster.add_node(**NODE, resources={NODE_A: 1})
         rebuilt_s = _wait_for(lambda: _replicas_running(APP_NAME) == 2, 120)
         target_lost["full_capacity_s"] = None if rebuilt_s is None else time.monotonic() - added
-        # a draft's loss is seen within a step: shorter streams suffice (and its group runs target-only)
-        draft_lost = asyncio.run(_round(url, prompts, max_tokens // 3, lambda: _remove_group_node(cluster, 2)))
+        # a draft's loss is seen within a step: shorter streams suffice (and its group runs target-only).
+        # The fault comes as soon as every stream has begun: on a loaded 2-core machine the first
+        # streams of a short round could otherwise end before the last one begins.
+        draft_lost = asyncio.run(_round(url, prompts, max_tokens // 2, lambda: _remove_group_node(cluster, 2), 0.0))
         return {"ok": True, "rounds": {"target node": target_lost, "draft node": draft_lost}}
 
 
