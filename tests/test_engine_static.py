@@ -211,14 +211,47 @@ def test_graph_mode_logic_on_cpu(target, temperature, fused):
         emulate_graphs(runner)
     engine.capture_graphs(progress=False)
     captured = len(engine.verifier.runner.graphs), len(engine.proposer.runner.graphs)
-    # buckets 8, 4, 2, 1 x (widths 1..4 | γ 1..3 x first width 1, 2 x greedy, sampled)
-    assert captured == (4 * 4, 4 * 3 * 2 * 2)
+    # buckets 8, 4, 2, 1 x (widths 1..4 | γ 1..3 x greedy, sampled: first widths 1 and 2 padded to one)
+    assert captured == (4 * 4, 4 * 3 * 2)
     got = [o.token_ids for o in engine.generate(prompts, params)]
     assert got == expected
     # greedy or sampled, every step's graphs were there before the first request
     assert (len(engine.verifier.runner.graphs), len(engine.proposer.runner.graphs)) == captured
     if temperature == 0.0:
         assert got == [hf_greedy(target, p, 16) for p in prompts]
+
+
+def test_padded_draft_loops_draft_what_unpadded_ones_do():
+    """Graph mode pads a draft model's first forward to two tokens a row (one loop per γ, batch
+    bucket and key length instead of two): one-token rows, alone or beside a two-token row, draft
+    the tokens and q an eager proposer drafts, call for call; every loop replayed starts two wide."""
+    from specserve.engine.proposers import DraftModelProposer
+    from specserve.engine.sampling import BatchSampling
+
+    draft = tiny_llama(3)
+    vocab = draft.config.vocab_size
+    eager = DraftModelProposer(draft, vocab, execution="eager")
+    padded = DraftModelProposer(draft, vocab, execution="eager")
+    emulate_graphs(padded.runner)
+    contexts = {"a": [1, 2, 3, 4, 5], "b": [7, 8, 9], "c": [4, 4, 2, 6, 1, 3, 3]}
+    for proposer in (eager, padded):
+        proposer.prefill([RowInput(rid, 0, c[:-1]) for rid, c in contexts.items()])
+    sampling = BatchSampling.from_params([SamplingParams(temperature=t) for t in (0.0, 1.0, 0.7)])
+    generator = torch.Generator().manual_seed(0)
+    rows = [RowInput(rid, len(c) - 1, c[-1:]) for rid, c in contexts.items()]
+    for call in range(6):
+        uniforms = torch.rand(3, 3, generator=generator)
+        want = eager.propose(rows, 3, sampling, uniforms)
+        got = padded.propose(rows, 3, sampling, uniforms)
+        assert torch.equal(got.tokens, want.tokens) and torch.allclose(got.probs, want.probs)
+        # the next call's rows: after an even call one row took all three drafts (it sends the last
+        # one and the bonus token) and the others rejected their first (one token each); after an
+        # odd call every row rejected its first
+        drafts = want.tokens.tolist()
+        rows = [RowInput(r.request_id, r.start + 3, [d[2], (d[2] + 1) % vocab]) if call % 2 == 0 and i == call % 3
+                else RowInput(r.request_id, r.start + 1, [(d[0] + 1) % vocab]) for i, (r, d) in enumerate(zip(rows, drafts))]
+    widths = {key[2] for key in padded.runner.graphs._entries}
+    assert widths == {2} and len(padded.runner.graphs) >= 1
 
 
 @pytest.mark.parametrize("fits", [True, False])

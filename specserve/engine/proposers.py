@@ -168,8 +168,18 @@ class DraftModelProposer:
 
     def _ahead_widths(self, max_gamma: int) -> Sequence[int]:
         """The widths a call's rows start with: the bonus token, or after a step whose drafts were
-        all accepted also the last draft (wider rows first prefill their backlog)."""
-        return (1, 2)
+        all accepted also the last draft (wider rows first prefill their backlog); where batches
+        are padded, one width (`_first_width`)."""
+        return (DRAFT_ROW_TOKENS,) if self.runner.pad_batches else (1, DRAFT_ROW_TOKENS)
+
+    def _first_width(self) -> int:
+        """The width a call's first forward is padded to (0: none). A runner that pads batches
+        (graph mode) pads every row to DRAFT_ROW_TOKENS: a batch of one-token rows then replays
+        the same loop as one holding a two-token row, so half the loops are captured. The padding
+        lands just past each row's end, where a one-token row in a mixed batch already had it, and
+        the loop's first draft overwrites it; on a GPU a second position in a forward that reads
+        the whole draft's weights costs next to nothing."""
+        return DRAFT_ROW_TOKENS if self.runner.pad_batches else 0
 
     def _ahead_context(self, ids: list[str], prefix: int) -> None:
         """The capture rows' first `prefix` positions, cached."""
@@ -205,7 +215,7 @@ class DraftModelProposer:
             runner.forward(backlog, logits="none")
             rows = [RowInput(r.request_id, r.start + len(r.tokens) - 1, r.tokens[-1:])
                     if catch_up(r.tokens, DRAFT_ROW_TOKENS) else r for r in rows]
-        staged = runner.stage(rows, extra_positions=num_tokens - 1)
+        staged = runner.stage(rows, extra_positions=num_tokens - 1, min_width=self._first_width())
         flags = sampling.loop_flags()  # host reads of host tensors
         alternates = alternates and flags is None
         inputs = self._static_inputs(staged, num_tokens, sampling, uniforms, flags)
