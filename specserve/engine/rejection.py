@@ -40,6 +40,9 @@ def greedy_accept(
 ) -> AcceptResult:
     """Greedy rule. target_argmax [B, G+1], draft_tokens [B, G], num_draft [B] (g_b <= G)."""
     gamma = draft_tokens.shape[1]
+    if gamma == 0:  # no drafts (a plain step): the target's choice, and none of the rule's kernels
+        next_token = target_argmax[:, 0]
+        return AcceptResult(torch.zeros_like(next_token), next_token)
     in_range = torch.arange(gamma, device=draft_tokens.device)[None, :] < num_draft[:, None]  # [B, G]
     num_accepted = _leading_true((draft_tokens == target_argmax[:, :-1]) & in_range)  # [B]
     next_token = target_argmax.gather(1, num_accepted[:, None]).squeeze(1)  # [B]

@@ -106,21 +106,34 @@ class BatchSampling:
                     processing: LogitsProcessing | None = None,
                     grammar: GrammarRows | None = None) -> "BatchSampling":
         wanted = [p.logprobs for p in params if p.logprobs is not None]
-        return BatchSampling(
+        out = BatchSampling(
             temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
             processing=processing, logprobs=max(wanted) if wanted else None, grammar=grammar,
         )
+        greedy = [p.greedy for p in params]
+        filtering = any(p.top_k > 0 or p.top_p < 1 for p in params)
+        return out._known(all(greedy), filtering, any(greedy))
+
+    def _known(self, all_greedy: bool, filtering: bool, any_greedy: bool) -> "BatchSampling":
+        """This sampling with its flags already known (from the params it was built from): read
+        every step, they then cost no tensor op. (Not a field: the flags follow the tensors.)"""
+        object.__setattr__(self, "_flags", (all_greedy, filtering, any_greedy))
+        return self
 
     @property
     def all_greedy(self) -> bool:
-        return bool((self.temperature == 0).all())
+        known = self.__dict__.get("_flags")
+        return known[0] if known is not None else bool((self.temperature == 0).all())
 
     def flags(self) -> tuple[bool, bool]:
         """(some row filters with top-k or top-p, some row is greedy): read once where the tensors
         live (a step's sampling is built on the host), so that `logits_to_probs` on the device
         need not read them back."""
+        known = self.__dict__.get("_flags")
+        if known is not None:
+            return known[1], known[2]
         filtering = bool(((self.top_k > 0) | (self.top_p < 1)).any())
         return filtering, bool((self.temperature == 0).any())
 
@@ -136,8 +149,10 @@ class BatchSampling:
         return self.flags()[0], True
 
     def to(self, device: torch.device | str) -> "BatchSampling":
-        return BatchSampling(self.temperature.to(device), self.top_k.to(device), self.top_p.to(device),
-                             self.processing, self.logprobs, self.grammar)
+        moved = BatchSampling(self.temperature.to(device), self.top_k.to(device), self.top_p.to(device),
+                              self.processing, self.logprobs, self.grammar)
+        known = self.__dict__.get("_flags")
+        return moved if known is None else moved._known(*known)
 
     def select(self, rows: list[int]) -> "BatchSampling":
         """These rows only (caller indices), each with its processing and grammar."""

@@ -228,8 +228,10 @@ def prefill_rows(seqs: list[Sequence], mark: str, budget: int, fold: frozenset[s
     rows: list[RowInput] = []
     width = 0
     for s in seqs:
+        if s.metrics.num_steps and not s.preempted:  # decoding (most rows, most steps)
+            continue
         start, end = getattr(s, mark), prefill_end(s)
-        if (s.metrics.num_steps and not s.preempted) or start >= end:
+        if start >= end:
             continue
         if not rows:
             width = min(end - start, budget)
