@@ -17,7 +17,7 @@ import torch
 
 from models import hf_greedy
 from specserve.config import AppConfig
-from specserve.engine import RowInput, SamplingParams
+from specserve.engine import Proposal, RowInput, SamplingParams
 from specserve.engine.sampling import BatchSampling
 from specserve.serve.graph import DraftLate, StepCall, pack, step_reply, unpack
 from specserve.serve.pipeline import branch_points
@@ -141,6 +141,61 @@ def test_seeded_sampling_on_the_graph_draws_the_plain_calls_numbers(local_coordi
     on_graph(coordinator)
     assert generate(coordinator, PROMPTS, params) == plain
     assert coordinator._totals["graph_steps"] == coordinator._totals["steps"]
+
+
+def _crossing_q(graph: InProcessGraph) -> list:
+    """Record the q each execution's draft side sends the target (as the channel carries it)."""
+    seen, propose = [], graph.draft.graph_propose
+
+    def recorded(packed):
+        drafted = propose(packed)
+        reply = unpack(drafted)
+        seen.append(None if reply.result is None else reply.result.probs)
+        return drafted
+    graph.draft.graph_propose = recorded
+    return seen
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_only_the_sampling_rows_q_crosses_the_graph(local_coordinator, pipelined):
+    """Greedy and seeded sampled rows together: the draft side sends the target q for the sampled
+    rows only (a greedy row's is one-hot at its draft, rebuilt there), and the tokens are those of
+    plain calls, whose q crosses whole."""
+    from specserve.serve.wire import RowsProbs
+
+    params = [SamplingParams(max_tokens=30, ignore_eos=True, seed=60, **SEEDED_TOP_K),
+              SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.0),
+              SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.0),
+              SamplingParams(max_tokens=30, ignore_eos=True, seed=63, temperature=1.0)]
+    plain = generate(local_coordinator(config(pipelined=False, gamma=3)), PROMPTS, params)
+    coordinator = local_coordinator(config(pipelined=pipelined, gamma=3))
+    seen = _crossing_q(on_graph(coordinator))
+    if pipelined:
+        _alternate_preparing(coordinator)
+    assert generate(coordinator, PROMPTS, params) == plain
+    cut = [q for q in seen if isinstance(q, RowsProbs)]
+    assert cut and all(q.probs.shape[0] == len(q.rows) < 4 for q in cut)
+    assert not any(isinstance(q, torch.Tensor) and q.shape[0] == 4 for q in seen)  # never the whole batch's
+
+
+def test_the_q_that_crosses_resolves_to_what_the_rule_reads():
+    """RowsProbs: the sampling rows' q at the positions they verify, through the codec, then one-hot
+    at the drafts elsewhere; q itself where every row samples every position."""
+    from specserve.serve.wire import RowsProbs
+
+    generator = torch.Generator().manual_seed(3)
+    probs = torch.softmax(torch.randn(4, 3, 11, generator=generator), dim=-1)  # [B, G, V]
+    tokens = torch.randint(0, 11, (4, 3), generator=generator)
+    sampling = BatchSampling.from_params([SamplingParams(temperature=t) for t in (0.0, 1.0, 0.0, 0.7)])
+    cut = RowsProbs.of(probs, sampling, torch.tensor([3, 2, 3, 1]))
+    assert isinstance(cut, RowsProbs) and cut.rows == (1, 3) and cut.probs.shape == (2, 2, 11)
+    back = unpack(pack(Proposal(tokens, cut, [])))
+    full = back.probs.resolve(tokens)  # [B, G, V]
+    assert torch.equal(full[[1, 3], :2], probs[[1, 3], :2])  # the rows' verified positions, exactly
+    assert torch.equal(full[[0, 2]], torch.nn.functional.one_hot(tokens[[0, 2]], 11).float())
+    assert torch.equal(full[:, 2], torch.nn.functional.one_hot(tokens[:, 2], 11).float())  # none verifies it
+    every = BatchSampling.from_params([SamplingParams(temperature=1.0)] * 4)
+    assert RowsProbs.of(probs, every, torch.tensor([3, 3, 1, 3])) is probs
 
 
 def _alternate_preparing(coordinator) -> None:

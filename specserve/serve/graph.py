@@ -5,7 +5,7 @@ each way (~1 ms on one node, far more on a loaded machine), and a speculative st
 a row. A compiled graph is built once per worker pair:
 
     StepCall ─┬─► target.graph_solo ──(the call; a target-only step's StepReply)──┐  (in process)
-              └─► draft.graph_propose ──(Reply: tokens [B, G], q [B, G, V])──► target.graph_verify ──► StepReply
+              └─► draft.graph_propose ──(Reply: tokens [B, G], q of the rows that sample)──► target.graph_verify ──► StepReply
     (pipelined:)        └──► draft.graph_ahead ──(Reply without q)──► target.graph_join ◄──┘
                                                               (StepReply and the ahead's Reply, one output)
 

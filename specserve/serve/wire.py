@@ -28,7 +28,7 @@ import torch
 
 from specserve.engine import Proposal, RowInput, Verdict
 from specserve.engine.model_runner import ForwardTiming
-from specserve.engine.sampling import BatchSampling, rows_over_one_hot
+from specserve.engine.sampling import BatchSampling, one_hot, rows_over_one_hot
 
 
 @dataclass(frozen=True)
@@ -139,6 +139,41 @@ class SharedProbs:
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             picked = get(self.ref)  # [R, G, V]
         return rows_over_one_hot(picked, self.rows, draft_tokens.cpu(), picked.shape[-1])
+
+
+@dataclass(frozen=True)
+class RowsProbs:
+    """A proposal's q as it crosses the compiled graph from the draft side to the target: the
+    rows that sample only (a greedy row's q is one-hot at its draft, rebuilt by `resolve`, as
+    SharedProbs does: the rule decides a greedy row from the target's choice alone), and their
+    first positions, up to the most drafts any of them verifies (the rule reads no position past a
+    row's g_b). Whole, q is [B, G, V] float32: 12 MB a step at 32 rows, γ 3 and a 32k vocabulary,
+    copied off the draft's device, through the channel and onto the target's. It stays float32:
+    the rule must see the very q each draft was drawn from."""
+
+    probs: torch.Tensor  # [R, G', V] the sampling rows' q, positions 0..G'-1
+    rows: tuple[int, ...]  # rows of the batch that sample, in order
+    width: int  # G of the whole q
+
+    @classmethod
+    def of(cls, probs: torch.Tensor, sampling: BatchSampling, num_draft: torch.Tensor) -> "RowsProbs | torch.Tensor":
+        """probs [B, G, V] (on the draft's device); sampling, num_draft [B]: the verify's rows and
+        planned drafts (host) -> what crosses: q itself where every row samples and verifies all
+        G positions, else the part the rule reads."""
+        counts, temperatures = num_draft.tolist(), sampling.temperature.tolist()
+        rows = tuple(b for b, t in enumerate(temperatures) if t > 0)
+        width = max((counts[b] for b in rows), default=0)
+        if len(rows) == probs.shape[0] and width == probs.shape[1]:
+            return probs
+        index = torch.tensor(rows, dtype=torch.long, device=probs.device)
+        return cls(probs.index_select(0, index)[:, :width], rows, probs.shape[1])
+
+    def resolve(self, draft_tokens: torch.Tensor) -> torch.Tensor:
+        """draft_tokens [B, G] -> q [B, G, V] on the host."""
+        full = one_hot(draft_tokens.cpu(), self.probs.shape[-1], self.probs.dtype)  # [B, G, V]
+        if self.rows:
+            full[list(self.rows), : self.probs.shape[1]] = self.probs.cpu()
+        return full
 
 
 def light(proposal: Proposal) -> Proposal:
@@ -272,6 +307,17 @@ def _unsampling(s) -> BatchSampling | None:
     return None if s is None else BatchSampling(*(_untensor(t) for t in s[:3]), s[3], s[4], s[5])
 
 
+def _probs(p):
+    """A proposal's q: a tensor (or None) as `_tensor`, or the part that crosses (`RowsProbs`)."""
+    return ("rows", _tensor(p.probs), p.rows, p.width) if isinstance(p, RowsProbs) else _tensor(p)
+
+
+def _unprobs(p):
+    if isinstance(p, tuple) and p[0] == "rows":  # (a small tensor's tuple starts with its dtype code)
+        return RowsProbs(_untensor(p[1]), tuple(p[2]), p[3])
+    return _untensor(p)
+
+
 def _times(forwards) -> list[tuple]:
     return [tuple(f) for f in forwards]
 
@@ -300,7 +346,7 @@ def _encode(m):
         return "s", (_encode(m.proposal), _encode(m.verdict), m.draft_misses, m.target_misses, m.draft_seconds,
                      m.target_seconds, _encode(m.ahead))
     if kind is Proposal:
-        return "p", (_tensor(m.tokens), _tensor(m.probs), _times(m.forwards), m.deterministic, _tensor(m.num_draft),
+        return "p", (_tensor(m.tokens), _probs(m.probs), _times(m.forwards), m.deterministic, _tensor(m.num_draft),
                      _tensor(m.alternates))
     if kind is Verdict:
         return "v", (m.num_accepted, m.next_token, _times(m.forwards), m.draft_tokens, m.logprobs, m.top_logprobs,
@@ -325,7 +371,7 @@ def _decode(e):
     if kind == "s":
         return StepReply(_decode(f[0]), _decode(f[1]), f[2], f[3], f[4], f[5], _decode(f[6]))
     if kind == "p":
-        return Proposal(_untensor(f[0]), _untensor(f[1]), _untimes(f[2]), f[3], _untensor(f[4]), _untensor(f[5]))
+        return Proposal(_untensor(f[0]), _unprobs(f[1]), _untimes(f[2]), f[3], _untensor(f[4]), _untensor(f[5]))
     if kind == "v":
         return Verdict(f[0], f[1], _untimes(f[2]), f[3], f[4], f[5], f[6])
     return pickle.loads(f)

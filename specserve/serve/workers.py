@@ -35,7 +35,7 @@ from specserve.engine.step import empty_proposal, verified_counts
 from specserve.engine.verifier import prompt_logprobs
 from specserve.engine.sampling import BatchSampling
 
-from .wire import (AheadCall, Block, Reply, SharedProbs, StepCall, StepReply, fast_tensor_pickling, light, pack,
+from .wire import (AheadCall, Block, Reply, RowsProbs, SharedProbs, StepCall, StepReply, fast_tensor_pickling, light, pack,
                    pack_pair, unpack)
 from .pipeline import branch_points, combine_drafts
 
@@ -325,7 +325,7 @@ class TargetWorker(_Worker):
         final_uniforms: torch.Tensor | None,  # [B]
     ) -> Reply:
         self._injected_fault("verify")
-        if isinstance(draft_probs, SharedProbs):  # read from the object store, where the draft left it
+        if isinstance(draft_probs, (SharedProbs, RowsProbs)):  # the rows that sample, from the store or the graph
             draft_probs = draft_probs.resolve(draft_tokens)
         return self._run(rows, lambda: self.model.verify(
             rows, draft_tokens, draft_probs, num_draft, sampling, accept_uniforms, final_uniforms))
@@ -466,7 +466,7 @@ class DraftWorker(_Worker):
                 if reply.result is not None and held is not None:
                     reply = Reply(self._assemble(call.block, held, reply.result), reply.seconds)
                 self._step = (call, reply.result)
-                return pack(reply)
+                return pack(_q_needed(reply, call))
         finally:
             self._proposing = False
 
@@ -628,6 +628,16 @@ def _shared(proposal: Proposal, sampling: BatchSampling, share: bool) -> Proposa
     if not share or proposal.probs is None or not ray.is_initialized():
         return proposal
     return dataclasses.replace(proposal, probs=SharedProbs.put(proposal.probs, sampling))
+
+
+def _q_needed(reply: Reply, call: StepCall) -> Reply:
+    """The draft side's reply as it crosses the graph to the target: its q cut to what the rule
+    reads (`RowsProbs`: the rows that sample, the positions they verify)."""
+    proposal = reply.result
+    if proposal is None or not isinstance(proposal.probs, torch.Tensor):
+        return reply
+    probs = RowsProbs.of(proposal.probs, call.sampling, call.num_draft)
+    return dataclasses.replace(reply, result=dataclasses.replace(proposal, probs=probs))
 
 
 def _device_done() -> None:
