@@ -170,6 +170,8 @@ class RowsProbs:
 
     def resolve(self, draft_tokens: torch.Tensor) -> torch.Tensor:
         """draft_tokens [B, G] -> q [B, G, V] on the host."""
+        if draft_tokens.shape[1] != self.width:
+            raise ValueError(f"q was cut from {self.width} positions; these drafts hold {draft_tokens.shape[1]}")
         full = one_hot(draft_tokens.cpu(), self.probs.shape[-1], self.probs.dtype)  # [B, G, V]
         if self.rows:
             full[list(self.rows), : self.probs.shape[1]] = self.probs.cpu()
