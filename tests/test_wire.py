@@ -138,3 +138,19 @@ def test_ray_pickles_host_tensors_as_arrays_exactly():
     mine = _tensor_in((shared, None))
     mine.add_(1)
     assert shared[0] == 0.0 and mine[0] == 1.0
+
+
+def test_large_arrays_travel_out_of_band_and_come_back_owned():
+    """A message holding q crosses framed (its arrays after the rest, joined once); each array
+    comes back exact and writable, and writing it leaves the packed bytes as they were."""
+    probs = torch.softmax(torch.randn(4, 3, 1000, generator=torch.Generator().manual_seed(1)), dim=-1)
+    proposal = Proposal(torch.arange(12).view(4, 3), probs, [ForwardTiming(12, 0.01, False)])
+    data = pack(Reply(proposal, 0.5, {"a": 3}))
+    assert data[:1] == b"F" and len(data) > probs.numel() * 4
+    back = unpack(data)
+    assert same(back.result, proposal) and back.misses == {"a": 3}
+    back.result.probs.zero_()  # its own memory: the bytes, and a second decoding, are untouched
+    assert same(unpack(data).result.probs, probs)
+    half = probs.bfloat16()
+    assert same(unpack(pack({"q": half, "small": torch.arange(3)}))["q"], half)
+    assert pack(Reply(None, 0.1))[:1] == b"\x80"  # nothing large: a plain pickle, as before

@@ -129,8 +129,9 @@ class SharedProbs:
         picked = probs if len(rows) == probs.shape[0] else probs[list(rows)]  # [R, G, V]
         return cls(ray.put(_Large(picked)), rows, probs.shape[0])
 
-    def resolve(self, draft_tokens: torch.Tensor, get=None) -> torch.Tensor:
-        """draft_tokens [B, G] -> q [B, G, V] on the host (get: ray.get unless given)."""
+    def resolve(self, draft_tokens: torch.Tensor, get=None, device: torch.device | str = "cpu") -> torch.Tensor:
+        """draft_tokens [B, G] -> q [B, G, V] on `device` (get: ray.get unless given): the rows'
+        q is copied there, the greedy rows' one-hot is built there."""
         if get is None:
             import ray
 
@@ -138,7 +139,7 @@ class SharedProbs:
         with warnings.catch_warnings():  # read-only: a view of the store's memory, which nothing writes
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             picked = get(self.ref)  # [R, G, V]
-        return rows_over_one_hot(picked, self.rows, draft_tokens.cpu(), picked.shape[-1])
+        return rows_over_one_hot(picked, self.rows, draft_tokens.to(device), picked.shape[-1])
 
 
 @dataclass(frozen=True)
@@ -168,13 +169,14 @@ class RowsProbs:
         index = torch.tensor(rows, dtype=torch.long, device=probs.device)
         return cls(probs.index_select(0, index)[:, :width], rows, probs.shape[1])
 
-    def resolve(self, draft_tokens: torch.Tensor) -> torch.Tensor:
-        """draft_tokens [B, G] -> q [B, G, V] on the host."""
+    def resolve(self, draft_tokens: torch.Tensor, device: torch.device | str = "cpu") -> torch.Tensor:
+        """draft_tokens [B, G] -> q [B, G, V] on `device`: the rows' part copied there, the rest
+        built there (on the target's GPU, only the cut crosses from the host)."""
         if draft_tokens.shape[1] != self.width:
             raise ValueError(f"q was cut from {self.width} positions; these drafts hold {draft_tokens.shape[1]}")
-        full = one_hot(draft_tokens.cpu(), self.probs.shape[-1], self.probs.dtype)  # [B, G, V]
+        full = one_hot(draft_tokens.to(device), self.probs.shape[-1], self.probs.dtype)  # [B, G, V]
         if self.rows:
-            full[list(self.rows), : self.probs.shape[1]] = self.probs.cpu()
+            full[list(self.rows), : self.probs.shape[1]] = self.probs.to(full.device)
         return full
 
 
@@ -183,12 +185,34 @@ def light(proposal: Proposal) -> Proposal:
     return Proposal(proposal.tokens, None, proposal.forwards, proposal.deterministic, proposal.num_draft)
 
 
+_FRAMED = b"F"  # a message whose arrays travel out of band (a pickle stream starts with its PROTO opcode)
+
+
 def pack(message) -> bytes:
-    return pickle.dumps(_encode(message), protocol=pickle.HIGHEST_PROTOCOL)
+    """The message as one `bytes`. Its numpy arrays (q, `_Large` tensors) travel out of band: the
+    pickle of the rest, then each array's bytes, joined once. Pickled in band, a 12 MB q went
+    through pickle's growing output: 5.2 ms against 0.4 ms (2-core CPU, one thread)."""
+    buffers: list[pickle.PickleBuffer] = []
+    head = pickle.dumps(_encode(message), protocol=5, buffer_callback=buffers.append)
+    if not buffers:
+        return head
+    raws = [b.raw() for b in buffers]
+    sizes = [len(head)] + [r.nbytes for r in raws]
+    frame = _FRAMED + len(raws).to_bytes(4, "little") + b"".join(n.to_bytes(8, "little") for n in sizes)
+    return b"".join([frame, head, *raws])
 
 
 def unpack(data: bytes):
-    return _decode(pickle.loads(data))
+    if data[:1] != _FRAMED:
+        return _decode(pickle.loads(data))
+    count = int.from_bytes(data[1:5], "little")
+    sizes = [int.from_bytes(data[5 + 8 * i : 13 + 8 * i], "little") for i in range(count + 1)]
+    view = memoryview(bytearray(data))  # one writable copy: every array decoded owns its memory
+    parts, at = [], 5 + 8 * (count + 1)
+    for n in sizes:
+        parts.append(view[at : at + n])
+        at += n
+    return _decode(pickle.loads(parts[0], buffers=parts[1:]))
 
 
 def pack_pair(first: bytes, second: bytes) -> bytes:

@@ -326,7 +326,7 @@ class TargetWorker(_Worker):
     ) -> Reply:
         self._injected_fault("verify")
         if isinstance(draft_probs, (SharedProbs, RowsProbs)):  # the rows that sample, from the store or the graph
-            draft_probs = draft_probs.resolve(draft_tokens)
+            draft_probs = draft_probs.resolve(draft_tokens, device=self.model.runner.device)
         return self._run(rows, lambda: self.model.verify(
             rows, draft_tokens, draft_probs, num_draft, sampling, accept_uniforms, final_uniforms))
 
