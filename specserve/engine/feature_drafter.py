@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .grammar import DraftMasks
-from .model_runner import CacheMiss, ForwardTiming, ModelRunner, RowInput, regroup
+from .model_runner import ForwardTiming, ModelRunner, RowInput, regroup
 from .lookup import TokenStore, continue_match
 from .proposers import DraftModelProposer, Proposal, decoder_layers
 from .sampling import BatchSampling, one_hot, rows_over_one_hot
@@ -630,7 +630,7 @@ class FeatureDrafterProposer(DraftModelProposer):
         """Hold rows' tokens (prompt chunks). The head's own cache of them waits for the target's
         features (written by the target's prefill forwards) and is caught up by the next propose:
         one forward of the head's single layer, a small fraction of the target's prefill."""
-        self._tokens.hold(rows, self.valid_length)
+        self._tokens.hold(rows)
         for row in rows:
             self._exact[row.request_id] = min(self._exact.get(row.request_id, 0), row.start - 1)
         return ()
@@ -642,9 +642,7 @@ class FeatureDrafterProposer(DraftModelProposer):
         """rows: B rows; uniforms [B, G] or None (all greedy) -> Proposal with G = num_tokens."""
         if self._tap is None and not self.pulled:
             raise RuntimeError("a feature drafter must be attached to the target's runner first")
-        for row in rows:
-            if row.start > self.valid_length(row.request_id):
-                raise CacheMiss(row.request_id, self.valid_length(row.request_id), row.start)
+        self._tokens.check(rows)
         self.runner.take_forward_log()
         began = time.perf_counter()
         seqs = []

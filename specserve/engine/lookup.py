@@ -16,7 +16,7 @@ continuation anyway). Otherwise the result is the full search's (a test compares
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 from .model_runner import CacheMiss, RowInput
 
@@ -108,13 +108,18 @@ class TokenStore:
         self._same[request_id] = min(self._same.get(request_id, start), start)
         return seq
 
-    def hold(self, rows: list[RowInput], valid_length: Callable[[str], int]) -> None:
-        """A prefill: every row checked first (CacheMiss past what is held, so nothing changes on
-        a miss), then each request's tokens kept from the row's start on, and indexed (~0.3 µs a
-        token, with the prefill rather than in the first decode step)."""
+    def check(self, rows: list[RowInput]) -> None:
+        """Raise CacheMiss for the first row that starts past the tokens its request holds (every
+        row is checked before a call changes any)."""
         for row in rows:
-            if row.start > valid_length(row.request_id):
-                raise CacheMiss(row.request_id, valid_length(row.request_id), row.start)
+            if row.start > self.length(row.request_id):
+                raise CacheMiss(row.request_id, self.length(row.request_id), row.start)
+
+    def hold(self, rows: list[RowInput]) -> None:
+        """A prefill: every row checked first (`check`: nothing changes on a miss), then each
+        request's tokens kept from the row's start on, and indexed (~0.3 µs a token, with the
+        prefill rather than in the first decode step)."""
+        self.check(rows)
         for row in rows:
             self.rewrite(row.request_id, row.start, row.tokens)
             if self.min_n is not None:

@@ -32,7 +32,7 @@ import torch
 
 from .grammar import DraftMasks, GrammarBook
 from .lookup import TokenStore, continue_match
-from .model_runner import DRAFT_ROW_TOKENS, CacheMiss, ForwardTiming, ModelRunner, RowInput, catch_up
+from .model_runner import DRAFT_ROW_TOKENS, ForwardTiming, ModelRunner, RowInput, catch_up
 from .sampling import BatchSampling, SamplingParams, logits_to_probs, sample_with_uniforms
 
 
@@ -469,7 +469,7 @@ class PromptLookupProposer:
 
     def prefill(self, rows: list[RowInput]) -> Sequence[ForwardTiming]:
         """Hold rows' tokens (prompt chunks): no model, nothing to compute."""
-        self._tokens.hold(rows, self.valid_length)
+        self._tokens.hold(rows)
         return ()
 
     def propose(
@@ -477,9 +477,7 @@ class PromptLookupProposer:
     ) -> Proposal:
         """rows: B rows; uniforms unused (the proposal is deterministic) -> Proposal with G = num_tokens."""
         began = time.perf_counter()
-        for row in rows:  # check every row before touching any
-            if row.start > self.valid_length(row.request_id):
-                raise CacheMiss(row.request_id, self.valid_length(row.request_id), row.start)
+        self._tokens.check(rows)  # every row before touching any
         drafts = []
         for row in rows:  # rolled back to what the caller says is still valid
             seq = self._tokens.rewrite(row.request_id, row.start, row.tokens)

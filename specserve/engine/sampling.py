@@ -202,13 +202,14 @@ def one_hot(tokens: torch.Tensor, vocab: int, dtype: torch.dtype = torch.float32
 
 
 def rows_over_one_hot(probs: torch.Tensor | None, rows, tokens: torch.Tensor, vocab: int) -> torch.Tensor:
-    """q for a whole batch: probs [R, G, V] of the rows listed (R of B; None for none), one-hot at
-    tokens [B, G] for the others -> [B, G, V] on the tokens' device (q whole where every row is listed)."""
-    if probs is not None and len(rows) == tokens.shape[0]:
+    """q for a whole batch: probs [R, G', V] of the rows listed (R of B; None for none) at their
+    first G' <= G positions, one-hot at tokens [B, G] everywhere else -> [B, G, V] on the tokens'
+    device (probs itself where it covers every row and position)."""
+    if probs is not None and len(rows) == tokens.shape[0] and probs.shape[1] == tokens.shape[1]:
         return probs
     full = one_hot(tokens, vocab, probs.dtype if probs is not None else torch.float32)  # [B, G, V]
-    if probs is not None:
-        full[list(rows)] = probs.to(full.device)
+    if probs is not None and len(rows):
+        full[list(rows), : probs.shape[1]] = probs.to(full.device)
     return full
 
 

@@ -28,7 +28,7 @@ import torch
 
 from specserve.engine import Proposal, RowInput, Verdict
 from specserve.engine.model_runner import ForwardTiming
-from specserve.engine.sampling import BatchSampling, one_hot, rows_over_one_hot
+from specserve.engine.sampling import BatchSampling, rows_over_one_hot
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,7 @@ class SharedProbs:
         """probs [B, G, V] -> the sampled rows' q in the object store (ray.put)."""
         import ray
 
-        rows = tuple(torch.nonzero(sampling.temperature > 0).view(-1).tolist())
+        rows = sampling_rows(sampling)
         picked = probs if len(rows) == probs.shape[0] else probs[list(rows)]  # [R, G, V]
         return cls(ray.put(_Large(picked)), rows, probs.shape[0])
 
@@ -161,8 +161,7 @@ class RowsProbs:
         """probs [B, G, V] (on the draft's device); sampling, num_draft [B]: the verify's rows and
         planned drafts (host) -> what crosses: q itself where every row samples and verifies all
         G positions, else the part the rule reads."""
-        counts, temperatures = num_draft.tolist(), sampling.temperature.tolist()
-        rows = tuple(b for b, t in enumerate(temperatures) if t > 0)
+        counts, rows = num_draft.tolist(), sampling_rows(sampling)
         width = max((counts[b] for b in rows), default=0)
         if len(rows) == probs.shape[0] and width == probs.shape[1]:
             return probs
@@ -174,10 +173,12 @@ class RowsProbs:
         built there (on the target's GPU, only the cut crosses from the host)."""
         if draft_tokens.shape[1] != self.width:
             raise ValueError(f"q was cut from {self.width} positions; these drafts hold {draft_tokens.shape[1]}")
-        full = one_hot(draft_tokens.to(device), self.probs.shape[-1], self.probs.dtype)  # [B, G, V]
-        if self.rows:
-            full[list(self.rows), : self.probs.shape[1]] = self.probs.to(full.device)
-        return full
+        return rows_over_one_hot(self.probs, self.rows, draft_tokens.to(device), self.probs.shape[-1])
+
+
+def sampling_rows(sampling: BatchSampling) -> tuple[int, ...]:
+    """The rows of a step that sample (temperature > 0): the ones whose q the rule reads."""
+    return tuple(b for b, t in enumerate(sampling.temperature.tolist()) if t > 0)
 
 
 def light(proposal: Proposal) -> Proposal:
