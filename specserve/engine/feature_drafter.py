@@ -881,12 +881,12 @@ class FeatureDrafterProposer(DraftModelProposer):
         [B', G, V] or None. Under a floor, positions no row drafts (from the longest row's count on)
         hold copies of the last draft some row kept (the newest token where none did), q one-hot
         there: what the loop sent when it stopped at the first such position. Device only.
-        q_out: a captured loop's shared q buffer [B', G, V] (q is written there)."""
+        q_out: a captured loop's shared q buffer [B', G, V] (q is written there; None: a new tensor)."""
         drafted = torch.stack(out, dim=1) if out else last[:, :0]  # [B', n]
         if confidence.floor is None:
             if not out or flags is None:
                 return drafted, None
-            return drafted, torch.stack(qs, dim=1, out=q_out) if q_out is not None else torch.stack(qs, dim=1)
+            return drafted, torch.stack(qs, dim=1, out=q_out)
         probs = torch.stack(qs, dim=1) if out and flags is not None else None  # [B', n, V]
         longest = confidence.longest()  # 0-d
         fill = torch.cat([last, drafted], dim=1).index_select(1, longest.view(1))  # [B', 1]
@@ -897,9 +897,7 @@ class FeatureDrafterProposer(DraftModelProposer):
             return tokens, None
         hot = one_hot(tokens, self.vocab_size)  # [B', G, V]
         q = hot if probs is None else torch.cat([probs, hot[:, ran:]], dim=1)
-        if q_out is not None:
-            return tokens, torch.where(beyond[:, None], hot, q, out=q_out)
-        return tokens, torch.where(beyond[:, None], hot, q)
+        return tokens, torch.where(beyond[:, None], hot, q, out=q_out)
 
 
 class _Confidence:
