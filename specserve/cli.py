@@ -126,6 +126,8 @@ BENCHES = {  # name -> module with `main(argv: list[str]) -> int`; its own argpa
     "drafters": "specserve.bench.drafters",
     "memory": "specserve.bench.memory",
     "policy": "specserve.bench.policy",
+    "host": "specserve.bench.host",
+    "qwire": "specserve.bench.qwire",
 }
 
 

@@ -198,6 +198,49 @@ def test_the_q_that_crosses_resolves_to_what_the_rule_reads():
     assert RowsProbs.of(probs, every, torch.tensor([3, 3, 1, 3])) is probs
 
 
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_a_16_bit_targets_q_crosses_in_its_dtype(local_coordinator, pipelined):
+    """A bfloat16 target: its draft worker draws from q rounded to bfloat16 and sends it so (half
+    the bytes of float32), on plain calls and through the graph; the target's rule reads it in
+    float32, and seeded rows get the same tokens both ways."""
+    from specserve.serve.wire import RowsProbs
+    from test_random_source import SHAPE
+
+    def bf16_config(pipelined: bool) -> AppConfig:
+        random = {"kind": "random", "shape": SHAPE, "dtype": "bfloat16"}
+        return AppConfig.model_validate(dict(
+            served_model_name="random", target={**random, "seed": 0}, draft={**random, "seed": 1},
+            speculation=dict(num_speculative_tokens=3, adaptive=False, pipelined=pipelined, execution="eager",
+                             transport="actor_calls"), max_model_len=256))
+
+    def reading_q(coordinator) -> list:
+        """The dtype of q each verify's rule reads (a plain call's; the graph's resolves to it)."""
+        target, read = coordinator.target._obj, []
+        verify = target.model.verify
+
+        def recorded(rows, drafts, probs, *rest):
+            read.append(None if probs is None else probs.dtype)
+            return verify(rows, drafts, probs, *rest)
+        target.model.verify = recorded
+        return read
+
+    params = [SamplingParams(max_tokens=24, ignore_eos=True, seed=70, temperature=1.0),
+              SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0),
+              SamplingParams(max_tokens=24, ignore_eos=True, seed=72, **SEEDED_TOP_K),
+              SamplingParams(max_tokens=24, ignore_eos=True, seed=73, temperature=0.8)]
+    plain_side = local_coordinator(bf16_config(pipelined=False))
+    plain_read = reading_q(plain_side)
+    plain = generate(plain_side, PROMPTS, params)
+    assert plain_side.draft_worker._obj.model.q_dtype == torch.bfloat16
+    assert plain_read and set(plain_read) - {None} == {torch.bfloat16}
+    coordinator = local_coordinator(bf16_config(pipelined=pipelined))
+    seen = _crossing_q(on_graph(coordinator))
+    assert generate(coordinator, PROMPTS, params) == plain
+    crossed = [q.probs if isinstance(q, RowsProbs) else q for q in seen if q is not None]
+    assert crossed and {q.dtype for q in crossed} == {torch.bfloat16}
+    assert coordinator._totals["spec_decode_num_accepted_tokens"] > 0
+
+
 def _alternate_preparing(coordinator) -> None:
     """Make the pipelined loop prepare the next block in two steps of every three (the cost test
     `overlap_pays` decides it; a step that prepares none is a sequential one)."""

@@ -122,6 +122,80 @@ def test_sampling_matches_target_distribution(pair, setting):
     assert chi_square_pvalue(seen3, exact3) > 1e-4
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_q_sent_in_16_bits_keeps_the_targets_distribution(pair, dtype):
+    """A draft whose q crosses to the target in 16 bits (a served draft worker of a bfloat16 or
+    float16 target) draws from q so rounded, and the target reads it normalised: the output is
+    still the target's distribution, and q does reach the rule in that dtype (a lost q would pass
+    the chi-square too: the one-hot rule is exact for any q, only slower)."""
+    from specserve.engine import DraftModelProposer
+
+    target, draft = pair
+    proposer = DraftModelProposer(draft, VOCAB)
+    proposer.q_dtype = dtype
+    sent, propose = [], proposer.propose
+
+    def recorded(*args, **kwargs):
+        proposal = propose(*args, **kwargs)
+        sent.append(None if proposal.probs is None else proposal.probs.dtype)
+        return proposal
+    proposer.propose = recorded
+    read, rule = [], verifier_module.rejection_sample
+
+    def reading(target_probs, draft_tokens, draft_probs, *rest):
+        read.append(draft_probs.dtype)
+        return rule(target_probs, draft_tokens, draft_probs, *rest)
+    verifier_module.rejection_sample = reading
+    try:
+        assert_proposer_follows_target(target, proposer)
+    finally:
+        verifier_module.rejection_sample = rule
+    assert sent and set(sent) == {dtype}
+    assert read and set(read) == {torch.float32}
+
+
+def test_a_draft_draws_from_the_16_bit_q_it_sends(pair):
+    """Each draft token is the one the rounded q gives for its uniform (as the target reads it),
+    which drawing from the unrounded q would not be for some of 20,000 rows."""
+    from specserve.engine import DraftModelProposer
+    from specserve.engine.sampling import q_to_send
+
+    proposer = DraftModelProposer(pair[1], VOCAB)
+    proposer.q_dtype = torch.bfloat16
+    gen = torch.Generator().manual_seed(1)
+    logits = 2.0 * torch.randn(NUM_SEQUENCES, VOCAB, generator=gen)  # [N, V]
+    uniforms = torch.rand(NUM_SEQUENCES, 1, generator=gen)  # [N, G]
+    sampling = BatchSampling.from_params([SETTINGS["plain"]] * NUM_SEQUENCES)
+    tokens, q = proposer._pick(logits, sampling, sampling.loop_flags(), {"uniforms": uniforms}, 0, True)
+    exact = logits_to_probs(logits, sampling)  # [N, V]
+    assert torch.equal(q, q_to_send(exact, torch.bfloat16))
+    assert torch.equal(tokens, sample_with_uniforms(q, uniforms[:, 0]))
+    assert not torch.equal(tokens, sample_with_uniforms(exact, uniforms[:, 0]))
+
+
+def test_a_16_bit_q_is_drawn_from_and_read_as_one_distribution():
+    """`q_to_send` rounds q to values the 16-bit dtype holds (one-hot rows unchanged, float32 q
+    untouched); `q_as_read` gives back float32 rows that sum to 1, in proportion to the values
+    the draft drew from, and leaves a row of zeros (no q) as zeros."""
+    from specserve.engine.sampling import q_as_read, q_to_send
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.softmax(3.0 * torch.randn(4, 1000, generator=gen), -1)  # [N, V]
+    q[1] = torch.nn.functional.one_hot(torch.tensor(7), 1000).float()
+    assert q_to_send(q, torch.float32) is q
+    for dtype in (torch.bfloat16, torch.float16):
+        sent = q_to_send(q, dtype)
+        assert sent.dtype == torch.float32 and torch.equal(sent.to(dtype).float(), sent)
+        assert torch.equal(sent[1], q[1]) and not torch.equal(sent, q)
+        read = q_as_read(torch.cat([sent, torch.zeros(1, 1000)]).to(dtype))  # [N + 1, V]
+        assert read.dtype == torch.float32 and torch.equal(read[-1], torch.zeros(1000))
+        assert torch.allclose(read[:-1].sum(-1), torch.ones(4), atol=1e-6)
+        assert torch.allclose(read[:-1], sent / sent.sum(-1, keepdim=True), rtol=1e-6, atol=0)
+    assert q_as_read(q) is q
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        q_to_send(q, torch.float64)
+
+
 def wrong_rule(target_probs, draft_tokens, draft_probs, num_draft, accept_uniforms, final_uniforms):
     """The classic mistake: on rejection, resample from p instead of norm(max(0, p - q))."""
     idx = draft_tokens[..., None]

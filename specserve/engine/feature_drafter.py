@@ -669,7 +669,7 @@ class FeatureDrafterProposer(DraftModelProposer):
         for row, seq, row_tokens in zip(rows, seqs, tokens.tolist()):
             self._tokens.rewrite(row.request_id, len(seq), row_tokens[: num_tokens - 1])
         forwards = self.runner.take_forward_log() or (ForwardTiming(0, time.perf_counter() - began),)
-        return Proposal(tokens, probs, forwards, num_draft=None if self.min_confidence is None else counts)
+        return Proposal(tokens, self._sent(probs), forwards, num_draft=None if self.min_confidence is None else counts)
 
     def _look_up(self, rows: list[RowInput], seqs: list[list[int]], num_tokens: int) -> dict[int, list[int]]:
         """Rows whose suffix repeats an earlier n-gram of at least `lookup_min_n` tokens -> their

@@ -33,13 +33,15 @@ import torch
 from .grammar import DraftMasks, GrammarBook
 from .lookup import TokenStore, continue_match
 from .model_runner import DRAFT_ROW_TOKENS, ForwardTiming, ModelRunner, RowInput, catch_up
-from .sampling import BatchSampling, SamplingParams, logits_to_probs, sample_with_uniforms
+from .sampling import BatchSampling, SamplingParams, logits_to_probs, q_to_send, sample_with_uniforms
 
 
 @dataclass(frozen=True)
 class Proposal:
     tokens: torch.Tensor  # [B, G] int64 target-vocabulary ids (on the proposer's device)
-    probs: torch.Tensor | None  # [B, G, V] float32 q of each draft token; None when every row is greedy
+    # [B, G, V] q of each draft token (float32, or the 16-bit dtype it was rounded to and drawn
+    # from: `sampling.q_to_send`); None when every row is greedy
+    probs: torch.Tensor | None
     forwards: Sequence[ForwardTiming] = ()  # each model forward it took
     # The drafts are a deterministic function of the tokens (prompt lookup): q is one-hot at each
     # draft, so `probs` stays None and the verifier's rule treats it as such without building it.
@@ -113,6 +115,9 @@ class DraftModelProposer:
         self._inputs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # (B', G) -> static loop inputs
         self._q_out: dict[tuple[int, int], torch.Tensor] = {}  # (B', G) -> where captured sampled loops leave q
         self.grammar: GrammarBook | None = None  # masks grammar rows' drafts when set (engine/grammar.py)
+        # the dtype q crosses to the target in (`sampling.q_to_send`): a served draft worker's is
+        # its target's where that is 16-bit. Set before the first propose (captured loops round to it).
+        self.q_dtype = torch.float32
 
     def free(self, request_id: str) -> None:
         self.runner.free(request_id)
@@ -243,8 +248,12 @@ class DraftModelProposer:
             tokens, probs, ups = self._loop(staged, num_tokens, flags, inputs, False, alternates)
         runner.record(staged.rows, began, forwards=num_tokens)
         runner.commit(staged, advanced=num_tokens - 1)
-        return Proposal(runner.unsort(staged, tokens), runner.unsort(staged, probs), runner.take_forward_log(),
-                        alternates=runner.unsort(staged, ups))
+        return Proposal(runner.unsort(staged, tokens), self._sent(runner.unsort(staged, probs)),
+                        runner.take_forward_log(), alternates=runner.unsort(staged, ups))
+
+    def _sent(self, probs: torch.Tensor | None) -> torch.Tensor | None:
+        """A proposal's q [B, G, V], drawn from values rounded to `q_dtype`, in that dtype."""
+        return probs if probs is None or probs.dtype == self.q_dtype else probs.to(self.q_dtype)
 
     def _q_buffer(self, rows: int, num_tokens: int) -> torch.Tensor:
         """[B', G, V] float32: where the captured sampled loops of a (B', G) leave q, one buffer
@@ -333,6 +342,7 @@ class DraftModelProposer:
                 return logits.argmax(-1), None
             return self.runner.map_tokens(self._greedy_logits(logits).argmax(-1)), None
         q = logits_to_probs(logits if target_ids else self._to_target_vocab(logits), sampling, flags)  # [B', V]
+        q = q_to_send(q, self.q_dtype)  # what the target will read
         token = sample_with_uniforms(q, inputs["uniforms"][:, j])
         greedy = sampling.temperature == 0
         token = torch.where(greedy, q.argmax(-1), token)

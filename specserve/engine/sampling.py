@@ -213,6 +213,34 @@ def rows_over_one_hot(probs: torch.Tensor | None, rows, tokens: torch.Tensor, vo
     return full
 
 
+SENT_Q_DTYPES = (torch.bfloat16, torch.float16)  # 16-bit dtypes q may cross in (`q_to_send`)
+
+
+def q_to_send(probs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A draft's q [N, V] float32 -> the q it draws from when q crosses to the target in `dtype`:
+    itself for float32; for a 16-bit dtype, rounded to it (values kept in float32), so that half
+    the bytes cross and the drafts are drawn from the very values the target reads back
+    (`q_as_read`): the rule stays exact. A one-hot row (greedy) rounds to itself."""
+    if dtype == torch.float32:
+        return probs
+    if dtype not in SENT_Q_DTYPES:
+        raise ValueError(f"q crosses in float32, bfloat16 or float16, not {dtype}")
+    return probs.to(dtype).to(probs.dtype)
+
+
+def q_as_read(probs: torch.Tensor) -> torch.Tensor:
+    """q [..., V] as it crossed -> the distribution the rule reads: float32 q as it is; a 16-bit q
+    (`q_to_send`), in float32 normalised. Rounding leaves a row's sum within ~2^-8 of 1, and the
+    draft drew in proportion to the rounded values (`sample_with_uniforms` scales by the sum),
+    so the normalised values are the draft's distribution. A row of zeros (a part of a merged
+    proposal that had no q) stays zeros."""
+    if probs.dtype == torch.float32:
+        return probs
+    wide = probs.float()  # (a new tensor: divided in place)
+    total = wide.sum(-1, keepdim=True)  # [..., 1]
+    return wide.div_(total.masked_fill_(total <= 0, 1.0))
+
+
 def _apply_top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """scaled [N, V] -> the same with filtered-out entries at -inf. top_k [N] (0 = off), top_p [N]."""
     vocab = scaled.shape[-1]

@@ -10,7 +10,7 @@ import torch
 from .grammar import GrammarBook, GrammarRows
 from .model_runner import VERIFY_ROW_TOKENS, ForwardLog, ForwardTiming, ModelRunner, RowInput, catch_up
 from .rejection import AcceptResult, greedy_accept, rejection_sample, rejection_sample_deterministic
-from .sampling import BatchSampling, logits_to_probs, sample_with_uniforms
+from .sampling import BatchSampling, logits_to_probs, q_as_read, sample_with_uniforms
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,8 @@ class TargetVerifier:
         final_uniforms: torch.Tensor | None,
     ) -> Verdict:
         """rows: each row's unseen tokens (ending with its last accepted token); draft_tokens [B, G]
-        (G may be 0); draft_probs [B, G, V], or None when all rows are greedy or the drafts are
+        (G may be 0); draft_probs [B, G, V] (float32, or 16-bit as drawn: read normalised,
+        `sampling.q_as_read`), or None when all rows are greedy or the drafts are
         deterministic (a one-hot q at each draft: `Proposal.deterministic`); num_draft [B] (g_b <= G);
         accept_uniforms [B, G], final_uniforms [B] (None when all rows greedy)."""
         self.runner.check(rows)
@@ -152,9 +153,9 @@ class TargetVerifier:
         if draft_probs is None:  # deterministic drafts: q is one-hot, never materialised
             return rejection_sample_deterministic(
                 probs, draft_tokens, num_draft, accept_uniforms.to(device), final_uniforms)
-        return rejection_sample(
-            probs, draft_tokens, draft_probs.to(device), num_draft, accept_uniforms.to(device), final_uniforms
-        )
+        return rejection_sample(  # (a 16-bit q normalised: the distribution the draft drew from)
+            probs, draft_tokens, q_as_read(draft_probs.to(device)), num_draft, accept_uniforms.to(device),
+            final_uniforms)
 
 
 def first_tokens(rows: list[RowInput], num_draft: torch.Tensor) -> list[int]:

@@ -161,7 +161,8 @@ class Coordinator:
                 config.draft_worker.torch_threads, execution=config.speculation.execution, feature_head=head,
                 target=self.target if head is not None else None, planted=config.speculation.planted,
                 tokenizer=tokenizer, eos_token_ids=info.eos_token_ids,
-                kv=(config.kv_block_size, config.max_cached_tokens, config.prefix_caching))
+                kv=(config.kv_block_size, config.max_cached_tokens, config.prefix_caching),
+                q_dtype=info.dtype if info.dtype in ("bfloat16", "float16") else "float32")
             self.draft = ProposerSide.of_draft_worker(self.draft_worker)
         elif config.drafter is not None:
             self.draft = ProposerSide.colocated(self.target)

@@ -455,10 +455,10 @@ def combine_drafts(used: list[int | None], width: int, prepared: tuple, fresh: t
     drafts are: the coordinator on plain calls, the draft worker on the compiled graph.
     -> (tokens [B, G], q [B, G, V] or None when no part has q)."""
     parts = [prepared, fresh]
-    vocab = next((q.shape[-1] for _, q in parts if q is not None), 0)
+    some_q = next((q for _, q in parts if q is not None), None)  # (its dtype is kept: `sampling.q_to_send`)
     batch = len(used)
     tokens = torch.zeros(batch, width, dtype=torch.long)  # [B, G]
-    probs = torch.zeros(batch, width, vocab) if vocab else None  # [B, G, V]
+    probs = None if some_q is None else torch.zeros(batch, width, some_q.shape[-1], dtype=some_q.dtype)  # [B, G, V]
     for b, (part, row) in enumerate(_sources(used)):
         drafts, q = parts[part]
         g = drafts.shape[1]

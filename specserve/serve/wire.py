@@ -12,7 +12,7 @@ plain values that pickle's C code handles alone:
   sampling parameters, [B, G] drafts and uniforms at small batches) becomes (dtype code, shape,
   flat list of values): exact for integers and bools, and for float32 too (a Python float holds
   every float32 value exactly); it is rebuilt with one `torch.tensor` call;
-- a larger tensor (q: [B, G, V] float32) crosses as a numpy array (one copy, no per-value work;
+- a larger tensor (q: [B, G, V] float32 or 16-bit) crosses as a numpy array (one copy, no per-value work;
   past ~64 elements this is the cheaper of the two); a dtype numpy lacks (bfloat16, ...) as its
   bits;
 - anything else (not a step message) falls back to pickling with tensors as numpy arrays.
@@ -148,11 +148,12 @@ class RowsProbs:
     rows that sample only (a greedy row's q is one-hot at its draft, rebuilt by `resolve`, as
     SharedProbs does: the rule decides a greedy row from the target's choice alone), and their
     first positions, up to the most drafts any of them verifies (the rule reads no position past a
-    row's g_b). Whole, q is [B, G, V] float32: 12 MB a step at 32 rows, γ 3 and a 32k vocabulary,
-    copied off the draft's device, through the channel and onto the target's. It stays float32:
-    the rule must see the very q each draft was drawn from."""
+    row's g_b). Whole, q is [B, G, V]: at 32 rows, γ 3 and a 32k vocabulary 12 MB a step in
+    float32, 6 MB in the 16 bits a bfloat16 target's draft worker sends (`sampling.q_to_send`: the
+    drafts are drawn from those very values), copied off the draft's device, through the channel
+    and onto the target's."""
 
-    probs: torch.Tensor  # [R, G', V] the sampling rows' q, positions 0..G'-1
+    probs: torch.Tensor  # [R, G', V] the sampling rows' q, positions 0..G'-1 (in the dtype it was drawn from)
     rows: tuple[int, ...]  # rows of the batch that sample, in order
     width: int  # G of the whole q
 

@@ -45,6 +45,7 @@ class ModelInfo:
     vocab_size: int
     max_model_len: int | None
     eos_token_ids: frozenset[int]
+    dtype: str = "float32"  # of the model's weights: a draft worker sends q in it where it is 16-bit
 
 
 @dataclass(frozen=True)
@@ -238,7 +239,8 @@ class TargetWorker(_Worker):
 
         self.model = TargetVerifier(load_target(source, _assigned_gpus()), max_model_len, execution)
         eos = model_eos_ids(self.model.runner.model)
-        self.info_ = ModelInfo(self.model.vocab_size, self.model.runner.max_model_len, frozenset(eos))
+        dtype = str(next(self.model.runner.model.parameters()).dtype).removeprefix("torch.")
+        self.info_ = ModelInfo(self.model.vocab_size, self.model.runner.max_model_len, frozenset(eos), dtype)
         here = drafter is not None and getattr(drafter, "worker", "target") == "target"
         self.proposer = drafter.engine_spec().build(
             self.model.runner.model, self.model.vocab_size, max_model_len) if here else None
@@ -398,7 +400,10 @@ class DraftWorker(_Worker):
                  torch_threads: int | None = None, execution: str = "auto",
                  feature_head: FeatureDrafter | None = None, target=None,
                  planted: PlantedAcceptance | None = None, tokenizer: TokenizerSource | None = None,
-                 eos_token_ids: frozenset[int] = frozenset(), kv: tuple = (None, None, False)) -> None:
+                 eos_token_ids: frozenset[int] = frozenset(), kv: tuple = (None, None, False),
+                 q_dtype: str = "float32") -> None:
+        """q_dtype: what q crosses to the target in (its weights' dtype where that is 16-bit:
+        half the bytes; the drafts are drawn from q so rounded, `sampling.q_to_send`)."""
         super().__init__(torch_threads)
         from specserve.models.loading import load_draft, load_target_io
 
@@ -414,6 +419,7 @@ class DraftWorker(_Worker):
             self.model = feature_head.engine_spec().build(load_target_io(source, _assigned_gpus()), vocab_size,
                                                           max_model_len, pulled=True)
         page_runners([getattr(self.model, "runner", None)], *kv)
+        self.model.q_dtype = getattr(torch, q_dtype)  # (before any loop is captured)
         if tokenizer is not None and hasattr(self.model, "grammar"):  # a draft model masks grammar rows' drafts
             self.model.grammar = tokenizer.book(vocab_size, eos_token_ids)
 
