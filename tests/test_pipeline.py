@@ -256,3 +256,23 @@ def test_pipelined_grammar_rows_are_the_sequential_ones(local_coordinator):
     assert pipelined._totals["pipelined_hits"] > 0
     assert set(json.loads(bytes(got[0][:-1]).decode())) == {"n"} and got[0][-1] in (256, 258)  # then EOS
     assert bytes(got[2][:6]).decode()[3] == "-" and got[2][-1] in (256, 258)
+
+
+def test_a_block_combined_from_prepared_and_fresh_drafts_keeps_q_and_its_dtype():
+    """combine_drafts: each row's drafts and q from the part it takes them from, in its first
+    columns; q in the dtype it crossed in (16 bits from a bfloat16 target's draft worker: the rule
+    normalises only such a q, so an upcast copy would skew it), zeros for a part without q."""
+    from specserve.serve.pipeline import combine_drafts
+
+    prepared = torch.tensor([[5, 6, 7], [8, 9, 10]])  # [2, 3]
+    fresh = torch.tensor([[1, 2]])  # [1, 2]
+    q_prepared = torch.rand(2, 3, 11).bfloat16()
+    q_fresh = torch.rand(1, 2, 11).bfloat16()
+    tokens, probs = combine_drafts([1, None, 0], 3, (prepared, q_prepared), (fresh, q_fresh))
+    assert tokens.tolist() == [[8, 9, 10], [1, 2, 0], [5, 6, 7]]
+    assert probs.dtype == torch.bfloat16 and probs.shape == (3, 3, 11)
+    assert torch.equal(probs[0], q_prepared[1]) and torch.equal(probs[2], q_prepared[0])
+    assert torch.equal(probs[1, :2], q_fresh[0]) and not probs[1, 2].any()
+    _, greedy_part = combine_drafts([1, None], 3, (prepared, q_prepared), (fresh, None))
+    assert greedy_part.dtype == torch.bfloat16 and not greedy_part[1].any()
+    assert combine_drafts([None], 2, (None, None), (fresh, None))[1] is None
