@@ -1,1 +1,15 @@
 """Benchmarks: scripts that print a table and write JSON. Speed is reported as ratios measured side by side."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def write_json(path: Path, args: argparse.Namespace, **fields) -> None:
+    """A bench's JSON: the torch version, its arguments as given, then `fields`."""
+    import torch
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"torch": torch.__version__, "args": {k: str(v) for k, v in vars(args).items()},
+                                **fields}, indent=2))

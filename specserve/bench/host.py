@@ -23,13 +23,13 @@ timed (0: the engine captured every shape it met ahead). Prints a table and writ
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
+from specserve.bench import write_json
 from specserve.engine import SamplingParams, SpeculativeEngine
 from specserve.engine.model_runner import GraphSet, ModelRunner
 
@@ -155,9 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"γ={gamma} b={batch}: {rows[-1]['step_median_ms']:.3f} ms a step", flush=True)
     report = table(rows, args)
     print(report)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"torch": torch.__version__, "args": {k: str(v) for k, v in vars(args).items()},
-                                    "rows": rows}, indent=2))
+    write_json(args.out, args, rows=rows)
     return 0
 
 

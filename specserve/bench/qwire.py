@@ -14,13 +14,13 @@ proportion to them. Dtypes alternate within each repeat; medians. Prints a table
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
+from specserve.bench import write_json
 from specserve.engine import Proposal, SamplingParams
 from specserve.engine.sampling import BatchSampling, q_as_read, q_to_send
 from specserve.serve.wire import Reply, RowsProbs, pack, unpack
@@ -98,9 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     rows = [r for g in args.gammas.split(",") for b in args.batches.split(",") for r in measure(int(b), int(g), args)]
     print(table(rows))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"torch": torch.__version__, "args": {k: str(v) for k, v in vars(args).items()},
-                                    "rows": rows}, indent=2))
+    write_json(args.out, args, rows=rows)
     return 0
 
 
