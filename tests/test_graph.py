@@ -198,6 +198,40 @@ def test_the_q_that_crosses_resolves_to_what_the_rule_reads():
     assert RowsProbs.of(probs, every, torch.tensor([3, 3, 1, 3])) is probs
 
 
+def test_rows_that_all_filter_send_only_q_s_nonzero_entries():
+    """Every sampling row filters (top-k, top-p): only q's nonzero entries cross (`SparseQ`, K the
+    widest position's count), through the codec, and resolve to q exactly; one row that does
+    not filter, or a position wider than a quarter of the vocabulary, sends q dense."""
+    from specserve.engine.sampling import logits_to_probs
+    from specserve.serve.wire import RowsProbs, SparseQ
+
+    generator = torch.Generator().manual_seed(4)
+    params = [SamplingParams(temperature=0.9, top_k=3), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.7, top_p=0.5), SamplingParams(temperature=1.0, top_k=5)]
+    sampling = BatchSampling.from_params(params)
+    logits = 3.0 * torch.randn(4 * 3, 64, generator=generator)  # [B * G, V]
+    probs = logits_to_probs(logits, sampling.repeat_rows(3)).view(4, 3, 64).bfloat16()  # [B, G, V]
+    tokens = torch.randint(0, 64, (4, 3), generator=generator)
+    cut = RowsProbs.of(probs, sampling, torch.tensor([3, 3, 2, 3]))
+    widest = int((probs[[0, 2, 3]] != 0).sum(-1).max())
+    assert isinstance(cut.probs, SparseQ) and cut.rows == (0, 2, 3) and 5 <= widest <= 64 // 4
+    assert cut.probs.values.shape == (3, 3, widest) and cut.probs.values.dtype == torch.bfloat16
+    assert cut.probs.shape == (3, 3, 64)
+    back = unpack(pack(Proposal(tokens, cut, [])))
+    assert isinstance(back.probs.probs, SparseQ)
+    full = back.probs.resolve(tokens)  # [B, G, V]
+    assert torch.equal(full[[0, 2, 3]], probs[[0, 2, 3]])
+    assert torch.equal(full[1], torch.nn.functional.one_hot(tokens[1], 64).bfloat16())
+    everyone = BatchSampling.from_params([params[0], params[2], params[3]])
+    whole = RowsProbs.of(probs[[0, 2, 3]], everyone, torch.tensor([3, 3, 3]))  # every row, every position
+    assert isinstance(whole.probs, SparseQ) and torch.equal(whole.resolve(tokens[[0, 2, 3]]), probs[[0, 2, 3]])
+    dense_row = BatchSampling.from_params([params[0], params[1], SamplingParams(temperature=0.7), params[3]])
+    assert isinstance(RowsProbs.of(probs, dense_row, torch.tensor([3, 3, 3, 3])).probs, torch.Tensor)
+    wide = BatchSampling.from_params([SamplingParams(temperature=1.0, top_k=20)] * 4)
+    wide_probs = logits_to_probs(logits, wide.repeat_rows(3)).view(4, 3, 64)  # 20 of 64 tokens: over a quarter
+    assert RowsProbs.of(wide_probs, wide, torch.tensor([3, 3, 3, 3])) is wide_probs
+
+
 @pytest.mark.parametrize("pipelined", [False, True])
 def test_a_16_bit_targets_q_crosses_in_its_dtype(local_coordinator, pipelined):
     """A bfloat16 target: its draft worker draws from q rounded to bfloat16 and sends it so (half
@@ -239,6 +273,25 @@ def test_a_16_bit_targets_q_crosses_in_its_dtype(local_coordinator, pipelined):
     crossed = [q.probs if isinstance(q, RowsProbs) else q for q in seen if q is not None]
     assert crossed and {q.dtype for q in crossed} == {torch.bfloat16}
     assert coordinator._totals["spec_decode_num_accepted_tokens"] > 0
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_filtering_rows_q_crosses_the_graph_sparse(local_coordinator, pipelined):
+    """Greedy rows and seeded rows that all filter (top-k, top-p): only q's nonzero entries cross
+    to the target, and the tokens are those of plain calls, whose q crosses dense."""
+    from specserve.serve.wire import RowsProbs, SparseQ
+
+    params = [SamplingParams(max_tokens=30, ignore_eos=True, seed=80, **SEEDED_TOP_K),
+              SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.0),
+              SamplingParams(max_tokens=30, ignore_eos=True, seed=82, temperature=1.0, top_k=8),
+              SamplingParams(max_tokens=30, ignore_eos=True, seed=83, temperature=0.8, top_k=6, top_p=0.6)]
+    plain = generate(local_coordinator(config(pipelined=False, gamma=3)), PROMPTS, params)
+    coordinator = local_coordinator(config(pipelined=pipelined, gamma=3))
+    seen = _crossing_q(on_graph(coordinator))
+    assert generate(coordinator, PROMPTS, params) == plain
+    crossed = [q for q in seen if q is not None]
+    assert crossed and all(isinstance(q, RowsProbs) and isinstance(q.probs, SparseQ) for q in crossed)
+    assert max(q.probs.values.shape[-1] for q in crossed) <= 8 < coordinator.vocab_size // 4
 
 
 def _alternate_preparing(coordinator) -> None:

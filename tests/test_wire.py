@@ -107,6 +107,15 @@ def test_shared_probs_keep_the_sampled_rows_and_rebuild_greedy_rows_one_hot(monk
     sampled = BatchSampling.from_params([SamplingParams(temperature=0.5)] * 3)
     everyone = SharedProbs.put(probs, sampled)
     assert everyone.rows == (0, 1, 2) and torch.equal(everyone.resolve(drafts, get=store.__getitem__), probs)
+    filtered = torch.zeros(3, 2, 64)  # [B, G, V]: rows that filter keep a few tokens each
+    filtered[..., :3] = torch.softmax(torch.randn(3, 2, 3), dim=-1)
+    top_k = BatchSampling.from_params([SamplingParams(temperature=0.7, top_k=3), SamplingParams(temperature=0.0),
+                                       SamplingParams(temperature=1.0, top_p=0.4)])
+    sparse = SharedProbs.put(filtered, top_k)
+    assert type(store[sparse.ref]).__name__ == "SparseQ" and store[sparse.ref].values.shape == (2, 2, 3)
+    expected = filtered.clone()
+    expected[1] = torch.nn.functional.one_hot(drafts[1], 64).float()
+    assert torch.equal(sparse.resolve(drafts, get=store.__getitem__), expected)
 
 
 def test_ray_pickles_host_tensors_as_arrays_exactly():

@@ -108,15 +108,69 @@ class StepReply:
     ahead: object | None = None  # the ahead call's Reply (its proposal without q), when one was sent
 
 
+SPARSE_SHARE = 4  # q crosses sparse where no row has more than 1/SPARSE_SHARE of the vocabulary nonzero
+
+
+@dataclass(frozen=True)
+class SparseQ:
+    """q [R, G', V] of rows that all filter with top-k or top-p, as each position's nonzero entries:
+    exact (q is 0 elsewhere), and at top-k 50 of a 32k vocabulary 1/100 of the bytes or less."""
+
+    values: torch.Tensor  # [R, G', K] q's entries (its dtype), K the widest position's nonzero count
+    index: torch.Tensor  # [R, G', K] int32 their token ids
+    vocab: int  # V
+
+    @classmethod
+    def of(cls, probs: torch.Tensor, sampling: BatchSampling, rows: tuple[int, ...]) -> "SparseQ | None":
+        """probs [R, G', V]: the listed rows' q -> its nonzero entries, or None where some row does
+        not filter or a position keeps more than V / SPARSE_SHARE tokens. Rows that filter with
+        top-k alone keep at most their k (host reads of the sampling); with top-p, the count is
+        one device read, just before q is copied off the device anyway."""
+        top_k, top_p = sampling.top_k.tolist(), sampling.top_p.tolist()
+        if not rows or probs.shape[1] == 0 or not all(top_k[b] > 0 or top_p[b] < 1 for b in rows):
+            return None
+        if all(top_p[b] >= 1 for b in rows):
+            support = min(max(top_k[b] for b in rows), probs.shape[-1])
+        else:
+            support = int((probs != 0).sum(-1).max())
+        if support * SPARSE_SHARE > probs.shape[-1]:
+            return None
+        values, index = probs.topk(support, dim=-1)  # every nonzero entry (there are at most `support`)
+        return cls(values, index.to(torch.int32), probs.shape[-1])
+
+    @property
+    def shape(self) -> torch.Size:
+        """[R, G', V]: the shape of the q it stands for."""
+        return torch.Size((*self.values.shape[:-1], self.vocab))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.values.dtype
+
+    def dense(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """-> q [R, G', V] on `device`: zeros, the entries scattered in there."""
+        values = self.values.to(device)
+        out = torch.zeros(*values.shape[:-1], self.vocab, dtype=values.dtype, device=device)
+        return out.scatter_(-1, self.index.to(device, torch.long), values)
+
+    def __reduce__(self):  # its tensors as numpy arrays (out of band in `pack`, as q itself is)
+        return (SparseQ, (_Large(self.values), _Large(self.index), self.vocab))
+
+
+def _dense(q, device: torch.device | str = "cpu") -> torch.Tensor:
+    return q.dense(device) if isinstance(q, SparseQ) else q
+
+
 @dataclass(frozen=True)
 class SharedProbs:
     """A proposal's q left in Ray's object store by the draft side, for the target worker to read
     there: on the actor-call transport q [B, G, V] would otherwise cross into the coordinator and
     out again, twice through its memory, where nothing reads it. Only the rows that need q go in
-    (sampled rows); a greedy row's q is one-hot at its draft, rebuilt by `resolve` (the rule's
-    outcome for a greedy row does not depend on q beyond that)."""
+    (sampled rows; their nonzero entries alone where they all filter: `SparseQ`); a greedy row's q
+    is one-hot at its draft, rebuilt by `resolve` (the rule's outcome for a greedy row does not
+    depend on q beyond that)."""
 
-    ref: object  # ray.ObjectRef of q [R, G, V] (host), the `rows` in order
+    ref: object  # ray.ObjectRef of q [R, G, V] (host; or a `SparseQ`), the `rows` in order
     rows: tuple[int, ...]  # rows of the batch that need q
     batch: int  # B
 
@@ -127,7 +181,8 @@ class SharedProbs:
 
         rows = sampling_rows(sampling)
         picked = probs if len(rows) == probs.shape[0] else probs[list(rows)]  # [R, G, V]
-        return cls(ray.put(_Large(picked)), rows, probs.shape[0])
+        sparse = SparseQ.of(picked, sampling, rows)
+        return cls(ray.put(_Large(picked) if sparse is None else sparse), rows, probs.shape[0])
 
     def resolve(self, draft_tokens: torch.Tensor, get=None, device: torch.device | str = "cpu") -> torch.Tensor:
         """draft_tokens [B, G] -> q [B, G, V] on `device` (get: ray.get unless given): the rows'
@@ -138,7 +193,7 @@ class SharedProbs:
             get = ray.get
         with warnings.catch_warnings():  # read-only: a view of the store's memory, which nothing writes
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            picked = get(self.ref)  # [R, G, V]
+            picked = _dense(get(self.ref), device)  # [R, G, V]
         return rows_over_one_hot(picked, self.rows, draft_tokens.to(device), picked.shape[-1])
 
 
@@ -151,30 +206,37 @@ class RowsProbs:
     row's g_b). Whole, q is [B, G, V]: at 32 rows, γ 3 and a 32k vocabulary 12 MB a step in
     float32, 6 MB in the 16 bits a bfloat16 target's draft worker sends (`sampling.q_to_send`: the
     drafts are drawn from those very values), copied off the draft's device, through the channel
-    and onto the target's."""
+    and onto the target's. Rows that all filter with top-k or top-p send only q's nonzero entries."""
 
-    probs: torch.Tensor  # [R, G', V] the sampling rows' q, positions 0..G'-1 (in the dtype it was drawn from)
+    # [R, G', V] the sampling rows' q, positions 0..G'-1 (in the dtype it was drawn from); its
+    # nonzero entries alone where every such row filters (`SparseQ`)
+    probs: torch.Tensor | SparseQ
     rows: tuple[int, ...]  # rows of the batch that sample, in order
     width: int  # G of the whole q
 
     @classmethod
     def of(cls, probs: torch.Tensor, sampling: BatchSampling, num_draft: torch.Tensor) -> "RowsProbs | torch.Tensor":
         """probs [B, G, V] (on the draft's device); sampling, num_draft [B]: the verify's rows and
-        planned drafts (host) -> what crosses: q itself where every row samples and verifies all
-        G positions, else the part the rule reads."""
+        planned drafts (host) -> what crosses: the part the rule reads, its nonzero entries alone
+        where every row of it filters (`SparseQ`); q itself where every row samples, verifies all
+        G positions and some row does not filter."""
         counts, rows = num_draft.tolist(), sampling_rows(sampling)
         width = max((counts[b] for b in rows), default=0)
-        if len(rows) == probs.shape[0] and width == probs.shape[1]:
+        whole = len(rows) == probs.shape[0] and width == probs.shape[1]
+        index = None if whole else torch.tensor(rows, dtype=torch.long, device=probs.device)
+        cut = probs if whole else probs.index_select(0, index)[:, :width]  # [R, G', V]
+        sparse = SparseQ.of(cut, sampling, rows)
+        if sparse is None and whole:
             return probs
-        index = torch.tensor(rows, dtype=torch.long, device=probs.device)
-        return cls(probs.index_select(0, index)[:, :width], rows, probs.shape[1])
+        return cls(cut if sparse is None else sparse, rows, probs.shape[1])
 
     def resolve(self, draft_tokens: torch.Tensor, device: torch.device | str = "cpu") -> torch.Tensor:
         """draft_tokens [B, G] -> q [B, G, V] on `device`: the rows' part copied there, the rest
         built there (on the target's GPU, only the cut crosses from the host)."""
         if draft_tokens.shape[1] != self.width:
             raise ValueError(f"q was cut from {self.width} positions; these drafts hold {draft_tokens.shape[1]}")
-        return rows_over_one_hot(self.probs, self.rows, draft_tokens.to(device), self.probs.shape[-1])
+        probs = _dense(self.probs, device)  # [R, G', V]
+        return rows_over_one_hot(probs, self.rows, draft_tokens.to(device), probs.shape[-1])
 
 
 def sampling_rows(sampling: BatchSampling) -> tuple[int, ...]:
@@ -336,13 +398,16 @@ def _unsampling(s) -> BatchSampling | None:
 
 
 def _probs(p):
-    """A proposal's q: a tensor (or None) as `_tensor`, or the part that crosses (`RowsProbs`)."""
-    return ("rows", _tensor(p.probs), p.rows, p.width) if isinstance(p, RowsProbs) else _tensor(p)
+    """A proposal's q: a tensor (or None) as `_tensor`, or the part that crosses (`RowsProbs`; its
+    `SparseQ` pickles its tensors as numpy arrays itself)."""
+    if not isinstance(p, RowsProbs):
+        return _tensor(p)
+    return "rows", p.probs if isinstance(p.probs, SparseQ) else _tensor(p.probs), p.rows, p.width
 
 
 def _unprobs(p):
     if isinstance(p, tuple) and p[0] == "rows":  # (a small tensor's tuple starts with its dtype code)
-        return RowsProbs(_untensor(p[1]), tuple(p[2]), p[3])
+        return RowsProbs(p[1] if isinstance(p[1], SparseQ) else _untensor(p[1]), tuple(p[2]), p[3])
     return _untensor(p)
 
 
