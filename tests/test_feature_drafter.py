@@ -224,13 +224,26 @@ def test_trained_head_beats_chance(head_dir):
     assert accepted / drafted > 0.1  # a random guess among 96 tokens would accept about 1%
 
 
-def test_sampling_matches_target_distribution(tmp_path):
-    """An untrained head on the vocabulary-8 model: sampled output follows the target (chi-square)."""
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+def test_sampling_matches_target_distribution(tmp_path, q_dtype):
+    """An untrained head on the vocabulary-8 model: sampled output follows the target (chi-square),
+    also with q sent in 16 bits (a head on the draft worker of a bfloat16 target), whose q the
+    proposals then carry in that dtype."""
     torch.manual_seed(1)
     small = tiny_llama(0, vocab=VOCAB, init_range=0.3, layers=3, hidden=16)
     head = init_head(small, torch.arange(VOCAB))
     save_feature_head(head, tmp_path, store_lm_head=True)
-    assert_proposer_follows_target(small, build(tmp_path, small))
+    proposer = build(tmp_path, small)
+    proposer.q_dtype = q_dtype
+    sent, real = [], proposer.propose
+
+    def propose(*args, **kwargs):
+        proposal = real(*args, **kwargs)
+        sent.append(None if proposal.probs is None else proposal.probs.dtype)
+        return proposal
+    proposer.propose = propose
+    assert_proposer_follows_target(small, proposer)
+    assert set(sent) - {None} == {q_dtype}
 
 
 class CountingVerifies:
