@@ -30,7 +30,7 @@ from specserve.engine.model_runner import RowInput
 from specserve.engine.proposers import target_vocab_size
 from specserve.engine.sampling import one_hot
 from test_engine_static import emulate_graphs
-from test_sampling_distribution import VOCAB, assert_proposer_follows_target
+from test_sampling_distribution import VOCAB, assert_proposer_follows_target, recording_q_dtypes
 
 MAX_NEW = 24
 LAYERS = 4
@@ -235,13 +235,7 @@ def test_sampling_matches_target_distribution(tmp_path, q_dtype):
     save_feature_head(head, tmp_path, store_lm_head=True)
     proposer = build(tmp_path, small)
     proposer.q_dtype = q_dtype
-    sent, real = [], proposer.propose
-
-    def propose(*args, **kwargs):
-        proposal = real(*args, **kwargs)
-        sent.append(None if proposal.probs is None else proposal.probs.dtype)
-        return proposal
-    proposer.propose = propose
+    sent = recording_q_dtypes(proposer)
     assert_proposer_follows_target(small, proposer)
     assert set(sent) - {None} == {q_dtype}
 

@@ -122,6 +122,18 @@ def test_sampling_matches_target_distribution(pair, setting):
     assert chi_square_pvalue(seen3, exact3) > 1e-4
 
 
+def recording_q_dtypes(proposer) -> list:
+    """The list that each of the proposer's later proposals extends with its q's dtype (None: no q)."""
+    sent, propose = [], proposer.propose
+
+    def recorded(*args, **kwargs):
+        proposal = propose(*args, **kwargs)
+        sent.append(None if proposal.probs is None else proposal.probs.dtype)
+        return proposal
+    proposer.propose = recorded
+    return sent
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_q_sent_in_16_bits_keeps_the_targets_distribution(pair, dtype):
     """A draft whose q crosses to the target in 16 bits (a served draft worker of a bfloat16 or
@@ -133,13 +145,7 @@ def test_q_sent_in_16_bits_keeps_the_targets_distribution(pair, dtype):
     target, draft = pair
     proposer = DraftModelProposer(draft, VOCAB)
     proposer.q_dtype = dtype
-    sent, propose = [], proposer.propose
-
-    def recorded(*args, **kwargs):
-        proposal = propose(*args, **kwargs)
-        sent.append(None if proposal.probs is None else proposal.probs.dtype)
-        return proposal
-    proposer.propose = recorded
+    sent = recording_q_dtypes(proposer)
     read, rule = [], verifier_module.rejection_sample
 
     def reading(target_probs, draft_tokens, draft_probs, *rest):
