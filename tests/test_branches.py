@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models import perturbed, tiny_llama
+from models import tiny_llama
 from specserve.engine import DraftModelProposer, RowInput, SamplingParams
 from specserve.engine.model_runner import ForwardTiming
 from specserve.engine.proposers import branch_id, branch_owner
