@@ -180,7 +180,8 @@ def test_only_the_sampling_rows_q_crosses_the_graph(local_coordinator, pipelined
 
 def test_the_q_that_crosses_resolves_to_what_the_rule_reads():
     """RowsProbs: the sampling rows' q at the positions they verify, through the codec, then one-hot
-    at the drafts elsewhere; q itself where every row samples every position."""
+    at the drafts elsewhere (a sampling row that verifies no draft sends nothing); q itself where
+    every row samples every position."""
     from specserve.serve.wire import RowsProbs
 
     generator = torch.Generator().manual_seed(3)
@@ -196,6 +197,9 @@ def test_the_q_that_crosses_resolves_to_what_the_rule_reads():
     assert torch.equal(full[:, 2], torch.nn.functional.one_hot(tokens[:, 2], 11).float())  # none verifies it
     every = BatchSampling.from_params([SamplingParams(temperature=1.0)] * 4)
     assert RowsProbs.of(probs, every, torch.tensor([3, 3, 1, 3])) is probs
+    prefilling = RowsProbs.of(probs, sampling, torch.tensor([3, 0, 3, 1]))  # row 1 verifies no draft
+    assert prefilling.rows == (3,) and prefilling.probs.shape == (1, 1, 11)
+    assert torch.equal(prefilling.resolve(tokens)[1], torch.nn.functional.one_hot(tokens[1], 11).float())
 
 
 def test_rows_that_all_filter_send_only_q_s_nonzero_entries():

@@ -118,6 +118,79 @@ def test_shared_probs_keep_the_sampled_rows_and_rebuild_greedy_rows_one_hot(monk
     assert torch.equal(sparse.resolve(drafts, get=store.__getitem__), expected)
 
 
+def test_shared_probs_keep_only_the_positions_rows_verify(monkeypatch):
+    """Given each row's drafts to verify, q left in the object store stops at the most drafts a
+    sampled row verifies and leaves out sampled rows that verify none (a prompt still in prefill);
+    resolving gives those positions exactly and one-hot at the drafts elsewhere. A step whose
+    sampled rows verify nothing puts nothing in the store."""
+    import ray
+
+    from specserve.serve.wire import SharedProbs
+
+    store = {}
+
+    def put(value):
+        store[len(store)] = pickle.loads(pickle.dumps(value))
+        return len(store) - 1
+
+    monkeypatch.setattr(ray, "put", put)
+    torch.manual_seed(1)
+    drafts = torch.tensor([[1, 2, 3], [3, 4, 5], [5, 6, 7], [8, 9, 10]])  # [B, G]
+    probs = torch.softmax(torch.randn(4, 3, 11), dim=-1).bfloat16()  # [B, G, V]
+    sampling = BatchSampling.from_params([SamplingParams(temperature=t) for t in (0.7, 0.0, 1.0, 0.9)])
+    shared = SharedProbs.put(probs, sampling, torch.tensor([2, 3, 1, 0]))
+    assert shared.rows == (0, 2) and store[shared.ref].shape == (2, 2, 11)  # row 3 verifies none
+    full = shared.resolve(drafts, get=store.__getitem__)  # [B, G, V]
+    assert full.dtype == torch.bfloat16 and torch.equal(full[[0, 2], :2], probs[[0, 2], :2])
+    one_hot = torch.nn.functional.one_hot(drafts, 11).bfloat16()
+    assert torch.equal(full[[1, 3]], one_hot[[1, 3]]) and torch.equal(full[:, 2], one_hot[:, 2])
+    before = len(store)
+    none = SharedProbs.put(probs, sampling, torch.tensor([0, 3, 0, 0]))  # the sampled rows verify nothing
+    assert none.rows == () and none.ref is None and len(store) == before
+    assert torch.equal(none.resolve(drafts, get=store.__getitem__), one_hot.float())
+    whole = SharedProbs.put(probs, BatchSampling.from_params([SamplingParams(temperature=1.0)] * 4),
+                            torch.tensor([3, 1, 3, 2]))
+    assert whole.rows == (0, 1, 2, 3) and store[whole.ref].shape == (4, 3, 11)
+    assert torch.equal(whole.resolve(drafts, get=store.__getitem__), probs)
+
+
+def test_on_plain_calls_the_store_holds_only_the_q_the_rule_reads(local_coordinator, monkeypatch):
+    """Through the coordinator on two plain calls, the draft side puts q in the store cut to what
+    the step's plan verifies: the sampled rows that verify drafts, up to the most drafts one of
+    them verifies (rows near their limit verify fewer than G). Seeded sampled tokens are those of
+    the same steps with q whole in the replies."""
+    import ray
+
+    from specserve.engine import SamplingParams
+    from test_pipeline import PROMPTS, config, generate
+
+    params = [SamplingParams(max_tokens=n, seed=20 + i, ignore_eos=True, temperature=t, top_p=0.95)
+              for i, (n, t) in enumerate(zip((7, 30, 12, 21), (0.8, 1.0, 0.0, 0.7)))]
+    whole = generate(local_coordinator(config(pipelined=False, gamma=4)), PROMPTS, params)
+    import specserve.serve.workers as workers
+
+    coordinator = local_coordinator(config(pipelined=False, gamma=4))
+    stored, planned, shared = [], [], workers._shared
+
+    def recorded(proposal, sampling, share, num_draft):
+        counts = [g for g, t in zip(num_draft.tolist(), sampling.temperature.tolist()) if t > 0 and g > 0]
+        sampled = sum(t > 0 for t in sampling.temperature.tolist())
+        planned.append((len(counts), max(counts, default=0), proposal.tokens.shape[1], sampled))
+        return shared(proposal, sampling, share, num_draft)
+
+    def put(value):  # as the object store holds it; the stand-in actors' ray.get hands it back
+        stored.append((tuple(pickle.loads(pickle.dumps(value)).shape[:2]), planned[-1]))
+        return pickle.loads(pickle.dumps(value))
+
+    monkeypatch.setattr(workers, "_shared", recorded)
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)  # (once the coordinator is up: no placement group)
+    monkeypatch.setattr(ray, "put", put)
+    assert generate(coordinator, PROMPTS, params) == whole
+    assert stored and all(shape == (rows, most) for shape, (rows, most, _, _) in stored)
+    assert any((rows, most) != (sampled, width) for _, (rows, most, width, sampled) in stored)  # a cut
+    assert len(stored) == sum(1 for rows, *_ in planned if rows)  # nothing put where no row needs q
+
+
 def test_ray_pickles_host_tensors_as_arrays_exactly():
     """After `fast_tensor_pickling`, Ray's pickler sends a host tensor as a numpy array (torch's
     storage format only where it must): every kind comes back exact, its grad flag kept, a tensor

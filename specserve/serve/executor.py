@@ -179,7 +179,8 @@ class RemoteExecutor:
         if plan.gamma > 0:
             try:
                 reply = await self.calls.call("draft", self.draft.propose, seqs, "draft_len", lambda: (
-                    plan.draft_rows(), plan.gamma, plan.sampling, plan.draft_uniforms, True), retry=False)
+                    plan.draft_rows(), plan.gamma, plan.sampling, plan.draft_uniforms, True, plan.num_draft),
+                    retry=False)
             except Exception as err:
                 # Any draft failure (dead, restarting, hung, out of memory, a bug): the step is planned
                 # again without it. Greedy rows are unaffected; seeded sampled rows draw fresh numbers

@@ -165,45 +165,49 @@ def _dense(q, device: torch.device | str = "cpu") -> torch.Tensor:
 class SharedProbs:
     """A proposal's q left in Ray's object store by the draft side, for the target worker to read
     there: on the actor-call transport q [B, G, V] would otherwise cross into the coordinator and
-    out again, twice through its memory, where nothing reads it. Only the rows that need q go in
-    (sampled rows; their nonzero entries alone where they all filter: `SparseQ`); a greedy row's q
-    is one-hot at its draft, rebuilt by `resolve` (the rule's outcome for a greedy row does not
-    depend on q beyond that)."""
+    out again, twice through its memory, where nothing reads it. Only the part the rule reads goes
+    in (`needed_part`: the sampled rows that verify drafts, up to the most drafts one verifies;
+    their nonzero entries alone where they all filter: `SparseQ`); the rest is one-hot at the
+    drafts, rebuilt by `resolve` (the rule's outcome for a greedy row does not depend on q beyond
+    that, and no row reads a position past its g_b)."""
 
-    ref: object  # ray.ObjectRef of q [R, G, V] (host; or a `SparseQ`), the `rows` in order
+    ref: object  # ray.ObjectRef of q [R, G', V] (host; or a `SparseQ`), the `rows` in order; None: no rows
     rows: tuple[int, ...]  # rows of the batch that need q
-    batch: int  # B
+    vocab: int  # V
 
     @classmethod
-    def put(cls, probs: torch.Tensor, sampling: BatchSampling) -> "SharedProbs":
-        """probs [B, G, V] -> the sampled rows' q in the object store (ray.put)."""
+    def put(cls, probs: torch.Tensor, sampling: BatchSampling, num_draft: torch.Tensor | None = None) -> "SharedProbs":
+        """probs [B, G, V]; num_draft [B] (host) the drafts each row verifies, G each if None ->
+        the part the rule reads (`needed_part`) in the object store (ray.put)."""
         import ray
 
-        rows = sampling_rows(sampling)
-        picked = probs if len(rows) == probs.shape[0] else probs[list(rows)]  # [R, G, V]
+        picked, rows = needed_part(probs, sampling, num_draft)  # [R, G', V]
+        if not rows:
+            return cls(None, rows, probs.shape[-1])
         sparse = SparseQ.of(picked, sampling, rows)
-        return cls(ray.put(_Large(picked) if sparse is None else sparse), rows, probs.shape[0])
+        return cls(ray.put(_Large(picked) if sparse is None else sparse), rows, probs.shape[-1])
 
     def resolve(self, draft_tokens: torch.Tensor, get=None, device: torch.device | str = "cpu") -> torch.Tensor:
         """draft_tokens [B, G] -> q [B, G, V] on `device` (get: ray.get unless given): the rows'
-        q is copied there, the greedy rows' one-hot is built there."""
+        q is copied there, the rest is built there one-hot at the drafts."""
+        if self.ref is None:
+            return rows_over_one_hot(None, (), draft_tokens.to(device), self.vocab)
         if get is None:
             import ray
 
             get = ray.get
         with warnings.catch_warnings():  # read-only: a view of the store's memory, which nothing writes
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            picked = _dense(get(self.ref), device)  # [R, G, V]
+            picked = _dense(get(self.ref), device)  # [R, G', V]
         return rows_over_one_hot(picked, self.rows, draft_tokens.to(device), picked.shape[-1])
 
 
 @dataclass(frozen=True)
 class RowsProbs:
     """A proposal's q as it crosses the compiled graph from the draft side to the target: the
-    rows that sample only (a greedy row's q is one-hot at its draft, rebuilt by `resolve`, as
-    SharedProbs does: the rule decides a greedy row from the target's choice alone), and their
-    first positions, up to the most drafts any of them verifies (the rule reads no position past a
-    row's g_b). Whole, q is [B, G, V]: at 32 rows, γ 3 and a 32k vocabulary 12 MB a step in
+    part the rule reads (`needed_part`, as SharedProbs sends: the rows that sample and verify
+    drafts, their first positions up to the most drafts one of them verifies), the rest rebuilt
+    one-hot at the drafts by `resolve`. Whole, q is [B, G, V]: at 32 rows, γ 3 and a 32k vocabulary 12 MB a step in
     float32, 6 MB in the 16 bits a bfloat16 target's draft worker sends (`sampling.q_to_send`: the
     drafts are drawn from those very values), copied off the draft's device, through the channel
     and onto the target's. Rows that all filter with top-k or top-p send only q's nonzero entries."""
@@ -211,22 +215,18 @@ class RowsProbs:
     # [R, G', V] the sampling rows' q, positions 0..G'-1 (in the dtype it was drawn from); its
     # nonzero entries alone where every such row filters (`SparseQ`)
     probs: torch.Tensor | SparseQ
-    rows: tuple[int, ...]  # rows of the batch that sample, in order
+    rows: tuple[int, ...]  # rows of the batch that sample and verify drafts, in order
     width: int  # G of the whole q
 
     @classmethod
     def of(cls, probs: torch.Tensor, sampling: BatchSampling, num_draft: torch.Tensor) -> "RowsProbs | torch.Tensor":
         """probs [B, G, V] (on the draft's device); sampling, num_draft [B]: the verify's rows and
-        planned drafts (host) -> what crosses: the part the rule reads, its nonzero entries alone
-        where every row of it filters (`SparseQ`); q itself where every row samples, verifies all
-        G positions and some row does not filter."""
-        counts, rows = num_draft.tolist(), sampling_rows(sampling)
-        width = max((counts[b] for b in rows), default=0)
-        whole = len(rows) == probs.shape[0] and width == probs.shape[1]
-        index = None if whole else torch.tensor(rows, dtype=torch.long, device=probs.device)
-        cut = probs if whole else probs.index_select(0, index)[:, :width]  # [R, G', V]
+        planned drafts (host) -> what crosses: the part the rule reads (`needed_part`), its nonzero
+        entries alone where every row of it filters (`SparseQ`); q itself where that part is all
+        of q and some row does not filter."""
+        cut, rows = needed_part(probs, sampling, num_draft)  # [R, G', V]
         sparse = SparseQ.of(cut, sampling, rows)
-        if sparse is None and whole:
+        if sparse is None and cut is probs:
             return probs
         return cls(cut if sparse is None else sparse, rows, probs.shape[1])
 
@@ -242,6 +242,23 @@ class RowsProbs:
 def sampling_rows(sampling: BatchSampling) -> tuple[int, ...]:
     """The rows of a step that sample (temperature > 0): the ones whose q the rule reads."""
     return tuple(b for b, t in enumerate(sampling.temperature.tolist()) if t > 0)
+
+
+def needed_part(probs: torch.Tensor, sampling: BatchSampling,
+                num_draft: torch.Tensor | None) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """probs [B, G, V]; num_draft [B] (host) the drafts each row verifies (G each if None) ->
+    (q [R, G', V] of the rows that sample and verify a draft, their first G' positions, G' the
+    most drafts any of them verifies; those rows). The rule reads no other part of q: a greedy
+    row's outcome depends on the target's choice alone, and a row reads no position past its
+    g_b. probs itself where that is all of it (no copy)."""
+    batch, width = probs.shape[:2]
+    counts = [width] * batch if num_draft is None else num_draft.tolist()
+    rows = tuple(b for b in sampling_rows(sampling) if counts[b] > 0)
+    most = max((counts[b] for b in rows), default=0)
+    if len(rows) == batch and most == width:
+        return probs, rows
+    index = torch.tensor(rows, dtype=torch.long, device=probs.device)
+    return probs.index_select(0, index)[:, :most], rows
 
 
 def light(proposal: Proposal) -> Proposal:

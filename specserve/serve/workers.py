@@ -258,12 +258,13 @@ class TargetWorker(_Worker):
     @_serialised
     def propose(
         self, rows: list[RowInput], num_tokens: int, sampling: BatchSampling, uniforms: torch.Tensor | None,
-        share_probs: bool = False,
+        share_probs: bool = False, num_draft: torch.Tensor | None = None,
     ) -> Reply:
-        """share_probs: q goes to the object store (`SharedProbs`), not into the reply."""
+        """share_probs: q goes to the object store (`SharedProbs`), not into the reply; only the
+        part the rule reads, given num_draft [B], the drafts each row will verify."""
         self._injected_fault("propose")
         return self._run(rows, lambda: _shared(self.proposer.propose(rows, num_tokens, sampling, uniforms),
-                                               sampling, share_probs), self.proposer)
+                                               sampling, share_probs, num_draft), self.proposer)
 
     @_serialised
     def proposer_prefill(self, rows: list[RowInput]) -> Reply:
@@ -574,9 +575,11 @@ class DraftWorker(_Worker):
     @_serialised
     def propose(
         self, rows: list[RowInput], num_tokens: int, sampling: BatchSampling, uniforms: torch.Tensor | None,
-        share_probs: bool = False, pull_features: bool = True, alternates: bool = False,
+        share_probs: bool = False, num_draft: torch.Tensor | None = None, pull_features: bool = True,
+        alternates: bool = False,
     ) -> Reply:
-        """share_probs: q goes to the object store (`SharedProbs`), not into the reply.
+        """share_probs: q goes to the object store (`SharedProbs`), not into the reply; only the
+        part the rule reads, given num_draft [B], the drafts each row will verify.
         pull_features=False: an ahead block (pipelined), drafted while the target verifies: its
         rows run past the committed tokens, so the target has nothing more to give yet.
         alternates: each draft's runner-up too (a draft model's greedy rows; pipelined branches)."""
@@ -587,7 +590,8 @@ class DraftWorker(_Worker):
                 self._pull_features(rows)
             if alternates:
                 return self.model.propose(rows, num_tokens, sampling, uniforms, alternates=True)
-            return _shared(self.model.propose(rows, num_tokens, sampling, uniforms), sampling, share_probs)
+            return _shared(self.model.propose(rows, num_tokens, sampling, uniforms), sampling, share_probs,
+                           num_draft)
         return self._run(rows, call)
 
     @_serialised
@@ -628,12 +632,13 @@ def _with_corrections(drafted: Proposal, batch: int, corrections: list[int]) -> 
     return Proposal(tokens, drafted.probs, drafted.forwards, drafted.deterministic, drafted.num_draft, ups)
 
 
-def _shared(proposal: Proposal, sampling: BatchSampling, share: bool) -> Proposal:
-    """The proposal with its q in the object store (`SharedProbs`) when `share` and it has one
-    (inside Ray: a worker object called in-process, as tests do, keeps q in the reply)."""
+def _shared(proposal: Proposal, sampling: BatchSampling, share: bool, num_draft: torch.Tensor | None) -> Proposal:
+    """The proposal with its q in the object store (`SharedProbs`, the part the rule reads of
+    num_draft [B] drafts a row) when `share` and it has one (inside Ray: a worker object called
+    in-process, as tests do, keeps q in the reply)."""
     if not share or proposal.probs is None or not ray.is_initialized():
         return proposal
-    return dataclasses.replace(proposal, probs=SharedProbs.put(proposal.probs, sampling))
+    return dataclasses.replace(proposal, probs=SharedProbs.put(proposal.probs, sampling, num_draft))
 
 
 def _q_needed(reply: Reply, call: StepCall) -> Reply:
