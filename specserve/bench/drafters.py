@@ -182,7 +182,7 @@ def table(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2", choices=["smollm2", "tiny"])
     parser.add_argument("--per-category", type=int, default=3, help="prompts per category")
@@ -204,28 +204,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument("--out", default="bench-results/drafters.json")
-    args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    return parser.parse_args(argv)
 
-    try:
-        target, tokenizer, draft, note = load(args.model, args.draft_weights)
-    except (FileNotFoundError, ImportError) as err:
-        print(f"SmolLM2 is not available here ({err}); nothing to benchmark (try --model tiny)")
-        return 0
-    if note:
-        print(note)
-    vocab = target_vocab_size(target)
-    num_layers = target.config.num_hidden_layers
-    skip_spec, skip_gamma, skip_source = layer_skip_spec(args.layer_skip_config, num_layers)
-    print(f"layer skip: {list(skip_spec.skip_layers)} ({skip_source})")
-    groups = by_category(load_records(GENERAL, EXTRACTION))
-    categories = [c for c in args.categories.split(",") if c in groups]
-    prompts = {c: [encode(tokenizer, r) for r in groups[c][: args.per_category]] for c in categories}
-    params = SamplingParams(max_tokens=args.max_new_tokens, temperature=0.0)
 
-    # c for the model drafters: one batch-1 forward against the target's, side by side.
-    context = prompts[categories[0]][0]
+@dataclass
+class Drafters:
+    """What the runs share: the models, each model drafter's c, the target's batch-1 forward."""
+
+    target: torch.nn.Module
+    draft: torch.nn.Module | None
+    vocab: int
+    skip_spec: LayerSkipSpec
+    skip_gamma: int | None
+    head_spec: FeatureDrafterSpec | None
+    costs: dict[str, float]  # drafter -> c (its batch-1 forward over the target's)
+    target_forward: float  # seconds
+
+
+def measure_costs(target, draft, vocab: int, skip_spec: LayerSkipSpec, skip_gamma, context: list[int],
+                  args) -> Drafters:
+    """c for the model drafters (one batch-1 forward against the target's, side by side) and the
+    target's own forward time; a feature head that cannot be loaded is left out."""
     target_runner = ModelRunner(target)
     costs = {"layer skip": forward_ratio(target_runner, skip_spec.build(target, vocab, None).runner, context, args.reps)}
     head_spec = FeatureDrafterSpec(args.feature_head) if args.feature_head and args.model == "smollm2" else None
@@ -244,60 +243,86 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.reps):
         target_runner.forward([RowInput("__t__", len(context), [context[-1]])], logits="last")
         times.append(target_runner.last_forward_seconds)
-    target_forward = statistics.median(times)
+    return Drafters(target, draft, vocab, skip_spec, skip_gamma, head_spec, costs, statistics.median(times))
 
-    methods = ["target-only"] + (["draft model"] if draft is not None else []) + ["layer skip", "prompt lookup"]
-    methods += ["feature head"] if head_spec is not None else []
-    methods += ["head + lookup"] if head_spec is not None and args.head_lookup_min_n > 0 else []
-    methods += [] if args.no_hf else ["HF generate", f"HF lookup({args.hf_lookup_tokens})"]
+
+def method_names(d: Drafters, args) -> list[str]:
+    methods = ["target-only"] + (["draft model"] if d.draft is not None else []) + ["layer skip", "prompt lookup"]
+    methods += ["feature head"] if d.head_spec is not None else []
+    methods += ["head + lookup"] if d.head_spec is not None and args.head_lookup_min_n > 0 else []
+    return methods + ([] if args.no_hf else ["HF generate", f"HF lookup({args.hf_lookup_tokens})"])
+
+
+def run_method(method: str, d: Drafters, batch: list[list[int]], params: SamplingParams, category: str,
+               args) -> Result:
+    """One drafter (or target-only, or HF) over one category's prompts."""
+    target, vocab = d.target, d.vocab
+    if method == "target-only":
+        return run_engine(target, None, 0, batch, params, category, method)
+    if method in ("draft model", "layer skip", "feature head"):
+        spec = {"draft model": lambda: DraftModelSpec(d.draft), "layer skip": lambda: d.skip_spec,
+                "feature head": lambda: d.head_spec}[method]()
+        gamma = (d.skip_gamma or args.gamma) if method == "layer skip" else args.gamma
+        r = run_engine(target, spec.build(target, vocab, None), gamma, batch, params, category, method)
+        r.c = d.costs[method]
+        return r
+    if method == "head + lookup":
+        proposer = dataclasses.replace(d.head_spec, lookup_min_n=args.head_lookup_min_n).build(target, vocab, None)
+        r = run_engine(target, proposer, args.gamma, batch, params, category, method)
+        r.c = d.costs["feature head"]  # per head forward; a looked-up row runs none
+        r.extra["looked_up_rows"] = proposer.num_looked_up / max(proposer.num_rows, 1)
+        return r
+    if method == "prompt lookup":
+        proposer = TimedProposer(PromptLookupSpec(args.lookup_min_n, args.lookup_max_n).build(target, vocab, None))
+        r = run_engine(target, proposer, args.lookup_gamma, batch, params, category, method)
+        r.c = lookup_cost_ratio(proposer, d.target_forward)
+        inner: PromptLookupProposer = proposer.inner
+        r.extra["lookup_match_rate"] = inner.num_matches / max(inner.num_lookups, 1)
+        return r
+    if method == "HF generate":
+        return run_hf(target, batch, args.max_new_tokens, category, None)
+    return run_hf(target, batch, args.max_new_tokens, category, args.hf_lookup_tokens)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        target, tokenizer, draft, note = load(args.model, args.draft_weights)
+    except (FileNotFoundError, ImportError) as err:
+        print(f"SmolLM2 is not available here ({err}); nothing to benchmark (try --model tiny)")
+        return 0
+    if note:
+        print(note)
+    vocab = target_vocab_size(target)
+    skip_spec, skip_gamma, skip_source = layer_skip_spec(args.layer_skip_config, target.config.num_hidden_layers)
+    print(f"layer skip: {list(skip_spec.skip_layers)} ({skip_source})")
+    groups = by_category(load_records(GENERAL, EXTRACTION))
+    categories = [c for c in args.categories.split(",") if c in groups]
+    prompts = {c: [encode(tokenizer, r) for r in groups[c][: args.per_category]] for c in categories}
+    params = SamplingParams(max_tokens=args.max_new_tokens, temperature=0.0)
+    context = prompts[categories[0]][0]
+    d = measure_costs(target, draft, vocab, skip_spec, skip_gamma, context, args)
+    methods = method_names(d, args)
     run_engine(target, None, 0, [context[:8]], SamplingParams(max_tokens=4, temperature=0.0), "warm-up", "warm-up")
     bar = tqdm(total=len(categories) * len(methods), desc="drafter bench", unit="run")
     results: list[Result] = []
     for category in categories:
-        batch = prompts[category]
         reference = None
         for method in methods:
             bar.set_postfix_str(f"{category}: {method}")
-            if method == "target-only":
-                r = run_engine(target, None, 0, batch, params, category, method)
-                reference = r.extra["outputs"]
-            elif method == "draft model":
-                r = run_engine(target, DraftModelSpec(draft).build(target, vocab, None), args.gamma, batch, params,
-                               category, method)
-                r.c = costs[method]
-            elif method == "layer skip":
-                r = run_engine(target, skip_spec.build(target, vocab, None), skip_gamma or args.gamma, batch, params,
-                               category, method)
-                r.c = costs[method]
-            elif method == "feature head":
-                r = run_engine(target, head_spec.build(target, vocab, None), args.gamma, batch, params, category,
-                               method)
-                r.c = costs[method]
-            elif method == "head + lookup":
-                spec = dataclasses.replace(head_spec, lookup_min_n=args.head_lookup_min_n)
-                proposer = spec.build(target, vocab, None)
-                r = run_engine(target, proposer, args.gamma, batch, params, category, method)
-                r.c = costs["feature head"]  # per head forward; a looked-up row runs none
-                r.extra["looked_up_rows"] = proposer.num_looked_up / max(proposer.num_rows, 1)
-            elif method == "prompt lookup":
-                proposer = TimedProposer(PromptLookupSpec(args.lookup_min_n, args.lookup_max_n).build(target, vocab, None))
-                r = run_engine(target, proposer, args.lookup_gamma, batch, params, category, method)
-                r.c = lookup_cost_ratio(proposer, target_forward)
-                inner: PromptLookupProposer = proposer.inner
-                r.extra["lookup_match_rate"] = inner.num_matches / max(inner.num_lookups, 1)
-            elif method == "HF generate":
-                r = run_hf(target, batch, args.max_new_tokens, category, None)
-            else:
-                r = run_hf(target, batch, args.max_new_tokens, category, args.hf_lookup_tokens)
+            r = run_method(method, d, prompts[category], params, category, args)
+            reference = r.extra["outputs"] if method == "target-only" else reference
             r.identical = r.extra["outputs"] == reference
             results.append(r)
             bar.update(1)
     bar.close()
     text = table(results)
     print(text)
-    print(f"target forward (batch 1) {target_forward * 1e3:.1f} ms; threads={torch.get_num_threads()}; "
+    print(f"target forward (batch 1) {d.target_forward * 1e3:.1f} ms; threads={torch.get_num_threads()}; "
           "c of prompt lookup = its propose time per draft position over that")
-    _write(args, results, costs, target_forward, skip_spec, skip_source, text, note)
+    _write(args, results, d.costs, d.target_forward, skip_spec, skip_source, text, note)
     return 0
 
 
