@@ -128,6 +128,7 @@ BENCHES = {  # name -> module with `main(argv: list[str]) -> int`; its own argpa
     "policy": "specserve.bench.policy",
     "host": "specserve.bench.host",
     "qwire": "specserve.bench.qwire",
+    "draws": "specserve.bench.draws",
 }
 
 

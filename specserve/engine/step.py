@@ -264,7 +264,8 @@ def plan_step(seqs: list[Sequence], policy: SpeculationPolicy) -> StepPlan:
     backlog = sum(max(s.num_tokens - s.draft_len - DRAFT_ROW_TOKENS, 0) for s in seqs)
     batch_gamma = policy.choose(alphas, backlog, sum(not s.drafted_for for s in seqs))
     # A seeded sampled request always asks for max_gamma, so that its random stream, and with it
-    # its tokens, depend on nothing but its seed and its own tokens.
+    # its tokens, depend on nothing but its seed and its own tokens (and float rounding, which the
+    # batch's shapes set: docs/engine.md, "Seeds and batch shapes").
     own = [policy.max_gamma if s.reproducible else batch_gamma for s in seqs]
     own = [g if s.max_gamma is None else min(g, s.max_gamma) for g, s in zip(own, seqs)]
     # g_b <= remaining - 1 keeps every real position of a row below its limit minus one; drafts a
