@@ -136,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     logits = logits_of(args, gen)
     flipped = flips(logits, args, gen)
     print(f"Flips per draw, logits moved by relative noise {args.noise} ({args.source}, T={args.temperature}, "
-          f"{logits.shape[0]} positions x {args.uniforms} draws, Gumbel-max {args.gumbel_draws})\n| draw | flips per draw |\n|---|---|")
+          f"{logits.shape[0]} positions x {args.uniforms} draws, Gumbel-max {args.gumbel_draws})")
+    print("| draw | flips per draw |\n|---|---|")
     for r in flipped:
         print(f"| {r['draw']} | {100 * r['flips']:.4f}% |")
     timed = costs(logits.shape[-1], args)

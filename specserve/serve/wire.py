@@ -207,10 +207,11 @@ class RowsProbs:
     """A proposal's q as it crosses the compiled graph from the draft side to the target: the
     part the rule reads (`needed_part`, as SharedProbs sends: the rows that sample and verify
     drafts, their first positions up to the most drafts one of them verifies), the rest rebuilt
-    one-hot at the drafts by `resolve`. Whole, q is [B, G, V]: at 32 rows, γ 3 and a 32k vocabulary 12 MB a step in
-    float32, 6 MB in the 16 bits a bfloat16 target's draft worker sends (`sampling.q_to_send`: the
-    drafts are drawn from those very values), copied off the draft's device, through the channel
-    and onto the target's. Rows that all filter with top-k or top-p send only q's nonzero entries."""
+    one-hot at the drafts by `resolve`. Whole, q is [B, G, V]: at 32 rows, γ 3 and a 32k
+    vocabulary 12 MB a step in float32, 6 MB in the 16 bits a bfloat16 target's draft worker sends
+    (`sampling.q_to_send`: the drafts are drawn from those very values), copied off the draft's
+    device, through the channel and onto the target's. Rows that all filter with top-k or top-p
+    send only q's nonzero entries."""
 
     # [R, G', V] the sampling rows' q, positions 0..G'-1 (in the dtype it was drawn from); its
     # nonzero entries alone where every such row filters (`SparseQ`)
