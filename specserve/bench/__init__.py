@@ -6,6 +6,15 @@ import json
 from pathlib import Path
 
 
+def sync(device) -> None:
+    """Wait for the device's queued work (a CUDA device; nothing to wait for elsewhere), so that a
+    timer read after it counts that work."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def write_json(path: Path, args: argparse.Namespace, **fields) -> None:
     """A bench's JSON: the torch version, its arguments as given, then `fields`."""
     import torch

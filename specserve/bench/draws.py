@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from specserve.bench import write_json
+from specserve.bench import sync, write_json
 from specserve.engine.sampling import sample_with_uniforms
 
 GOLDEN, MIX1, MIX2 = -7046029254386353131, -4658895280553007687, -7723592293110705685  # splitmix64's, as int64
@@ -78,11 +78,10 @@ def flips(logits: torch.Tensor, args: argparse.Namespace, gen: torch.Generator) 
             exp = torch.empty(min(200, args.gumbel_draws - start), p.shape[-1]).exponential_(generator=gen)
             gumbel += int(((p[i] / exp).argmax(-1) != (q[i] / exp).argmax(-1)).sum())
     draws = logits.shape[0] * args.gumbel_draws
-    return [dict(draw="inverse CDF, float32 (the engine's)", flips=float((inverse(p, torch.float32)
-                                                                        != inverse(q, torch.float32)).float().mean())),
-            dict(draw="inverse CDF, float64 cumulative sum", flips=float((inverse(p, torch.float64)
-                                                                         != inverse(q, torch.float64)).float().mean())),
-            dict(draw="Gumbel-max, the same noise", flips=gumbel / draws)]
+    rows = [dict(draw=name, flips=float((inverse(p, dtype) != inverse(q, dtype)).float().mean()))
+            for name, dtype in (("inverse CDF, float32 (the engine's)", torch.float32),
+                                ("inverse CDF, float64 cumulative sum", torch.float64))]
+    return rows + [dict(draw="Gumbel-max, the same noise", flips=gumbel / draws)]
 
 
 def costs(vocab: int, args: argparse.Namespace) -> list[dict]:
@@ -97,19 +96,14 @@ def costs(vocab: int, args: argparse.Namespace) -> list[dict]:
                            ("keyed Gumbel", lambda: keyed_gumbel(probs, u, offsets))):
             for _ in range(3):
                 draw()
-            _sync(device)
+            sync(device)
             began = time.perf_counter()
             for _ in range(args.repeats):
                 draw()
-            _sync(device)
+            sync(device)
             times[name] = 1e3 * (time.perf_counter() - began) / args.repeats
         rows.append(dict(batch=batch, vocab=vocab, engine_ms=times["engine"], gumbel_ms=times["keyed Gumbel"]))
     return rows
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -43,6 +43,7 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
+from specserve.bench import sync
 from specserve.bench.policy import Costs
 from specserve.bench.rows import SpeedAndAcceptance
 from specserve.engine.model_runner import (
@@ -109,11 +110,6 @@ class Run(SpeedAndAcceptance):
     @property
     def mean_gamma(self) -> float:
         return self.drafted / self.steps if self.steps else 0.0
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def generate(engine: SpeculativeEngine, prompts: list[list[int]], ids: list[str], batch: int, max_new: int,

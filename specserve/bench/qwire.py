@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from specserve.bench import write_json
+from specserve.bench import sync, write_json
 from specserve.engine import Proposal, SamplingParams
 from specserve.engine.sampling import BatchSampling, logits_to_probs, q_as_read, q_to_send
 from specserve.serve.wire import Reply, RowsProbs, pack, unpack
@@ -29,15 +29,10 @@ from specserve.serve.wire import Reply, RowsProbs, pack, unpack
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def crossing(probs: torch.Tensor, tokens: torch.Tensor, sampling: BatchSampling, counts: torch.Tensor,
              device: torch.device) -> tuple[int, float, float]:
     """q [B, G, V] as the draft worker holds it -> (bytes, draft ms, target ms) of one crossing."""
-    _sync(device)
+    sync(device)
     began = time.perf_counter()
     cut = RowsProbs.of(probs, sampling, counts)
     packed = pack(Reply(Proposal(tokens, cut, []), 0.0))
@@ -45,7 +40,7 @@ def crossing(probs: torch.Tensor, tokens: torch.Tensor, sampling: BatchSampling,
     q = unpack(packed).result.probs
     q = q.resolve(tokens, device) if isinstance(q, RowsProbs) else q.to(device)
     q_as_read(q)
-    _sync(device)
+    sync(device)
     return len(packed), 1e3 * (sent - began), 1e3 * (time.perf_counter() - sent)
 
 
