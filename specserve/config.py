@@ -219,6 +219,11 @@ class SpeculationConfig(_Strict):
     # than the steps they save. Outputs are unchanged (the verdict decides which block is used).
     # Off by default: on the 2-core CPU machine they lost in `bench overlap` (docs/serving.md).
     branches: int = Field(0, ge=0, le=16)
+    # Where a separate draft worker and the target share a GPU (or, on CPUs, a host), the q of
+    # sampled rows reaches the target through a buffer both can read (serve/placed_q.py: CUDA IPC,
+    # shared memory) instead of through the host and a channel or the object store. Tried at a
+    # replica's first step and after a worker comes back; where it fails, q crosses as before.
+    place_q: bool = True
     # Benchmarks only: acceptance planted in the draft model's proposals (needs draft:).
     planted: PlantedAcceptance | None = None
 

@@ -303,7 +303,8 @@ def test_coordinator_prefills_in_chunks_and_rebuilds_after_a_restart(monkeypatch
     t, d = _Actor(tw, log), _Actor(dw, log)
     chunk = 10
     config = types.SimpleNamespace(deadlines=Deadlines(),
-                                   speculation=types.SimpleNamespace(pipelined=False, transport="actor_calls"))
+                                   speculation=types.SimpleNamespace(pipelined=False, transport="actor_calls",
+                                                                     place_q=False))
     policy, totals = SpeculationPolicy(3, adaptive=False), dict.fromkeys(
         ["prefill_tokens", "steps", "target_only_steps", "spec_decode_num_draft_tokens",
          "spec_decode_num_accepted_tokens"], 0)

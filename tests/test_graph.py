@@ -156,19 +156,22 @@ def _crossing_q(graph: InProcessGraph) -> list:
     return seen
 
 
+@pytest.mark.parametrize("place_q", [False, True])
 @pytest.mark.parametrize("pipelined", [False, True])
-def test_only_the_sampling_rows_q_crosses_the_graph(local_coordinator, pipelined):
+def test_only_the_sampling_rows_q_crosses_the_graph(local_coordinator, pipelined, place_q):
     """Greedy and seeded sampled rows together: the draft side sends the target q for the sampled
     rows only (a greedy row's is one-hot at its draft, rebuilt there), and the tokens are those of
-    plain calls, whose q crosses whole."""
+    plain calls, whose q crosses whole. With placement (the stand-in workers share this process's
+    host), a dense part crosses as the handle of the draft's buffer, never as q."""
+    from specserve.serve.placed_q import PlacedQ
     from specserve.serve.wire import RowsProbs
 
     params = [SamplingParams(max_tokens=30, ignore_eos=True, seed=60, **SEEDED_TOP_K),
               SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.0),
               SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.0),
               SamplingParams(max_tokens=30, ignore_eos=True, seed=63, temperature=1.0)]
-    plain = generate(local_coordinator(config(pipelined=False, gamma=3)), PROMPTS, params)
-    coordinator = local_coordinator(config(pipelined=pipelined, gamma=3))
+    plain = generate(local_coordinator(config(pipelined=False, gamma=3, place_q=False)), PROMPTS, params)
+    coordinator = local_coordinator(config(pipelined=pipelined, gamma=3, place_q=place_q))
     seen = _crossing_q(on_graph(coordinator))
     if pipelined:
         _alternate_preparing(coordinator)
@@ -176,6 +179,9 @@ def test_only_the_sampling_rows_q_crosses_the_graph(local_coordinator, pipelined
     cut = [q for q in seen if isinstance(q, RowsProbs)]
     assert cut and all(q.probs.shape[0] == len(q.rows) < 4 for q in cut)
     assert not any(isinstance(q, torch.Tensor) and q.shape[0] == 4 for q in seen)  # never the whole batch's
+    dense = [q for q in cut if q.probs.shape[0] and isinstance(q.probs, (torch.Tensor, PlacedQ))]
+    assert dense and all(isinstance(q.probs, PlacedQ) == place_q for q in dense)
+    assert coordinator.executor.q_placed == place_q
 
 
 def test_the_q_that_crosses_resolves_to_what_the_rule_reads():
@@ -621,6 +627,9 @@ def test_a_draft_side_naps_outside_its_lock_and_only_when_told():
         def _propose_step(self, call, alternates=False):
             from specserve.serve.wire import Reply
             return Reply(None, 0.0)
+
+        def _placed_to(self):
+            return None
 
     sampling = BatchSampling.from_params([SamplingParams(temperature=0.0)])
     rows = [RowInput("a", 0, [1])]

@@ -25,11 +25,12 @@ from specserve.engine.model_runner import ForwardTiming
 TINY = {"kind": "tiny", "seed": 0, "layers": 2, "hidden_size": 64}
 
 
-def config(pipelined: bool, gamma: int = 4, adaptive: bool = False, **kw) -> AppConfig:
+def config(pipelined: bool, gamma: int = 4, adaptive: bool = False, place_q: bool = True, **kw) -> AppConfig:
     return AppConfig.model_validate(dict(
         served_model_name="tiny", target=TINY, draft={**TINY, "noise": 0.15, "noise_seed": 1},
         speculation=dict(num_speculative_tokens=gamma, adaptive=adaptive, pipelined=pipelined, execution="eager",
-                         transport="actor_calls"),  # no Ray here: plain calls on the stand-in actors
+                         transport="actor_calls",  # no Ray here: plain calls on the stand-in actors
+                         place_q=place_q),
         max_model_len=256, **kw))
 
 

@@ -116,6 +116,23 @@ def test_seeded_sampling_equals_the_engine_alone_and_beside_greedy_rows(http, lo
         assert all(g.result()["choices"][0]["token_ids"] for g in greedy)
 
 
+def test_dense_seeded_sampling_reads_q_in_place_and_equals_the_engine(http, local_models):
+    """A seeded request that samples without filtering (the OpenAI default) has a dense q: the
+    draft worker places it in shared memory, which the target worker (another process of this
+    host) reads in place (serve/placed_q.py). Its tokens are the in-process engine's for that seed."""
+    from specserve import SamplingParams, SpeculativeEngine
+    from specserve.models.tiny import byte_tokenizer
+
+    config, target, draft = local_models
+    engine = SpeculativeEngine(target, draft, config.speculation.num_speculative_tokens, adaptive=False,
+                               max_model_len=config.max_model_len)
+    prompt = "Sample me densely"
+    expected = engine.generate([byte_tokenizer()(prompt).input_ids], SamplingParams(
+        max_tokens=MAX_NEW, temperature=1.0, seed=11, ignore_eos=True))[0].token_ids
+    assert complete(http, prompt, temperature=1.0, seed=11)["choices"][0]["token_ids"] == expected
+    assert any(http.get("/v1/stats").json()["q_placed"] for _ in range(10))  # (a replica just scaled up has not stepped)
+
+
 def test_seeded_sampling_is_reproducible(http):
     kw = {"temperature": 0.9, "top_p": 0.95, "top_k": 50, "seed": 7}
     first, second = complete(http, "Hello", **kw), complete(http, "Hello", **kw)
@@ -792,13 +809,14 @@ class TestPipelined:
             yield client
 
     def test_greedy_and_seeded_tokens_equal_the_sequential_apps(self, http, pipelined):
-        for prompt, extra in [("Hello", {}), ("The quick brown fox", {"temperature": 0.8, "top_k": 4, "seed": 7})]:
+        for prompt, extra in [("Hello", {}), ("The quick brown fox", {"temperature": 0.8, "top_k": 4, "seed": 7}),
+                              ("Dense draws", {"temperature": 1.0, "seed": 9})]:  # (its q placed for the target)
             body = {"model": MODEL, "prompt": prompt, "max_tokens": 40, "temperature": 0.0, "ignore_eos": True,
                     "return_token_ids": True, **extra}
             want = http.post("/v1/completions", json=body).json()["choices"][0]["token_ids"]
             assert pipelined.post("/v1/completions", json=body).json()["choices"][0]["token_ids"] == want
         stats = pipelined.get("/v1/stats").json()
-        assert stats["pipelined_hits"] > 0 and stats["pipelined_prepared"] > 0, stats
+        assert stats["pipelined_hits"] > 0 and stats["pipelined_prepared"] > 0 and stats["q_placed"], stats
         if stats["transport"] == "compiled_graph":
             assert stats["graph_ready"] and stats["graph_steps"] == stats["steps"], stats
             assert stats["pipelined_branch_hits"] > 0 and not stats["graph_solo"], stats
@@ -816,6 +834,7 @@ class TestPipelined:
         before = pipelined.get("/v1/stats").json()
         again = pipelined.post("/v1/completions", json={**body, "max_tokens": 24, "return_token_ids": True}).json()
         assert again["choices"][0]["token_ids"] == complete(http, body["prompt"])["choices"][0]["token_ids"]
+        assert wait_for(lambda: pipelined.get("/v1/stats").json()["q_placed"], timeout=30)  # tried again
         after = pipelined.get("/v1/stats").json()
         assert after["pipelined_steps"] > before["pipelined_steps"], after
         if on_graph:
@@ -838,7 +857,8 @@ class TestCompiledGraph:
             yield client
 
     def test_greedy_and_seeded_tokens_equal_the_plain_calls_app(self, http, graph_app):
-        for prompt, extra in [("Hello", {}), ("The quick brown fox", {"temperature": 0.8, "top_k": 4, "seed": 7})]:
+        for prompt, extra in [("Hello", {}), ("The quick brown fox", {"temperature": 0.8, "top_k": 4, "seed": 7}),
+                              ("Dense draws", {"temperature": 1.0, "seed": 9})]:  # (its q placed for the target)
             body = {"model": MODEL, "prompt": prompt, "max_tokens": 40, "temperature": 0.0, "ignore_eos": True,
                     "return_token_ids": True, **extra}
             want = http.post("/v1/completions", json=body).json()["choices"][0]["token_ids"]
@@ -847,6 +867,7 @@ class TestCompiledGraph:
         stats = graph_app.get("/v1/stats").json()
         assert stats["transport"] == "compiled_graph" and stats["graph_ready"], stats
         assert stats["graph_steps"] == stats["steps"] > 0 and stats["spec_decode_num_draft_tokens"] > 0, stats
+        assert stats["q_placed"], stats
 
     @pytest.mark.parametrize("kind", ["target", "draft"])
     def test_killed_worker_breaks_the_graph_output_unchanged_then_rebuilt(self, http, graph_app, kind):
@@ -863,6 +884,7 @@ class TestCompiledGraph:
         steps = graph_app.get("/v1/stats").json()["graph_steps"]
         again = graph_app.post("/v1/completions", json={**body, "max_tokens": 24, "return_token_ids": True}).json()
         assert again["choices"][0]["token_ids"] == complete(http, body["prompt"])["choices"][0]["token_ids"]
+        assert wait_for(lambda: graph_app.get("/v1/stats").json()["q_placed"], timeout=30)  # tried again
         assert graph_app.get("/v1/stats").json()["graph_steps"] > steps
 
 

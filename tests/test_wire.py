@@ -169,14 +169,14 @@ def test_on_plain_calls_the_store_holds_only_the_q_the_rule_reads(local_coordina
     whole = generate(local_coordinator(config(pipelined=False, gamma=4)), PROMPTS, params)
     import specserve.serve.workers as workers
 
-    coordinator = local_coordinator(config(pipelined=False, gamma=4))
+    coordinator = local_coordinator(config(pipelined=False, gamma=4, place_q=False))  # (through the store)
     stored, planned, shared = [], [], workers._shared
 
-    def recorded(proposal, sampling, share, num_draft):
+    def recorded(proposal, sampling, share, num_draft, outbox=None):
         counts = [g for g, t in zip(num_draft.tolist(), sampling.temperature.tolist()) if t > 0 and g > 0]
         sampled = sum(t > 0 for t in sampling.temperature.tolist())
         planned.append((len(counts), max(counts, default=0), proposal.tokens.shape[1], sampled))
-        return shared(proposal, sampling, share, num_draft)
+        return shared(proposal, sampling, share, num_draft, outbox)
 
     def put(value):  # as the object store holds it; the stand-in actors' ray.get hands it back
         stored.append((tuple(pickle.loads(pickle.dumps(value)).shape[:2]), planned[-1]))

@@ -356,6 +356,7 @@ class Coordinator:
         recs, graph = list(self._records), self.executor.graph
         out = {"replica": _replica_tag(), "running": len(self.admission.running),
                "waiting": len(self.admission.waiting), **self._totals, "draft_available": self.executor.draft_ok,
+               "q_placed": self.executor.q_placed,
                "reserved_tokens": self.admission.allocated(), "max_cached_tokens": self.admission.budget,
                "max_queued_requests": self.config.max_queued_requests,
                "kv_cache_usage_tokens": self._kv_usage(), "memory": await self.memory(),

@@ -40,6 +40,7 @@ from specserve.engine.step import (
 from .calls import CALL_ATTEMPTS, ProposerSide, StepRecord, WorkerCalls, WorkerTimeout, answers
 from .graph import DraftLate, StepCall, StepGraph, StepReply
 from .pipeline import Pipeline
+from .placed_q import QGone
 from .wire import Reply
 
 logger = logging.getLogger("specserve.coordinator")
@@ -69,7 +70,7 @@ class RemoteExecutor:
         self.target, self.draft_worker, self.draft = target, draft_worker, draft
         self.policy, self.admission = policy, admission
         self.totals, self.records, self.metrics = totals, records, metrics
-        self.calls = WorkerCalls(target, config.deadlines, policy, totals, on_restart=self.discard_graph)
+        self.calls = WorkerCalls(target, config.deadlines, policy, totals, on_restart=self._worker_restarts)
         # a drafter inside the target worker drafts and verifies in one call (`_fused`)
         self.fused = draft is not None and draft_worker is None
         # draft failure: target-only steps while the draft restarts
@@ -84,6 +85,10 @@ class RemoteExecutor:
         self._graph_task: asyncio.Task | None = None
         self._drafted: deque[bool] = deque(maxlen=_SOLO_WINDOW)  # recent steps with the draft up: whether each drafted
         self._reshaped_at = -_RESHAPE_EVERY_S  # time.monotonic() of the graph's last reshape
+        # q placed for the target to read in place (serve/placed_q.py): the handshake is due before the next step
+        self._q_handshake_due = config.speculation.place_q and draft_worker is not None
+        self.q_placed = False  # the last handshake's outcome
+        self._q_task: asyncio.Task | None = None
         if config.speculation.transport == "compiled_graph":
             self.graph = StepGraph(target, draft_worker, ahead=self.pipeline is not None)
             self._build_graph_at_start()
@@ -97,6 +102,8 @@ class RemoteExecutor:
         return policy if drafting and self.draft_ok else self.target_only
 
     async def step(self, seqs: list[Sequence], policy: SpeculationPolicy) -> list[StepOutput]:
+        if self._q_handshake_due and (self._q_task is None or self._q_task.done()):
+            self._q_task = asyncio.get_running_loop().create_task(self._place_q())  # beside the steps
         if self.pipeline is not None:
             outputs = await self.pipeline.step(seqs, policy)  # None: this step runs sequentially
             if outputs is not None:
@@ -192,7 +199,7 @@ class RemoteExecutor:
             reply = await self.calls.call("target", self.target.verify, seqs, "target_len", lambda: (
                 plan.target_rows(), proposal.tokens, proposal.probs, verified_counts(plan.num_draft, proposal),
                 plan.sampling, plan.accept_uniforms, plan.final_uniforms))
-        except ray.exceptions.ObjectLostError as err:  # the draft worker died holding q: plan again without it
+        except (ray.exceptions.ObjectLostError, QGone) as err:  # the draft worker died holding q: plan again without it
             self.draft_failed(seqs, err)
             return None
         return Ran(proposal, reply.result, in_workers + reply.seconds, "calls")
@@ -301,8 +308,41 @@ class RemoteExecutor:
             await asyncio.sleep(delay)
             delay = min(2 * delay, 5.0)
         logger.warning("draft worker back: speculation resumes")
+        self._q_handshake_due = self.config.speculation.place_q  # a restarted draft worker starts without
         self.draft_ok = True
         self.metrics.set(self.metrics.draft_available, 1.0)
+
+    def _worker_restarts(self, why: str) -> None:
+        self.discard_graph(why)
+        self._q_handshake_due = self.config.speculation.place_q and self.draft_worker is not None
+
+    async def _place_q(self) -> None:
+        """The placement handshake (serve/placed_q.py): the draft worker places a probe, the target
+        reads it, and the draft places q from then on only if the target read it exactly. Any
+        failure leaves q crossing as before (a draft worker that fails is asked again once back).
+        It runs beside the steps (a worker busy with a long call delays it, not them): either
+        answer is lossless, and one the target cannot open raises QGone, which replans the step."""
+        self._q_handshake_due = False
+
+        async def handshake() -> bool:
+            probe = await self.draft_worker.q_offer.remote()
+            placing = probe is not None and await self.target.q_accept.remote(probe)
+            await self.draft_worker.q_placed.remote(placing)
+            return placing
+
+        try:
+            placing = await asyncio.wait_for(handshake(), self.deadlines.health_probe_s)
+        except Exception as err:
+            logger.warning("q placement handshake failed (%s: %s): q crosses through the host",
+                           type(err).__name__, err)
+            placing = False
+            try:
+                self.draft_worker.q_placed.remote(False)  # (not waited for: it may be the one not answering)
+            except Exception:
+                pass
+        if placing != self.q_placed:
+            logger.info("q of sampled rows %s", "read in place by the target" if placing else "crosses through the host")
+        self.q_placed = placing
 
     # -- the compiled graph -------------------------------------------------------------------------
     def _build_graph_at_start(self) -> None:

@@ -77,6 +77,7 @@ import torch
 from specserve.engine import RowInput
 from specserve.engine.proposers import Proposal
 from specserve.engine.policy import OverlappedPolicy
+from specserve.engine.sampling import BatchSampling
 from specserve.engine.step import (
     Sequence, StepOutput, StepPlan, apply_verdict, empty_proposal, observe_verified, plan_step, step_sampling,
 )
@@ -506,3 +507,26 @@ def _restore(seqs: list[Sequence], states: dict[int, torch.Tensor]) -> None:
     """Put sampled rows' generators back to before the draws of a block that will not be used."""
     for b, state in states.items():
         seqs[b].generator.set_state(state)
+
+
+def branch_sampling(ahead: AheadCall, forks: list) -> BatchSampling:
+    """The ahead call's sampling over its B rows, then each branch row as its own row's."""
+    if not forks:
+        return ahead.sampling
+    owners = torch.tensor([b for b, _ in branch_points(ahead.num_draft, ahead.branches)])  # [F]
+    s = ahead.sampling
+    return BatchSampling(*(torch.cat([t, t[owners]]) for t in (s.temperature, s.top_k, s.top_p)))
+
+
+def with_corrections(drafted: Proposal, batch: int, corrections: list[int]) -> Proposal:
+    """An ahead call's proposal over B rows and F branch rows -> every row as [token before block
+    k+1, block k+1]: a row's own is its bonus guess already; a branch's is its correction (what it
+    was fed), so its drafts shift right by one (its last draft, one more than needed, is dropped)."""
+    if not corrections:
+        return drafted
+    tokens, ups = drafted.tokens, drafted.alternates  # [B + F, G'+1]
+    head = torch.tensor(corrections, dtype=tokens.dtype, device=tokens.device)[:, None]  # [F, 1]
+    tokens = torch.cat([tokens[:batch], torch.cat([head, tokens[batch:, :-1]], dim=1)])
+    if ups is not None:
+        ups = torch.cat([ups[:batch], torch.cat([head, ups[batch:, :-1]], dim=1)])
+    return Proposal(tokens, drafted.probs, drafted.forwards, drafted.deterministic, drafted.num_draft, ups)

@@ -30,6 +30,9 @@ from specserve.engine import Proposal, RowInput, Verdict
 from specserve.engine.model_runner import ForwardTiming
 from specserve.engine.sampling import BatchSampling, rows_over_one_hot
 
+from . import placed_q
+from .placed_q import Outbox, PlacedQ
+
 
 @dataclass(frozen=True)
 class Reply:
@@ -158,6 +161,8 @@ class SparseQ:
 
 
 def _dense(q, device: torch.device | str = "cpu") -> torch.Tensor:
+    if isinstance(q, PlacedQ):
+        return placed_q.read(q, device)
     return q.dense(device) if isinstance(q, SparseQ) else q
 
 
@@ -211,22 +216,30 @@ class RowsProbs:
     vocabulary 12 MB a step in float32, 6 MB in the 16 bits a bfloat16 target's draft worker sends
     (`sampling.q_to_send`: the drafts are drawn from those very values), copied off the draft's
     device, through the channel and onto the target's. Rows that all filter with top-k or top-p
-    send only q's nonzero entries."""
+    send only q's nonzero entries; where the two workers share a GPU (or a host), the part is
+    placed in a buffer the target reads in place (`placed_q`), and only its handle crosses."""
 
     # [R, G', V] the sampling rows' q, positions 0..G'-1 (in the dtype it was drawn from); its
-    # nonzero entries alone where every such row filters (`SparseQ`)
-    probs: torch.Tensor | SparseQ
+    # nonzero entries alone where every such row filters (`SparseQ`); else, where the target can
+    # read the draft's buffers, the buffer holding it (`PlacedQ`)
+    probs: torch.Tensor | SparseQ | PlacedQ
     rows: tuple[int, ...]  # rows of the batch that sample and verify drafts, in order
     width: int  # G of the whole q
 
     @classmethod
-    def of(cls, probs: torch.Tensor, sampling: BatchSampling, num_draft: torch.Tensor) -> "RowsProbs | torch.Tensor":
+    def of(cls, probs: torch.Tensor, sampling: BatchSampling, num_draft: torch.Tensor,
+           outbox: Outbox | None = None) -> "RowsProbs | torch.Tensor":
         """probs [B, G, V] (on the draft's device); sampling, num_draft [B]: the verify's rows and
         planned drafts (host) -> what crosses: the part the rule reads (`needed_part`), its nonzero
-        entries alone where every row of it filters (`SparseQ`); q itself where that part is all
-        of q and some row does not filter."""
+        entries alone where every row of it filters (`SparseQ`), else placed in `outbox` when
+        given (the target reads it in place); q itself where that part is all of q and some row
+        does not filter."""
         cut, rows = needed_part(probs, sampling, num_draft)  # [R, G', V]
         sparse = SparseQ.of(cut, sampling, rows)
+        if sparse is None and outbox is not None and rows:
+            placed = outbox.place_or_none(cut)
+            if placed is not None:
+                return cls(placed, rows, probs.shape[1])
         if sparse is None and cut is probs:
             return probs
         return cls(cut if sparse is None else sparse, rows, probs.shape[1])
@@ -420,12 +433,14 @@ def _probs(p):
     `SparseQ` pickles its tensors as numpy arrays itself)."""
     if not isinstance(p, RowsProbs):
         return _tensor(p)
-    return "rows", p.probs if isinstance(p.probs, SparseQ) else _tensor(p.probs), p.rows, p.width
+    kept = isinstance(p.probs, (SparseQ, PlacedQ))  # (pickled as they are)
+    return "rows", p.probs if kept else _tensor(p.probs), p.rows, p.width
 
 
 def _unprobs(p):
     if isinstance(p, tuple) and p[0] == "rows":  # (a small tensor's tuple starts with its dtype code)
-        return RowsProbs(p[1] if isinstance(p[1], SparseQ) else _untensor(p[1]), tuple(p[2]), p[3])
+        kept = isinstance(p[1], (SparseQ, PlacedQ))
+        return RowsProbs(p[1] if kept else _untensor(p[1]), tuple(p[2]), p[3])
     return _untensor(p)
 
 

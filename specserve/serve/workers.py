@@ -37,7 +37,9 @@ from specserve.engine.sampling import BatchSampling
 
 from .wire import (AheadCall, Block, Reply, RowsProbs, SharedProbs, StepCall, StepReply, fast_tensor_pickling, light, pack,
                    pack_pair, unpack)
-from .pipeline import branch_points, combine_drafts
+from . import placed_q
+from .pipeline import branch_points, branch_sampling, combine_drafts, with_corrections
+from .placed_q import Outbox
 
 
 @dataclass(frozen=True)
@@ -333,6 +335,11 @@ class TargetWorker(_Worker):
         return self._run(rows, lambda: self.model.verify(
             rows, draft_tokens, draft_probs, num_draft, sampling, accept_uniforms, final_uniforms))
 
+    def q_accept(self, probe: tuple) -> bool:
+        """The placement handshake: whether this worker reads the draft worker's probe exactly
+        (`placed_q.accept`: the same GPU or host, its buffer opened here). Takes no lock."""
+        return placed_q.accept(probe, self.model.runner.device)
+
     @_serialised
     def graph_solo(self, packed: bytes) -> tuple[StepCall, bytes | None]:
         """The target's first node of a worker pair's step graph: StepCall -> (the call, the
@@ -423,6 +430,30 @@ class DraftWorker(_Worker):
         self.model.q_dtype = getattr(torch, q_dtype)  # (before any loop is captured)
         if tokenizer is not None and hasattr(self.model, "grammar"):  # a draft model masks grammar rows' drafts
             self.model.grammar = tokenizer.book(vocab_size, eos_token_ids)
+        self._outbox = Outbox()  # q placed for the target to read in place (`placed_q`) ...
+        self._placing = False  # ... once the handshake said it can (`q_placed`)
+        self._probe = Outbox()  # the handshake's probe (not the ring: only proposes write that)
+
+    @_serialised
+    def q_offer(self) -> tuple | None:
+        """The placement handshake's probe (`placed_q.offer`); None where q cannot be placed
+        from this worker's device."""
+        try:
+            return placed_q.offer(self._probe, self.model.runner.device)
+        except Exception as err:
+            logger.info("q is not placed for the target (%s: %s)", type(err).__name__, err)
+            return None
+
+    @_serialised
+    def q_placed(self, placing: bool) -> None:
+        """Whether q goes to the target placed (the target read the probe) or through the host."""
+        self._placing = placing
+        self._probe.close()
+        if not placing:
+            self._outbox.close()
+
+    def _placed_to(self) -> Outbox | None:
+        return self._outbox if self._placing else None
 
     def _graph_sides(self) -> tuple:
         return None, self.model
@@ -473,7 +504,7 @@ class DraftWorker(_Worker):
                 if reply.result is not None and held is not None:
                     reply = Reply(self._assemble(call.block, held, reply.result), reply.seconds)
                 self._step = (call, reply.result)
-                return pack(_q_needed(reply, call))
+                return pack(_q_needed(reply, call, self._placed_to()))
         finally:
             self._proposing = False
 
@@ -540,12 +571,12 @@ class DraftWorker(_Worker):
             rows.append(row if g == 0 else RowInput(row.request_id, row.start, [own[g - 1]]))
         branching = self._branching(ahead)
         forks = self._fork(ahead, block) if branching and block.alternates is not None else []
-        reply = self.propose(rows + [row for _, row in forks], ahead.num_tokens, _with_branch_rows(ahead, forks),
+        reply = self.propose(rows + [row for _, row in forks], ahead.num_tokens, branch_sampling(ahead, forks),
                              ahead.uniforms, pull_features=False, alternates=branching)
         if reply.result is None:
             self._drop_branches([name for name, _ in forks])
             return pack(reply)
-        drafted = _with_corrections(reply.result, len(rows), [row.tokens[0] for _, row in forks])
+        drafted = with_corrections(reply.result, len(rows), [row.tokens[0] for _, row in forks])
         self._aheads[ahead.ahead_id] = _Held(drafted, [None] * len(rows) + [name for name, _ in forks])
         for old in sorted(self._aheads)[:-2]:
             del self._aheads[old]
@@ -591,7 +622,7 @@ class DraftWorker(_Worker):
             if alternates:
                 return self.model.propose(rows, num_tokens, sampling, uniforms, alternates=True)
             return _shared(self.model.propose(rows, num_tokens, sampling, uniforms), sampling, share_probs,
-                           num_draft)
+                           num_draft, self._placed_to())
         return self._run(rows, call)
 
     @_serialised
@@ -609,45 +640,28 @@ class _Held:
     branches: list[str | None]  # [R] the cache each row drafted in: None (its request's own) or a branch
 
 
-def _with_branch_rows(ahead: AheadCall, forks: list) -> BatchSampling:
-    """The ahead call's sampling over its B rows, then each branch row as its own row's."""
-    if not forks:
-        return ahead.sampling
-    owners = torch.tensor([b for b, _ in branch_points(ahead.num_draft, ahead.branches)])  # [F]
-    s = ahead.sampling
-    return BatchSampling(*(torch.cat([t, t[owners]]) for t in (s.temperature, s.top_k, s.top_p)))
-
-
-def _with_corrections(drafted: Proposal, batch: int, corrections: list[int]) -> Proposal:
-    """An ahead call's proposal over B rows and F branch rows -> every row as [token before block
-    k+1, block k+1]: a row's own is its bonus guess already; a branch's is its correction (what it
-    was fed), so its drafts shift right by one (its last draft, one more than needed, is dropped)."""
-    if not corrections:
-        return drafted
-    tokens, ups = drafted.tokens, drafted.alternates  # [B + F, G'+1]
-    head = torch.tensor(corrections, dtype=tokens.dtype, device=tokens.device)[:, None]  # [F, 1]
-    tokens = torch.cat([tokens[:batch], torch.cat([head, tokens[batch:, :-1]], dim=1)])
-    if ups is not None:
-        ups = torch.cat([ups[:batch], torch.cat([head, ups[batch:, :-1]], dim=1)])
-    return Proposal(tokens, drafted.probs, drafted.forwards, drafted.deterministic, drafted.num_draft, ups)
-
-
-def _shared(proposal: Proposal, sampling: BatchSampling, share: bool, num_draft: torch.Tensor | None) -> Proposal:
-    """The proposal with its q in the object store (`SharedProbs`, the part the rule reads of
-    num_draft [B] drafts a row) when `share` and it has one (inside Ray: a worker object called
-    in-process, as tests do, keeps q in the reply)."""
-    if not share or proposal.probs is None or not ray.is_initialized():
+def _shared(proposal: Proposal, sampling: BatchSampling, share: bool, num_draft: torch.Tensor | None,
+            outbox: Outbox | None = None) -> Proposal:
+    """The proposal with the part of its q the rule reads (of num_draft [B] drafts a row) placed
+    for the target (`outbox` given: `RowsProbs` of a `PlacedQ`), else in the object store
+    (`SharedProbs`), when `share` and it has one (inside Ray, for the store: a worker object
+    called in-process, as tests do, keeps q in the reply)."""
+    if not share or proposal.probs is None:
+        return proposal
+    if outbox is not None:
+        return dataclasses.replace(proposal, probs=RowsProbs.of(proposal.probs, sampling, num_draft, outbox))
+    if not ray.is_initialized():
         return proposal
     return dataclasses.replace(proposal, probs=SharedProbs.put(proposal.probs, sampling, num_draft))
 
 
-def _q_needed(reply: Reply, call: StepCall) -> Reply:
+def _q_needed(reply: Reply, call: StepCall, outbox: Outbox | None = None) -> Reply:
     """The draft side's reply as it crosses the graph to the target: its q cut to what the rule
-    reads (`RowsProbs`: the rows that sample, the positions they verify)."""
+    reads (`RowsProbs`: the rows that sample, the positions they verify), placed in `outbox` when given."""
     proposal = reply.result
     if proposal is None or not isinstance(proposal.probs, torch.Tensor):
         return reply
-    probs = RowsProbs.of(proposal.probs, call.sampling, call.num_draft)
+    probs = RowsProbs.of(proposal.probs, call.sampling, call.num_draft, outbox)
     return dataclasses.replace(reply, result=dataclasses.replace(proposal, probs=probs))
 
 
