@@ -20,6 +20,12 @@ configurations are the ones whose graph capture has run on a CPU only under emul
   graph the short prompts captured goes stale, and the next ones are captured in a new pool
   (capturing into the old one, all its graphs gone, fails CUDA's allocator).
 
+Last, q placed for another process (serve/placed_q.py: CUDA IPC on a GPU, shared memory on a
+CPU), as a draft worker places it for a target worker on the same GPU: the handshake, then q
+[32, 3, 32000] in bfloat16 read back exactly by a child process, three times around the two-buffer
+ring, with what placing and reading cost, beside what the same q costs through the host (copied
+off the device, packed, unpacked, copied onto it: `wire.pack`, as a channel carries it).
+
 The target alone (the engine without a draft: masked, dense, eager) must first equal HF's own
 greedy `generate`. Greedy rows must equal the target alone (the target's greedy choices are
 made robust to kernel noise, `peaked`); seeded sampled rows must equal the same configuration run
@@ -30,7 +36,10 @@ and the engine only (no ray, fastapi or pydantic), like `bench gpu`.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import multiprocessing
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -135,14 +144,146 @@ def run_check(check: str, target, draft, graphs: bool, alone: list[list[int]], m
     return row
 
 
+PLACED_SHAPE = (32, 3, 32000)  # [R, G', V]: 32 sampled rows, γ 3, a 32k vocabulary
+
+
+def placed_check(device: str, rounds: int = 3, repeats: int = 20) -> dict:
+    """q placed here and read by a child process, as a draft worker's q by its target's."""
+    from specserve.serve import placed_q
+
+    began = time.perf_counter()
+    row = {"check": "q placed, read by another process", "graphs": 0}
+    context = multiprocessing.get_context("spawn")
+    mine, theirs = context.Pipe()
+    child = context.Process(target=_placed_reader, args=(theirs, device, repeats), daemon=True)
+    child.start()
+    box = placed_q.Outbox()
+    try:
+        mine.send(placed_q.offer(box, device))
+        same = _answer(mine) is True
+        for turn in range(rounds):
+            q = torch.rand(PLACED_SHAPE, generator=torch.Generator().manual_seed(turn)).to(device, torch.bfloat16)
+            placed, place_ms = _timed(lambda: box.place(q), device, repeats)
+            mine.send(placed)
+            digest, read_ms = _answer(mine)
+            same = same and digest == _digest(q)
+        host_ms = _timed(lambda: _through_host(q, device), device, repeats)[1]
+        row.update(read_same=same, ok=same, place_ms=round(place_ms, 3), read_ms=round(read_ms, 3),
+                   host_ms=round(host_ms, 3),
+                   note=f"place {place_ms:.3f} + read {read_ms:.3f} ms; through the host {host_ms:.3f} ms "
+                        f"(q {list(PLACED_SHAPE)} bfloat16, {q.numel() * 2 / 1e6:.2f} MB)")
+        row["after_placer_dies"] = _after_placer_dies(mine, context, device)
+        row["ok"] = same and row["after_placer_dies"] != "differs"
+        row["note"] += f"; read after its placer died: {row['after_placer_dies']}"
+    except Exception as e:
+        row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
+    finally:
+        try:
+            mine.send(None)
+        except OSError:  # the reader is gone
+            pass
+        child.join(30)
+        box.close()
+    row["seconds"] = round(time.perf_counter() - began, 1)
+    return row
+
+
+def _after_placer_dies(reader, context, device: str) -> str:
+    """A draft worker killed between placing q and the target's read: another child places q and
+    exits at once (no clean-up), after the reader opened its buffer; the reader reads it again ->
+    "same", "differs" (the rule would read wrong values), or the error it got ("reader died": its
+    process was lost with it)."""
+    mine, theirs = context.Pipe()
+    placer = context.Process(target=_placer, args=(theirs, device), daemon=True)
+    placer.start()
+    try:
+        placed, digest = _answer(mine)
+        reader.send(placed)
+        if _answer(reader)[0] != digest:
+            return "differs"
+        mine.send("exit")
+        placer.join(30)
+        reader.send(placed)
+        try:
+            return "same" if _answer(reader, 60)[0] == digest else "differs"
+        except TimeoutError:
+            return "reader died"
+        except Exception as e:
+            return f"{type(e).__name__}: {str(e)[:120]}"
+    finally:
+        if placer.is_alive():
+            placer.kill()
+
+
+def _placer(conn, device: str) -> None:
+    """A child that places one q, says so, and on the word exits as a killed worker would."""
+    import os
+
+    from specserve.serve import placed_q
+
+    q = torch.rand(PLACED_SHAPE, generator=torch.Generator().manual_seed(9)).to(device, torch.bfloat16)
+    conn.send((placed_q.Outbox().place(q), _digest(q)))
+    conn.recv()
+    os._exit(0)
+
+
+def _placed_reader(conn, device: str, repeats: int) -> None:
+    """The child: accept the probe, then read each placed q -> (its digest, median ms a read)."""
+    from specserve.serve import placed_q
+
+    conn.send(placed_q.accept(conn.recv(), device))
+    while (placed := conn.recv()) is not None:
+        try:
+            q, read_ms = _timed(lambda: placed_q.read(placed, device), device, repeats)
+            conn.send((_digest(q), read_ms))
+        except Exception as e:
+            conn.send(RuntimeError(f"{type(e).__name__}: {e}"))
+
+
+def _through_host(q: torch.Tensor, device: str) -> torch.Tensor:
+    """q as it crosses without placement: off the device into a packed message, and back onto it."""
+    from specserve.engine import Proposal
+    from specserve.serve.wire import Reply, RowsProbs, pack, unpack
+
+    tokens = torch.zeros(q.shape[:2], dtype=torch.long)  # [R, G']
+    sent = Reply(Proposal(tokens, RowsProbs(q, tuple(range(q.shape[0])), q.shape[1]), []), 0.0)
+    return unpack(pack(sent)).result.probs.resolve(tokens, device)
+
+
+def _answer(conn, timeout: float = 120.0):
+    if not conn.poll(timeout):
+        raise TimeoutError("the reading process did not answer")
+    answer = conn.recv()
+    if isinstance(answer, Exception):
+        raise answer
+    return answer
+
+
+def _timed(fn, device: str, repeats: int):
+    """(fn()'s last result, its median milliseconds over `repeats` calls, the device's work included)."""
+    times = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        out = fn()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        times.append(1e3 * (time.perf_counter() - began))
+    return out, statistics.median(times)
+
+
+def _digest(q: torch.Tensor) -> str:
+    return hashlib.sha1(q.detach().view(torch.int16).cpu().numpy().tobytes()).hexdigest()
+
+
 def table(rows: list[dict], device: str) -> str:
     lines = [f"graph paths against eager, {device}",
              f"{'check':<34} {'ok':>4} {'greedy = alone':>15} {'sampled = eager':>16} {'graphs':>7} {'s':>6}"]
     for r in rows:
         lines.append(f"{r['check']:<34} {'yes' if r['ok'] else 'NO':>4} {str(r.get('greedy_same', '-')):>15} "
                      f"{str(r.get('sampled_same', '-')):>16} {r.get('graphs', '-')!s:>7} {r['seconds']:>6}")
-        if "error" in r:
-            lines.append(f"    {r['error']}")
+        for extra in ("error", "note"):
+            if extra in r:
+                lines.append(f"    {r[extra]}")
     return "\n".join(lines)
 
 
@@ -159,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     alone = {id(p): tokens(plain, greedy, p) for p in (PROMPTS, LONG_PROMPTS)}
     rows = [hf_check(target, alone, args.max_new)]
     rows += [run_check(check, target, draft, graphs, alone[id(prompts_of(check))], args.max_new) for check in CHECKS]
+    rows.append(placed_check(device))
     name = torch.cuda.get_device_name() if graphs else "cpu (eager: no graphs to check)"
     print(table(rows, name))
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -269,6 +269,7 @@ def served_row(mode: str, alpha, concurrency: int, results: list[dict], wall: fl
         graph_share=graph_share(stats) if stats.get("steps") else None, warmups=stats.get("bench_warmups"),
         graph_breaks=stats.get("graph_breaks"), worker_restarts=stats.get("worker_restarts"),
         graph_spins=stats.get("graph_spins"),  # the graph's readers spin (many cores) rather than nap
+        q_placed=stats.get("q_placed"),  # the workers' placement handshake passed (the same GPU: CUDA IPC)
         same=all(r["tokens"] == ref[prompt_len:] for r, ref in zip(results, references)))
 
 
