@@ -151,6 +151,14 @@ def test_a_buffer_that_cannot_be_had_sends_the_cut_as_before(monkeypatch):
         assert isinstance(sent.probs, torch.Tensor) and torch.equal(sent.probs, probs[[0, 2, 3]])
         monkeypatch.setattr(placed_q, "_Buffer", real)
         assert isinstance(RowsProbs.of(probs, sampling, num_draft, box).probs, PlacedQ)
+        assert isinstance(RowsProbs.of(probs, sampling, num_draft, box).probs, PlacedQ)  # both buffers had
+        big = _q(4, 3, 20000, seed=9)  # past both buffers: a new one, which cannot be had
+        monkeypatch.setattr(placed_q, "_Buffer", out_of_memory)
+        assert isinstance(RowsProbs.of(big, sampling, num_draft, box).probs, torch.Tensor)
+        monkeypatch.setattr(placed_q, "_Buffer", real)
+        for _ in range(2):  # that buffer's turn comes again, and is had
+            again = RowsProbs.of(big, sampling, num_draft, box)
+            assert isinstance(again.probs, PlacedQ) and torch.equal(placed_q.read(again.probs), big[[0, 2, 3]])
     finally:
         box.close()
 

@@ -106,6 +106,7 @@ class Outbox:
         if buffer is None or buffer.nbytes < nbytes or buffer.flat.device != q.device:
             if buffer is not None:
                 buffer.release()
+                self._ring[turn] = None  # (until the new one is had: its allocation may fail)
             buffer = self._ring[turn] = _Buffer(_rounded(nbytes), q.device)
         buffer.flat[:nbytes].view(q.dtype).view(q.shape).copy_(q)
         if q.device.type == "cuda":  # the target reads it from another process: the copy must be over
