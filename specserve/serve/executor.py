@@ -88,7 +88,6 @@ class RemoteExecutor:
         # q placed for the target to read in place (serve/placed_q.py): the handshake is due before the next step
         self._q_handshake_due = config.speculation.place_q and draft_worker is not None
         self.q_placed = False  # the last handshake's outcome
-        self._q_task: asyncio.Task | None = None
         if config.speculation.transport == "compiled_graph":
             self.graph = StepGraph(target, draft_worker, ahead=self.pipeline is not None)
             self._build_graph_at_start()
@@ -102,8 +101,8 @@ class RemoteExecutor:
         return policy if drafting and self.draft_ok else self.target_only
 
     async def step(self, seqs: list[Sequence], policy: SpeculationPolicy) -> list[StepOutput]:
-        if self._q_handshake_due and (self._q_task is None or self._q_task.done()):
-            self._q_task = asyncio.get_running_loop().create_task(self._place_q())  # beside the steps
+        if self._q_handshake_due:
+            await self._place_q()
         if self.pipeline is not None:
             outputs = await self.pipeline.step(seqs, policy)  # None: this step runs sequentially
             if outputs is not None:
@@ -320,8 +319,9 @@ class RemoteExecutor:
         """The placement handshake (serve/placed_q.py): the draft worker places a probe, the target
         reads it, and the draft places q from then on only if the target read it exactly. Any
         failure leaves q crossing as before (a draft worker that fails is asked again once back).
-        It runs beside the steps (a worker busy with a long call delays it, not them): either
-        answer is lossless, and one the target cannot open raises QGone, which replans the step."""
+        It runs before the step, not beside it: on the compiled graph, a probe holding the draft
+        worker's lock (its first segment starts a resource tracker) made the step's draft side
+        late, which broke the graph."""
         self._q_handshake_due = False
 
         async def handshake() -> bool:

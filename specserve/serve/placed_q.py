@@ -14,7 +14,7 @@ the rule read q, on the same stream). The next propose writes the other buffer; 
 is sent only once the coordinator holds the verdict of the step that read this one.
 
 Whether the target can open what the draft places is tried once (`offer` / `accept`: a probe of
-random values read back exactly, on the same GPU by its UUID), beside the replica's first step
+random values read back exactly, on the same GPU by its UUID), before the replica's first step
 and again after a worker comes back; until then, and wherever it fails (workers on two nodes, or on two
 GPUs), q crosses as before (`wire.RowsProbs`, `wire.SharedProbs`). A draft worker that restarts
 starts with placement off.
