@@ -86,7 +86,8 @@ class RemoteExecutor:
         self._drafted: deque[bool] = deque(maxlen=_SOLO_WINDOW)  # recent steps with the draft up: whether each drafted
         self._reshaped_at = -_RESHAPE_EVERY_S  # time.monotonic() of the graph's last reshape
         # q placed for the target to read in place (serve/placed_q.py): the handshake is due before the next step
-        self._q_handshake_due = config.speculation.place_q and draft_worker is not None
+        self._q_handshake_due = False
+        self._handshake_again()
         self.q_placed = False  # the last handshake's outcome
         if config.speculation.transport == "compiled_graph":
             self.graph = StepGraph(target, draft_worker, ahead=self.pipeline is not None)
@@ -307,13 +308,18 @@ class RemoteExecutor:
             await asyncio.sleep(delay)
             delay = min(2 * delay, 5.0)
         logger.warning("draft worker back: speculation resumes")
-        self._q_handshake_due = self.config.speculation.place_q  # a restarted draft worker starts without
+        self._handshake_again()  # a restarted draft worker starts without placement
         self.draft_ok = True
         self.metrics.set(self.metrics.draft_available, 1.0)
 
     def _worker_restarts(self, why: str) -> None:
         self.discard_graph(why)
-        self._q_handshake_due = self.config.speculation.place_q and self.draft_worker is not None
+        self._handshake_again()
+
+    def _handshake_again(self) -> None:
+        """Make the placement handshake due, where there is a separate draft worker to place q."""
+        if self.config.speculation.place_q and self.draft_worker is not None:
+            self._q_handshake_due = True
 
     async def _place_q(self) -> None:
         """The placement handshake (serve/placed_q.py): the draft worker places a probe, the target
