@@ -46,6 +46,7 @@ from pathlib import Path
 
 import torch
 
+from specserve.bench import sync
 from specserve.bench.gpu import random_llama
 from specserve.engine import SamplingParams, SpeculativeEngine
 from specserve.engine.feature_drafter import FeatureDrafterProposer
@@ -265,8 +266,7 @@ def _timed(fn, device: str, repeats: int):
     for _ in range(repeats):
         began = time.perf_counter()
         out = fn()
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
+        sync(device)
         times.append(1e3 * (time.perf_counter() - began))
     return out, statistics.median(times)
 
