@@ -48,12 +48,29 @@ def local_models():
     return config, load_target(config.target), load_draft(config.draft)
 
 
-def complete(http, prompt, **kw) -> dict:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True,
+def completion(prompt, **kw) -> dict:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True,
             "return_token_ids": True, **kw}
-    r = http.post("/v1/completions", json=body)
+
+
+def complete(http, prompt, **kw) -> dict:
+    r = http.post("/v1/completions", json=completion(prompt, **kw))
     assert r.status_code == 200, r.text
     return r.json()
+
+
+def speculated(http, body: dict, route: str = "/v1/completions", counter: str = "num_accepted_tokens") -> dict:
+    """The answer to `body` from steps that speculated (its `counter` above 0). A draft call that
+    misses its deadline on this loaded 2-core machine sends the app target-only until the draft
+    answers again (lossless, but then nothing here was speculative): such an answer is asked
+    again, up to twice, once the app says its draft is back."""
+    for _ in range(3):
+        r = http.post(route, json=body)
+        assert r.status_code == 200, r.text
+        if r.json()["speculation"][counter] > 0:
+            return r.json()
+        assert wait_for(lambda: http.get("/v1/stats").json()["draft_available"], timeout=30)
+    raise AssertionError(f"three answers without a speculative step: {r.json()['speculation']}")
 
 
 def sse_events(response) -> list:
@@ -228,10 +245,9 @@ def test_logprobs_are_the_same_with_and_without_speculation(http):
     """A greedy answer's log-probabilities (accepted drafts, recovered and bonus tokens alike) equal
     those of the same app's target-only decoding within 1e-4, alternatives included."""
     for prompt in ("Hello, world", "abcabcabc", "the the the"):
-        spec = complete(http, prompt, logprobs=3)
+        spec = speculated(http, completion(prompt, logprobs=3))
         alone = complete(http, prompt, logprobs=3, num_speculative_tokens=0)
         assert spec["choices"][0]["token_ids"] == alone["choices"][0]["token_ids"]
-        assert spec["speculation"]["num_accepted_tokens"] > 0
         a, b = spec["choices"][0]["logprobs"], alone["choices"][0]["logprobs"]
         assert a["tokens"] == b["tokens"] and len(a["token_logprobs"]) == MAX_NEW
         assert all(abs(x - y) < 1e-4 for x, y in zip(a["token_logprobs"], b["token_logprobs"]))
@@ -245,10 +261,10 @@ def test_penalties_and_bias_are_the_same_with_and_without_speculation(http):
     extra = {"presence_penalty": 1.2, "frequency_penalty": 0.7, "repetition_penalty": 1.3,
              "logit_bias": {"32": 4.0, "101": -100}}
     for prompt in ("the the the the the", "Hello, world", "abcabcabc"):
-        spec = complete(http, prompt, **extra)
+        spec = speculated(http, completion(prompt, **extra), counter="num_draft_tokens")
         alone = complete(http, prompt, num_speculative_tokens=0, **extra)
         assert spec["choices"][0]["token_ids"] == alone["choices"][0]["token_ids"], prompt
-        assert spec["speculation"]["num_draft_tokens"] > 0 and alone["speculation"]["num_draft_tokens"] == 0
+        assert alone["speculation"]["num_draft_tokens"] == 0
         assert 101 not in spec["choices"][0]["token_ids"]
         assert spec["choices"][0]["token_ids"] != complete(http, prompt)["choices"][0]["token_ids"]
 
@@ -269,11 +285,11 @@ def test_structured_output_is_valid_and_the_same_without_speculation(http):
     for prompt in ("Hello, world", "Describe a person", "abcabcabc"):
         body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 120,
                 "temperature": 0.0, "response_format": fmt, "return_token_ids": True}
-        spec = http.post("/v1/chat/completions", json=body).json()
+        spec = speculated(http, body, route="/v1/chat/completions")
         alone = http.post("/v1/chat/completions", json={**body, "num_speculative_tokens": 0}).json()
         choice = spec["choices"][0]
         assert choice["token_ids"] == alone["choices"][0]["token_ids"], prompt
-        assert choice["finish_reason"] == "stop" and spec["speculation"]["num_accepted_tokens"] > 0
+        assert choice["finish_reason"] == "stop"
         jsonschema.validate(json.loads(choice["message"]["content"]), PERSON)
         sampled = http.post("/v1/chat/completions", json={**body, "temperature": 1.0, "seed": 7}).json()
         jsonschema.validate(json.loads(sampled["choices"][0]["message"]["content"]), PERSON)
