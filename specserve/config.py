@@ -351,6 +351,7 @@ class FrontDoorConfig(_Strict):
     max_logit_bias_entries: int = Field(1024, ge=0)
     max_choices: int = Field(64, ge=1)  # prompts x n of one request (each is a generation of its own)
     max_grammar_chars: int = Field(256 << 10, ge=1)  # a response_format's schema / regex / grammar text
+    max_tools: int = Field(128, ge=0)  # tools offered by one chat request (their schemas: max_grammar_chars)
     per_key: PerKeyLimits = PerKeyLimits()
     # refuse to start without an API key (config or env SPECSERVE_API_KEY): for public deployments
     require_api_key: bool = False

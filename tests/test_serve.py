@@ -304,6 +304,36 @@ def test_structured_output_is_valid_and_the_same_without_speculation(http):
     assert re.fullmatch("[A-Z]{3}-[0-9]{4}", regex["choices"][0]["text"])
 
 
+LOOKUP = {"type": "function", "function": {"name": "lookup", "parameters": {
+    "type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["id"],
+    "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("choice", [{"type": "function", "function": {"name": "lookup"}}, "required"])
+def test_tool_calls_are_valid_and_the_same_without_speculation(http, choice):
+    """A named tool_choice and "required" (one call): the call's arguments validate against the
+    function's parameters, the greedy tokens equal the app's target-only decoding, and a stream's
+    tool-call deltas put together are the whole answer's call."""
+    import jsonschema
+
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Look up item 7"}], "max_tokens": 60,
+            "temperature": 0.0, "tools": [LOOKUP], "tool_choice": choice, "parallel_tool_calls": False,
+            "return_token_ids": True}
+    spec = speculated(http, body, route="/v1/chat/completions")
+    alone = http.post("/v1/chat/completions", json={**body, "num_speculative_tokens": 0}).json()
+    choice_body = spec["choices"][0]
+    assert choice_body["token_ids"] == alone["choices"][0]["token_ids"]
+    assert choice_body["finish_reason"] == "tool_calls" and choice_body["message"]["content"] is None
+    (call,) = choice_body["message"]["tool_calls"]
+    assert call["function"]["name"] == "lookup" and call["id"].startswith("call_")
+    jsonschema.validate(json.loads(call["function"]["arguments"]), LOOKUP["function"]["parameters"])
+    with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        events = sse_events(r)[:-1]  # (then [DONE])
+    deltas = [d for e in events for d in e["choices"][0]["delta"].get("tool_calls", [])]
+    assert "".join(d["function"].get("arguments", "") for d in deltas) == call["function"]["arguments"]
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
 # -- errors ----------------------------------------------------------------------------------------
 BAD = [
     ("malformed json", b'{"model": "tiny", "prompt": ', 400),

@@ -62,6 +62,7 @@ class FakeCoordinator:
         self.mode, self.lost_after = "ok", 2
         self.requests: list = []
         self.wrap = 128  # output token ids: the prompt's, modulo this (256: any byte, UTF-8 included)
+        self.script: list[int] | None = None  # output token ids instead, then finish_reason "stop"
         self.info = _Call(self._info)
         self.ready = _Call(self._ready)
         self.stats = _Call(self._stats)
@@ -109,6 +110,9 @@ class FakeCoordinator:
             return
         yield Accepted(len(seq.prompt))
         n, step = seq.params.max_tokens, 0
+        script = self.script
+        if script is not None:
+            n = min(n, len(script))
         produced = len(request.resume.generated) if request.resume else 0
         dies = self.mode == "lost" or (self.mode == "lost_once" and request.resume is None)
         leaves = self.mode == "leaving_once" and request.resume is None
@@ -119,7 +123,8 @@ class FakeCoordinator:
                 yield Lost("the target worker's node is gone")
                 return
             k = min(3, n - produced)
-            tokens = [seq.prompt[(produced + i) % len(seq.prompt)] % self.wrap for i in range(k)]
+            tokens = script[produced:produced + k] if script is not None else \
+                [seq.prompt[(produced + i) % len(seq.prompt)] % self.wrap for i in range(k)]
             produced += k
             step += 1
             k = request.params.logprobs
@@ -127,7 +132,8 @@ class FakeCoordinator:
             forbidden = -9.0 if request.params.grammar is None else float("-inf")  # (a grammar's masked token)
             tops = None if k is None else [([(t, lp)] + [(1, forbidden)] * (k - 1)) if k else []
                                            for t, lp in zip(tokens, logprobs)]
-            yield Delta(tokens, "length" if produced >= n else None, 4 * step, 2 * step, step, None, logprobs, tops)
+            end = "stop" if script is not None and produced == len(script) else "length"
+            yield Delta(tokens, end if produced >= n else None, 4 * step, 2 * step, step, None, logprobs, tops)
             await asyncio.sleep(0)
 
 
@@ -168,7 +174,7 @@ def client(fake, monkeypatch):
 
     from specserve.serve.openai_api import app
 
-    fake.mode = "ok"
+    fake.mode, fake.script = "ok", None
     _server(fake, monkeypatch)
     with TestClient(app, raise_server_exceptions=False) as c:
         yield c

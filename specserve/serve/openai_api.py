@@ -57,6 +57,7 @@ from .front_door import (Door, FrontDoor, KeyLimits, OpenAIError, check_unicode,
 from .responses import (Echo, NoGeneration, Piece, ResponseFormat, StreamFailed, nothing_generated, sse_stream,
                         whole_body)
 from .schema import ChatCompletionRequest, CompletionRequest, SamplingRequest, format_grammar
+from .tools import ToolPlan, prompt_messages, renders_tools
 from .text import IncrementalDetokenizer, StopStrings
 
 logger = logging.getLogger("specserve.ingress")
@@ -293,15 +294,19 @@ class OpenAIServer:
             if isinstance(m.content, list) and len(m.content) > front.max_content_parts:
                 raise OpenAIError(400, f"at most {front.max_content_parts} content parts per message", "messages",
                                   "too_many_content_parts")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        text = await self._offload(self._template, messages)
+        if len(body.tools or []) > front.max_tools:
+            raise OpenAIError(400, f"at most {front.max_tools} tools per request", "tools", "too_many_tools")
+        plan = ToolPlan.of(body)
+        native = renders_tools(self.tokenizer)
+        messages = prompt_messages(body.messages, plan, native)
+        text = await self._offload(self._template, messages, plan.specs() if native and plan else None)
         sent = body.max_completion_tokens or body.max_tokens
         await self._precheck(text, None, sent or 1, "messages")
         ids = await self._offload(self._encode, text, "messages", False)
         max_tokens = sent if sent is not None else await self._room(len(ids))
         self._check_choices(body.n)
         return await self._respond(body, [ids], max_tokens, chat=True, key=_key(request),
-                                   length_param="max_tokens" if sent is not None else "messages")
+                                   length_param="max_tokens" if sent is not None else "messages", tools=plan)
 
     # -- helpers ----------------------------------------------------------------------------------
     async def _offload(self, fn, *args):
@@ -312,9 +317,10 @@ class OpenAIServer:
         check_unicode(text, param)
         return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
 
-    def _template(self, messages: list[dict]) -> str:
+    def _template(self, messages: list[dict], tools: list[dict] | None) -> str:
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                      tokenize=False)
         except Exception as err:  # a template may reject a role order
             raise OpenAIError(400, f"chat template failed: {err}", "messages") from err
 
@@ -386,9 +392,11 @@ class OpenAIServer:
             raise OpenAIError(400, f"at most {front.max_logit_bias_entries} logit_bias entries", "logit_bias")
 
     async def _respond(self, body: SamplingRequest, prompts: list[list[int]], max_tokens: int, chat: bool,
-                       key: int, length_param: str = "max_tokens", echoes: list[Echo] | None = None):
+                       key: int, length_param: str = "max_tokens", echoes: list[Echo] | None = None,
+                       tools: ToolPlan | None = None):
         """Generate body.n choices for each prompt (each a request of its own), whole or streamed;
-        `echoes`: each prompt as a completion's echo shows it (max_tokens 0: that alone)."""
+        `echoes`: each prompt as a completion's echo shows it (max_tokens 0: that alone); `tools`: a
+        chat request's tool calling (its grammar, and its output read back as calls)."""
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         runs = [(i, prompt) for i, prompt in enumerate(prompts) for _ in range(body.n)]
         if max_tokens == 0:  # echo alone: each prompt (and its logprobs), nothing generated
@@ -396,7 +404,7 @@ class OpenAIServer:
                                        self.tokenizer, body.logprobs_wanted(), k, i, echoes[i]), nothing_generated())
                        for k, (i, prompt) in enumerate(runs)]
         else:
-            choices = await self._generations(body, rid, runs, max_tokens, chat, key, length_param, echoes)
+            choices = await self._generations(body, rid, runs, max_tokens, chat, key, length_param, echoes, tools)
         if body.stream:
             include = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(sse_stream(choices, include, body.return_token_ids),
@@ -408,9 +416,9 @@ class OpenAIServer:
 
     async def _generations(self, body: SamplingRequest, rid: str, runs: list[tuple[int, list[int]]],
                            max_tokens: int, chat: bool, key: int, length_param: str,
-                           echoes: list[Echo] | None) -> list:
+                           echoes: list[Echo] | None, tools: ToolPlan | None) -> list:
         """Start one generation per (prompt index, prompt) of `runs`; seeded ones draw from seed + k."""
-        params = self._params(body, max_tokens, await self._logit_bias(body), await self._grammar(body))
+        params = self._params(body, max_tokens, await self._logit_bias(body), await self._grammar(body, tools))
         if time.monotonic() < self._shed_until:  # a burst: the surplus gets its 429 without a round trip
             raise overloaded("the server is overloaded; retry later")
         choices: list = []
@@ -421,7 +429,7 @@ class OpenAIServer:
                                                                seeded, body.num_speculative_tokens), length_param)
                 self.door.limits.charge(key, first.num_prompt_tokens)
                 fmt = ResponseFormat(rid, self.config.served_model_name, chat, first.num_prompt_tokens, gen,
-                                     self.tokenizer, params.logprobs, k, i, echoes[i] if echoes else None)
+                                     self.tokenizer, params.logprobs, k, i, echoes[i] if echoes else None, tools)
                 choices.append((fmt, self._pieces(gen, prompt, body.stop_list(), key)))
         except BaseException:
             for fmt, _ in choices:
@@ -429,25 +437,27 @@ class OpenAIServer:
             raise
         return choices
 
-    async def _grammar(self, body: SamplingRequest) -> Grammar | None:
-        """response_format's grammar, compiled here once against the tokenizer (off the event
-        loop) so that a bad schema, regex or grammar is a 400 before anything runs."""
+    async def _grammar(self, body: SamplingRequest, tools: ToolPlan | None) -> Grammar | None:
+        """The output's grammar (tool_choice's, else response_format's), compiled here once against
+        the tokenizer (off the event loop) so that a bad schema, regex or grammar is a 400 before
+        anything runs."""
+        param = "response_format" if tools is None else "tools"
         try:
-            grammar = format_grammar(body.response_format)
+            grammar = format_grammar(body.response_format) if tools is None else tools.grammar()
         except ValueError as err:
-            raise OpenAIError(400, f"response_format: {err}", "response_format") from err
+            raise OpenAIError(400, f"{param}: {err}", param) from err
         if grammar is None:
             return None
-        if len(grammar.source) > self.config.front_door.max_grammar_chars:
-            raise OpenAIError(400, f"response_format: at most {self.config.front_door.max_grammar_chars} characters "
-                              f"of schema or grammar", "response_format")
+        limit = self.config.front_door.max_grammar_chars
+        if len(grammar.source) > limit:
+            raise OpenAIError(400, f"{param}: at most {limit} characters of schema or grammar", param)
         if self._grammar_view is None:
             vocab = (await self.info())["vocab_size"]
             self._grammar_view = await self._offload(tokenizer_view, self.tokenizer, vocab, ())
         error = await self._offload(check_grammar, grammar, self._grammar_view)
         if error:
-            raise OpenAIError(400, f"response_format: invalid {grammar.kind}: {error.strip()}", "response_format",
-                              "invalid_response_format")
+            what = "function parameters" if tools is not None else grammar.kind
+            raise OpenAIError(400, f"{param}: invalid {what}: {error.strip()}", param, f"invalid_{param}")
         return grammar
 
     def _params(self, body: SamplingRequest, max_tokens: int, bias: dict[int, float],

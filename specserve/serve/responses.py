@@ -10,6 +10,7 @@ from typing import AsyncIterator
 
 from .continuation import Continuation
 from .front_door import OpenAIError
+from .tools import ToolPlan, without_index
 
 # an alternative a grammar forbids has logprob -inf, which JSON cannot carry: it is sent as this
 # (as vLLM does), below any real token's
@@ -51,6 +52,7 @@ class ResponseFormat:
     index: int = 0  # the choice's index (several prompts and/or n > 1)
     prompt_index: int = 0  # which prompt it answers (usage counts each prompt once)
     echo: "Echo | None" = None  # completions' echo: the prompt before the output (and its logprobs)
+    tools: ToolPlan | None = None  # chat with tools: the output is read back as content and tool calls
 
     def __post_init__(self) -> None:
         self.created = int(time.time())
@@ -96,15 +98,20 @@ class ResponseFormat:
                 "top_logprobs": [None if top is None else {self._token(a): av for a, av in top} for top in tops],
                 "text_offset": offsets}
 
-    def _choice(self, text: str, finish: str | None, first: bool = False, delta: bool = False,
-                logprobs: dict | None = None) -> dict:
+    def _choice(self, text: str | None, finish: str | None, first: bool = False, delta: bool = False,
+                logprobs: dict | None = None, calls: list[dict] | None = None) -> dict:
         if not self.chat:
             return {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
         if delta:
-            content = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+            content = {"role": "assistant", "content": text or (None if calls else "")} if first \
+                else ({"content": text} if text else {})
+            if calls:
+                content["tool_calls"] = calls
             return {"index": self.index, "delta": content, "logprobs": logprobs, "finish_reason": finish}
-        return {"index": self.index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                "finish_reason": finish}
+        message = {"role": "assistant", "content": text}
+        if calls:
+            message["tool_calls"] = without_index(calls)
+        return {"index": self.index, "message": message, "logprobs": logprobs, "finish_reason": finish}
 
     def _envelope(self, choices: list[dict], chunk: bool) -> dict:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
@@ -123,7 +130,8 @@ class ResponseFormat:
         last = self.last
         prefix = self._echo_logprobs()
         text = ("" if self.echo is None else self.echo.text) + "".join(texts)
-        body = self._envelope([self._choice(text, last.finish_reason,
+        content, calls = (text, []) if self.tools is None else self.tools.read(text)
+        body = self._envelope([self._choice(content, _finish(last.finish_reason, calls), calls=calls,
                                             logprobs=_joined(prefix, self._logprobs_body(last, 0)))], chunk=False)
         if return_token_ids:
             body["choices"][0]["token_ids"] = list(last.token_ids)
@@ -132,16 +140,20 @@ class ResponseFormat:
     async def chunks(self, pieces: AsyncIterator[Piece], return_token_ids: bool = False) -> AsyncIterator[dict]:
         """This choice's stream chunks (raises StreamFailed); no usage chunk, no [DONE]."""
         first, sent_ids = True, 0
+        calls_from = self.tools.stream() if self.tools is not None else None
         try:
             if self.echo is not None:  # the prompt first, as its own chunk
                 yield self._envelope([self._choice(self.echo.text, None, True, True, self._echo_logprobs())], True)
             async for piece in pieces:
                 self.last = piece
+                text, calls, finish = piece.text, [], piece.finish_reason
+                if calls_from is not None:
+                    text, calls = calls_from.feed(text, finish is not None)
+                    finish = "tool_calls" if calls_from.called and finish == "stop" else finish
                 new_ids = (return_token_ids or self.logprobs is not None) and len(piece.token_ids) > sent_ids
-                if piece.text or piece.finish_reason or first or new_ids:
+                if text or calls or finish or first or new_ids:
                     logprobs = self._logprobs_body(piece, sent_ids)
-                    chunk = self._envelope([self._choice(piece.text, piece.finish_reason, first, True, logprobs)],
-                                           True)
+                    chunk = self._envelope([self._choice(text, finish, first, True, logprobs, calls)], True)
                     if return_token_ids:
                         chunk["choices"][0]["token_ids"] = piece.token_ids[sent_ids:]
                     sent_ids = len(piece.token_ids)
@@ -176,6 +188,11 @@ class NoGeneration:
 
 async def nothing_generated() -> AsyncIterator[Piece]:
     yield Piece("", "length", 0, {}, [], [], [])
+
+
+def _finish(reason: str | None, calls: list[dict]) -> str | None:
+    """A choice that ended by itself with tool calls finished for them (one cut short stays "length")."""
+    return "tool_calls" if calls and reason == "stop" else reason
 
 
 def _joined(first: dict | None, second: dict | None) -> dict | None:

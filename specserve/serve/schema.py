@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from specserve.engine.grammar import Grammar
 from specserve.engine.sampling import MAX_LOGPROBS
@@ -147,14 +147,87 @@ class TextPart(BaseModel):
     text: str
 
 
-class ChatMessage(BaseModel):
+# -- tool calling (chat): the functions offered, the choice among them, the calls made -----------
+FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
+
+
+class FunctionDef(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "developer", "user", "assistant"]
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments object (None: any object)
+    strict: bool | None = None  # (the schema is always enforced where the output is constrained)
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionName
+
+
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    arguments: str  # JSON text, as OpenAI's API sends it
+
+
+class ToolCall(BaseModel):  # a call an earlier assistant message made
+    model_config = ConfigDict(extra="forbid")
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     content: str | list[TextPart]
     name: str | None = None
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class InstructionMessage(_Message):
+    role: Literal["system", "developer"]
+
+
+class UserMessage(_Message):
+    role: Literal["user"]
+
+
+class AssistantMessage(_Message):
+    role: Literal["assistant"]
+    content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # the calls it made
+    refusal: str | None = None  # (sent back by clients that replay a response's message; not rendered)
+
+    @model_validator(mode="after")
+    def _says_something(self) -> "AssistantMessage":
+        if self.content is None and not self.tool_calls:
+            raise ValueError("an assistant message needs content or tool_calls")
+        return self
+
+
+class ToolMessage(_Message):
+    role: Literal["tool"]
+    tool_call_id: str  # the call whose result this is
+
+
+ChatMessage = Annotated[Union[InstructionMessage, UserMessage, AssistantMessage, ToolMessage],
+                        Field(discriminator="role")]
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -162,13 +235,34 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list | None = None
-    tool_choice: str | dict | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools
+    parallel_tool_calls: bool = True
 
     def unsupported(self) -> list[tuple[str, str]]:
         bad = super().unsupported()
         if self.top_logprobs is not None and not self.logprobs:
             bad.append(("top_logprobs", "top_logprobs needs logprobs: true"))
-        if self.tools or self.tool_choice not in (None, "none"):
-            bad.append(("tools", "tool calling is not supported"))
+        bad.extend(self._tool_problems())
         return bad
+
+    def tool_mode(self) -> str:
+        """"none" (no tools in play), "auto", "required" or "named" (tool_choice names one)."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
+
+    def _tool_problems(self) -> list[tuple[str, str]]:
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) < len(names):
+            return [("tools", "tool function names must be unique")]
+        if self.tool_choice not in (None, "none") and not self.tools:
+            return [("tool_choice", "tool_choice needs tools")]
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            return [("tool_choice", f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools")]
+        if self.tool_mode() != "none" and self.response_format is not None \
+                and not isinstance(self.response_format, TextFormat):
+            return [("response_format", "response_format cannot be combined with tools unless tool_choice is none")]
+        return []
