@@ -3,7 +3,7 @@
     python -m specserve.bench.features --url http://127.0.0.1:8000 [--prompts 20] [--features plain,json_schema]
 
 For each feature (plain greedy chat, logprobs, penalties, repetition penalty, logit bias, n=2,
-json_object, json_schema) and each held-out chat prompt of the shipped sets (specserve/prompts,
+json_object, json_schema, a tool call of a named function or a required one) and each held-out chat prompt of the shipped sets (specserve/prompts,
 interleaved by category), it sends the same request twice, back to back: with the app's own
 speculation and with the per-request `num_speculative_tokens: 0` (target-only decoding on the same
 replica and workers). One request at a time, so the ratio is the per-request speed a user sees.
@@ -11,7 +11,8 @@ replica and workers). One request at a time, so the ratio is the per-request spe
 Per feature: completion tokens/s of each (all tokens / time inside the requests), their ratio,
 the acceptance rate (accepted / drafted), and its checks: greedy answers' token ids identical with
 and without speculation, greedy logprobs within 1e-4 (alternatives too), json_schema answers that
-validate against the schema. Prints a table and writes JSON.
+validate against the schema (tool calls: arguments that validate against the function's
+parameters). Prints a table and writes JSON.
 """
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ from specserve.prompts import EXTRACTION, GENERAL, interleaved, load_records
 ANSWER = {"type": "object", "additionalProperties": False, "required": ["answer", "confidence"],
           "properties": {"answer": {"type": "string", "maxLength": 160},
                          "confidence": {"enum": ["low", "medium", "high"]}}}  # (a number may run on: 1.0000...)
+ANSWER_TOOL = {"type": "function", "function": {"name": "answer", "description": "Give the answer",
+                                               "parameters": ANSWER}}
 FEATURES = {  # name -> extra request fields (all greedy but n, which samples two seeded choices)
     "plain": {},
     "logprobs": {"logprobs": True, "top_logprobs": 5},
@@ -37,6 +40,8 @@ FEATURES = {  # name -> extra request fields (all greedy but n, which samples tw
     "n=2": {"n": 2, "temperature": 0.8, "seed": 1},
     "json_object": {"response_format": {"type": "json_object"}},
     "json_schema": {"response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}}},
+    "tool_named": {"tools": [ANSWER_TOOL], "tool_choice": {"type": "function", "function": {"name": "answer"}}},
+    "tool_required": {"tools": [ANSWER_TOOL], "tool_choice": "required", "parallel_tool_calls": False},
 }
 STRUCTURED_MAX_TOKENS = 160  # an answer of up to 160 characters and its JSON frame (json_object: may not end)
 
@@ -80,9 +85,20 @@ def _valid(text: str, schema: dict) -> bool:
         return False
 
 
+def _checked(name: str, message: dict) -> bool:
+    """Whether a structured answer is what its feature asked for (other features: False)."""
+    if name.startswith("tool_"):
+        calls = message.get("tool_calls") or []
+        return len(calls) == 1 and calls[0]["function"]["name"] == "answer" and \
+            _valid(calls[0]["function"]["arguments"], ANSWER)
+    if name.startswith("json"):
+        return _valid(message["content"], ANSWER if name == "json_schema" else {"type": "object"})
+    return False
+
+
 def run_feature(client: httpx.Client, model: str, name: str, prompts: list[str], max_tokens: int) -> dict:
     extra = FEATURES[name]
-    structured = "response_format" in extra
+    structured = "response_format" in extra or "tools" in extra
     row = {"feature": name, "prompts": len(prompts), "tokens": [0, 0], "seconds": [0.0, 0.0], "drafted": 0,
            "accepted": 0, "same_tokens": 0, "same_logprobs": 0, "valid": 0, "finished": 0}
     for prompt in prompts:
@@ -102,11 +118,8 @@ def run_feature(client: httpx.Client, model: str, name: str, prompts: list[str],
         row["same_logprobs"] += all(_logprobs_match(c["logprobs"], d["logprobs"])
                                     for c, d in zip(spec["choices"], alone["choices"]))
         choice = spec["choices"][0]
-        row["finished"] += choice["finish_reason"] == "stop"
-        if name == "json_schema":
-            row["valid"] += _valid(choice["message"]["content"], ANSWER)
-        elif name == "json_object":
-            row["valid"] += _valid(choice["message"]["content"], {"type": "object"})
+        row["finished"] += choice["finish_reason"] in ("stop", "tool_calls")
+        row["valid"] += _checked(name, choice["message"])
     tps = [t / s if s else None for t, s in zip(row["tokens"], row["seconds"])]
     row.update(spec_tok_s=tps[0], alone_tok_s=tps[1], speedup=tps[0] / tps[1] if all(tps) else None,
                acceptance=row["accepted"] / row["drafted"] if row["drafted"] else None)
@@ -114,15 +127,15 @@ def run_feature(client: httpx.Client, model: str, name: str, prompts: list[str],
 
 
 def _table(rows: list[dict]) -> str:
-    head = (f"{'feature':<12} {'spec tok/s':>10} {'γ=0 tok/s':>10} {'ratio':>6} {'accept':>6} {'same ids':>9} "
+    head = (f"{'feature':<13} {'spec tok/s':>10} {'γ=0 tok/s':>10} {'ratio':>6} {'accept':>6} {'same ids':>9} "
             f"{'same lp':>8} {'valid':>7} {'stop':>6}")
     lines = [head]
     for r in rows:
         n = r["prompts"]
-        valid = f"{r['valid']}/{n}" if r["feature"].startswith("json") else "-"
+        valid = f"{r['valid']}/{n}" if r["feature"].startswith(("json", "tool")) else "-"
         same = "-" if "temperature" in FEATURES[r["feature"]] else f"{r['same_tokens']}/{n}"  # (sampled)
         same_lp = f"{r['same_logprobs']}/{n}" if "logprobs" in FEATURES[r["feature"]] else "-"
-        lines.append(f"{r['feature']:<12} {r['spec_tok_s']:>10.1f} {r['alone_tok_s']:>10.1f} {r['speedup']:>6.2f} "
+        lines.append(f"{r['feature']:<13} {r['spec_tok_s']:>10.1f} {r['alone_tok_s']:>10.1f} {r['speedup']:>6.2f} "
                      f"{(r['acceptance'] or 0):>6.2f} {same:>9} {same_lp:>8} {valid:>7} {r['finished']:>3}/{n:<2}")
     return "\n".join(lines)
 
