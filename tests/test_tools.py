@@ -48,6 +48,11 @@ def test_auto_reads_calls_and_leaves_the_rest_as_content():
     assert p.read("Sunny.") == ("Sunny.", [])
     # parallel_tool_calls false: the first call only
     assert [c["function"]["name"] for c in plan(parallel_tool_calls=False).read(text)[1]] == ["get_weather"]
+    # a whole output that is a bare JSON call, or a list of them (Llama 3.1's "parameters" too)
+    bare = ' {"name": "get_time", "parameters": {"zone": "UTC"}}'
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in p.read(bare)[1]] == [
+        ("get_time", '{"zone": "UTC"}')] and p.read(bare)[0] is None
+    assert len(p.read(f"[{bare}, {bare}]")[1]) == 2
     # cut short (max_tokens) after a complete object: the call still reads
     assert plan().read('<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}')[1][0]["function"]["name"] \
         == "get_time"
@@ -55,6 +60,8 @@ def test_auto_reads_calls_and_leaves_the_rest_as_content():
 
 @pytest.mark.parametrize("text", [
     '<tool_call>{"name": "get_weather", "arguments": {"city": "Par',  # cut short inside the JSON
+    '{"name": "Ada", "arguments": {}}',  # JSON that is no call of an offered function
+    '{"name": "get_time", "arguments": {"zone": "UTC"}} and more',  # a call and then text
     '<tool_call>{"name": "launch", "arguments": {}}</tool_call>',  # a function not offered
     '<tool_call>{"name": "get_time", "arguments": [1]}</tool_call>',  # arguments not an object
     '<tool_call>[{"name": "get_time", "arguments": {}}, {"name": "get_time", "arguments": {}}]</tool_call>',
@@ -80,6 +87,7 @@ def test_required_and_named_read_what_their_grammar_made():
 @pytest.mark.parametrize("choice,text", [
     (None, 'Checking the clock <tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>'),
     ("required", '[{"name": "get_time", "arguments": {"zone": "UTC"}}]'),
+    (None, '\n [{"name": "get_time", "arguments": {"zone": "UTC"}}]'),
     ({"type": "function", "function": {"name": "get_time"}}, '{"zone": "UTC"}'),
 ])
 def test_a_stream_says_what_the_whole_output_says(cut, choice, text):
@@ -105,6 +113,9 @@ def test_a_stream_without_a_call_sends_all_of_its_text():
     stream = plan().stream()
     sent = [stream.feed(t, final)[0] for t, final in (("It is <tool", False), ("s> time", False), (" <tool", True))]
     assert sent == ["It is ", "<tools> time", " <tool"] and not stream.called
+    stream = plan().stream()  # JSON first: held whole, then sent as content when it is no call
+    sent = [stream.feed(t, final)[0] for t, final in ((" ", False), ('{"a": ', False), ("1}", True))]
+    assert sent == ["", "", ' {"a": 1}'] and not stream.called
 
 
 # -- the grammar ---------------------------------------------------------------------------------

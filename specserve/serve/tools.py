@@ -3,8 +3,10 @@ tool_choice asks for; and the calls read back out of what the model wrote.
 
     tool_choice        the prompt has                  the output is                  read back as
     "none"             no tools                        free text                      content
-    "auto" (default)   the tools and the call format   free text                      <tool_call> blocks: calls;
-                                                                                      the rest: content
+    "auto" (default)   the tools and the call format   free text                      <tool_call> blocks: calls,
+                                                                                      the rest: content; or a
+                                                                                      whole output that is a
+                                                                                      JSON call or list of them
     "required"         ... and "call one or more"      grammar: [call, ...]           the calls
                                                        (parallel_tool_calls false: one call)
     {function: f}      ... and "call f"                grammar: f's parameters        one call of f
@@ -14,7 +16,9 @@ itself (its source mentions `tools`) gets them through `apply_chat_template(tool
 history's calls and results in transformers' shape. Any other template gets them in the system
 message, the history's calls as <tool_call> blocks in the assistant's text and their results as a
 user turn of <tool_response> blocks: the Hermes convention (Qwen's and Hermes' own templates
-render tools this way), which is also what "auto" reads back. "required" and a named function are
+render tools this way), which is also what "auto" reads back, beside an output that is nothing but a
+JSON call or list of calls (what Llama 3.1's template asks for, its `parameters` read as
+`arguments`). "required" and a named function are
 constrained by a grammar, so their calls always parse and always match the schema; "auto" is read
 back as written: a block that does not parse, or names no offered tool, leaves the whole output
 as content.
@@ -117,7 +121,8 @@ class ToolPlan:
             found = self._parsed(text)
             return (text, []) if found is None else (None, _calls(found))
         if OPEN not in text:
-            return text, []
+            bare = self._parsed(text.strip()) if text.lstrip()[:1] in ("{", "[") else None
+            return (text, []) if bare is None else (None, _calls(bare if self.parallel else bare[:1]))
         found = []
         for match in _BLOCK.finditer(text):
             calls = self._parsed(match.group(1))
@@ -167,11 +172,13 @@ def without_index(calls: list[dict]) -> list[dict]:
 class ToolStream:
     """One streamed choice's text -> (content to send, tool-call deltas to send). A named call
     streams its arguments as they come; "required" sends its calls whole at the end; "auto" streams
-    content until a <tool_call> may begin, then holds the rest until the end and reads it back."""
+    content until a <tool_call> may begin, then holds the rest until the end and reads it back (an
+    output that begins with `{` or `[` is held whole: it may be a bare JSON call)."""
 
     plan: ToolPlan
     held: str = ""
     in_call: bool = False
+    started: bool = False  # the output has begun with something other than whitespace
     called: bool = False  # some call went out (finish_reason "tool_calls")
 
     def feed(self, text: str, final: bool) -> tuple[str, list[dict]]:
@@ -199,6 +206,14 @@ class ToolStream:
         if self.in_call:
             return self._at_end(text, final)
         self.held += text
+        if not self.started:
+            lead = self.held.lstrip()
+            if not lead and not final:
+                return "", []
+            self.started = True
+            if lead[:1] in ("{", "["):  # maybe a bare JSON call: held to the end and read back whole
+                self.in_call = True
+                return self._at_end("", final)
         start = self.held.find(OPEN)
         if start >= 0:
             out, rest = self.held[:start], self.held[start:]
