@@ -314,3 +314,15 @@ def test_a_conversation_goes_on_with_the_calls_and_their_results(client, fake):
 def test_a_bad_tool_request_is_a_400_naming_its_parameter(client, change, param):
     body = {"model": MODEL, "messages": [USER], "max_tokens": 3, **change}
     assert _error(client.post("/v1/chat/completions", json=body), 400)["param"] == param
+
+
+def test_each_choice_reads_its_own_calls(client, fake):
+    """n = 2: both choices carry the call, each with an id of its own, whole and streamed."""
+    fake.script = list(b'<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>')
+    body = {"model": MODEL, "messages": [USER], "tools": [TIME], "n": 2, "max_tokens": 100}
+    choices = client.post("/v1/chat/completions", json=body).json()["choices"]
+    ids = [c["message"]["tool_calls"][0]["id"] for c in choices]
+    assert [c["finish_reason"] for c in choices] == ["tool_calls"] * 2 and len(set(ids)) == 2
+    streamed = openai_client(client).chat.completions.create(**body, stream=True)
+    starts = [(chunk.choices[0].index, d.id) for chunk in streamed for d in chunk.choices[0].delta.tool_calls or []]
+    assert sorted(i for i, _ in starts) == [0, 1] and len({d for _, d in starts}) == 2
