@@ -51,7 +51,7 @@ def test_auto_reads_calls_and_leaves_the_rest_as_content():
     # a whole output that is a bare JSON call, or a list of them (Llama 3.1's "parameters" too)
     bare = ' {"name": "get_time", "parameters": {"zone": "UTC"}}'
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in p.read(bare)[1]] == [
-        ("get_time", '{"zone": "UTC"}')] and p.read(bare)[0] is None
+        ("get_time", '{"zone":"UTC"}')] and p.read(bare)[0] is None
     assert len(p.read(f"[{bare}, {bare}]")[1]) == 2
     # cut short (max_tokens) after a complete object: the call still reads
     assert plan().read('<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}')[1][0]["function"]["name"] \
@@ -73,7 +73,7 @@ def test_auto_leaves_an_output_that_is_not_a_call_as_content(text):
 
 def test_required_and_named_read_what_their_grammar_made():
     content, calls = plan(tool_choice="required").read('[{"name": "get_time", "arguments": {"zone": "UTC"}}]')
-    assert content is None and calls[0]["function"] == {"name": "get_time", "arguments": '{"zone": "UTC"}'}
+    assert content is None and calls[0]["function"] == {"name": "get_time", "arguments": '{"zone":"UTC"}'}
     one = plan(tool_choice="required", parallel_tool_calls=False)
     assert one.read('{"name": "get_weather", "arguments": {"city": "Oslo"}}')[1][0]["function"]["name"] == \
         "get_weather"
@@ -249,7 +249,7 @@ def test_auto_calls_come_back_as_tool_calls(client, fake, stream):
     fake.requests.clear()
     fake.script = list(b'Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
     content, calls, finish = ask(client, stream, tools=[WEATHER, TIME])
-    assert calls == [("get_weather", '{"city": "Paris"}')] and finish == "tool_calls"
+    assert calls == [("get_weather", '{"city":"Paris"}')] and finish == "tool_calls"
     assert content.strip() == "Sure."
     prompt = bytes(t for t in fake.requests[0].prompt_token_ids if t < 256).decode()
     assert "# Tools" in prompt and '"name": "get_time"' in prompt and fake.requests[0].params.grammar is None
@@ -274,7 +274,7 @@ def test_required_calls_follow_a_grammar_of_every_tool(client, fake, stream):
     fake.script = list(b'[{"name": "get_time", "arguments": {"zone": "UTC"}}, '
                        b'{"name": "get_weather", "arguments": {"city": "Rome"}}]')
     content, calls, finish = ask(client, stream, tools=[WEATHER, TIME], tool_choice="required")
-    assert calls == [("get_time", '{"zone": "UTC"}'), ("get_weather", '{"city": "Rome"}')]
+    assert calls == [("get_time", '{"zone":"UTC"}'), ("get_weather", '{"city":"Rome"}')]
     assert content is None and finish == "tool_calls"
     schema = json.loads(fake.requests[0].params.grammar.source)
     assert schema["type"] == "array" and [c["properties"]["name"]["const"] for c in schema["items"]["anyOf"]] == \

@@ -132,8 +132,9 @@ class ToolPlan:
         return _BLOCK.sub("", text).strip() or None, _calls(found if self.parallel else found[:1])
 
     def _parsed(self, text: str) -> list[tuple[str, str]] | None:
-        """A JSON call or list of calls -> [(name, arguments as JSON text)], or None when the text is
-        not that (bad JSON, a function not offered, arguments that are not an object)."""
+        """A JSON call or list of calls -> [(name, arguments as compact JSON text, as a named call's
+        grammar writes them)], or None when the text is not that (bad JSON, a function not offered,
+        arguments that are not an object)."""
         try:
             value = json.loads(text)
         except ValueError:
@@ -147,7 +148,7 @@ class ToolPlan:
                 arguments = _arguments(arguments)
             if not isinstance(arguments, dict):
                 return None
-            out.append((call["name"], json.dumps(arguments, ensure_ascii=False)))
+            out.append((call["name"], json.dumps(arguments, ensure_ascii=False, separators=(",", ":"))))
         return out or None
 
     def stream(self) -> "ToolStream":
