@@ -35,7 +35,8 @@ def test_allocation_is_slots_times_the_longest_capacity():
     assert allocation([28, 643]) == 3 * capacity_for(643) == 3 * 768
     assert allocation([28] * 3) == 5 * 256 and allocation([]) == 0
     admission = Admission(max_batch_size=8, budget=2400, max_gamma=GAMMA)
-    admission.waiting.extend([_seq(f"s{i}", 5, 20) for i in range(3)] + [long] + [_seq("s9", 5, 20)])
+    for seq in [_seq(f"s{i}", 5, 20) for i in range(3)] + [long] + [_seq("s9", 5, 20)]:
+        admission.enqueue(seq)
     admitted = admission.admit()  # 3 shorts (5 slots of 256), then the long one would need 5 x 768
     assert [s.request_id for s in admitted] == ["s0", "s1", "s2"] and admission.allocated() == 5 * 256
     admission.release("s0")
@@ -60,7 +61,8 @@ def test_cache_bytes_stay_within_the_admitted_budget():
     rng = random.Random(1)
     shorts = [_seq(f"s{i}", rng.randint(3, 12), rng.randint(4, 40), seed=i) for i in range(24)]
     long = _seq("long", 300, 300, seed=99)  # its prefill alone takes a 512-position capacity
-    admission.waiting.extend(shorts[:16] + [long] + shorts[16:])
+    for seq in shorts[:16] + [long] + shorts[16:]:
+        admission.enqueue(seq)
     per_position = {name: kv_cache_bytes_per_token(m.config, torch.float32) for name, m in
                     (("target", target), ("draft", draft))}
     caches = {"target": verifier.runner.cache, "draft": proposer.runner.cache}
@@ -150,4 +152,7 @@ def test_continuations_wait_ahead_of_new_requests():
     assert [s.request_id for s in admission.waiting] == ["cont1", "cont2", "new1", "new2"]
     assert admission.get("new2").request_id == "new2" and admission.get("gone") is None
     admission.admit()
+    assert admission.get("cont1") is admission.running["cont1"]  # found running now, once
+    admission.drop_waiting({"new1", "gone"})
+    assert admission.get("new1") is None and [s.request_id for s in admission.waiting] == ["cont2", "new2"]
     assert list(admission.running) == ["cont1"] and admission.release("cont1") and not admission.release("cont1")

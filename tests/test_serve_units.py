@@ -213,7 +213,8 @@ def test_a_failed_step_fails_only_the_request_it_fails_on():
     seqs = [new_sequence(rid, [1, 2], SamplingParams(max_tokens=4), vocab_size=10, max_model_len=64,
                          eos_token_ids=frozenset()) for rid in ("a", "bad", "c")]
     admission = Admission(8, None, 0)
-    admission.waiting.extend(seqs)
+    for seq in seqs:
+        admission.enqueue(seq)
     admission.admit()
     freed: list = []
 

@@ -61,13 +61,14 @@ class Admission:
         self.budget = budget
         self.max_gamma = max_gamma
         self.waiting: deque[Sequence] = deque()
+        self._waiting_ids: dict[str, Sequence] = {}  # the waiting requests by id (a lookup is O(1))
         self.running: dict[str, Sequence] = {}
         self._needs: dict[str, int] = {}  # running request id -> positions_needed
 
     def get(self, request_id: str) -> Sequence | None:
         """The request, running or waiting."""
         seq = self.running.get(request_id)
-        return seq if seq is not None else next((s for s in self.waiting if s.request_id == request_id), None)
+        return seq if seq is not None else self._waiting_ids.get(request_id)
 
     def has_unfinished(self) -> bool:
         return bool(self.running or self.waiting)
@@ -75,6 +76,7 @@ class Admission:
     def enqueue(self, seq: Sequence) -> None:
         """New requests wait FIFO; a continuation that already has output (its client is
         mid-stream) goes ahead of them, behind the ones like it that already wait."""
+        self._waiting_ids[seq.request_id] = seq
         if not seq.output:
             self.waiting.append(seq)
             return
@@ -128,6 +130,7 @@ class Admission:
         admitted = []
         while self.waiting and self._fits(self.waiting[0]):
             seq = self.waiting.popleft()
+            del self._waiting_ids[seq.request_id]
             self.running[seq.request_id] = seq
             self._needs[seq.request_id] = self.need(seq)
             admitted.append(seq)
@@ -150,6 +153,7 @@ class Admission:
             moved.append(seq)
         for seq in moved:  # ahead of everything waiting: they were running before any of it arrived
             self.waiting.appendleft(seq)
+            self._waiting_ids[seq.request_id] = seq
         return moved
 
     def _refresh(self) -> None:
@@ -164,4 +168,6 @@ class Admission:
         return self.running.pop(request_id, None) is not None
 
     def drop_waiting(self, request_ids: set[str]) -> None:
-        self.waiting = deque(s for s in self.waiting if s.request_id not in request_ids)
+        dropped = [r for r in request_ids if self._waiting_ids.pop(r, None) is not None]
+        if dropped:  # (the queue is walked only when one of them waits)
+            self.waiting = deque(s for s in self.waiting if s.request_id not in request_ids)
