@@ -30,6 +30,7 @@ lazily from the model's tokenizer the first time a grammar row is met.
 """
 from __future__ import annotations
 
+import functools
 import json
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -122,8 +123,11 @@ def tokenizer_view(tokenizer, vocab_size: int, eos_token_ids: Sequence[int]):
     return llguidance.hf.from_tokenizer(tokenizer, n_vocab=max(vocab_size, len(tokenizer)), eos_token=eos)
 
 
+@functools.lru_cache(maxsize=MAX_GRAMMARS)
 def check_grammar(grammar: Grammar, view) -> str:
-    """'' when the grammar compiles against this tokenizer view, else why not (for a 400)."""
+    """'' when the grammar compiles against this tokenizer view, else why not (for a 400). Kept
+    for the MAX_GRAMMARS latest (grammar, view) pairs: a schema sent with every request (and
+    checked by the ingress, then the engine) is compiled for the check once."""
     from llguidance import LLMatcher
 
     try:
