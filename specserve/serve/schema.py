@@ -151,46 +151,43 @@ class TextPart(BaseModel):
 FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
 
 
-class FunctionDef(BaseModel):
+class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+class FunctionDef(_Strict):
     name: str = Field(pattern=FUNCTION_NAME)
     description: str | None = None
     parameters: dict | None = None  # a JSON schema of the arguments object (None: any object)
     strict: bool | None = None  # (the schema is always enforced where the output is constrained)
 
 
-class Tool(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class Tool(_Strict):
     type: Literal["function"]
     function: FunctionDef
 
 
-class FunctionName(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class FunctionName(_Strict):
     name: str
 
 
-class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class NamedToolChoice(_Strict):
     type: Literal["function"]
     function: FunctionName
 
 
-class CalledFunction(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class CalledFunction(_Strict):
     name: str
     arguments: str  # JSON text, as OpenAI's API sends it
 
 
-class ToolCall(BaseModel):  # a call an earlier assistant message made
-    model_config = ConfigDict(extra="forbid")
+class ToolCall(_Strict):  # a call an earlier assistant message made
     id: str
     type: Literal["function"] = "function"
     function: CalledFunction
 
 
-class _Message(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class _Message(_Strict):
     content: str | list[TextPart]
     name: str | None = None
 
