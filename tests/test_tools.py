@@ -62,6 +62,8 @@ def test_auto_reads_calls_and_leaves_the_rest_as_content():
     '<tool_call>{"name": "get_weather", "arguments": {"city": "Par',  # cut short inside the JSON
     '{"name": "Ada", "arguments": {}}',  # JSON that is no call of an offered function
     '{"name": "get_time", "arguments": {"zone": "UTC"}} and more',  # a call and then text
+    '{"name": ["get_time"], "arguments": {}}',  # a name that is not a string
+    "[" * 100_000 + "]" * 100_000,  # deeper than the JSON parser goes
     '<tool_call>{"name": "launch", "arguments": {}}</tool_call>',  # a function not offered
     '<tool_call>{"name": "get_time", "arguments": [1]}</tool_call>',  # arguments not an object
     '<tool_call>[{"name": "get_time", "arguments": {}}, {"name": "get_time", "arguments": {}}]</tool_call>',
@@ -145,6 +147,23 @@ def test_required_and_named_grammars_take_exactly_the_calls_the_tools_allow():
     named = plan(tool_choice={"type": "function", "function": {"name": "get_weather"}}).grammar()
     assert matches(named, '{"city":"Rome"}') and not matches(named, '{"zone":"UTC"}')
     assert plan().grammar() is None and ToolPlan.of(request(tools=[WEATHER], tool_choice="none")) is None
+
+
+def test_parameters_with_their_own_defs_keep_them_inside_the_required_grammar():
+    """A parameters schema that refers to its own $defs (as pydantic writes them) still constrains
+    the call when it sits inside the "required" grammar's list of calls."""
+    place = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
+             "additionalProperties": False}
+    trip = {"type": "function", "function": {"name": "plan_trip", "parameters": {
+        "type": "object", "$defs": {"Place": place}, "properties": {"to": {"$ref": "#/$defs/Place"},
+                                                                   "via": {"type": "array", "items": {"$ref": "#/$defs/Place"}}},
+        "required": ["to"], "additionalProperties": False}}}
+    grammar = ToolPlan.of(request(tools=[trip, TIME], tool_choice="required")).grammar()
+    assert json.loads(grammar.source)["$defs"] == {"plan_trip__Place": place}
+    assert matches(grammar, '[{"name":"plan_trip","arguments":{"to":{"city":"Oslo"},"via":[{"city":"Bergen"}]}}]')
+    assert not matches(grammar, '[{"name":"plan_trip","arguments":{"to":{"town":"Oslo"}}}]')
+    named = ToolPlan.of(request(tools=[trip], tool_choice={"type": "function", "function": {"name": "plan_trip"}}))
+    assert matches(named.grammar(), '{"to":{"city":"Oslo"}}')
 
 
 # -- the prompt ----------------------------------------------------------------------------------

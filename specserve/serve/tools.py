@@ -101,12 +101,14 @@ class ToolPlan:
             return None
         if self.mode == "named":
             return Grammar("json_schema", json.dumps(self._parameters(self.named)))
+        defs: dict = {}
         calls = [{"type": "object", "properties": {"name": {"const": t.function.name},
-                                                   "arguments": self._parameters(t.function.name)},
+                                                   "arguments": _hoisted(self._parameters(t.function.name),
+                                                                         t.function.name, defs)},
                   "required": ["name", "arguments"], "additionalProperties": False} for t in self.tools]
         one = calls[0] if len(calls) == 1 else {"anyOf": calls}
-        return Grammar("json_schema", json.dumps({"type": "array", "items": one, "minItems": 1}
-                                                 if self.parallel else one))
+        root = {"type": "array", "items": one, "minItems": 1} if self.parallel else one
+        return Grammar("json_schema", json.dumps({**root, "$defs": defs} if defs else root))
 
     def _parameters(self, name: str) -> dict:
         schema = next(t.function.parameters for t in self.tools if t.function.name == name)
@@ -137,11 +139,11 @@ class ToolPlan:
         arguments that are not an object)."""
         try:
             value = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):  # (a model may nest brackets past the parser's depth)
             return None
         out = []
         for call in value if isinstance(value, list) else [value]:
-            if not isinstance(call, dict) or call.get("name") not in self.names():
+            if not isinstance(call, dict) or not isinstance(call.get("name"), str) or call["name"] not in self.names():
                 return None
             arguments = call.get("arguments", call.get("parameters", {}))
             if isinstance(arguments, str):
@@ -153,6 +155,30 @@ class ToolPlan:
 
     def stream(self) -> "ToolStream":
         return ToolStream(self)
+
+
+def _hoisted(schema: dict, tool: str, defs: dict) -> dict:
+    """A function's parameters schema for a place inside a larger schema: its own `$defs` (or
+    `definitions`) move into `defs` (the larger one's root `$defs`) named `{tool}__{name}`, and
+    its references to them follow."""
+    local = {name: sub for key in ("definitions", "$defs") if isinstance(schema.get(key), dict)
+             for name, sub in schema[key].items()}
+
+    def moved(node, top: bool = False):
+        if isinstance(node, list):
+            return [moved(v) for v in node]
+        if not isinstance(node, dict):
+            return node
+        out = {k: moved(v) for k, v in node.items() if not (top and k in ("$defs", "definitions"))}
+        ref = out.get("$ref")
+        for prefix in ("#/$defs/", "#/definitions/"):
+            if isinstance(ref, str) and ref.startswith(prefix) and ref[len(prefix):] in local:
+                out["$ref"] = f"#/$defs/{tool}__{ref[len(prefix):]}"
+        return out
+
+    for name, sub in local.items():
+        defs[f"{tool}__{name}"] = moved(sub)
+    return moved(schema, top=True)
 
 
 def _call(index: int, name: str, arguments: str) -> dict:
