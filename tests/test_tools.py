@@ -155,8 +155,8 @@ def test_parameters_with_their_own_defs_keep_them_inside_the_required_grammar():
     place = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
              "additionalProperties": False}
     trip = {"type": "function", "function": {"name": "plan_trip", "parameters": {
-        "type": "object", "$defs": {"Place": place}, "properties": {"to": {"$ref": "#/$defs/Place"},
-                                                                   "via": {"type": "array", "items": {"$ref": "#/$defs/Place"}}},
+        "type": "object", "$defs": {"Place": place},
+        "properties": {"to": {"$ref": "#/$defs/Place"}, "via": {"type": "array", "items": {"$ref": "#/$defs/Place"}}},
         "required": ["to"], "additionalProperties": False}}}
     grammar = ToolPlan.of(request(tools=[trip, TIME], tool_choice="required")).grammar()
     assert json.loads(grammar.source)["$defs"] == {"plan_trip__Place": place}
@@ -200,7 +200,8 @@ def test_a_template_without_tools_gets_them_in_the_system_message():
 NATIVE_TEMPLATE = (
     "{% if tools %}<|im_start|>tools\n{% for t in tools %}{{ t.function.name }};{% endfor %}<|im_end|>\n{% endif %}"
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
-    "{% for c in m.tool_calls or [] %}[{{ c.function.name }} {{ c.function.arguments.city or c.function.arguments.zone }}]"
+    "{% for c in m.tool_calls or [] %}"
+    "[{{ c.function.name }} {{ c.function.arguments.city or c.function.arguments.zone }}]"
     "{% endfor %}{% if m.tool_call_id %}({{ m.tool_call_id }}){% endif %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
@@ -213,7 +214,8 @@ def test_a_template_that_renders_tools_gets_them_and_the_history_in_transformers
     p = ToolPlan.of(body)
     text = tok.apply_chat_template(prompt_messages(body.messages, p, native=True), tools=p.specs(),
                                    add_generation_prompt=True, tokenize=False)
-    assert text.startswith("<|im_start|>tools\nget_weather;get_time;<|im_end|>\n<|im_start|>system\nBe brief.<|im_end|>")
+    assert text.startswith("<|im_start|>tools\nget_weather;get_time;<|im_end|>\n"
+                           "<|im_start|>system\nBe brief.<|im_end|>")
     assert "[get_weather Paris][get_time CET]" in text and "<|im_start|>tool\nSunny, 21 C(call_1)" in text
 
 
@@ -310,9 +312,21 @@ def test_a_conversation_goes_on_with_the_calls_and_their_results(client, fake):
     fake.script = list(b"It is 14:05.")
     history = [USER, message, {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "14:05"}]
     second = oai.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER, TIME], max_tokens=100)
+    # arguments nested past the JSON parser's depth: rendered as the text they are
+    deep = {"id": "call_9", "type": "function", "function": {"name": "get_time", "arguments": "[" * 3000}}
+    odd = [USER, {"role": "assistant", "tool_calls": [deep]},
+           {"role": "tool", "tool_call_id": "call_9", "content": "?"}]
+    r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": odd, "max_tokens": 3})
+    assert r.status_code == 200, r.text
     assert second.choices[0].message.content == "It is 14:05." and second.choices[0].finish_reason == "stop"
     prompt = bytes(t for t in fake.requests[0].prompt_token_ids if t < 256).decode()
-    assert '"arguments": {"zone": "CET"}}\n</tool_call>' in prompt and "<tool_response>\n14:05\n</tool_response>" in prompt
+    assert '"arguments": {"zone": "CET"}}\n</tool_call>' in prompt
+    assert "<tool_response>\n14:05\n</tool_response>" in prompt
+
+
+DEEP: dict = {"type": "object"}
+for _ in range(400):  # (within what the body's JSON parser takes, past what a schema should need)
+    DEEP = {"type": "object", "properties": {"x": DEEP}}
 
 
 @pytest.mark.parametrize("change,param", [
@@ -329,6 +343,8 @@ def test_a_conversation_goes_on_with_the_calls_and_their_results(client, fake):
     ({"messages": [{"role": "user"}]}, "messages"),
     ({"messages": [{**USER, "tool_calls": []}]}, "messages"),
     ({"functions": [WEATHER["function"]]}, "functions"),
+    ({"tools": [{"type": "function", "function": {"name": "deep", "parameters": DEEP}}],
+      "tool_choice": "required"}, "tools"),
 ])
 def test_a_bad_tool_request_is_a_400_naming_its_parameter(client, change, param):
     body = {"model": MODEL, "messages": [USER], "max_tokens": 3, **change}

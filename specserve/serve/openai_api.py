@@ -446,6 +446,8 @@ class OpenAIServer:
             grammar = format_grammar(body.response_format) if tools is None else tools.grammar()
         except ValueError as err:
             raise OpenAIError(400, f"{param}: {err}", param) from err
+        except RecursionError as err:
+            raise OpenAIError(400, f"{param}: the schema is nested too deeply", param) from err
         if grammar is None:
             return None
         limit = self.config.front_door.max_grammar_chars

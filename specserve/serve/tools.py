@@ -276,8 +276,8 @@ def prompt_messages(messages: list[ChatMessage], plan: ToolPlan | None, native: 
             else:
                 out.append({"role": "user", "content": block, "tool_results": True})
         elif isinstance(m, AssistantMessage) and m.tool_calls:
-            blocks = [f"{OPEN}\n{json.dumps({'name': c.function.name, 'arguments': _arguments(c.function.arguments)}, ensure_ascii=False)}\n{CLOSE}"
-                      for c in m.tool_calls]
+            calls = [{"name": c.function.name, "arguments": _arguments(c.function.arguments)} for c in m.tool_calls]
+            blocks = [f"{OPEN}\n{json.dumps(call, ensure_ascii=False)}\n{CLOSE}" for call in calls]
             out.append({"role": m.role, "content": "\n".join(([m.text()] if m.text() else []) + blocks)})
         else:
             out.append({"role": m.role, "content": m.text()})
@@ -308,6 +308,6 @@ def _arguments(text: str):
     """A call's arguments as templates render them: the JSON object, or the text when it is not one."""
     try:
         value = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return text
     return value if isinstance(value, dict) else text
