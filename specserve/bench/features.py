@@ -6,7 +6,8 @@ For each feature (plain greedy chat, logprobs, penalties, repetition penalty, lo
 json_object, json_schema, a tool call of a named function or a required one) and each held-out
 chat prompt of the shipped sets (specserve/prompts, interleaved by category), it sends the same
 request twice, back to back: with the app's own speculation and with the per-request
-`num_speculative_tokens: 0` (target-only decoding on the same replica and workers). One request at a time, so the ratio is the per-request speed a user sees.
+`num_speculative_tokens: 0` (target-only decoding on the same replica and workers). One request
+at a time, so the ratio is the per-request speed a user sees.
 
 Per feature: completion tokens/s of each (all tokens / time inside the requests), their ratio,
 the acceptance rate (accepted / drafted), and its checks: greedy answers' token ids identical with
