@@ -119,6 +119,7 @@ class OpenAIServer:
         self.tokenizer = load_tokenizer(config.target, config.tokenizer)
         self._info: dict | None = None
         self._grammar_view = None  # llguidance's view of the tokenizer, built at the first response_format
+        self._native_tools = renders_tools(self.tokenizer)  # the chat template renders `tools` itself
         self._shed_until = 0.0  # after a full coordinator queue: refuse at once until then (monotonic s)
         # requests continued on another coordinator replica after losing theirs, and given up on
         self.continuations = {"continuations": 0, "given_up": 0}
@@ -297,9 +298,8 @@ class OpenAIServer:
         if len(body.tools or []) > front.max_tools:
             raise OpenAIError(400, f"at most {front.max_tools} tools per request", "tools", "too_many_tools")
         plan = ToolPlan.of(body)
-        native = renders_tools(self.tokenizer)
-        messages = prompt_messages(body.messages, plan, native)
-        text = await self._offload(self._template, messages, plan.specs() if native and plan else None)
+        messages = prompt_messages(body.messages, plan, self._native_tools)
+        text = await self._offload(self._template, messages, plan.specs() if self._native_tools and plan else None)
         sent = body.max_completion_tokens or body.max_tokens
         await self._precheck(text, None, sent or 1, "messages")
         ids = await self._offload(self._encode, text, "messages", False)

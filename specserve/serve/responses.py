@@ -131,7 +131,7 @@ class ResponseFormat:
         prefix = self._echo_logprobs()
         text = ("" if self.echo is None else self.echo.text) + "".join(texts)
         content, calls = (text, []) if self.tools is None else self.tools.read(text)
-        body = self._envelope([self._choice(content, _finish(last.finish_reason, calls), calls=calls,
+        body = self._envelope([self._choice(content, _finish(last.finish_reason, bool(calls)), calls=calls,
                                             logprobs=_joined(prefix, self._logprobs_body(last, 0)))], chunk=False)
         if return_token_ids:
             body["choices"][0]["token_ids"] = list(last.token_ids)
@@ -149,7 +149,7 @@ class ResponseFormat:
                 text, calls, finish = piece.text, [], piece.finish_reason
                 if calls_from is not None:
                     text, calls = calls_from.feed(text, finish is not None)
-                    finish = "tool_calls" if calls_from.called and finish == "stop" else finish
+                    finish = _finish(finish, calls_from.called)
                 new_ids = (return_token_ids or self.logprobs is not None) and len(piece.token_ids) > sent_ids
                 if text or calls or finish or first or new_ids:
                     logprobs = self._logprobs_body(piece, sent_ids)
@@ -190,9 +190,9 @@ async def nothing_generated() -> AsyncIterator[Piece]:
     yield Piece("", "length", 0, {}, [], [], [])
 
 
-def _finish(reason: str | None, calls: list[dict]) -> str | None:
+def _finish(reason: str | None, called: bool) -> str | None:
     """A choice that ended by itself with tool calls finished for them (one cut short stays "length")."""
-    return "tool_calls" if calls and reason == "stop" else reason
+    return "tool_calls" if called and reason == "stop" else reason
 
 
 def _joined(first: dict | None, second: dict | None) -> dict | None:
