@@ -1,4 +1,4 @@
-"""Penalties and logit bias under speculation (specserve.engine.processing): greedy output identical
+"""Penalties, logit bias and min_tokens under speculation (specserve.engine.processing): greedy output identical
 to the target alone with the same processing (an independent from-scratch reference) through every
 drafter, γ 1 and 4, rows with different settings in one batch; sampled output follows the processed
 target's distribution (chi-square); and a verifier that forgets to count the drafts is caught."""
@@ -44,12 +44,14 @@ def processed_naively(logits: torch.Tensor, prompt: list[int], out: list[int], p
             logits[token] = value / p.repetition_penalty if value > 0 else value * p.repetition_penalty
     for token, count in collections.Counter(out).items():
         logits[token] -= p.frequency_penalty * count + p.presence_penalty
+    if len(out) < p.min_tokens:
+        logits[list(p.stop_token_ids)] = float("-inf")
     return logits
 
 
 @functools.lru_cache(maxsize=None)
 def reference(prompt: tuple[int, ...], p: SamplingParams) -> list[int]:
-    """The target alone, a full forward per token, processing from scratch."""
+    """The target alone, a full forward per token, processing from scratch (a stop id ends it, kept)."""
     model, tokens, out = target(), list(prompt), []
     with torch.no_grad():
         for _ in range(p.max_tokens):
@@ -57,6 +59,8 @@ def reference(prompt: tuple[int, ...], p: SamplingParams) -> list[int]:
             token = int(processed_naively(logits, list(prompt), out, p).argmax())
             out.append(token)
             tokens.append(token)
+            if token in p.stop_token_ids:
+                break
     return out
 
 
@@ -116,6 +120,50 @@ def test_a_verifier_that_does_not_count_the_drafts_is_caught(monkeypatch, broken
     assert out.token_ids[:2] == [11, 11] and out.metrics.num_accepted_tokens > 0
 
 
+# -- min_tokens: the row's stop ids held back until its output is that long --------------------------
+@pytest.mark.parametrize("name", ["draft-model", "feature-head", "layer-skip", "prompt-lookup"])
+@pytest.mark.parametrize("gamma", [1, 4])
+def test_min_tokens_holds_stops_back_as_the_target_alone_does(name, gamma, head_dir):
+    """Each row stops at its plain greedy output's 2nd token; with min_tokens 7 that token is held
+    back through the first 7 outputs (drafts included) and ends the row later, if it comes again.
+    Rows with and without min_tokens, and with penalties as well, share the batch."""
+    batch = prompts(4, seed=11)
+    stops = [reference(tuple(prompt), params({}))[1] for prompt in batch]
+    rows = [params(dict(stop_token_ids=(stop,), min_tokens=m, **extra)) for stop, m, extra in
+            zip(stops, [7, 0, 7, 3], [{}, {}, dict(frequency_penalty=0.5), {}])]
+    engine = SpeculativeEngine(target(), proposer=drafter(name, head_dir), num_speculative_tokens=gamma,
+                               adaptive=False)
+    outs = engine.generate(batch, rows)
+    for prompt, p, out in zip(batch, rows, outs):
+        expected = reference(tuple(prompt), p)
+        assert out.token_ids == expected, (name, gamma, p)
+        assert p.stop_token_ids[0] not in expected[: p.min_tokens]
+    assert len(outs[1].token_ids) == 2 and outs[1].finish_reason == "stop"  # min_tokens 0: stops at once
+    assert all(len(o.token_ids) > 7 for o in (outs[0], outs[2]))
+
+
+def test_min_tokens_holds_the_models_eos_back():
+    """EOS (the engine's, not ignored) is a stop id like any other: held back, then it ends the row."""
+    (prompt,) = prompts(1, seed=3)
+    eos = reference(tuple(prompt), params({}))[0]
+    engine = SpeculativeEngine(target(), proposer=drafter("layer-skip", None), num_speculative_tokens=3,
+                               adaptive=False, eos_token_ids=[eos])
+    free, held = engine.generate([prompt, prompt], [SamplingParams(max_tokens=MAX_NEW, temperature=0.0),
+                                                    SamplingParams(max_tokens=MAX_NEW, temperature=0.0, min_tokens=5)])
+    assert free.token_ids == [eos] and free.finish_reason == "stop"
+    assert held.token_ids == reference(tuple(prompt), params(dict(stop_token_ids=(eos,), min_tokens=5)))
+    assert eos not in held.token_ids[:5] and len(held.token_ids) >= 5
+
+
+def test_min_tokens_masks_by_position_in_the_block():
+    from specserve.engine.processing import LogitsProcessing
+
+    proc = LogitsProcessing([0.0] * 2, [0.0] * 2, [1.0] * 2, [(), ()], [[], []], None, [2, 0], [(3, 9, 40), ()])
+    out = proc.apply(torch.zeros(2, 4, 12), torch.zeros(2, 3, dtype=torch.long))  # [B, W, V]
+    assert out[0, :2, [3, 9]].isinf().all() and not out[0, 2:].isinf().any()
+    assert not out[1].isinf().any() and not out[0, :, [0, 1, 2, 4]].isinf().any()
+
+
 # -- sampling: the processed distribution, exactly ------------------------------------------------------
 SAMPLED = SamplingParams(max_tokens=4, temperature=1.0, presence_penalty=0.8, frequency_penalty=0.6,
                          repetition_penalty=1.5, logit_bias={3: 1.0, 6: -1.5})
@@ -136,6 +184,27 @@ def test_sampling_follows_the_processed_target():
     assert_engine_samples(engine, SAMPLED, *enumerated_marginals(dist))
 
 
+def test_sampling_with_min_tokens_follows_the_target_with_its_stops_held_back():
+    """Two likely tokens are stop ids, held back for the first 2 outputs: the 2nd token never is
+    one (the step's first draft position), the 3rd follows the unmasked distribution."""
+    small = dict(vocab=VOCAB, init_range=0.3, layers=1, hidden=16)
+    model, draft = tiny_llama(0, **small), tiny_llama(5, **small)
+    with torch.no_grad():
+        likely = model(input_ids=torch.tensor([PROMPT])).logits[0, -1].topk(2).indices.tolist()
+    held = SamplingParams(max_tokens=4, temperature=1.0, stop_token_ids=likely, min_tokens=2)
+
+    def dist(out: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([PROMPT + out])).logits[0, -1]
+        processed = processed_naively(logits, PROMPT, out, held).float()[None]
+        return logits_to_probs(processed, BatchSampling.from_params([held]))[0].double()
+
+    exact2, exact3 = enumerated_marginals(dist)
+    assert exact2[likely].sum() == 0 and exact3[likely].sum() > 0.05
+    engine = SpeculativeEngine(model, draft, num_speculative_tokens=2, adaptive=False, max_batch_size=2500)
+    assert_engine_samples(engine, held, exact2, exact3)
+
+
 def test_parameters_are_checked():
     with pytest.raises(ValueError, match="presence_penalty"):
         SamplingParams(presence_penalty=2.5)
@@ -145,3 +214,7 @@ def test_parameters_are_checked():
         SamplingParams(logit_bias={3: 101.0})
     assert SamplingParams(logit_bias={"9": 1, 2: -1.0}).logit_bias == ((2, -1.0), (9, 1.0))
     assert not SamplingParams().processed and SamplingParams(repetition_penalty=1.1).processed
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=-1)

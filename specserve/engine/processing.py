@@ -1,7 +1,7 @@
-"""Logit processing that depends on the tokens before each position: penalties and logit bias.
+"""Logit processing that depends on the tokens before each position: penalties, logit bias, min_tokens.
 
 OpenAI's `presence_penalty` and `frequency_penalty`, the `repetition_penalty` extension (as in HF
-and vLLM) and `logit_bias` change the target's distribution at every position as a function of
+and vLLM), `logit_bias` and `min_tokens` (vLLM's: no stop token before that many output tokens) change the target's distribution at every position as a function of
 the tokens already there. Inside a verified block the tokens before position j are the row's
 output so far *plus drafts 0..j-1*, so the counts must advance through the drafts, and with them
 fall back to the committed tokens once the verdict rejects some: computed per position here from
@@ -14,8 +14,10 @@ Per row and position j, in this order, on float32 logits [V]:
   + logit_bias[v]                                            (OpenAI: added to the logits)
   repetition r != 1, seen = prompt + output + drafts before j:  l > 0: l / r, else l * r   (HF's rule)
   - frequency * count_j[v] - presence * (count_j[v] > 0), count over output + drafts before j (OpenAI)
+  -inf at the row's stop ids (EOS unless ignore_eos, stop_token_ids) while len(output) + j < min_tokens
 
-A step without any such row carries `processing = None` and pays nothing. A row with processing
+A step without any such row carries `processing = None` and pays nothing (a min_tokens row stops
+asking once its output holds min_tokens tokens). A row with processing
 sends its output (or prompt + output, for the repetition penalty) with every step and has its
 counts rebuilt on the device each time: O(output length) per step, fine for chat-length answers;
 counts kept per request on the target worker (rebuilt on a cache miss) would make long
@@ -39,13 +41,16 @@ class LogitsProcessing:
     bias: list[tuple[tuple[int, float], ...]]  # [B] (token, added logit) pairs
     generated: list[list[int]]  # [B] each row's output tokens so far
     context: list[list[int]] | None  # [B] prompt + output, when some row has a repetition penalty
+    min_left: list[int] | None = None  # [B] output tokens before a stop id may come (None: 0 in every row)
+    stops: list[tuple[int, ...]] | None = None  # [B] the stop ids held back (with min_left)
 
     @staticmethod
     def of(seqs: Sequence) -> "LogitsProcessing | None":
-        """For these sequences (anything with `.params`, `.output`, `.prompt`); None when no row
-        asks for any processing."""
+        """For these sequences (anything with `.params`, `.output`, `.prompt`, `.stop_ids`); None
+        when no row asks for any processing."""
         params = [s.params for s in seqs]
-        if not any(p.processed for p in params):
+        held = [max(p.min_tokens - len(s.output), 0) for s, p in zip(seqs, params)]
+        if not any(p.processed for p in params) and not any(held):
             return None
         repeat = any(p.repetition_penalty != 1.0 for p in params)
         return LogitsProcessing(
@@ -53,13 +58,15 @@ class LogitsProcessing:
             [p.repetition_penalty for p in params], [p.logit_bias for p in params],
             [list(s.output) if p.presence_penalty or p.frequency_penalty else [] for s, p in zip(seqs, params)],
             [list(s.prompt) + list(s.output) if p.repetition_penalty != 1.0 else [] for s, p in zip(seqs, params)]
-            if repeat else None)
+            if repeat else None,
+            held if any(held) else None,
+            [tuple(sorted(s.stop_ids)) if h else () for s, h in zip(seqs, held)] if any(held) else None)
 
     def select(self, rows: list[int]) -> "LogitsProcessing":
         """These rows only (caller indices)."""
-        pick = lambda values: [values[b] for b in rows]  # noqa: E731
+        pick = lambda values: None if values is None else [values[b] for b in rows]  # noqa: E731
         return LogitsProcessing(pick(self.presence), pick(self.frequency), pick(self.repetition), pick(self.bias),
-                                pick(self.generated), None if self.context is None else pick(self.context))
+                                pick(self.generated), pick(self.context), pick(self.min_left), pick(self.stops))
 
     def apply(self, logits: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
         """logits [B, W, V] (position j follows drafts 0..j-1), drafts [B, >= W-1] -> processed
@@ -80,7 +87,17 @@ class LogitsProcessing:
             frequency = torch.tensor(self.frequency, device=device)[:, None, None]
             presence = torch.tensor(self.presence, device=device)[:, None, None]
             logits = logits - frequency * counts - presence * (counts > 0).float()
+        if self.min_left is not None:
+            logits = logits.masked_fill(self._held_back(batch, width, vocab, device), float("-inf"))
         return logits
+
+    def _held_back(self, batch: int, width: int, vocab: int, device) -> torch.Tensor:
+        """[B, W, V] bool: a row's stop ids at the positions before its min_tokens-th output token."""
+        stop = torch.zeros(batch, vocab, dtype=torch.bool)
+        for b, ids in enumerate(self.stops):
+            stop[b, [t for t in ids if t < vocab]] = True
+        early = torch.arange(width)[None, :] < torch.tensor(self.min_left)[:, None]  # [B, W]
+        return (early[:, :, None] & stop[:, None, :]).to(device)
 
     def _bias(self, batch: int, vocab: int, device) -> torch.Tensor | None:
         """[B, V] the rows' logit biases (None when no row has any)."""

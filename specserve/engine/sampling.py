@@ -43,6 +43,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI's, in [-2, 2]
     repetition_penalty: float = 1.0  # HF's / vLLM's, > 0 (1 = off)
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)  # (token, added logit in [-100, 100])
+    min_tokens: int = 0  # no stop id (EOS, stop_token_ids) before this many output tokens (vLLM's)
     # None: no log-probabilities; k >= 0: each generated token's, and the k likeliest alternatives'
     # (the verifier's `token_logprobs`: the processed target distribution at the row's temperature)
     logprobs: int | None = None
@@ -72,6 +73,10 @@ class SamplingParams:
         if any(t < 0 or not -100.0 <= v <= 100.0 for t, v in bias):
             raise ValueError("logit_bias maps token ids >= 0 to values in [-100, 100]")
         object.__setattr__(self, "logit_bias", bias)
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
+        if self.min_tokens and self.grammar is not None:
+            raise ValueError("min_tokens cannot be combined with a grammar (structured output decides where it ends)")
         if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
