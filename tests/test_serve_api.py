@@ -830,6 +830,58 @@ def test_penalties_and_logit_bias_reach_the_engine(client, fake):
         assert p.logit_bias == ((5, 2.5), (97, -100.0))
 
 
+def test_min_tokens_and_stop_token_ids_reach_the_engine(client, fake):
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 6, "min_tokens": 4, "stop_token_ids": [33, 7]}
+    fake.requests.clear()
+    assert client.post("/v1/completions", json=body).status_code == 200
+    (request,) = fake.requests
+    assert request.params.min_tokens == 4 and request.params.stop_token_ids == (33, 7)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_token_ends_the_text_without_its_own(client, fake, stream):
+    """vLLM's default: the stop_token_ids token that ends the output is in its token ids and its
+    usage, not in its text; the same token without stop_token_ids is plain text."""
+    fake.script = list(b"hello!")
+    for stop_ids, text in (([33], "hello"), (None, "hello!")):  # 33: "!"
+        body = {"model": MODEL, "prompt": "abc", "max_tokens": 16, "stop_token_ids": stop_ids,
+                "return_token_ids": True}
+        if stream:
+            got, chunks = _stream_text(client, "/v1/completions", body)
+            ids = [t for c in chunks if c["choices"] for t in c["choices"][0].get("token_ids") or []]
+            usage = chunks[-1]["usage"]
+        else:
+            r = client.post("/v1/completions", json=body).json()
+            got, ids, usage = r["choices"][0]["text"], r["choices"][0]["token_ids"], r["usage"]
+        assert got == text and ids == list(b"hello!") and usage["completion_tokens"] == 6
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("min_tokens,text", [(0, "a"), (2, "a"), (3, "aXb"), (4, "aXb"), (5, "aXbXc")])
+def test_no_stop_string_ends_in_the_first_min_tokens(client, fake, stream, min_tokens, text):
+    """vLLM's rule: a stop string counts from the min_tokens-th token on (one that ends in that
+    token's text counts). The fake sends 3 tokens per delta, so the boundary falls inside one."""
+    fake.script = list(b"aXbXcXd")
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 16, "min_tokens": min_tokens, "stop": "X"}
+    if stream:
+        got, _ = _stream_text(client, "/v1/completions", body)
+    else:
+        got = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    assert got == text
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "x", "max_tokens": 3, "min_tokens": 4}, "min_tokens"),
+    ({"prompt": "x", "min_tokens": -1}, "min_tokens"),
+    ({"prompt": "x", "stop_token_ids": [259]}, "stop_token_ids"),
+    ({"prompt": "x", "stop_token_ids": [-2]}, "stop_token_ids"),
+    ({"prompt": "x", "stop_token_ids": list(range(17))}, "stop_token_ids"),
+    ({"prompt": "x", "min_tokens": 2, "response_format": {"type": "json_object"}}, "min_tokens"),
+])
+def test_bad_min_tokens_and_stop_token_ids_are_400(client, body, param):
+    assert _error(_post(client, {"model": MODEL, **body}), 400)["param"] == param
+
+
 def test_one_model_is_retrieved_by_its_id(client):
     card = client.get(f"/v1/models/{MODEL}").json()
     assert card["id"] == MODEL and card["object"] == "model" and card["max_model_len"] > 0

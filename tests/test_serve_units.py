@@ -103,6 +103,18 @@ def test_stop_strings_hold_back_and_cut():
     assert plain.feed("abcz", False) == ("ab", False) and plain.feed("", True) == ("cz", False)
 
 
+def test_no_stop_string_ends_in_shielded_text():
+    """min_tokens' first tokens: a stop string ending in them is not a hit, one ending after them is,
+    even when it begins inside them."""
+    stops = StopStrings(["END"])
+    stops.shield("xEND E")
+    assert stops.feed("N", False) == ("xEND ", False)
+    assert stops.feed("D tail", False) == ("", True)
+    late = StopStrings(["END"])
+    late.shield("xEN")
+    assert late.feed("D", False) == ("x", True)
+
+
 def test_drafter_config_is_either_a_draft_model_or_a_colocated_drafter():
     from specserve.config import AppConfig
     from specserve.engine.proposers import LayerSkipSpec, PromptLookupSpec

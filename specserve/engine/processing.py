@@ -1,8 +1,8 @@
 """Logit processing that depends on the tokens before each position: penalties, logit bias, min_tokens.
 
 OpenAI's `presence_penalty` and `frequency_penalty`, the `repetition_penalty` extension (as in HF
-and vLLM), `logit_bias` and `min_tokens` (vLLM's: no stop token before that many output tokens) change the target's distribution at every position as a function of
-the tokens already there. Inside a verified block the tokens before position j are the row's
+and vLLM), `logit_bias` and `min_tokens` (vLLM's: no stop token before that many output tokens)
+change the target's distribution at every position as a function of the tokens already there. Inside a verified block the tokens before position j are the row's
 output so far *plus drafts 0..j-1*, so the counts must advance through the drafts, and with them
 fall back to the committed tokens once the verdict rejects some: computed per position here from
 the committed tokens (host lists, sent with the step) and the block's drafts (device), nothing

@@ -377,6 +377,15 @@ class OpenAIServer:
             bias[int(key)] = value
         return bias
 
+    async def _stop_ids(self, body: SamplingRequest) -> tuple[int, ...]:
+        """stop_token_ids, checked against the model's vocabulary."""
+        if not body.stop_token_ids:
+            return ()
+        vocab = (await self.info())["vocab_size"]
+        if max(body.stop_token_ids) >= vocab:
+            raise OpenAIError(400, f"stop_token_ids must be token ids in [0, {vocab})", "stop_token_ids")
+        return tuple(body.stop_token_ids)
+
     def _check_limits(self, body: SamplingRequest) -> None:
         """The lists and strings a client controls (the prompt's size is _precheck's)."""
         front = self.config.front_door
@@ -390,6 +399,8 @@ class OpenAIServer:
             check_unicode(stop, "stop")
         if body.logit_bias is not None and len(body.logit_bias) > front.max_logit_bias_entries:
             raise OpenAIError(400, f"at most {front.max_logit_bias_entries} logit_bias entries", "logit_bias")
+        if body.stop_token_ids is not None and len(body.stop_token_ids) > front.max_stop_sequences:
+            raise OpenAIError(400, f"at most {front.max_stop_sequences} stop_token_ids", "stop_token_ids")
 
     async def _respond(self, body: SamplingRequest, prompts: list[list[int]], max_tokens: int, chat: bool,
                        key: int, length_param: str = "max_tokens", echoes: list[Echo] | None = None,
@@ -418,7 +429,8 @@ class OpenAIServer:
                            max_tokens: int, chat: bool, key: int, length_param: str,
                            echoes: list[Echo] | None, tools: ToolPlan | None) -> list:
         """Start one generation per (prompt index, prompt) of `runs`; seeded ones draw from seed + k."""
-        params = self._params(body, max_tokens, await self._logit_bias(body), await self._grammar(body, tools))
+        params = self._params(body, max_tokens, await self._logit_bias(body), await self._grammar(body, tools),
+                              await self._stop_ids(body))
         if time.monotonic() < self._shed_until:  # a burst: the surplus gets its 429 without a round trip
             raise overloaded("the server is overloaded; retry later")
         choices: list = []
@@ -430,7 +442,7 @@ class OpenAIServer:
                 self.door.limits.charge(key, first.num_prompt_tokens)
                 fmt = ResponseFormat(rid, self.config.served_model_name, chat, first.num_prompt_tokens, gen,
                                      self.tokenizer, params.logprobs, k, i, echoes[i] if echoes else None, tools)
-                choices.append((fmt, self._pieces(gen, prompt, body.stop_list(), key)))
+                choices.append((fmt, self._pieces(gen, prompt, body.stop_list(), key, params)))
         except BaseException:
             for fmt, _ in choices:
                 fmt.gen.close()
@@ -463,15 +475,17 @@ class OpenAIServer:
         return grammar
 
     def _params(self, body: SamplingRequest, max_tokens: int, bias: dict[int, float],
-                grammar: Grammar | None = None) -> SamplingParams:
+                grammar: Grammar | None = None, stop_ids: tuple[int, ...] = ()) -> SamplingParams:
         try:
             return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_k=max(body.top_k, 0),
                                   top_p=body.top_p, seed=body.seed, ignore_eos=body.ignore_eos,
                                   presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                                   repetition_penalty=body.repetition_penalty, logit_bias=bias,
-                                  logprobs=body.logprobs_wanted(), grammar=grammar)
+                                  logprobs=body.logprobs_wanted(), grammar=grammar, min_tokens=body.min_tokens,
+                                  stop_token_ids=stop_ids)
         except ValueError as err:  # the engine's own checks: a client error, never a 500
-            raise OpenAIError(400, str(err)) from err
+            named = str(err).split(maxsplit=1)[0]  # (the engine's messages start with the field's name)
+            raise OpenAIError(400, str(err), named if named in type(body).model_fields else None) from err
 
     async def _start(self, request: GenerateRequest, length_param: str) -> tuple[Continuation, Accepted]:
         """Submit one generation; its Continuation once a coordinator accepted it, or the error the
@@ -519,12 +533,13 @@ class OpenAIServer:
         return self.coordinator.options(stream=True).generate.remote(request)
 
     async def _pieces(self, gen: Continuation, prompt_ids: list[int], stops: list[str],
-                      key: int) -> AsyncIterator[Piece]:
+                      key: int, params: SamplingParams) -> AsyncIterator[Piece]:
         """Coordinator Deltas -> text pieces. Cancels the coordinator stream if it ends early
         (stop string, client gone), which aborts the request and frees its caches. The detokenizer
         decodes a window of a few tokens per delta (text.py), cheap enough for the event loop; it
         and the stop-string state live here, so a continuation on another replica (`gen`) goes on
-        with them as if nothing happened."""
+        with them as if nothing happened. A stop_token_ids token ends the text without its own
+        (vLLM's default); no stop string may end in the first min_tokens - 1 tokens' text."""
         detok, stopper = IncrementalDetokenizer(self.tokenizer, prompt_ids), StopStrings(stops)
         token_ids: list[int] = []
         logprobs: list[float] | None = None  # (when the request asked: the Deltas carry them)
@@ -544,7 +559,11 @@ class OpenAIServer:
                     logprobs.extend(item.logprobs)
                     tops.extend(item.top_logprobs or [[] for _ in item.logprobs])
                 final = item.finish_reason is not None
-                text = detok.push(item.token_ids) + (detok.flush() if final else "")
+                shown = _shown(item, params.stop_token_ids)
+                shielded = max(min(params.min_tokens - 1 - (len(token_ids) - len(item.token_ids)), len(shown)), 0)
+                if shielded:
+                    stopper.shield(detok.push(shown[:shielded]))
+                text = detok.push(shown[shielded:]) + (detok.flush() if final else "")
                 out, stopped = stopper.feed(text, final)
                 spec = {"num_draft_tokens": item.num_draft_tokens, "num_accepted_tokens": item.num_accepted_tokens,
                         "num_steps": item.num_steps}
@@ -559,6 +578,14 @@ class OpenAIServer:
             self.door.limits.charge(key, len(token_ids))
             await stream.aclose()
             gen.close()
+
+
+def _shown(delta: Delta, stop_ids: tuple[int, ...]) -> list[int]:
+    """The delta's tokens whose text the output shows: all but a stop_token_ids token that ends it."""
+    ids = delta.token_ids
+    if delta.finish_reason == "stop" and ids and ids[-1] in stop_ids:
+        return ids[:-1]
+    return ids
 
 
 def _key(request: Request) -> int:

@@ -91,6 +91,8 @@ class SamplingRequest(BaseModel):
     # extensions
     repetition_penalty: float = Field(1.0, gt=0.0, le=100.0, allow_inf_nan=False)  # HF's / vLLM's
     ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)  # vLLM's: no EOS, stop_token_ids or stop string before this many tokens
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None  # vLLM's: ids that end the output (text not shown)
     num_speculative_tokens: int | None = Field(None, ge=0)
     # the generated token ids ride along in the choice (streaming: the ids new since the last chunk)
     return_token_ids: bool = False

@@ -69,21 +69,32 @@ class IncrementalDetokenizer:
 
 
 class StopStrings:
-    """Holds back the last (longest stop - 1) characters until they cannot start a stop string."""
+    """Holds back the last (longest stop - 1) characters until they cannot start a stop string.
+    Text given to `shield` (min_tokens' first tokens) goes out as usual, but no stop string that
+    ends inside it counts (vLLM's rule: stop strings are checked from the min_tokens-th token on)."""
 
     def __init__(self, stops: list[str]) -> None:
         self.stops = [s for s in stops if s]
         self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.buffer = ""
+        self.start = 0  # characters emitted before buffer[0]
+        self.floor = 0  # characters, from the start of the output, in which no stop string may end
+
+    def shield(self, text: str) -> None:
+        """Text in which no stop string may end (it is emitted by the next `feed`)."""
+        self.buffer += text
+        self.floor = self.start + len(self.buffer)
 
     def feed(self, text: str, final: bool) -> tuple[str, bool]:
         """-> (text to emit, whether a stop string was hit; the stop string itself is not emitted)."""
         self.buffer += text
-        hits = [i for i in (self.buffer.find(s) for s in self.stops) if i >= 0]
+        hits = [i for i in (self.buffer.find(s, max(self.floor - self.start - len(s) + 1, 0)) for s in self.stops)
+                if i >= 0]
         if hits:
             out, self.buffer = self.buffer[: min(hits)], ""
             return out, True
         keep = 0 if final else self.hold
         cut = max(len(self.buffer) - keep, 0)
         out, self.buffer = self.buffer[:cut], self.buffer[cut:]
+        self.start += cut
         return out, False
