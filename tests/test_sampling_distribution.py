@@ -26,6 +26,8 @@ SETTINGS = {
     "plain": SamplingParams(max_tokens=4, temperature=1.0),
     "top_k": SamplingParams(max_tokens=4, temperature=0.8, top_k=3),
     "top_p": SamplingParams(max_tokens=4, temperature=1.0, top_p=0.7),
+    "min_p": SamplingParams(max_tokens=4, temperature=1.0, min_p=0.3),
+    "min_p_top_p": SamplingParams(max_tokens=4, temperature=0.9, min_p=0.1, top_p=0.8),
 }
 
 
@@ -120,6 +122,55 @@ def test_sampling_matches_target_distribution(pair, setting):
     seen2, seen3 = sampled_marginals(target, draft, params)
     assert chi_square_pvalue(seen2, exact2) > 1e-4
     assert chi_square_pvalue(seen3, exact3) > 1e-4
+
+
+def test_min_p_keeps_the_tokens_at_least_min_p_times_the_likeliest():
+    """Against the rule written out: after temperature, p_i >= min_p x max p, then top-k / top-p on
+    what is left; a row with min_p 0 in a batch that filters keeps its distribution exactly."""
+    gen = torch.Generator().manual_seed(3)
+    logits = 3.0 * torch.randn(4, 50, generator=gen)  # [N, V]
+    rows = [SamplingParams(temperature=0.7, min_p=0.05), SamplingParams(temperature=1.3, min_p=0.2, top_k=3),
+            SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, min_p=1.0)]
+    probs = logits_to_probs(logits, BatchSampling.from_params(rows))
+    for b, p in enumerate(rows):
+        plain = torch.softmax(logits[b] / p.temperature, -1)
+        kept = plain >= p.min_p * plain.max()
+        if p.top_k:
+            kept &= plain >= plain[kept].topk(p.top_k).values[-1]
+        want = torch.where(kept, plain, 0.0)
+        assert torch.allclose(probs[b], want / want.sum(), atol=1e-6), p
+    assert (probs[3] > 0).sum() == 1  # min_p 1: the likeliest token alone
+    assert torch.equal(probs[2], logits_to_probs(logits[2:3], BatchSampling.from_params(rows[2:3]))[0])
+
+
+@pytest.mark.parametrize("drafter", ["draft-model", "feature-head"])
+def test_draft_loops_draw_from_min_p_filtered_q(drafter, head_dir, monkeypatch):
+    """Every q that reaches the rule (the draft loop's static buffers carry min_p) and every p
+    holds no token below min_p x its likeliest: the draft filters as the target does, which keeps
+    acceptance up; the output's distribution is the engine test's above."""
+    from specserve.engine import DraftModelProposer
+    from specserve.engine.proposers import target_vocab_size
+    from test_feature_drafter import build, target as head_target
+
+    min_p = 0.3
+    model = head_target() if drafter == "feature-head" else tiny_llama(0)
+    proposer = build(head_dir, model) if drafter == "feature-head" else \
+        DraftModelProposer(tiny_llama(5), target_vocab_size(model))
+    seen, rule = [], verifier_module.rejection_sample
+
+    def recording(target_probs, draft_tokens, draft_probs, *rest):
+        seen.append((target_probs, draft_probs))
+        return rule(target_probs, draft_tokens, draft_probs, *rest)
+    monkeypatch.setattr(verifier_module, "rejection_sample", recording)
+    engine = SpeculativeEngine(model, proposer=proposer, num_speculative_tokens=3, adaptive=False)
+    params = [SamplingParams(max_tokens=12, temperature=0.1, min_p=min_p, seed=s, ignore_eos=True) for s in range(6)]
+    engine.generate([[5, 9, 14, 2, 7]] * 6, params)
+    assert seen
+    for p, q in seen:
+        for dist in (p, q):
+            live = dist.sum(-1) > 0  # (a row or position without q holds zeros)
+            top = dist.amax(-1, keepdim=True)
+            assert ((dist == 0) | (dist >= min_p * top * (1 - 1e-3)))[live].all()
 
 
 def recording_q_dtypes(proposer) -> list:

@@ -239,6 +239,12 @@ def _fuzz_operation(operation, mode, statuses: dict[int, int], max_examples: int
             drawn[0] += 1
             if drawn[0] % 2:  # a random schema / regex / grammar is nearly always a 400: every other case keeps it
                 case.body.pop("response_format", None)
+                # (as are a random min_tokens, over max_tokens, and random token ids, past the vocabulary)
+                case.body.pop("min_tokens", None)
+                case.body.pop("stop_token_ids", None)
+                prompt = case.body.get("prompt")
+                if isinstance(prompt, list) and all(type(t) is int for t in prompt):
+                    case.body["prompt"] = [abs(t) % FakeCoordinator().vocab_size for t in prompt]
         began = time.monotonic()
         response = case.call()
         took = time.monotonic() - began
@@ -830,12 +836,15 @@ def test_penalties_and_logit_bias_reach_the_engine(client, fake):
         assert p.logit_bias == ((5, 2.5), (97, -100.0))
 
 
-def test_min_tokens_and_stop_token_ids_reach_the_engine(client, fake):
+def test_min_tokens_min_p_and_stop_token_ids_reach_the_engine(client, fake):
     body = {"model": MODEL, "prompt": "abc", "max_tokens": 6, "min_tokens": 4, "stop_token_ids": [33, 7]}
     fake.requests.clear()
     assert client.post("/v1/completions", json=body).status_code == 200
     (request,) = fake.requests
     assert request.params.min_tokens == 4 and request.params.stop_token_ids == (33, 7)
+    fake.requests.clear()
+    assert client.post("/v1/completions", json={**body, "min_p": 0.25}).status_code == 200
+    assert fake.requests[0].params.min_p == 0.25
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -873,12 +882,14 @@ def test_no_stop_string_ends_in_the_first_min_tokens(client, fake, stream, min_t
 @pytest.mark.parametrize("body,param", [
     ({"prompt": "x", "max_tokens": 3, "min_tokens": 4}, "min_tokens"),
     ({"prompt": "x", "min_tokens": -1}, "min_tokens"),
+    ({"prompt": "x", "min_p": 1.5}, "min_p"),
+    ({"prompt": "x", "min_p": -0.1}, "min_p"),
     ({"prompt": "x", "stop_token_ids": [259]}, "stop_token_ids"),
     ({"prompt": "x", "stop_token_ids": [-2]}, "stop_token_ids"),
     ({"prompt": "x", "stop_token_ids": list(range(17))}, "stop_token_ids"),
     ({"prompt": "x", "min_tokens": 2, "response_format": {"type": "json_object"}}, "min_tokens"),
 ])
-def test_bad_min_tokens_and_stop_token_ids_are_400(client, body, param):
+def test_bad_min_tokens_min_p_and_stop_token_ids_are_400(client, body, param):
     assert _error(_post(client, {"model": MODEL, **body}), 400)["param"] == param
 
 

@@ -31,11 +31,12 @@ def same(a, b) -> bool:
 
 
 def sampling() -> BatchSampling:
-    """Two rows, one with penalties, a logit bias and a grammar (each rides along with the step)."""
+    """Two rows, one with penalties, a logit bias and a grammar, one with min-p and min_tokens (each
+    rides along with the step)."""
     grammar = Grammar.json_schema({"type": "array"})
     params = [SamplingParams(temperature=0.0, grammar=grammar, presence_penalty=0.5, logit_bias={3: 1.0}),
-              SamplingParams(temperature=0.7, top_k=5, top_p=0.9)]
-    seqs = [SimpleNamespace(request_id=r, params=p, output=o, prompt=[1]) for r, p, o in
+              SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1, min_tokens=4)]
+    seqs = [SimpleNamespace(request_id=r, params=p, output=o, prompt=[1], stop_ids=frozenset({2, 0})) for r, p, o in
             zip("ab", params, ([91, 49], [7]))]
     return BatchSampling.from_params(params, processing=LogitsProcessing.of(seqs), grammar=GrammarRows.of(seqs))
 
@@ -113,6 +114,9 @@ def test_shared_probs_keep_the_sampled_rows_and_rebuild_greedy_rows_one_hot(monk
                                        SamplingParams(temperature=1.0, top_p=0.4)])
     sparse = SharedProbs.put(filtered, top_k)
     assert type(store[sparse.ref]).__name__ == "SparseQ" and store[sparse.ref].values.shape == (2, 2, 3)
+    min_p = BatchSampling.from_params([SamplingParams(temperature=0.7, min_p=0.1), SamplingParams(temperature=0.0),
+                                       SamplingParams(temperature=1.0, top_k=40)])
+    assert type(store[SharedProbs.put(filtered, min_p).ref]).__name__ == "SparseQ"
     expected = filtered.clone()
     expected[1] = torch.nn.functional.one_hot(drafts[1], 64).float()
     assert torch.equal(sparse.resolve(drafts, get=store.__getitem__), expected)

@@ -790,12 +790,13 @@ class FeatureDrafterProposer(DraftModelProposer):
         buffers = self._static_buffers(staged, num_tokens, features.shape[-1])
         buffers["features"].copy_(features)
         if flags is not None:
-            for name in ("temperature", "top_k", "top_p"):
-                buffers[name].copy_(getattr(sampling, name))
+            for name, values in (("temperature", sampling.temperature), ("top_k", sampling.top_k),
+                                 ("top_p", sampling.top_p), ("min_p", sampling.min_ps())):
+                buffers[name].copy_(values)
             buffers["uniforms"].copy_(uniforms)
             buffers["probs"] = self._q_buffer(staged.padded, num_tokens)
         buffers["real"].copy_(staged.real)
-        static = BatchSampling(buffers["temperature"], buffers["top_k"], buffers["top_p"])
+        static = BatchSampling(buffers["temperature"], buffers["top_k"], buffers["top_p"], min_p=buffers["min_p"])
         key = ("head", *staged.static_key, num_tokens, flags, runner.cache.generation)
         written = (staged.block, runner.advance_block(staged))  # the loop writes the single-token block
         began = runner.clock()
@@ -815,7 +816,8 @@ class FeatureDrafterProposer(DraftModelProposer):
             self._inputs[key] = dict(
                 features=torch.zeros(b, staged.width, width, dtype=self.head.fc.weight.dtype, device=device),
                 temperature=torch.zeros(b, device=device), top_k=torch.zeros(b, dtype=torch.long, device=device),
-                top_p=torch.ones(b, device=device), uniforms=torch.zeros(b, num_tokens, device=device),
+                top_p=torch.ones(b, device=device), min_p=torch.zeros(b, device=device),
+                uniforms=torch.zeros(b, num_tokens, device=device),
                 real=torch.zeros(b, dtype=torch.bool, device=device))
         return self._inputs[key]
 

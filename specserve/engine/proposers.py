@@ -272,12 +272,14 @@ class DraftModelProposer:
             b = staged.padded
             self._inputs[key] = dict(
                 temperature=torch.zeros(b, device=device), top_k=torch.zeros(b, dtype=torch.long, device=device),
-                top_p=torch.ones(b, device=device), uniforms=torch.zeros(b, num_tokens, device=device))
+                top_p=torch.ones(b, device=device), min_p=torch.zeros(b, device=device),
+                uniforms=torch.zeros(b, num_tokens, device=device))
         buffers = self._inputs[key]
         if flags is not None:
             order = staged.sorted_to_caller  # [B'] caller row of each sorted row
-            for name in ("temperature", "top_k", "top_p"):
-                buffers[name].copy_(getattr(sampling, name).to(device, non_blocking=True).index_select(0, order))
+            for name, values in (("temperature", sampling.temperature), ("top_k", sampling.top_k),
+                                 ("top_p", sampling.top_p), ("min_p", sampling.min_ps())):
+                buffers[name].copy_(values.to(device, non_blocking=True).index_select(0, order))
             buffers["uniforms"].copy_(uniforms.to(device, non_blocking=True).index_select(0, order))
         return buffers
 
@@ -292,7 +294,7 @@ class DraftModelProposer:
         def forward(s):
             return runner.forward_in_capture(s, "last") if captured else runner.execute(s, "last")[0]
 
-        sampling = BatchSampling(inputs["temperature"], inputs["top_k"], inputs["top_p"])
+        sampling = BatchSampling(inputs["temperature"], inputs["top_k"], inputs["top_p"], min_p=inputs["min_p"])
         logits = forward(staged)  # [B', V']
         tokens, probs, ups = [], [], []
         for j in range(num_tokens):

@@ -1,8 +1,9 @@
 """Sampling parameters and the pure maths that turns logits into a distribution.
 
 Everything here is a function of its arguments: no model, no cache, no global random state.
-Temperature, top-k and top-p are applied to the target's and the draft's logits by the very same
-function, which is what makes the rejection rule in `rejection.py` exact.
+Temperature, min-p, top-k and top-p are applied to the target's and the draft's logits by the very
+same function (`logits_to_probs`). The rejection rule in `rejection.py` is exact for any q the
+draft really drew from; the same filters make q close to p, which is what acceptance needs.
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ class SamplingParams:
     """How one request is decoded.
 
     temperature 0 means greedy, and so does any temperature below GREEDY_BELOW (logits / T would
-    overflow float32 there, and the distribution is one-hot to within rounding anyway); top_k 0 means off; top_p 1 means off. A request with a seed draws
+    overflow float32 there, and the distribution is one-hot to within rounding anyway); top_k 0 means
+    off; top_p 1 means off; min_p 0 means off. A request with a seed draws
     every random number from its own generator, so its tokens do not depend on what else is in the
     batch. stop_token_ids end the request (the stop token is kept in the output ids); the model's
     EOS does too unless ignore_eos.
@@ -35,6 +37,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0  # drop tokens less likely than min_p x the likeliest (after temperature; vLLM's, HF's)
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
@@ -62,6 +65,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -105,20 +110,23 @@ class BatchSampling:
     # the rows' grammars and committed tokens (the verifier masks the target, a draft model its
     # proposals); None when no row has one
     grammar: GrammarRows | None = None
+    min_p: torch.Tensor | None = None  # [B] float32; 0 = off (None: off in every row)
 
     @staticmethod
     def from_params(params: list[SamplingParams], device: torch.device | str = "cpu",
                     processing: LogitsProcessing | None = None,
                     grammar: GrammarRows | None = None) -> "BatchSampling":
         wanted = [p.logprobs for p in params if p.logprobs is not None]
+        min_p = any(p.min_p > 0 for p in params)
         out = BatchSampling(
             temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
             processing=processing, logprobs=max(wanted) if wanted else None, grammar=grammar,
+            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device) if min_p else None,
         )
         greedy = [p.greedy for p in params]
-        filtering = any(p.top_k > 0 or p.top_p < 1 for p in params)
+        filtering = any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params)
         return out._known(all(greedy), filtering, any(greedy))
 
     def _known(self, all_greedy: bool, filtering: bool, any_greedy: bool) -> "BatchSampling":
@@ -133,14 +141,19 @@ class BatchSampling:
         return known[0] if known is not None else bool((self.temperature == 0).all())
 
     def flags(self) -> tuple[bool, bool]:
-        """(some row filters with top-k or top-p, some row is greedy): read once where the tensors
+        """(some row filters with min-p, top-k or top-p, some row is greedy): read once where the tensors
         live (a step's sampling is built on the host), so that `logits_to_probs` on the device
         need not read them back."""
         known = self.__dict__.get("_flags")
         if known is not None:
             return known[1], known[2]
-        filtering = bool(((self.top_k > 0) | (self.top_p < 1)).any())
+        filtering = bool(((self.top_k > 0) | (self.top_p < 1)).any()) or (
+            self.min_p is not None and bool((self.min_p > 0).any()))
         return filtering, bool((self.temperature == 0).any())
+
+    def min_ps(self) -> torch.Tensor:
+        """[B] each row's min-p (zeros where no row has one): what a draft loop's buffer holds."""
+        return self.min_p if self.min_p is not None else torch.zeros_like(self.top_p)
 
     def loop_flags(self) -> tuple[bool, bool] | None:
         """The flags a draft loop (one CUDA graph per variant) runs with: None where every row is
@@ -155,7 +168,8 @@ class BatchSampling:
 
     def to(self, device: torch.device | str) -> "BatchSampling":
         moved = BatchSampling(self.temperature.to(device), self.top_k.to(device), self.top_p.to(device),
-                              self.processing, self.logprobs, self.grammar)
+                              self.processing, self.logprobs, self.grammar,
+                              None if self.min_p is None else self.min_p.to(device))
         known = self.__dict__.get("_flags")
         return moved if known is None else moved._known(*known)
 
@@ -165,7 +179,8 @@ class BatchSampling:
         pick = lambda t: t.index_select(0, index.to(t.device))  # noqa: E731
         return BatchSampling(pick(self.temperature), pick(self.top_k), pick(self.top_p),
                              None if self.processing is None else self.processing.select(rows), self.logprobs,
-                             None if self.grammar is None else self.grammar.select(rows))
+                             None if self.grammar is None else self.grammar.select(rows),
+                             None if self.min_p is None else pick(self.min_p))
 
     def repeat_rows(self, n: int) -> "BatchSampling":
         """Each row repeated n times in place: [B] -> [B * n] (row b's copies are adjacent)."""
@@ -173,13 +188,14 @@ class BatchSampling:
             self.temperature.repeat_interleave(n),
             self.top_k.repeat_interleave(n),
             self.top_p.repeat_interleave(n),
+            min_p=None if self.min_p is None else self.min_p.repeat_interleave(n),
         )
 
 
 def logits_to_probs(
     logits: torch.Tensor, sampling: BatchSampling, flags: tuple[bool, bool] | None = None
 ) -> torch.Tensor:
-    """logits [N, V] -> probs [N, V] float32 after temperature, top-k, then top-p.
+    """logits [N, V] -> probs [N, V] float32 after temperature, min-p (vLLM's order), top-k, then top-p.
 
     Greedy rows (temperature 0) become one-hot at their argmax, so that the rejection rule treats
     greedy and sampled rows alike. flags: `BatchSampling.flags()` of these rows when the caller
@@ -191,6 +207,8 @@ def logits_to_probs(
     temperature = torch.where(greedy, torch.ones_like(sampling.temperature), sampling.temperature)
     scaled = logits / temperature[:, None]  # [N, V]
     if filtering:
+        if sampling.min_p is not None:
+            scaled = _apply_min_p(scaled, sampling.min_p)
         scaled = _apply_top_k_top_p(scaled, sampling.top_k, sampling.top_p)
     probs = torch.softmax(scaled, dim=-1)  # [N, V]
     if any_greedy:
@@ -244,6 +262,14 @@ def q_as_read(probs: torch.Tensor) -> torch.Tensor:
     wide = probs.float()  # (a new tensor: divided in place)
     total = wide.sum(-1, keepdim=True)  # [..., 1]
     return wide.div_(total.masked_fill_(total <= 0, 1.0))
+
+
+def _apply_min_p(scaled: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """scaled [N, V] -> -inf where a token's probability is below min_p [N] x the likeliest's, i.e.
+    its scaled logit below the best one + ln(min_p) (no softmax needed). min_p 0 (ln -inf) keeps
+    every token; the likeliest token always stays."""
+    floor = scaled.amax(dim=-1, keepdim=True) + min_p.log()[:, None]  # [N, 1]
+    return scaled.masked_fill(scaled < floor, float("-inf"))
 
 
 def _apply_top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,8 @@ text that cannot fit the context by its character count alone is refused before 
 every list a client controls has a limit (`front_door.*`).
 
 Besides OpenAI's own fields (penalties, logit_bias, logprobs, n, batched prompts: docs/serving.md),
-extensions: `repetition_penalty`, `top_k` (0 or -1 = off), `ignore_eos`, `return_token_ids`
+extensions: `repetition_penalty`, `top_k` (0 or -1 = off), vLLM's `min_p`, `min_tokens` and
+`stop_token_ids`, `ignore_eos`, `return_token_ids`
 (the generated ids in the choice; streaming: each chunk's choice carries the ids new since the previous
 chunk), and `num_speculative_tokens` (a per-request cap on γ, 0 = no speculation; at most
 the configured γ).
@@ -478,7 +479,7 @@ class OpenAIServer:
                 grammar: Grammar | None = None, stop_ids: tuple[int, ...] = ()) -> SamplingParams:
         try:
             return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_k=max(body.top_k, 0),
-                                  top_p=body.top_p, seed=body.seed, ignore_eos=body.ignore_eos,
+                                  top_p=body.top_p, min_p=body.min_p, seed=body.seed, ignore_eos=body.ignore_eos,
                                   presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                                   repetition_penalty=body.repetition_penalty, logit_bias=bias,
                                   logprobs=body.logprobs_wanted(), grammar=grammar, min_tokens=body.min_tokens,

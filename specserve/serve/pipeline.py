@@ -515,7 +515,9 @@ def branch_sampling(ahead: AheadCall, forks: list) -> BatchSampling:
         return ahead.sampling
     owners = torch.tensor([b for b, _ in branch_points(ahead.num_draft, ahead.branches)])  # [F]
     s = ahead.sampling
-    return BatchSampling(*(torch.cat([t, t[owners]]) for t in (s.temperature, s.top_k, s.top_p)))
+    grown = lambda t: torch.cat([t, t[owners]])  # noqa: E731
+    return BatchSampling(grown(s.temperature), grown(s.top_k), grown(s.top_p),
+                         min_p=None if s.min_p is None else grown(s.min_p))
 
 
 def with_corrections(drafted: Proposal, batch: int, corrections: list[int]) -> Proposal:

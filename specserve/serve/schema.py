@@ -78,6 +78,7 @@ class SamplingRequest(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = Field(0, ge=-1, le=2**31 - 1)  # extension
+    min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)  # extension (vLLM's)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stop: str | list[str] | None = None
     stream: bool = False

@@ -116,7 +116,7 @@ SPARSE_SHARE = 4  # q crosses sparse where no row has more than 1/SPARSE_SHARE o
 
 @dataclass(frozen=True)
 class SparseQ:
-    """q [R, G', V] of rows that all filter with top-k or top-p, as each position's nonzero entries:
+    """q [R, G', V] of rows that all filter (min-p, top-k, top-p), as each position's nonzero entries:
     exact (q is 0 elsewhere), and at top-k 50 of a 32k vocabulary 1/100 of the bytes or less."""
 
     values: torch.Tensor  # [R, G', K] q's entries (its dtype), K the widest position's nonzero count
@@ -129,10 +129,10 @@ class SparseQ:
         not filter or a position keeps more than V / SPARSE_SHARE tokens. Rows that filter with
         top-k alone keep at most their k (host reads of the sampling); with top-p, the count is
         one device read, just before q is copied off the device anyway."""
-        top_k, top_p = sampling.top_k.tolist(), sampling.top_p.tolist()
-        if not rows or probs.shape[1] == 0 or not all(top_k[b] > 0 or top_p[b] < 1 for b in rows):
+        top_k, top_p, min_p = sampling.top_k.tolist(), sampling.top_p.tolist(), sampling.min_ps().tolist()
+        if not rows or probs.shape[1] == 0 or not all(top_k[b] > 0 or top_p[b] < 1 or min_p[b] > 0 for b in rows):
             return None
-        if all(top_p[b] >= 1 for b in rows):
+        if all(top_p[b] >= 1 and min_p[b] == 0 for b in rows):
             support = min(max(top_k[b] for b in rows), probs.shape[-1])
         else:
             support = int((probs != 0).sum(-1).max())
@@ -421,11 +421,12 @@ def _unrows(rows: list[tuple]) -> list[RowInput]:
 def _sampling(s: BatchSampling | None):
     # (processing, grammar: small dataclasses of host lists, pickled as they are; None for most steps)
     return None if s is None else (_tensor(s.temperature), _tensor(s.top_k), _tensor(s.top_p), s.processing,
-                                   s.logprobs, s.grammar)
+                                   s.logprobs, s.grammar, None if s.min_p is None else _tensor(s.min_p))
 
 
 def _unsampling(s) -> BatchSampling | None:
-    return None if s is None else BatchSampling(*(_untensor(t) for t in s[:3]), s[3], s[4], s[5])
+    return None if s is None else BatchSampling(*(_untensor(t) for t in s[:3]), s[3], s[4], s[5],
+                                                None if s[6] is None else _untensor(s[6]))
 
 
 def _probs(p):
