@@ -131,6 +131,12 @@ def test_seeded_sampling_equals_the_engine_alone_and_beside_greedy_rows(http, lo
         sampled = pool.submit(complete, http, prompt, **kw)
         assert sampled.result()["choices"][0]["token_ids"] == expected
         assert all(g.result()["choices"][0]["token_ids"] for g in greedy)
+    # min-p reaches the draft worker's loop and the target's rule as it does the engine's (0.9: these tiny
+    # models' distributions are nearly flat)
+    with_min_p = engine.generate([byte_tokenizer()(prompt).input_ids], SamplingParams(
+        max_tokens=MAX_NEW, temperature=0.9, top_p=0.95, top_k=50, seed=7, ignore_eos=True, min_p=0.9))[0].token_ids
+    assert with_min_p != expected
+    assert complete(http, prompt, **kw, min_p=0.9)["choices"][0]["token_ids"] == with_min_p
 
 
 def test_dense_seeded_sampling_reads_q_in_place_and_equals_the_engine(http, local_models):
@@ -267,6 +273,23 @@ def test_penalties_and_bias_are_the_same_with_and_without_speculation(http):
         assert alone["speculation"]["num_draft_tokens"] == 0
         assert 101 not in spec["choices"][0]["token_ids"]
         assert spec["choices"][0]["token_ids"] != complete(http, prompt)["choices"][0]["token_ids"]
+
+
+def test_min_tokens_is_the_same_with_and_without_speculation(http):
+    """Greedy, each prompt's stop token its plain output's 2nd token: held back for 8 tokens, the
+    same with and without speculation, and the text leaves the stop token out."""
+    from specserve.models.tiny import byte_tokenizer
+
+    for prompt in ("the the the the the", "Hello, world"):
+        stop = complete(http, prompt)["choices"][0]["token_ids"][1]
+        extra = {"stop_token_ids": [stop], "min_tokens": 8, "max_tokens": 24}
+        spec = speculated(http, completion(prompt, **extra), counter="num_draft_tokens")
+        alone = complete(http, prompt, num_speculative_tokens=0, **extra)
+        ids = spec["choices"][0]["token_ids"]
+        assert ids == alone["choices"][0]["token_ids"] and stop not in ids[:8] and len(ids) >= 8, prompt
+        if ids[-1] == stop:
+            assert spec["choices"][0]["finish_reason"] == "stop"
+            assert spec["choices"][0]["text"] == byte_tokenizer().decode(ids[:-1], skip_special_tokens=True)
 
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
