@@ -62,7 +62,7 @@ class FakeCoordinator:
         self.mode, self.lost_after = "ok", 2
         self.requests: list = []
         self.wrap = 128  # output token ids: the prompt's, modulo this (256: any byte, UTF-8 included)
-        self.script: list[int] | None = None  # output token ids instead, then finish_reason "stop"
+        self.script: list[int] | None = None  # output token ids instead, the last the stop token (finish "stop")
         self.info = _Call(self._info)
         self.ready = _Call(self._ready)
         self.stats = _Call(self._stats)
@@ -847,22 +847,40 @@ def test_min_tokens_min_p_and_stop_token_ids_reach_the_engine(client, fake):
     assert fake.requests[0].params.min_p == 0.25
 
 
+def _text_and_ids(client, body: dict, stream: bool) -> tuple[str, list[int], dict]:
+    """A completion's text, token ids and usage, whole or streamed."""
+    body = {**body, "return_token_ids": True}
+    if stream:
+        text, chunks = _stream_text(client, "/v1/completions", body)
+        ids = [t for c in chunks if c["choices"] for t in c["choices"][0].get("token_ids") or []]
+        return text, ids, chunks[-1]["usage"]
+    r = client.post("/v1/completions", json=body).json()
+    return r["choices"][0]["text"], r["choices"][0]["token_ids"], r["usage"]
+
+
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_stop_token_ends_the_text_without_its_own(client, fake, stream):
-    """vLLM's default: the stop_token_ids token that ends the output is in its token ids and its
-    usage, not in its text; the same token without stop_token_ids is plain text."""
+def test_the_stop_token_that_ends_the_output_has_no_text(client, fake, stream):
+    """vLLM's rule: the stop token that ends a generation (here "!", a stop_token_ids id) is in its
+    token ids and usage, not in its text, unless include_stop_str_in_output; a stop string stays
+    out unless so asked too."""
     fake.script = list(b"hello!")
-    for stop_ids, text in (([33], "hello"), (None, "hello!")):  # 33: "!"
-        body = {"model": MODEL, "prompt": "abc", "max_tokens": 16, "stop_token_ids": stop_ids,
-                "return_token_ids": True}
-        if stream:
-            got, chunks = _stream_text(client, "/v1/completions", body)
-            ids = [t for c in chunks if c["choices"] for t in c["choices"][0].get("token_ids") or []]
-            usage = chunks[-1]["usage"]
-        else:
-            r = client.post("/v1/completions", json=body).json()
-            got, ids, usage = r["choices"][0]["text"], r["choices"][0]["token_ids"], r["usage"]
-        assert got == text and ids == list(b"hello!") and usage["completion_tokens"] == 6
+    base = {"model": MODEL, "prompt": "abc", "max_tokens": 16, "stop_token_ids": [33]}
+    for extra, want in (({}, "hello"), ({"include_stop_str_in_output": True}, "hello!"),
+                        ({"stop": "ll"}, "he"), ({"stop": "ll", "include_stop_str_in_output": True}, "hell")):
+        text, ids, usage = _text_and_ids(client, {**base, **extra}, stream)
+        assert text == want, extra
+        assert ids == list(b"hello!"[: len(ids)]) and usage["completion_tokens"] == len(ids)
+    assert len(_text_and_ids(client, base, stream)[1]) == 6
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_special_tokens_show_with_skip_special_tokens_false(client, fake, stream):
+    fake.script = list(b"hi") + [257] + list(b"x") + [256]  # <|im_start|>, then EOS ends it
+    base = {"model": MODEL, "prompt": "abc", "max_tokens": 16}
+    assert _text_and_ids(client, base, stream)[0] == "hix"
+    assert _text_and_ids(client, {**base, "skip_special_tokens": False}, stream)[0] == "hi<|im_start|>x"
+    shown = _text_and_ids(client, {**base, "skip_special_tokens": False, "include_stop_str_in_output": True}, stream)
+    assert shown[0] == "hi<|im_start|>x<|endoftext|>"
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -891,6 +909,47 @@ def test_no_stop_string_ends_in_the_first_min_tokens(client, fake, stream, min_t
 ])
 def test_bad_min_tokens_min_p_and_stop_token_ids_are_400(client, body, param):
     assert _error(_post(client, {"model": MODEL, **body}), 400)["param"] == param
+
+
+def _chat_prompt(client, fake, **extra) -> str:
+    """The prompt text a chat request's template made (as the engine received it)."""
+    fake.requests.clear()
+    messages = extra.pop("messages", [{"role": "user", "content": "hi"}])
+    r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 2, **extra})
+    assert r.status_code == 200, r.text
+    from specserve.models.tiny import byte_tokenizer
+    return byte_tokenizer().decode(fake.requests[-1].prompt_token_ids)
+
+
+def test_chat_template_options_shape_the_prompt(client, fake, monkeypatch):
+    """vLLM's add_generation_prompt, continue_final_message (the last assistant message left open,
+    the output continuing it) and chat_template_kwargs (variables for the template)."""
+    from ray import serve
+
+    assert _chat_prompt(client, fake).endswith("<|im_end|>\n<|im_start|>assistant\n")
+    assert _chat_prompt(client, fake, add_generation_prompt=False).endswith("hi<|im_end|>\n")
+    opened = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The answer is"}]
+    assert _chat_prompt(client, fake, messages=opened, add_generation_prompt=False,
+                        continue_final_message=True).endswith("<|im_start|>assistant\nThe answer is")
+    tokenizer = serve.get_replica_context().servable_object.tokenizer
+    monkeypatch.setattr(tokenizer, "chat_template",
+                        tokenizer.chat_template + "{% if enable_thinking %}<think>{% endif %}")
+    assert _chat_prompt(client, fake, chat_template_kwargs={"enable_thinking": True}).endswith("assistant\n<think>")
+    assert _chat_prompt(client, fake, chat_template_kwargs={"enable_thinking": False}).endswith("assistant\n")
+
+
+@pytest.mark.parametrize("extra", [
+    {"continue_final_message": True},  # add_generation_prompt defaults to true
+    {"continue_final_message": True, "add_generation_prompt": False},  # the last message is the user's
+    {"chat_template_kwargs": {"tokenize": True}},
+    {"chat_template_kwargs": {"add_generation_prompt": False}},
+    {"chat_template_kwargs": {"not a name": 1}},
+    {"chat_template_kwargs": {f"k{i}": i for i in range(33)}},
+])
+def test_bad_chat_template_options_are_400(client, extra):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra}
+    err = _error(client.post("/v1/chat/completions", json=body), 400)
+    assert err["param"] == next(iter(extra)), err
 
 
 def test_one_model_is_retrieved_by_its_id(client):

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from specserve.models.tiny import byte_tokenizer
+from specserve.models.tiny import EOS_TOKEN_IDS, byte_tokenizer
 from specserve.serve.schema import ChatCompletionRequest
 from specserve.serve.tools import OPEN, ToolPlan, prompt_messages, renders_tools
 from test_serve_api import MODEL, FakeCoordinator, _error, _server
@@ -24,6 +24,11 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
     "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
     "additionalProperties": False}}}
 USER = {"role": "user", "content": "Weather in Paris?"}
+
+
+def said(text: bytes) -> list[int]:
+    """A scripted output (the byte tokenizer's ids), ended by EOS as the engine ends one."""
+    return list(text) + [EOS_TOKEN_IDS[0]]
 
 
 def request(**kw) -> ChatCompletionRequest:
@@ -268,20 +273,20 @@ def ask(client, stream: bool, **kw):
 @pytest.mark.parametrize("stream", [False, True])
 def test_auto_calls_come_back_as_tool_calls(client, fake, stream):
     fake.requests.clear()
-    fake.script = list(b'Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
+    fake.script = said(b'Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
     content, calls, finish = ask(client, stream, tools=[WEATHER, TIME])
     assert calls == [("get_weather", '{"city":"Paris"}')] and finish == "tool_calls"
     assert content.strip() == "Sure."
     prompt = bytes(t for t in fake.requests[0].prompt_token_ids if t < 256).decode()
     assert "# Tools" in prompt and '"name": "get_time"' in prompt and fake.requests[0].params.grammar is None
-    fake.script = list(b"Sunny, I think.")  # no call: content, as without tools
+    fake.script = said(b"Sunny, I think.")  # no call: content, as without tools
     assert ask(client, stream, tools=[WEATHER]) == ("Sunny, I think.", [], "stop")
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_named_function_is_called_through_its_parameters_grammar(client, fake, stream):
     fake.requests.clear()
-    fake.script = list(b'{"city": "Oslo", "days": 2}')
+    fake.script = said(b'{"city": "Oslo", "days": 2}')
     content, calls, finish = ask(client, stream, tools=[WEATHER, TIME],
                                  tool_choice={"type": "function", "function": {"name": "get_weather"}})
     assert (content, calls, finish) == (None, [("get_weather", '{"city": "Oslo", "days": 2}')], "tool_calls")
@@ -292,7 +297,7 @@ def test_a_named_function_is_called_through_its_parameters_grammar(client, fake,
 @pytest.mark.parametrize("stream", [False, True])
 def test_required_calls_follow_a_grammar_of_every_tool(client, fake, stream):
     fake.requests.clear()
-    fake.script = list(b'[{"name": "get_time", "arguments": {"zone": "UTC"}}, '
+    fake.script = said(b'[{"name": "get_time", "arguments": {"zone": "UTC"}}, '
                        b'{"name": "get_weather", "arguments": {"city": "Rome"}}]')
     content, calls, finish = ask(client, stream, tools=[WEATHER, TIME], tool_choice="required")
     assert calls == [("get_time", '{"zone":"UTC"}'), ("get_weather", '{"city":"Rome"}')]
@@ -304,12 +309,12 @@ def test_required_calls_follow_a_grammar_of_every_tool(client, fake, stream):
 
 def test_a_conversation_goes_on_with_the_calls_and_their_results(client, fake):
     """The assistant message a response carried, sent back as a client does, and the tool results."""
-    fake.script = list(b'<tool_call>{"name": "get_time", "arguments": {"zone": "CET"}}</tool_call>')
+    fake.script = said(b'<tool_call>{"name": "get_time", "arguments": {"zone": "CET"}}</tool_call>')
     oai = openai_client(client)
     first = oai.chat.completions.create(model=MODEL, messages=[USER], tools=[WEATHER, TIME], max_tokens=100)
     message = first.choices[0].message
     fake.requests.clear()
-    fake.script = list(b"It is 14:05.")
+    fake.script = said(b"It is 14:05.")
     history = [USER, message, {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "14:05"}]
     second = oai.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER, TIME], max_tokens=100)
     # arguments nested past the JSON parser's depth: rendered as the text they are
@@ -353,7 +358,7 @@ def test_a_bad_tool_request_is_a_400_naming_its_parameter(client, change, param)
 
 def test_each_choice_reads_its_own_calls(client, fake):
     """n = 2: both choices carry the call, each with an id of its own, whole and streamed."""
-    fake.script = list(b'<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>')
+    fake.script = said(b'<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>')
     body = {"model": MODEL, "messages": [USER], "tools": [TIME], "n": 2, "max_tokens": 100}
     choices = client.post("/v1/chat/completions", json=body).json()["choices"]
     ids = [c["message"]["tool_calls"][0]["id"] for c in choices]

@@ -11,8 +11,9 @@ text that cannot fit the context by its character count alone is refused before 
 every list a client controls has a limit (`front_door.*`).
 
 Besides OpenAI's own fields (penalties, logit_bias, logprobs, n, batched prompts: docs/serving.md),
-extensions: `repetition_penalty`, `top_k` (0 or -1 = off), vLLM's `min_p`, `min_tokens` and
-`stop_token_ids`, `ignore_eos`, `return_token_ids`
+extensions: `repetition_penalty`, `top_k` (0 or -1 = off), vLLM's `min_p`, `min_tokens`,
+`stop_token_ids`, `include_stop_str_in_output`, `skip_special_tokens` and chat template options,
+`ignore_eos`, `return_token_ids`
 (the generated ids in the choice; streaming: each chunk's choice carries the ids new since the previous
 chunk), and `num_speculative_tokens` (a per-request cap on γ, 0 = no speculation; at most
 the configured γ).
@@ -59,7 +60,7 @@ from .responses import (Echo, NoGeneration, Piece, ResponseFormat, StreamFailed,
                         whole_body)
 from .schema import ChatCompletionRequest, CompletionRequest, SamplingRequest, format_grammar
 from .tools import ToolPlan, prompt_messages, renders_tools
-from .text import IncrementalDetokenizer, StopStrings
+from .text import IncrementalDetokenizer, StopStrings, TextRules
 
 logger = logging.getLogger("specserve.ingress")
 
@@ -300,7 +301,8 @@ class OpenAIServer:
             raise OpenAIError(400, f"at most {front.max_tools} tools per request", "tools", "too_many_tools")
         plan = ToolPlan.of(body)
         messages = prompt_messages(body.messages, plan, self._native_tools)
-        text = await self._offload(self._template, messages, plan.specs() if self._native_tools and plan else None)
+        text = await self._offload(self._template, messages, plan.specs() if self._native_tools and plan else None,
+                                   body.template_options())
         sent = body.max_completion_tokens or body.max_tokens
         await self._precheck(text, None, sent or 1, "messages")
         ids = await self._offload(self._encode, text, "messages", False)
@@ -318,11 +320,11 @@ class OpenAIServer:
         check_unicode(text, param)
         return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
 
-    def _template(self, messages: list[dict], tools: list[dict] | None) -> str:
+    def _template(self, messages: list[dict], tools: list[dict] | None, options: dict) -> str:
+        """options: add_generation_prompt, continue_final_message and the request's chat_template_kwargs."""
         try:
-            return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
-                                                      tokenize=False)
-        except Exception as err:  # a template may reject a role order
+            return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, **options)
+        except Exception as err:  # a template may reject a role order, or a final message to continue
             raise OpenAIError(400, f"chat template failed: {err}", "messages") from err
 
     async def _precheck(self, text: str | None, tokens: int | None, max_tokens: int, param: str) -> None:
@@ -443,7 +445,7 @@ class OpenAIServer:
                 self.door.limits.charge(key, first.num_prompt_tokens)
                 fmt = ResponseFormat(rid, self.config.served_model_name, chat, first.num_prompt_tokens, gen,
                                      self.tokenizer, params.logprobs, k, i, echoes[i] if echoes else None, tools)
-                choices.append((fmt, self._pieces(gen, prompt, body.stop_list(), key, params)))
+                choices.append((fmt, self._pieces(gen, prompt, body.text_rules(), key)))
         except BaseException:
             for fmt, _ in choices:
                 fmt.gen.close()
@@ -533,15 +535,17 @@ class OpenAIServer:
         """Send a request (or its continuation) to a coordinator replica: a stream of its messages."""
         return self.coordinator.options(stream=True).generate.remote(request)
 
-    async def _pieces(self, gen: Continuation, prompt_ids: list[int], stops: list[str],
-                      key: int, params: SamplingParams) -> AsyncIterator[Piece]:
+    async def _pieces(self, gen: Continuation, prompt_ids: list[int], rules: TextRules,
+                      key: int) -> AsyncIterator[Piece]:
         """Coordinator Deltas -> text pieces. Cancels the coordinator stream if it ends early
         (stop string, client gone), which aborts the request and frees its caches. The detokenizer
         decodes a window of a few tokens per delta (text.py), cheap enough for the event loop; it
         and the stop-string state live here, so a continuation on another replica (`gen`) goes on
-        with them as if nothing happened. A stop_token_ids token ends the text without its own
-        (vLLM's default); no stop string may end in the first min_tokens - 1 tokens' text."""
-        detok, stopper = IncrementalDetokenizer(self.tokenizer, prompt_ids), StopStrings(stops)
+        with them as if nothing happened. The stop token (EOS, stop_token_ids) that ends a
+        generation leaves its text out, unless `include_stop` (vLLM's rule); no stop string may end
+        in the first min_tokens - 1 tokens' text."""
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, rules.skip_special)
+        stopper = StopStrings(rules.stops, rules.include_stop)
         token_ids: list[int] = []
         logprobs: list[float] | None = None  # (when the request asked: the Deltas carry them)
         tops: list | None = None
@@ -560,8 +564,8 @@ class OpenAIServer:
                     logprobs.extend(item.logprobs)
                     tops.extend(item.top_logprobs or [[] for _ in item.logprobs])
                 final = item.finish_reason is not None
-                shown = _shown(item, params.stop_token_ids)
-                shielded = max(min(params.min_tokens - 1 - (len(token_ids) - len(item.token_ids)), len(shown)), 0)
+                shown = item.token_ids if rules.include_stop else _shown(item)
+                shielded = max(min(rules.min_tokens - 1 - (len(token_ids) - len(item.token_ids)), len(shown)), 0)
                 if shielded:
                     stopper.shield(detok.push(shown[:shielded]))
                 text = detok.push(shown[shielded:]) + (detok.flush() if final else "")
@@ -581,12 +585,11 @@ class OpenAIServer:
             gen.close()
 
 
-def _shown(delta: Delta, stop_ids: tuple[int, ...]) -> list[int]:
-    """The delta's tokens whose text the output shows: all but a stop_token_ids token that ends it."""
+def _shown(delta: Delta) -> list[int]:
+    """The delta's tokens whose text the output shows: all but the stop token that ends it (an
+    engine's "stop" is always a stop id: EOS, stop_token_ids, a grammar's EOS)."""
     ids = delta.token_ids
-    if delta.finish_reason == "stop" and ids and ids[-1] in stop_ids:
-        return ids[:-1]
-    return ids
+    return ids[:-1] if delta.finish_reason == "stop" and ids else ids
 
 
 def _key(request: Request) -> int:

@@ -2,13 +2,14 @@
 extensions of docs/serving.md ("API"), and what each refuses with a 400 naming the parameter."""
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from specserve.engine.grammar import Grammar
 from specserve.engine.sampling import MAX_LOGPROBS
 
+from .text import TextRules
 
 # -- request schemas -----------------------------------------------------------------------------
 class StreamOptions(BaseModel):
@@ -94,6 +95,8 @@ class SamplingRequest(BaseModel):
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)  # vLLM's: no EOS, stop_token_ids or stop string before this many tokens
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None  # vLLM's: ids that end the output (text not shown)
+    include_stop_str_in_output: bool = False  # vLLM's: the stop string, or the ending stop token's text, stays in
+    skip_special_tokens: bool = True  # vLLM's: false shows special tokens' text
     num_speculative_tokens: int | None = Field(None, ge=0)
     # the generated token ids ride along in the choice (streaming: the ids new since the last chunk)
     return_token_ids: bool = False
@@ -110,6 +113,10 @@ class SamplingRequest(BaseModel):
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def text_rules(self) -> TextRules:
+        return TextRules(tuple(self.stop_list()), self.min_tokens, self.include_stop_str_in_output,
+                         self.skip_special_tokens)
 
     def logprobs_wanted(self) -> int | None:
         """None: no log-probabilities; k: each token's, with k alternatives."""
@@ -230,6 +237,14 @@ ChatMessage = Annotated[Union[InstructionMessage, UserMessage, AssistantMessage,
                         Field(discriminator="role")]
 
 
+MAX_TEMPLATE_KWARGS = 32
+# apply_chat_template's own arguments, and what the server sets itself
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs"})
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -238,13 +253,36 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools
     parallel_tool_calls: bool = True
+    # extensions (vLLM's): how the chat template renders the conversation
+    add_generation_prompt: bool = True  # open an assistant turn after the messages
+    continue_final_message: bool = False  # leave the last (assistant) message open: the output continues it
+    chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template (say, enable_thinking)
 
     def unsupported(self) -> list[tuple[str, str]]:
         bad = super().unsupported()
         if self.top_logprobs is not None and not self.logprobs:
             bad.append(("top_logprobs", "top_logprobs needs logprobs: true"))
         bad.extend(self._tool_problems())
+        bad.extend(self._template_problems())
         return bad
+
+    def template_options(self) -> dict[str, Any]:
+        """The chat template's arguments besides the messages and tools."""
+        return {**(self.chat_template_kwargs or {}), "add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message}
+
+    def _template_problems(self) -> list[tuple[str, str]]:
+        if self.continue_final_message and self.add_generation_prompt:
+            return [("continue_final_message", "continue_final_message needs add_generation_prompt: false")]
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            return [("continue_final_message", "continue_final_message needs an assistant message last")]
+        named = list(self.chat_template_kwargs or {})
+        if len(named) > MAX_TEMPLATE_KWARGS:
+            return [("chat_template_kwargs", f"at most {MAX_TEMPLATE_KWARGS} chat_template_kwargs")]
+        for name in named:
+            if not name.isidentifier() or name in RESERVED_TEMPLATE_KWARGS:
+                return [("chat_template_kwargs", f"chat_template_kwargs may not set {name[:64]!r}")]
+        return []
 
     def tool_mode(self) -> str:
         """"none" (no tools in play), "auto", "required" or "named" (tool_choice names one)."""

@@ -1,6 +1,8 @@
 """Token ids -> text, incrementally: never emits half a multi-byte character, cuts at stop strings."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 _CONTEXT = 4  # prompt tokens decoded in front of the output, so leading-space rules match a full decode
 # Tokens held back while the text ends in U+FFFD (or adds nothing: skipped special tokens). A UTF-8
 # character has at most 4 bytes and a text token adds at least one, so a replacement character that
@@ -13,18 +15,29 @@ _MAX_PENDING = 8
 _HOLD = 3
 
 
+@dataclass(frozen=True)
+class TextRules:
+    """How one generation's tokens become its text (the request's options)."""
+
+    stops: tuple[str, ...] = ()  # stop strings: the text ends before the first (`include_stop`: after it)
+    min_tokens: int = 0  # no stop string ends in the first min_tokens - 1 tokens' text
+    include_stop: bool = False  # the stop string, or the text of the stop token that ended it, stays in
+    skip_special: bool = True  # special tokens have no text
+
+
 class IncrementalDetokenizer:
     """Decodes a window [prefix, end) and emits what it adds beyond [prefix, read); a window whose
     text ends in U+FFFD (an unfinished UTF-8 sequence) waits for the next tokens."""
 
-    def __init__(self, tokenizer, prompt_ids: list[int]) -> None:
+    def __init__(self, tokenizer, prompt_ids: list[int], skip_special: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.skip_special = skip_special
         self.ids = list(prompt_ids[-_CONTEXT:])
         self.prefix = 0
         self.read = len(self.ids)
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
 
     def push(self, new_ids: list[int]) -> str:
         self.ids.extend(new_ids)
@@ -73,8 +86,9 @@ class StopStrings:
     Text given to `shield` (min_tokens' first tokens) goes out as usual, but no stop string that
     ends inside it counts (vLLM's rule: stop strings are checked from the min_tokens-th token on)."""
 
-    def __init__(self, stops: list[str]) -> None:
+    def __init__(self, stops: list[str] | tuple[str, ...], include: bool = False) -> None:
         self.stops = [s for s in stops if s]
+        self.include = include  # a hit emits the stop string too
         self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.buffer = ""
         self.start = 0  # characters emitted before buffer[0]
@@ -88,10 +102,11 @@ class StopStrings:
     def feed(self, text: str, final: bool) -> tuple[str, bool]:
         """-> (text to emit, whether a stop string was hit; the stop string itself is not emitted)."""
         self.buffer += text
-        hits = [i for i in (self.buffer.find(s, max(self.floor - self.start - len(s) + 1, 0)) for s in self.stops)
-                if i >= 0]
+        hits = [(i, -len(s)) for i, s in ((self.buffer.find(s, max(self.floor - self.start - len(s) + 1, 0)), s)
+                                          for s in self.stops) if i >= 0]
         if hits:
-            out, self.buffer = self.buffer[: min(hits)], ""
+            at, minus_length = min(hits)  # the earliest, the longest of those
+            out, self.buffer = self.buffer[: at - minus_length if self.include else at], ""
             return out, True
         keep = 0 if final else self.hold
         cut = max(len(self.buffer) - keep, 0)
