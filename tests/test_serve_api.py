@@ -952,6 +952,42 @@ def test_bad_chat_template_options_are_400(client, extra):
     assert err["param"] == next(iter(extra)), err
 
 
+def test_tokenize_counts_what_a_request_would_send(client, fake):
+    """/tokenize gives the ids a completion's prompt or a chat's rendered messages become (the ones
+    the engine receives), /detokenize turns ids back into text."""
+    r = client.post("/tokenize", json={"model": MODEL, "prompt": "héllo", "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["tokens"] == list("héllo".encode()) and out["count"] == 6 and out["max_model_len"] == fake.max_model_len
+    assert len(out["token_strs"]) == 6
+    chat = {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"x": 1}}
+    ids = client.post("/tokenize", json=chat).json()["tokens"]  # (model may be left out)
+    fake.requests.clear()
+    assert client.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 2, **chat}).status_code == 200
+    assert ids == fake.requests[0].prompt_token_ids
+    opened = client.post("/tokenize", json={"messages": chat["messages"], "add_generation_prompt": False}).json()
+    assert opened["count"] < len(ids)
+    back = client.post("/detokenize", json={"model": MODEL, "tokens": ids}).json()["prompt"]
+    assert back == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.mark.parametrize("path,body,status,param", [
+    ("/tokenize", {"model": "gpt-9", "prompt": "x"}, 404, "model"),
+    ("/tokenize", {"prompt": 5}, 400, None),
+    ("/tokenize", {"prompt": "x", "junk": 1}, 400, None),
+    ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True}, 400,
+     "continue_final_message"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, 400, "tool_choice"),
+    ("/detokenize", {"tokens": [259]}, 400, "tokens"),
+    ("/detokenize", {"tokens": [-1]}, 400, None),
+    ("/detokenize", {"tokens": [1] * 513}, 400, "tokens"),
+])
+def test_bad_tokenize_and_detokenize_bodies(client, path, body, status, param):
+    err = _error(client.post(path, json=body), status)
+    if param is not None:
+        assert err["param"] == param, err
+
+
 def test_one_model_is_retrieved_by_its_id(client):
     card = client.get(f"/v1/models/{MODEL}").json()
     assert card["id"] == MODEL and card["object"] == "model" and card["max_model_len"] > 0

@@ -58,7 +58,8 @@ from .front_door import (Door, FrontDoor, KeyLimits, OpenAIError, check_unicode,
                          token_floor)
 from .responses import (Echo, NoGeneration, Piece, ResponseFormat, StreamFailed, nothing_generated, sse_stream,
                         whole_body)
-from .schema import ChatCompletionRequest, CompletionRequest, SamplingRequest, format_grammar
+from .schema import (ChatCompletionRequest, CompletionRequest, Conversation, DetokenizeRequest, SamplingRequest,
+                     TokenizeChatRequest, TokenizeTextRequest, format_grammar)
 from .tools import ToolPlan, prompt_messages, renders_tools
 from .text import IncrementalDetokenizer, StopStrings, TextRules
 
@@ -290,6 +291,45 @@ class OpenAIServer:
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         self._check(body)
+        text, plan = await self._render(body)
+        sent = body.max_completion_tokens or body.max_tokens
+        await self._precheck(text, None, sent or 1, "messages")
+        ids = await self._offload(self._encode, text, "messages", False)
+        max_tokens = sent if sent is not None else await self._room(len(ids))
+        self._check_choices(body.n)
+        return await self._respond(body, [ids], max_tokens, chat=True, key=_key(request),
+                                   length_param="max_tokens" if sent is not None else "messages", tools=plan)
+
+    @app.post("/tokenize")
+    async def tokenize(self, body: TokenizeTextRequest | TokenizeChatRequest) -> dict:
+        """vLLM's route: a prompt's or a chat's token ids (the chat through the template, as chat
+        completions render it), their count and the context they must fit in."""
+        self._check_model(body.model)
+        if isinstance(body, TokenizeChatRequest):
+            self._refuse(body.conversation_problems())
+            text, _ = await self._render(body)
+            ids = await self._offload(self._encode, text, "messages", False)
+        else:
+            ids = await self._offload(self._encode, body.prompt, "prompt", body.add_special_tokens)
+        out = {"count": len(ids), "max_model_len": (await self.info())["max_model_len"], "tokens": ids}
+        if body.return_token_strs:
+            out["token_strs"] = await self._offload(self.tokenizer.convert_ids_to_tokens, ids)
+        return out
+
+    @app.post("/detokenize")
+    async def detokenize(self, body: DetokenizeRequest) -> dict:
+        """vLLM's route: token ids -> their text (special tokens included)."""
+        self._check_model(body.model)
+        info = await self.info()
+        if len(body.tokens) > info["max_model_len"]:
+            raise OpenAIError(400, f"at most {info['max_model_len']} tokens (the model's context)", "tokens")
+        if body.tokens and max(body.tokens) >= info["vocab_size"]:
+            raise OpenAIError(400, f"tokens must be token ids in [0, {info['vocab_size']})", "tokens")
+        return {"prompt": await self._offload(self.tokenizer.decode, body.tokens)}
+
+    # -- helpers ----------------------------------------------------------------------------------
+    async def _render(self, body: Conversation) -> tuple[str, ToolPlan | None]:
+        """A conversation as the chat template renders it, within the ingress's limits, and its tool plan."""
         front = self.config.front_door
         if len(body.messages) > front.max_messages:
             raise OpenAIError(400, f"at most {front.max_messages} messages per request", "messages", "too_many_messages")
@@ -303,15 +343,8 @@ class OpenAIServer:
         messages = prompt_messages(body.messages, plan, self._native_tools)
         text = await self._offload(self._template, messages, plan.specs() if self._native_tools and plan else None,
                                    body.template_options())
-        sent = body.max_completion_tokens or body.max_tokens
-        await self._precheck(text, None, sent or 1, "messages")
-        ids = await self._offload(self._encode, text, "messages", False)
-        max_tokens = sent if sent is not None else await self._room(len(ids))
-        self._check_choices(body.n)
-        return await self._respond(body, [ids], max_tokens, chat=True, key=_key(request),
-                                   length_param="max_tokens" if sent is not None else "messages", tools=plan)
+        return text, plan
 
-    # -- helpers ----------------------------------------------------------------------------------
     async def _offload(self, fn, *args):
         """fn(*args) on the tokenizer pool: the event loop keeps serving other requests meanwhile."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
@@ -355,18 +388,26 @@ class OpenAIServer:
 
     def _check(self, body: SamplingRequest) -> None:
         self._refresh_readiness()
-        if body.model != self.config.served_model_name:
-            raise OpenAIError(404, f"model {body.model!r} does not exist; this server serves "
-                                   f"{self.config.served_model_name!r}", "model", "model_not_found")
+        self._check_model(body.model)
         self._check_limits(body)
-        bad = body.unsupported()
-        if bad:
-            param, why = bad[0]
-            raise OpenAIError(400, why, param, "unsupported_parameter")
+        self._refuse(body.unsupported())
         cap = body.num_speculative_tokens
         if cap is not None and cap > self.config.speculation.num_speculative_tokens:
             raise OpenAIError(400, f"num_speculative_tokens must be <= "
                                    f"{self.config.speculation.num_speculative_tokens}", "num_speculative_tokens")
+
+    def _check_model(self, model: str | None) -> None:
+        """404 for a model this server does not serve (None: the served one, where the route allows it)."""
+        if model is not None and model != self.config.served_model_name:
+            raise OpenAIError(404, f"model {model!r} does not exist; this server serves "
+                                   f"{self.config.served_model_name!r}", "model", "model_not_found")
+
+    @staticmethod
+    def _refuse(bad: list[tuple[str, str]]) -> None:
+        """A 400 naming the first (param, why) of `bad`, if any."""
+        if bad:
+            param, why = bad[0]
+            raise OpenAIError(400, why, param, "unsupported_parameter")
 
     async def _logit_bias(self, body: SamplingRequest) -> dict[int, float]:
         """logit_bias's keys as token ids of the model's vocabulary (OpenAI sends them as strings)."""

@@ -245,11 +245,11 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
     "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs"})
 
 
-class ChatCompletionRequest(SamplingRequest):
+class Conversation(BaseModel):
+    """A chat: the messages, the tools offered, and how the chat template renders them (shared by
+    chat completions and /tokenize)."""
+
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools
     parallel_tool_calls: bool = True
@@ -258,18 +258,31 @@ class ChatCompletionRequest(SamplingRequest):
     continue_final_message: bool = False  # leave the last (assistant) message open: the output continues it
     chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template (say, enable_thinking)
 
-    def unsupported(self) -> list[tuple[str, str]]:
-        bad = super().unsupported()
-        if self.top_logprobs is not None and not self.logprobs:
-            bad.append(("top_logprobs", "top_logprobs needs logprobs: true"))
-        bad.extend(self._tool_problems())
-        bad.extend(self._template_problems())
-        return bad
+    def tool_mode(self) -> str:
+        """"none" (no tools in play), "auto", "required" or "named" (tool_choice names one)."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
 
     def template_options(self) -> dict[str, Any]:
         """The chat template's arguments besides the messages and tools."""
         return {**(self.chat_template_kwargs or {}), "add_generation_prompt": self.add_generation_prompt,
                 "continue_final_message": self.continue_final_message}
+
+    def conversation_problems(self) -> list[tuple[str, str]]:
+        return self._tool_problems() + self._template_problems()
+
+    def _tool_problems(self) -> list[tuple[str, str]]:
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) < len(names):
+            return [("tools", "tool function names must be unique")]
+        if self.tool_choice not in (None, "none") and not self.tools:
+            return [("tool_choice", "tool_choice needs tools")]
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            return [("tool_choice", f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools")]
+        return []
 
     def _template_problems(self) -> list[tuple[str, str]]:
         if self.continue_final_message and self.add_generation_prompt:
@@ -284,23 +297,36 @@ class ChatCompletionRequest(SamplingRequest):
                 return [("chat_template_kwargs", f"chat_template_kwargs may not set {name[:64]!r}")]
         return []
 
-    def tool_mode(self) -> str:
-        """"none" (no tools in play), "auto", "required" or "named" (tool_choice names one)."""
-        if not self.tools or self.tool_choice == "none":
-            return "none"
-        if isinstance(self.tool_choice, NamedToolChoice):
-            return "named"
-        return self.tool_choice or "auto"
 
-    def _tool_problems(self) -> list[tuple[str, str]]:
-        names = [t.function.name for t in self.tools or []]
-        if len(set(names)) < len(names):
-            return [("tools", "tool function names must be unique")]
-        if self.tool_choice not in (None, "none") and not self.tools:
-            return [("tool_choice", "tool_choice needs tools")]
-        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
-            return [("tool_choice", f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools")]
+class ChatCompletionRequest(SamplingRequest, Conversation):
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        bad = super().unsupported()
+        if self.top_logprobs is not None and not self.logprobs:
+            bad.append(("top_logprobs", "top_logprobs needs logprobs: true"))
+        bad.extend(self.conversation_problems())
         if self.tool_mode() != "none" and self.response_format is not None \
                 and not isinstance(self.response_format, TextFormat):
-            return [("response_format", "response_format cannot be combined with tools unless tool_choice is none")]
-        return []
+            bad.append(("response_format", "response_format cannot be combined with tools unless tool_choice is none"))
+        return bad
+
+
+# -- /tokenize and /detokenize (vLLM's routes) -----------------------------------------------------
+class TokenizeTextRequest(_Strict):
+    model: str | None = None  # (None: the served model)
+    prompt: str
+    add_special_tokens: bool = True  # as a completion's prompt is tokenized
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(Conversation, _Strict):
+    model: str | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
