@@ -1106,6 +1106,63 @@ def test_a_bad_response_format_is_400(client, fmt):
     assert err["param"] == "response_format", err
 
 
+@pytest.mark.parametrize("outputs,kind,source", [
+    ({"json": {"type": "array"}}, "json_schema", '{"type": "array"}'),
+    ({"json": '{"type": "array"}'}, "json_schema", '{"type": "array"}'),
+    ({"regex": "[a-z]+"}, "regex", "[a-z]+"),
+    ({"choice": ["yes", "no"]}, "lark", 'start: "yes" | "no"'),
+    ({"grammar": 'start: "a"+'}, "lark", 'start: "a"+'),
+    ({"json_object": True}, "json_object", ""),
+])
+def test_structured_outputs_reach_the_engine_as_a_grammar(client, fake, outputs, kind, source):
+    """vLLM's structured_outputs, chat and completions: the same grammars as response_format's."""
+    fake.requests.clear()
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+            "structured_outputs": outputs}
+    assert client.post("/v1/chat/completions", json=chat).status_code == 200
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 3, "structured_outputs": outputs}
+    assert client.post("/v1/completions", json=body).status_code == 200
+    for request in fake.requests:
+        g = request.params.grammar
+        assert (g.kind, g.source) == (kind, source)
+
+
+def test_a_choice_grammar_takes_exactly_its_choices():
+    from specserve.serve.schema import StructuredOutputs
+    from test_tools import matches
+
+    choices = ['say "hi"', "a\\b", "héllo", "x y", "tab\there"]
+    grammar = StructuredOutputs(choice=choices).grammar_of()
+    assert all(matches(grammar, c) for c in choices)
+    assert not any(matches(grammar, c) for c in ["say hi", "x", "héllo!", "", "yes"])
+
+
+@pytest.mark.parametrize("outputs", [
+    {},
+    {"regex": "a", "choice": ["b"]},
+    {"json": "{not json"},
+    {"choice": []},
+    {"choice": [""]},
+    {"regex": "[a-"},
+    {"grammar": "start: undefined_rule"},
+    {"guided_json": {}},
+])
+def test_bad_structured_outputs_are_400(client, outputs):
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 3, "structured_outputs": outputs}
+    err = _error(client.post("/v1/completions", json=body), 400)
+    assert err["param"] in ("structured_outputs", None), err  # (None: pydantic's own shape errors)
+
+
+def test_structured_outputs_beside_response_format_or_tools_are_400(client):
+    both = {"model": MODEL, "prompt": "abc", "max_tokens": 3, "structured_outputs": {"regex": "a"},
+            "response_format": {"type": "json_object"}}
+    assert _error(client.post("/v1/completions", json=both), 400)["param"] == "structured_outputs"
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "structured_outputs": {"regex": "a"},
+            "tools": [tool]}
+    assert _error(client.post("/v1/chat/completions", json=chat), 400)["param"] == "structured_outputs"
+
+
 def test_a_forbidden_alternative_is_sent_as_a_finite_logprob(client):
     """-inf (a token the grammar masks) cannot be JSON: it goes out as -9999.0."""
     body = {"model": MODEL, "prompt": "abc", "max_tokens": 3, "logprobs": 2, "response_format": {"type": "json_object"}}

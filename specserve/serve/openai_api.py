@@ -497,9 +497,9 @@ class OpenAIServer:
         """The output's grammar (tool_choice's, else response_format's), compiled here once against
         the tokenizer (off the event loop) so that a bad schema, regex or grammar is a 400 before
         anything runs."""
-        param = "response_format" if tools is None else "tools"
+        fmt, param = body.output_format() if tools is None else (None, "tools")
         try:
-            grammar = format_grammar(body.response_format) if tools is None else tools.grammar()
+            grammar = format_grammar(fmt) if tools is None else tools.grammar()
         except ValueError as err:
             raise OpenAIError(400, f"{param}: {err}", param) from err
         except RecursionError as err:

@@ -2,6 +2,7 @@
 extensions of docs/serving.md ("API"), and what each refuses with a 400 naming the parameter."""
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -55,12 +56,52 @@ class LarkFormat(BaseModel):  # extension: a Lark grammar (llguidance's dialect)
 OutputFormat = Annotated[Union[TextFormat, JsonObjectFormat, JsonSchemaFormat, RegexFormat, LarkFormat],
                            Field(discriminator="type")]
 
+MAX_CHOICES = 1024  # structured_outputs.choice: the most alternatives
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` (its successor to `guided_json` and friends): exactly one of
+    a JSON schema (or its text), a regex, a list of choices, a Lark grammar, or any JSON object."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    json_: dict | bool | str | None = Field(None, alias="json")
+    regex: str | None = Field(None, min_length=1)
+    choice: list[Annotated[str, Field(min_length=1)]] | None = Field(None, min_length=1, max_length=MAX_CHOICES)
+    grammar: str | None = Field(None, min_length=1)  # Lark (llguidance's dialect)
+    json_object: bool | None = None
+
+    def chosen(self) -> list[str]:
+        """The constraints set (valid: exactly one)."""
+        set_ = {"json": self.json_ is not None, "regex": self.regex is not None, "choice": self.choice is not None,
+                "grammar": self.grammar is not None, "json_object": bool(self.json_object)}
+        return [name for name, on in set_.items() if on]
+
+    def grammar_of(self) -> Grammar:
+        """The one constraint as a grammar. Raises ValueError for JSON text that does not parse."""
+        if self.json_ is not None:
+            schema = self.json_
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError as err:
+                    raise ValueError(f"json is not valid JSON: {err}") from err
+            return Grammar.json_schema(schema)
+        if self.regex is not None:
+            return Grammar("regex", self.regex)
+        if self.choice is not None:  # one Lark literal per choice (JSON's string escapes are Lark's)
+            return Grammar("lark", "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in self.choice))
+        if self.grammar is not None:
+            return Grammar("lark", self.grammar)
+        return Grammar("json_object")
+
 
 def format_grammar(fmt: BaseModel | None) -> Grammar | None:
-    """The grammar a response_format asks for (None: free text). Raises ValueError for a schema
-    that is not a JSON object."""
+    """The grammar a response_format (or structured_outputs) asks for (None: free text). Raises
+    ValueError for a schema that is not a JSON object."""
     if fmt is None or isinstance(fmt, TextFormat):
         return None
+    if isinstance(fmt, StructuredOutputs):
+        return fmt.grammar_of()
     if isinstance(fmt, JsonObjectFormat):
         return Grammar("json_object")
     if isinstance(fmt, JsonSchemaFormat):
@@ -103,13 +144,27 @@ class SamplingRequest(BaseModel):
     # structured output (chat, and completions as an extension): json_object / json_schema, or the
     # extensions regex / lark; every generated token follows it (specserve.engine.grammar)
     response_format: OutputFormat | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM's extension, the same engine path
 
     def unsupported(self) -> list[tuple[str, str]]:
         """(param, why) for every option set to something this server does not do."""
         bad = []
         if self.stream_options is not None and not self.stream:
             bad.append(("stream_options", "stream_options needs stream=true"))
+        if self.structured_outputs is not None:
+            chosen = self.structured_outputs.chosen()
+            if len(chosen) != 1:
+                bad.append(("structured_outputs", "structured_outputs takes exactly one of json, regex, choice, "
+                                                  f"grammar, json_object (got {', '.join(chosen) or 'none'})"))
+            if self.response_format is not None and not isinstance(self.response_format, TextFormat):
+                bad.append(("structured_outputs", "structured_outputs cannot be combined with response_format"))
         return bad
+
+    def output_format(self) -> tuple[BaseModel | None, str]:
+        """The format that constrains the output and the parameter that asked for it."""
+        if self.structured_outputs is not None:
+            return self.structured_outputs, "structured_outputs"
+        return self.response_format, "response_format"
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -308,9 +363,9 @@ class ChatCompletionRequest(SamplingRequest, Conversation):
         if self.top_logprobs is not None and not self.logprobs:
             bad.append(("top_logprobs", "top_logprobs needs logprobs: true"))
         bad.extend(self.conversation_problems())
-        if self.tool_mode() != "none" and self.response_format is not None \
-                and not isinstance(self.response_format, TextFormat):
-            bad.append(("response_format", "response_format cannot be combined with tools unless tool_choice is none"))
+        fmt, param = self.output_format()
+        if self.tool_mode() != "none" and fmt is not None and not isinstance(fmt, TextFormat):
+            bad.append((param, f"{param} cannot be combined with tools unless tool_choice is none"))
         return bad
 
 
