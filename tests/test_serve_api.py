@@ -988,6 +988,19 @@ def test_bad_tokenize_and_detokenize_bodies(client, path, body, status, param):
         assert err["param"] == param, err
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(client):
+    body = {"model": MODEL, "prompt": "abcdefgh", "max_tokens": 7, "stream": True, "n": 2,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert len(chunks) > 3 and counts == sorted(counts) and counts[-1] == 14 and counts[0] < 14
+    assert all(c["usage"]["prompt_tokens"] == 8 for c in chunks)
+    err = _error(client.post("/v1/completions", json={**body, "stream_options": {"usage": True}}), 400)
+    assert err["param"] in ("stream_options", None)
+
+
 def test_one_model_is_retrieved_by_its_id(client):
     card = client.get(f"/v1/models/{MODEL}").json()
     assert card["id"] == MODEL and card["object"] == "model" and card["max_model_len"] > 0

@@ -461,8 +461,10 @@ class OpenAIServer:
         else:
             choices = await self._generations(body, rid, runs, max_tokens, chat, key, length_param, echoes, tools)
         if body.stream:
-            include = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(sse_stream(choices, include, body.return_token_ids),
+            options = body.stream_options
+            return StreamingResponse(sse_stream(choices, options is not None and options.include_usage,
+                                                body.return_token_ids,
+                                                options is not None and options.continuous_usage_stats),
                                      media_type="text/event-stream")
         try:
             return await whole_body(choices, body.return_token_ids)

@@ -235,10 +235,11 @@ async def whole_body(choices: list[Choice], return_token_ids: bool = False) -> d
     return body
 
 
-async def sse_stream(choices: list[Choice], include_usage: bool, return_token_ids: bool = False
-                     ) -> AsyncIterator[str]:
-    """Every choice's chunks as they come (interleaved, each with its index), then the usage chunk
-    and [DONE]; a choice that fails ends the stream with its error event (the others cancelled)."""
+async def sse_stream(choices: list[Choice], include_usage: bool, return_token_ids: bool = False,
+                     continuous_usage: bool = False) -> AsyncIterator[str]:
+    """Every choice's chunks as they come (interleaved, each with its index; `continuous_usage`:
+    each with the usage of every choice so far), then the usage chunk and [DONE]; a choice that
+    fails ends the stream with its error event (the others cancelled)."""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(fmt: ResponseFormat, pieces) -> None:
@@ -251,6 +252,7 @@ async def sse_stream(choices: list[Choice], include_usage: bool, return_token_id
             await queue.put(None)
 
     tasks = [asyncio.ensure_future(pump(fmt, pieces)) for fmt, pieces in choices]
+    formats = [fmt for fmt, _ in choices]
     failed = False
     try:
         running = len(tasks)
@@ -263,11 +265,12 @@ async def sse_stream(choices: list[Choice], include_usage: bool, return_token_id
                 yield sse_event(item.error.body())
                 break
             else:
+                if continuous_usage:
+                    item["usage"] = usage(formats)[0]
                 yield sse_event(item)
     finally:
         for task in tasks:
             task.cancel()
-    formats = [fmt for fmt, _ in choices]
     if include_usage and not failed and any(f.last is not None for f in formats):
         chunk = formats[0]._envelope([], True)
         chunk["usage"], chunk["speculation"] = usage(formats)

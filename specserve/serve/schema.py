@@ -14,7 +14,9 @@ from .text import TextRules
 
 # -- request schemas -----------------------------------------------------------------------------
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False  # a last chunk with the usage
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
 
 
 class JsonSchemaSpec(BaseModel):
