@@ -200,14 +200,19 @@ def test_overlapped_policy_drafts_longer_than_sequential_where_overlap_pays_and_
 
 
 def test_pipelined_penalties_and_logprobs_are_the_sequential_ones(local_coordinator):
-    """Penalties counted through the drafts and log-probabilities of each token: a prepared block
+    """Penalties (and min_tokens) counted through the drafts and log-probabilities of each token: a prepared block
     verified one step later sees the tokens of the step it was drafted ahead of, so pipelined
     output and log-probabilities equal the sequential loop's."""
     from specserve.serve.coordinator import Delta, GenerateRequest
 
+    # the third row's stop token is its plain output's 2nd token, held back for 12 tokens (min_tokens)
+    stop = generate(local_coordinator(config(pipelined=False)), PROMPTS[2:3],
+                    [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)])[0][1]
     params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2, presence_penalty=0.4,
                              frequency_penalty=0.2, logit_bias={72: 1.0}),
-              SamplingParams(temperature=0.0, max_tokens=35, ignore_eos=True, logprobs=0, repetition_penalty=1.1)]
+              SamplingParams(temperature=0.0, max_tokens=35, ignore_eos=True, logprobs=0, repetition_penalty=1.1),
+              SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=0, stop_token_ids=(stop,),
+                             min_tokens=12)]
 
     def run(coordinator) -> list[tuple[list[int], list[float]]]:
         async def one(prompt, p):
@@ -233,7 +238,8 @@ def test_pipelined_penalties_and_logprobs_are_the_sequential_ones(local_coordina
     for (_, a), (_, b) in zip(got, expected):
         assert len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b)) < 1e-4
     assert pipelined._totals["pipelined_hits"] > 0
-    plain = [SamplingParams(temperature=0.0, max_tokens=p.max_tokens, ignore_eos=True) for p in params]
+    assert stop not in got[2][0][:12] and len(got[2][0]) >= 12
+    plain = [SamplingParams(temperature=0.0, max_tokens=p.max_tokens, ignore_eos=True) for p in params[:2]]
     assert generate(local_coordinator(config(pipelined=False)), PROMPTS[:2], plain) != [t for t, _ in got]
 
 
