@@ -156,3 +156,41 @@ def test_continuations_wait_ahead_of_new_requests():
     admission.drop_waiting({"new1", "gone"})
     assert admission.get("new1") is None and [s.request_id for s in admission.waiting] == ["cont2", "new2"]
     assert list(admission.running) == ["cont1"] and admission.release("cont1") and not admission.release("cont1")
+
+
+def test_a_lower_priority_value_waits_ahead_fifo_within_one():
+    """vLLM's priority: new requests wait by priority, FIFO among equals; continuations stay ahead
+    of every new request whatever their priority."""
+    admission = Admission(max_batch_size=1, budget=None, max_gamma=GAMMA)
+    for rid, priority, resumed in [("a", 0, False), ("b", 5, False), ("c", -1, False), ("d", 0, False),
+                                   ("cont", 9, True), ("e", 5, False), ("f", -1, False)]:
+        seq = _seq(rid, 4, 10)
+        seq.priority = priority
+        if resumed:
+            seq.output.append(7)
+        admission.enqueue(seq)
+    assert [s.request_id for s in admission.waiting] == ["cont", "c", "f", "a", "d", "b", "e"]
+    order = []
+    while admission.waiting:
+        (seq,) = admission.admit()
+        order.append(seq.request_id)
+        admission.release(seq.request_id)
+    assert order == ["cont", "c", "f", "a", "d", "b", "e"]
+
+
+def test_preemption_takes_the_least_urgent_first():
+    """A paged budget that the running requests outgrow: the highest priority value goes back to
+    the queue first (the newest of equals), and the queue's head is then the most urgent of them."""
+    admission = Admission(max_batch_size=8, budget=None, max_gamma=GAMMA, block_size=16)
+    for rid, priority in [("old-low", 3), ("urgent", -2), ("new-low", 3), ("plain", 0)]:
+        seq = _seq(rid, 40, 200)
+        seq.priority = priority
+        admission.enqueue(seq)
+    admission.admit()
+    assert list(admission.running) == ["urgent", "plain", "old-low", "new-low"]
+    admission.budget = admission.allocated() - 1  # one block too few: one request must go
+    assert [s.request_id for s in admission.preempt()] == ["new-low"]
+    admission.budget = allocation([admission.need(admission.running["urgent"])], 16)  # room for one alone
+    assert [s.request_id for s in admission.preempt()] == ["old-low", "plain"]
+    assert list(admission.running) == ["urgent"]
+    assert [s.request_id for s in admission.waiting] == ["plain", "old-low", "new-low"]

@@ -836,15 +836,15 @@ def test_penalties_and_logit_bias_reach_the_engine(client, fake):
         assert p.logit_bias == ((5, 2.5), (97, -100.0))
 
 
-def test_min_tokens_min_p_and_stop_token_ids_reach_the_engine(client, fake):
+def test_min_tokens_min_p_stop_token_ids_and_priority_reach_the_engine(client, fake):
     body = {"model": MODEL, "prompt": "abc", "max_tokens": 6, "min_tokens": 4, "stop_token_ids": [33, 7]}
     fake.requests.clear()
     assert client.post("/v1/completions", json=body).status_code == 200
     (request,) = fake.requests
     assert request.params.min_tokens == 4 and request.params.stop_token_ids == (33, 7)
     fake.requests.clear()
-    assert client.post("/v1/completions", json={**body, "min_p": 0.25}).status_code == 200
-    assert fake.requests[0].params.min_p == 0.25
+    assert client.post("/v1/completions", json={**body, "min_p": 0.25, "priority": -3}).status_code == 200
+    assert fake.requests[0].params.min_p == 0.25 and fake.requests[0].priority == -3
 
 
 def _text_and_ids(client, body: dict, stream: bool) -> tuple[str, list[int], dict]:

@@ -1,5 +1,6 @@
 """Requests waiting and running: the waiting queue and the running batch, with admission into it
-FIFO, bounded in count and in memory. The step loop (`engine/loop.py`) admits from here for the
+FIFO within a priority (a request's `priority`, vLLM's: lower first, 0 by default), bounded in
+count and in memory. The step loop (`engine/loop.py`) admits from here for the
 in-process engine and the server's coordinator alike, so both admit, order continuations and
 budget KV memory by the same rules.
 
@@ -22,9 +23,9 @@ a pipelined ahead call drafts past them, a padding position), and the scratch bl
     (1 + sum over running of blocks_for(tokens so far + 2γ + 3)) x block_size
 
 That admits by what requests use, not by what they might (a chat without max_tokens may reach the
-whole context). As requests grow the sum may pass the budget: then the newest running requests are
-preempted (`preempt`), newest first, until it fits again: their caches are freed, and they wait at
-the head of the queue with every token they have, to be prefilled again (prompt + output, chunked;
+whole context). As requests grow the sum may pass the budget: then running requests are preempted
+(`preempt`), the highest priority value first and the newest of it first, until it fits again:
+their caches are freed, and they wait at the head of the queue with every token they have, to be prefilled again (prompt + output, chunked;
 prefix caching may take part of it) when they fit. Nothing is lost, the stream just pauses; a
 seeded request's random stream is untouched. A request that could not fit alone at its worst
 (prompt + max_tokens + γ) is refused at once, so a request alone always fits.
@@ -74,11 +75,15 @@ class Admission:
         return bool(self.running or self.waiting)
 
     def enqueue(self, seq: Sequence) -> None:
-        """New requests wait FIFO; a continuation that already has output (its client is
-        mid-stream) goes ahead of them, behind the ones like it that already wait."""
+        """New requests wait FIFO within a priority, a lower one ahead of a higher; a continuation
+        that already has output (its client is mid-stream) goes ahead of them, behind the ones
+        like it that already wait. (Equal priorities append at once: no walk of the queue.)"""
         self._waiting_ids[seq.request_id] = seq
         if not seq.output:
-            self.waiting.append(seq)
+            behind = len(self.waiting)  # before the new requests of a higher value, walking from the back
+            while behind and not (last := self.waiting[behind - 1]).output and last.priority > seq.priority:
+                behind -= 1
+            self.waiting.insert(behind, seq)
             return
         ahead = 0
         while ahead < len(self.waiting) and self.waiting[ahead].output:
@@ -137,15 +142,17 @@ class Admission:
         return admitted
 
     def preempt(self) -> list[Sequence]:
-        """Paged caches: while the running requests' current needs pass the budget, move the newest
-        back to the head of the queue (newest last there, so they return oldest first) -> those
-        moved (the caller frees their caches). Nothing to do for dense caches (their needs never grow)."""
+        """Paged caches: while the running requests' current needs pass the budget, move the least
+        urgent (the highest priority value, the newest admitted of those) back to the head of the
+        queue (the first moved last there, so they return in turn) -> those moved (the caller frees
+        their caches). Nothing to do for dense caches (their needs never grow)."""
         if not self.block_size or self.budget is None:
             return []
         self._refresh()
         moved: list[Sequence] = []
         while len(self.running) > 1 and self.allocated() > self.budget:
-            request_id = next(reversed(self.running))  # the newest admitted
+            order = {r: i for i, r in enumerate(self.running)}  # admission order
+            request_id = max(self.running, key=lambda r: (self.running[r].priority, order[r]))
             seq = self.running.pop(request_id)
             del self._needs[request_id]
             seq.target_len = seq.draft_len = 0

@@ -117,11 +117,13 @@ class SpeculativeEngine:
         self._captured = False
 
     # -- incremental API ----------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    priority: int = 0) -> None:
+        """Queue a request; a lower priority is admitted ahead of a higher one (FIFO within one)."""
         if self.admission.get(request_id) is not None:
             raise ValueError(f"request id {request_id!r} is already in use")
         seq = new_sequence(request_id, prompt_token_ids, params, vocab_size=self.verifier.vocab_size,
-                           max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids)
+                           max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids, priority=priority)
         if params.grammar is not None:
             self._check_grammar(params.grammar)
         if self.admission.too_big(seq):

@@ -2,13 +2,14 @@
 
 OpenAI's `presence_penalty` and `frequency_penalty`, the `repetition_penalty` extension (as in HF
 and vLLM), `logit_bias` and `min_tokens` (vLLM's: no stop token before that many output tokens)
-change the target's distribution at every position as a function of the tokens already there. Inside a verified block the tokens before position j are the row's
-output so far *plus drafts 0..j-1*, so the counts must advance through the drafts, and with them
-fall back to the committed tokens once the verdict rejects some: computed per position here from
-the committed tokens (host lists, sent with the step) and the block's drafts (device), nothing
-kept between steps, so a rejected draft leaves no trace. The rejection rule then needs only p
-exact (`TargetVerifier._accept` applies this before argmax / softmax); the draft proposes from its
-own unprocessed q, which the rule corrects for (it only costs acceptance).
+change the target's distribution at every position as a function of the tokens already there.
+Inside a verified block the tokens before position j are the row's output so far *plus drafts
+0..j-1*, so the counts must advance through the drafts, and with them fall back to the committed
+tokens once the verdict rejects some: computed per position here from the committed tokens (host
+lists, sent with the step) and the block's drafts (device), nothing kept between steps, so a
+rejected draft leaves no trace. The rejection rule then needs only p exact
+(`TargetVerifier._accept` applies this before argmax / softmax); the draft proposes from its own
+unprocessed q, which the rule corrects for (it only costs acceptance).
 
 Per row and position j, in this order, on float32 logits [V]:
   + logit_bias[v]                                            (OpenAI: added to the logits)

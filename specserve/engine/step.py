@@ -82,6 +82,7 @@ class Sequence:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     cached_tokens: int = 0  # prompt tokens the target's cache took from shared blocks (prefix caching)
     preempted: bool = False  # its caches were given back (paged budget): prefilled again before it steps
+    priority: int = 0  # lower goes first: admitted before, preempted after, requests of a higher value
 
     def __post_init__(self) -> None:
         if self.generator is None:
@@ -135,6 +136,7 @@ def new_sequence(
     max_model_len: int,
     eos_token_ids: frozenset[int],
     max_gamma: int | None = None,
+    priority: int = 0,
 ) -> Sequence:
     """Admission: check a new request against the models and make it a Sequence."""
     prompt = [int(t) for t in prompt_token_ids]
@@ -148,7 +150,7 @@ def new_sequence(
             f"context of {max_model_len} tokens"
         )
     stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_token_ids)
-    return Sequence(request_id, prompt, params, stops, max_model_len, max_gamma=max_gamma)
+    return Sequence(request_id, prompt, params, stops, max_model_len, max_gamma=max_gamma, priority=priority)
 
 
 @dataclass

@@ -87,6 +87,7 @@ class GenerateRequest:
     params: SamplingParams  # as first sent: max_tokens counts the generated tokens of a `resume` too
     num_speculative_tokens: int | None = None  # per-request cap on γ (<= the configured one)
     resume: Resume | None = None  # a continuation: never refused as queue_full (it is not new load)
+    priority: int = 0  # lower is admitted first (vLLM's `priority`)
 
 
 @dataclass(frozen=True)
@@ -278,7 +279,7 @@ class Coordinator:
         try:
             seq = new_sequence(rid, request.prompt_token_ids, request.params, vocab_size=self.vocab_size,
                                max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids,
-                               max_gamma=request.num_speculative_tokens)
+                               max_gamma=request.num_speculative_tokens, priority=request.priority)
             if request.resume is not None:
                 _continue(seq, request.resume, self.vocab_size)
         except (InvalidPrompt, ContextLengthExceeded) as err:

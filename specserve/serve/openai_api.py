@@ -483,8 +483,9 @@ class OpenAIServer:
         try:
             for k, (i, prompt) in enumerate(runs):
                 seeded = params if params.seed is None else dataclasses.replace(params, seed=params.seed + k)
-                gen, first = await self._start(GenerateRequest(rid if len(runs) == 1 else f"{rid}-{k}", prompt,
-                                                               seeded, body.num_speculative_tokens), length_param)
+                request = GenerateRequest(rid if len(runs) == 1 else f"{rid}-{k}", prompt, seeded,
+                                          body.num_speculative_tokens, priority=body.priority)
+                gen, first = await self._start(request, length_param)
                 self.door.limits.charge(key, first.num_prompt_tokens)
                 fmt = ResponseFormat(rid, self.config.served_model_name, chat, first.num_prompt_tokens, gen,
                                      self.tokenizer, params.logprobs, k, i, echoes[i] if echoes else None, tools)

@@ -141,6 +141,7 @@ class SamplingRequest(BaseModel):
     include_stop_str_in_output: bool = False  # vLLM's: the stop string, or the ending stop token's text, stays in
     skip_special_tokens: bool = True  # vLLM's: false shows special tokens' text
     num_speculative_tokens: int | None = Field(None, ge=0)
+    priority: int = Field(0, ge=-(2**31), le=2**31 - 1)  # vLLM's: a lower value is admitted first
     # the generated token ids ride along in the choice (streaming: the ids new since the last chunk)
     return_token_ids: bool = False
     # structured output (chat, and completions as an extension): json_object / json_schema, or the
