@@ -283,3 +283,28 @@ def test_a_block_combined_from_prepared_and_fresh_drafts_keeps_q_and_its_dtype()
     _, greedy_part = combine_drafts([1, None], 3, (prepared, q_prepared), (fresh, None))
     assert greedy_part.dtype == torch.bfloat16 and not greedy_part[1].any()
     assert combine_drafts([None], 2, (None, None), (fresh, None))[1] is None
+
+
+def test_the_coordinator_admits_by_priority(local_coordinator):
+    """One running slot, four requests sent at once: the first runs at once, then the rest by
+    priority (lower first), whatever their arrival order."""
+    from specserve.serve.coordinator import Delta, GenerateRequest
+
+    coordinator = local_coordinator(config(pipelined=False, max_batch_size=1))
+    finished: list[str] = []
+
+    async def one(name: str, priority: int) -> None:
+        request = GenerateRequest(name, PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+                                  priority=priority)
+        async for item in coordinator.generate(request):
+            if isinstance(item, Delta) and item.finish_reason is not None:
+                finished.append(name)
+
+    async def run():
+        try:
+            await asyncio.gather(one("first", 9), one("low", 5), one("high", -1), one("mid", 0))
+        finally:
+            coordinator._loop_task.cancel()
+
+    asyncio.run(run())
+    assert finished == ["first", "high", "mid", "low"]
