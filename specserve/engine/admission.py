@@ -25,9 +25,9 @@ a pipelined ahead call drafts past them, a padding position), and the scratch bl
 That admits by what requests use, not by what they might (a chat without max_tokens may reach the
 whole context). As requests grow the sum may pass the budget: then running requests are preempted
 (`preempt`), the highest priority value first and the newest of it first, until it fits again:
-their caches are freed, and they wait at the head of the queue with every token they have, to be prefilled again (prompt + output, chunked;
-prefix caching may take part of it) when they fit. Nothing is lost, the stream just pauses; a
-seeded request's random stream is untouched. A request that could not fit alone at its worst
+their caches are freed, and they wait at the head of the queue with every token they have, to be
+prefilled again (prompt + output, chunked; prefix caching may take part of it) when they fit.
+Nothing is lost, the stream just pauses; a seeded request's random stream is untouched. A request that could not fit alone at its worst
 (prompt + max_tokens + γ) is refused at once, so a request alone always fits.
 """
 from __future__ import annotations
