@@ -26,6 +26,7 @@ SETTINGS = [  # one per row of a ragged batch
     dict(logit_bias={5: 6.0, 17: -100.0, 40: 3.0}),
     dict(),
     dict(presence_penalty=-0.5, frequency_penalty=1.0, repetition_penalty=0.8, logit_bias={7: 2.5}),
+    dict(allowed_token_ids=tuple(range(0, 96, 3)), frequency_penalty=0.3),
 ]
 
 
@@ -38,6 +39,10 @@ def processed_naively(logits: torch.Tensor, prompt: list[int], out: list[int], p
     logits = logits.double().clone()
     for token, value in p.logit_bias:
         logits[token] += value
+    if p.allowed_token_ids is not None:
+        banned = torch.ones_like(logits, dtype=torch.bool)
+        banned[list(p.allowed_token_ids)] = False
+        logits[banned] = float("-inf")
     if p.repetition_penalty != 1.0:
         for token in set(prompt + out):
             value = logits[token]
@@ -166,7 +171,7 @@ def test_min_tokens_masks_by_position_in_the_block():
 
 # -- sampling: the processed distribution, exactly ------------------------------------------------------
 SAMPLED = SamplingParams(max_tokens=4, temperature=1.0, presence_penalty=0.8, frequency_penalty=0.6,
-                         repetition_penalty=1.5, logit_bias={3: 1.0, 6: -1.5})
+                         repetition_penalty=1.5, logit_bias={3: 1.0, 6: -1.5}, allowed_token_ids=(0, 1, 3, 4, 6, 7))
 
 
 def test_sampling_follows_the_processed_target():
@@ -218,3 +223,14 @@ def test_parameters_are_checked():
         SamplingParams(max_tokens=4, min_tokens=5)
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(min_tokens=-1)
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=())
+    assert SamplingParams(allowed_token_ids=[5, 2, 5]).allowed_token_ids == (2, 5)
+    assert SamplingParams(allowed_token_ids=[5]).processed
+    from specserve.engine.step import InvalidPrompt, new_sequence
+    with pytest.raises(InvalidPrompt, match="allowed_token_ids"):
+        new_sequence("r", [1], SamplingParams(allowed_token_ids=[99]), vocab_size=96, max_model_len=64,
+                     eos_token_ids=frozenset())
+    with pytest.raises(InvalidPrompt, match="allowed_token_ids"):  # nothing but the stop: min_tokens unmeetable
+        new_sequence("r", [1], SamplingParams(allowed_token_ids=[3], min_tokens=2), vocab_size=96, max_model_len=64,
+                     eos_token_ids=frozenset({3}))

@@ -242,6 +242,7 @@ def _fuzz_operation(operation, mode, statuses: dict[int, int], max_examples: int
                 # (as are a random min_tokens, over max_tokens, and random token ids, past the vocabulary)
                 case.body.pop("min_tokens", None)
                 case.body.pop("stop_token_ids", None)
+                case.body.pop("allowed_token_ids", None)
                 prompt = case.body.get("prompt")
                 if isinstance(prompt, list) and all(type(t) is int for t in prompt):
                     case.body["prompt"] = [abs(t) % FakeCoordinator().vocab_size for t in prompt]
@@ -271,6 +272,8 @@ def _post(client, body, path="/v1/completions", **kw):
     ("huge seed", {"model": MODEL, "prompt": "x", "seed": 2**70}),
     ("token id huge", {"model": MODEL, "prompt": [1, 2**70], "max_tokens": 2}),
     ("token id negative", {"model": MODEL, "prompt": [-1], "max_tokens": 2}),
+    ("token id negative, echoed", {"model": MODEL, "prompt": [5, -1], "max_tokens": 2, "echo": True}),
+    ("token id past the vocabulary, echoed", {"model": MODEL, "prompt": [5, 300], "max_tokens": 0, "echo": True}),
     ("prompt over context", {"model": MODEL, "prompt": "y" * 600, "max_tokens": 2}),
     ("prompt null", {"model": MODEL, "prompt": None}),
     ("body is a list", [1, 2, 3]),
@@ -843,8 +846,10 @@ def test_min_tokens_min_p_stop_token_ids_and_priority_reach_the_engine(client, f
     (request,) = fake.requests
     assert request.params.min_tokens == 4 and request.params.stop_token_ids == (33, 7)
     fake.requests.clear()
-    assert client.post("/v1/completions", json={**body, "min_p": 0.25, "priority": -3}).status_code == 200
+    assert client.post("/v1/completions", json={**body, "min_p": 0.25, "priority": -3,
+                                                "allowed_token_ids": [9, 4, 9]}).status_code == 200
     assert fake.requests[0].params.min_p == 0.25 and fake.requests[0].priority == -3
+    assert fake.requests[0].params.allowed_token_ids == (4, 9)
 
 
 def _text_and_ids(client, body: dict, stream: bool) -> tuple[str, list[int], dict]:
@@ -905,6 +910,9 @@ def test_no_stop_string_ends_in_the_first_min_tokens(client, fake, stream, min_t
     ({"prompt": "x", "stop_token_ids": [259]}, "stop_token_ids"),
     ({"prompt": "x", "stop_token_ids": [-2]}, "stop_token_ids"),
     ({"prompt": "x", "stop_token_ids": list(range(17))}, "stop_token_ids"),
+    ({"prompt": "x", "allowed_token_ids": [259]}, "allowed_token_ids"),
+    ({"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids"),
+    ({"prompt": "x", "allowed_token_ids": [5], "response_format": {"type": "json_object"}}, "allowed_token_ids"),
     ({"prompt": "x", "min_tokens": 2, "response_format": {"type": "json_object"}}, "min_tokens"),
 ])
 def test_bad_min_tokens_min_p_and_stop_token_ids_are_400(client, body, param):

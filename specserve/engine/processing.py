@@ -1,8 +1,8 @@
 """Logit processing that depends on the tokens before each position: penalties, logit bias, min_tokens.
 
 OpenAI's `presence_penalty` and `frequency_penalty`, the `repetition_penalty` extension (as in HF
-and vLLM), `logit_bias` and `min_tokens` (vLLM's: no stop token before that many output tokens)
-change the target's distribution at every position as a function of the tokens already there.
+and vLLM), `logit_bias`, and vLLM's `allowed_token_ids` and `min_tokens` (no stop token before that
+many output tokens) change the target's distribution at every position as a function of the tokens already there.
 Inside a verified block the tokens before position j are the row's output so far *plus drafts
 0..j-1*, so the counts must advance through the drafts, and with them fall back to the committed
 tokens once the verdict rejects some: computed per position here from the committed tokens (host
@@ -13,6 +13,7 @@ unprocessed q, which the rule corrects for (it only costs acceptance).
 
 Per row and position j, in this order, on float32 logits [V]:
   + logit_bias[v]                                            (OpenAI: added to the logits)
+  -inf at every token outside allowed_token_ids, when the row lists them
   repetition r != 1, seen = prompt + output + drafts before j:  l > 0: l / r, else l * r   (HF's rule)
   - frequency * count_j[v] - presence * (count_j[v] > 0), count over output + drafts before j (OpenAI)
   -inf at the row's stop ids (EOS unless ignore_eos, stop_token_ids) while len(output) + j < min_tokens
@@ -44,6 +45,7 @@ class LogitsProcessing:
     context: list[list[int]] | None  # [B] prompt + output, when some row has a repetition penalty
     min_left: list[int] | None = None  # [B] output tokens before a stop id may come (None: 0 in every row)
     stops: list[tuple[int, ...]] | None = None  # [B] the stop ids held back (with min_left)
+    allowed: list[tuple[int, ...] | None] | None = None  # [B] the only ids a row may generate (None: any)
 
     @staticmethod
     def of(seqs: Sequence) -> "LogitsProcessing | None":
@@ -61,13 +63,15 @@ class LogitsProcessing:
             [list(s.prompt) + list(s.output) if p.repetition_penalty != 1.0 else [] for s, p in zip(seqs, params)]
             if repeat else None,
             held if any(held) else None,
-            [tuple(sorted(s.stop_ids)) if h else () for s, h in zip(seqs, held)] if any(held) else None)
+            [tuple(sorted(s.stop_ids)) if h else () for s, h in zip(seqs, held)] if any(held) else None,
+            [p.allowed_token_ids for p in params] if any(p.allowed_token_ids is not None for p in params) else None)
 
     def select(self, rows: list[int]) -> "LogitsProcessing":
         """These rows only (caller indices)."""
         pick = lambda values: None if values is None else [values[b] for b in rows]  # noqa: E731
         return LogitsProcessing(pick(self.presence), pick(self.frequency), pick(self.repetition), pick(self.bias),
-                                pick(self.generated), pick(self.context), pick(self.min_left), pick(self.stops))
+                                pick(self.generated), pick(self.context), pick(self.min_left), pick(self.stops),
+                                pick(self.allowed))
 
     def apply(self, logits: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
         """logits [B, W, V] (position j follows drafts 0..j-1), drafts [B, >= W-1] -> processed
@@ -78,6 +82,8 @@ class LogitsProcessing:
         bias = self._bias(batch, vocab, device)
         if bias is not None:
             logits = logits + bias[:, None]
+        if self.allowed is not None:
+            logits = logits.masked_fill(~self._allowed(batch, vocab, device)[:, None], float("-inf"))
         before = _drafts_before(drafts[:, : width - 1], width, vocab, device)  # [B, W, V]
         if self.context is not None:
             seen = (_counts(self.context, vocab, device)[:, None] + before) > 0  # [B, W, V]
@@ -91,6 +97,15 @@ class LogitsProcessing:
         if self.min_left is not None:
             logits = logits.masked_fill(self._held_back(batch, width, vocab, device), float("-inf"))
         return logits
+
+    def _allowed(self, batch: int, vocab: int, device) -> torch.Tensor:
+        """[B, V] bool: the tokens each row may generate (every one in a row without a list)."""
+        allowed = torch.ones(batch, vocab, dtype=torch.bool)
+        for b, ids in enumerate(self.allowed):
+            if ids is not None:
+                allowed[b] = False
+                allowed[b, [t for t in ids if t < vocab]] = True
+        return allowed.to(device)
 
     def _held_back(self, batch: int, width: int, vocab: int, device) -> torch.Tensor:
         """[B, W, V] bool: a row's stop ids at the positions before its min_tokens-th output token."""

@@ -47,6 +47,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # HF's / vLLM's, > 0 (1 = off)
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)  # (token, added logit in [-100, 100])
     min_tokens: int = 0  # no stop id (EOS, stop_token_ids) before this many output tokens (vLLM's)
+    allowed_token_ids: tuple[int, ...] | None = None  # only these may be generated (vLLM's; None: any)
     # None: no log-probabilities; k >= 0: each generated token's, and the k likeliest alternatives'
     # (the verifier's `token_logprobs`: the processed target distribution at the row's temperature)
     logprobs: int | None = None
@@ -78,6 +79,13 @@ class SamplingParams:
         if any(t < 0 or not -100.0 <= v <= 100.0 for t, v in bias):
             raise ValueError("logit_bias maps token ids >= 0 to values in [-100, 100]")
         object.__setattr__(self, "logit_bias", bias)
+        if self.allowed_token_ids is not None:
+            allowed = tuple(sorted({int(t) for t in self.allowed_token_ids}))
+            if not allowed or allowed[0] < 0:
+                raise ValueError("allowed_token_ids must list at least one token id >= 0")
+            if self.grammar is not None:
+                raise ValueError("allowed_token_ids cannot be combined with a grammar (it decides the tokens)")
+            object.__setattr__(self, "allowed_token_ids", allowed)
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
         if self.min_tokens and self.grammar is not None:
@@ -93,7 +101,7 @@ class SamplingParams:
     def processed(self) -> bool:
         """Whether penalties or a logit bias change the target's logits (LogitsProcessing)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias)
+                    or self.logit_bias or self.allowed_token_ids is not None)
 
 
 @dataclass(frozen=True)

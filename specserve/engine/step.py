@@ -150,6 +150,10 @@ def new_sequence(
             f"context of {max_model_len} tokens"
         )
     stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_token_ids)
+    allowed = params.allowed_token_ids
+    if allowed is not None and (allowed[-1] >= vocab_size or (params.min_tokens and stops.issuperset(allowed))):
+        raise InvalidPrompt(f"allowed_token_ids must lie in [0, {vocab_size}) and, with min_tokens, hold a "
+                            "token that does not end the output")
     return Sequence(request_id, prompt, params, stops, max_model_len, max_gamma=max_gamma, priority=priority)
 
 

@@ -12,7 +12,7 @@ every list a client controls has a limit (`front_door.*`).
 
 Besides OpenAI's own fields (penalties, logit_bias, logprobs, n, batched prompts: docs/serving.md),
 extensions: `repetition_penalty`, `top_k` (0 or -1 = off), vLLM's `min_p`, `min_tokens`,
-`stop_token_ids`, `include_stop_str_in_output`, `skip_special_tokens` and chat template options,
+`stop_token_ids`, `allowed_token_ids`, `include_stop_str_in_output`, `skip_special_tokens` and chat template options,
 `ignore_eos`, `return_token_ids`
 (the generated ids in the choice; streaming: each chunk's choice carries the ids new since the previous
 chunk), and `num_speculative_tokens` (a per-request cap on γ, 0 = no speculation; at most
@@ -270,6 +270,7 @@ class OpenAIServer:
                 batch.append(await self._offload(self._encode, prompt, "prompt", True))
             else:
                 await self._precheck(None, len(prompt), max(max_tokens, 1), "prompt")
+                await self._token_ids(prompt, "prompt")  # (before `echo` decodes them)
                 batch.append(list(prompt))
         echoes = await asyncio.gather(*(self._echo(p, ids, body.logprobs) for p, ids in zip(prompts, batch))) \
             if body.echo else None
@@ -421,14 +422,15 @@ class OpenAIServer:
             bias[int(key)] = value
         return bias
 
-    async def _stop_ids(self, body: SamplingRequest) -> tuple[int, ...]:
-        """stop_token_ids, checked against the model's vocabulary."""
-        if not body.stop_token_ids:
-            return ()
+    async def _token_ids(self, ids: list[int] | None, param: str) -> tuple[int, ...] | None:
+        """A list of token ids a request sends (a prompt, stop_token_ids, allowed_token_ids), checked
+        against the model's vocabulary."""
+        if not ids:
+            return None
         vocab = (await self.info())["vocab_size"]
-        if max(body.stop_token_ids) >= vocab:
-            raise OpenAIError(400, f"stop_token_ids must be token ids in [0, {vocab})", "stop_token_ids")
-        return tuple(body.stop_token_ids)
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise OpenAIError(400, f"{param} must be token ids in [0, {vocab})", param)
+        return tuple(ids)
 
     def _check_limits(self, body: SamplingRequest) -> None:
         """The lists and strings a client controls (the prompt's size is _precheck's)."""
@@ -476,7 +478,8 @@ class OpenAIServer:
                            echoes: list[Echo] | None, tools: ToolPlan | None) -> list:
         """Start one generation per (prompt index, prompt) of `runs`; seeded ones draw from seed + k."""
         params = self._params(body, max_tokens, await self._logit_bias(body), await self._grammar(body, tools),
-                              await self._stop_ids(body))
+                              await self._token_ids(body.stop_token_ids, "stop_token_ids"),
+                              await self._token_ids(body.allowed_token_ids, "allowed_token_ids"))
         if time.monotonic() < self._shed_until:  # a burst: the surplus gets its 429 without a round trip
             raise overloaded("the server is overloaded; retry later")
         choices: list = []
@@ -522,14 +525,15 @@ class OpenAIServer:
         return grammar
 
     def _params(self, body: SamplingRequest, max_tokens: int, bias: dict[int, float],
-                grammar: Grammar | None = None, stop_ids: tuple[int, ...] = ()) -> SamplingParams:
+                grammar: Grammar | None = None, stop_ids: tuple[int, ...] | None = None,
+                allowed_ids: tuple[int, ...] | None = None) -> SamplingParams:
         try:
             return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_k=max(body.top_k, 0),
                                   top_p=body.top_p, min_p=body.min_p, seed=body.seed, ignore_eos=body.ignore_eos,
                                   presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                                   repetition_penalty=body.repetition_penalty, logit_bias=bias,
                                   logprobs=body.logprobs_wanted(), grammar=grammar, min_tokens=body.min_tokens,
-                                  stop_token_ids=stop_ids)
+                                  stop_token_ids=stop_ids or (), allowed_token_ids=allowed_ids)
         except ValueError as err:  # the engine's own checks: a client error, never a 500
             named = str(err).split(maxsplit=1)[0]  # (the engine's messages start with the field's name)
             raise OpenAIError(400, str(err), named if named in type(body).model_fields else None) from err
