@@ -1009,6 +1009,32 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(client):
     assert err["param"] in ("stream_options", None)
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_end(client, fake):
+    """vLLM's left truncation: the last k tokens go to the engine (a prompt longer than the context
+    included), an echo shows what was kept; chat truncates the rendered conversation."""
+    fake.requests.clear()
+    body = {"model": MODEL, "prompt": "y" * 600 + "abcdefghij", "max_tokens": 2, "truncate_prompt_tokens": 4,
+            "echo": True}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert fake.requests[-1].prompt_token_ids == list(b"ghij") and r.json()["choices"][0]["text"].startswith("ghij")
+    assert r.json()["usage"]["prompt_tokens"] == 4
+    ids = client.post("/v1/completions", json={**body, "prompt": list(range(1, 30)), "echo": False})
+    assert ids.status_code == 200 and fake.requests[-1].prompt_token_ids == [26, 27, 28, 29]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x" * 600}], "max_tokens": 2,
+            "truncate_prompt_tokens": 6}
+    assert client.post("/v1/chat/completions", json=chat).status_code == 200
+    assert fake.requests[-1].prompt_token_ids == list(b"stant\n")  # the end of "<|im_start|>assistant\n"
+    assert client.post("/v1/completions", json={**body, "truncate_prompt_tokens": -1, "prompt": "abc"}).status_code \
+        == 200 and fake.requests[-1].prompt_token_ids == list(b"abc")
+
+
+@pytest.mark.parametrize("keep", [0, -2, 513])
+def test_bad_truncate_prompt_tokens_are_400(client, keep):
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 2, "truncate_prompt_tokens": keep}
+    assert _error(client.post("/v1/completions", json=body), 400)["param"] == "truncate_prompt_tokens"
+
+
 def test_one_model_is_retrieved_by_its_id(client):
     card = client.get(f"/v1/models/{MODEL}").json()
     assert card["id"] == MODEL and card["object"] == "model" and card["max_model_len"] > 0

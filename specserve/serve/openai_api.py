@@ -12,7 +12,7 @@ every list a client controls has a limit (`front_door.*`).
 
 Besides OpenAI's own fields (penalties, logit_bias, logprobs, n, batched prompts: docs/serving.md),
 extensions: `repetition_penalty`, `top_k` (0 or -1 = off), vLLM's `min_p`, `min_tokens`,
-`stop_token_ids`, `allowed_token_ids`, `include_stop_str_in_output`, `skip_special_tokens` and chat template options,
+`stop_token_ids`, `allowed_token_ids`, `truncate_prompt_tokens`, `include_stop_str_in_output`, `skip_special_tokens` and chat template options,
 `ignore_eos`, `return_token_ids`
 (the generated ids in the choice; streaming: each chunk's choice carries the ids new since the previous
 chunk), and `num_speculative_tokens` (a per-request cap on γ, 0 = no speculation; at most
@@ -263,15 +263,21 @@ class OpenAIServer:
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
         prompts = body.prompts()
         self._check_choices(len(prompts) * body.n)
+        keep = await self._kept_tokens(body)
         batch = []
         for prompt in prompts:
             if isinstance(prompt, str):
-                await self._precheck(prompt, None, max(max_tokens, 1), "prompt")
+                if keep is None:
+                    await self._precheck(prompt, None, max(max_tokens, 1), "prompt")
                 batch.append(await self._offload(self._encode, prompt, "prompt", True))
             else:
-                await self._precheck(None, len(prompt), max(max_tokens, 1), "prompt")
+                if keep is None:
+                    await self._precheck(None, len(prompt), max(max_tokens, 1), "prompt")
                 await self._token_ids(prompt, "prompt")  # (before `echo` decodes them)
                 batch.append(list(prompt))
+        if keep is not None:  # left truncation; an echo shows what was kept
+            prompts = [p if len(ids) <= keep else ids[-keep:] for p, ids in zip(prompts, batch)]
+            batch = [ids[-keep:] for ids in batch]
         echoes = await asyncio.gather(*(self._echo(p, ids, body.logprobs) for p, ids in zip(prompts, batch))) \
             if body.echo else None
         return await self._respond(body, batch, max_tokens, chat=False, key=_key(request), echoes=echoes)
@@ -294,8 +300,11 @@ class OpenAIServer:
         self._check(body)
         text, plan = await self._render(body)
         sent = body.max_completion_tokens or body.max_tokens
-        await self._precheck(text, None, sent or 1, "messages")
+        keep = await self._kept_tokens(body)
+        if keep is None:
+            await self._precheck(text, None, sent or 1, "messages")
         ids = await self._offload(self._encode, text, "messages", False)
+        ids = ids if keep is None else ids[-keep:]
         max_tokens = sent if sent is not None else await self._room(len(ids))
         self._check_choices(body.n)
         return await self._respond(body, [ids], max_tokens, chat=True, key=_key(request),
@@ -421,6 +430,16 @@ class OpenAIServer:
                 raise OpenAIError(400, f"logit_bias keys must be token ids in [0, {vocab}), got {key!r}", "logit_bias")
             bias[int(key)] = value
         return bias
+
+    async def _kept_tokens(self, body: SamplingRequest) -> int | None:
+        """truncate_prompt_tokens as a count (-1: the model's context); None: no truncation."""
+        keep = body.truncate_prompt_tokens
+        if keep is None:
+            return None
+        context = (await self.info())["max_model_len"]
+        if keep == 0 or keep > context:
+            raise OpenAIError(400, f"truncate_prompt_tokens must be -1 or in [1, {context}]", "truncate_prompt_tokens")
+        return context if keep == -1 else keep
 
     async def _token_ids(self, ids: list[int] | None, param: str) -> tuple[int, ...] | None:
         """A list of token ids a request sends (a prompt, stop_token_ids, allowed_token_ids), checked

@@ -143,6 +143,7 @@ class SamplingRequest(BaseModel):
     skip_special_tokens: bool = True  # vLLM's: false shows special tokens' text
     num_speculative_tokens: int | None = Field(None, ge=0)
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1)  # vLLM's: a lower value is admitted first
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # vLLM's: keep the prompt's last k tokens (-1: context)
     # the generated token ids ride along in the choice (streaming: the ids new since the last chunk)
     return_token_ids: bool = False
     # structured output (chat, and completions as an extension): json_object / json_schema, or the
