@@ -12,8 +12,8 @@ from .continuation import Continuation
 from .front_door import OpenAIError
 from .tools import ToolPlan, without_index
 
-# an alternative a grammar forbids has logprob -inf, which JSON cannot carry: it is sent as this
-# (as vLLM does), below any real token's
+# an alternative a grammar, allowed_token_ids or min_tokens forbids has logprob -inf, which JSON
+# cannot carry: it is sent as this (as vLLM does), below any real token's
 MIN_LOGPROB = -9999.0
 
 
