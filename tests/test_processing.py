@@ -51,6 +51,9 @@ def processed_naively(logits: torch.Tensor, prompt: list[int], out: list[int], p
         logits[token] -= p.frequency_penalty * count + p.presence_penalty
     if len(out) < p.min_tokens:
         logits[list(p.stop_token_ids)] = float("-inf")
+    for word in p.bad_words_ids:
+        if len(word) == 1 or out[len(out) - len(word) + 1:] == list(word[:-1]):
+            logits[word[-1]] = float("-inf")
     return logits
 
 
@@ -169,6 +172,43 @@ def test_min_tokens_masks_by_position_in_the_block():
     assert not out[1].isinf().any() and not out[0, :, [0, 1, 2, 4]].isinf().any()
 
 
+# -- bad words: a word's last token forbidden where the output (drafts included) ends with the rest -----
+@pytest.mark.parametrize("name", ["draft-model", "feature-head", "layer-skip", "prompt-lookup"])
+@pytest.mark.parametrize("gamma", [1, 4])
+def test_bad_words_are_never_generated_as_the_target_alone_decides(name, gamma, head_dir):
+    """Each row bans two-token words its plain greedy output holds and a one-token word; rows with
+    and without bad words share the batch."""
+    batch = prompts(3, seed=5)
+    plain = [reference(tuple(prompt), params({})) for prompt in batch]
+    bans = [((out[2], out[3]), (out[8], out[9]), (out[14],)) for out in plain[:2]] + [()]
+    rows = [params(dict(bad_words_ids=words)) for words in bans]
+    engine = SpeculativeEngine(target(), proposer=drafter(name, head_dir), num_speculative_tokens=gamma,
+                               adaptive=False)
+    outs = engine.generate(batch, rows)
+    for prompt, p, out, was in zip(batch, rows, outs, plain):
+        assert out.token_ids == reference(tuple(prompt), p), (name, gamma, p)
+        for word in p.bad_words_ids:
+            n = len(word)
+            assert all(tuple(out.token_ids[i:i + n]) != word for i in range(len(out.token_ids) - n + 1))
+    assert outs[0].token_ids != plain[0] and outs[2].token_ids == plain[2]
+
+
+def test_bad_words_match_through_the_drafts():
+    """At position j a word's last token is banned where the output's tail and drafts 0..j-1 end
+    with the rest of it: a 2-token word inside the drafts, a 3-token word across the committed
+    tail and the drafts, a 1-token word everywhere; a row without bad words is untouched."""
+    from specserve.engine.processing import LogitsProcessing
+
+    words = ((5, 7), (9, 3, 8), (2,))
+    proc = LogitsProcessing([0.0] * 2, [0.0] * 2, [1.0] * 2, [(), ()], [[], []], None,
+                            bad_words=[words, ()], recent=[[9, 3], []])
+    drafts = torch.tensor([[5, 7, 5], [5, 7, 5]])
+    out = proc.apply(torch.zeros(2, 4, 12), drafts).isinf()  # [B, W, V]
+    assert out[0, :, 7].tolist() == [False, True, False, True]  # after the drafts 5 at 0 and 2
+    assert out[0, :, 8].tolist() == [True, False, False, False]  # the committed 9 3, then no more
+    assert out[0, :, 2].all() and out[0].sum() == 2 + 1 + 4 and not out[1].any()
+
+
 # -- sampling: the processed distribution, exactly ------------------------------------------------------
 SAMPLED = SamplingParams(max_tokens=4, temperature=1.0, presence_penalty=0.8, frequency_penalty=0.6,
                          repetition_penalty=1.5, logit_bias={3: 1.0, 6: -1.5}, allowed_token_ids=(0, 1, 3, 4, 6, 7))
@@ -227,6 +267,12 @@ def test_parameters_are_checked():
         SamplingParams(allowed_token_ids=())
     assert SamplingParams(allowed_token_ids=[5, 2, 5]).allowed_token_ids == (2, 5)
     assert SamplingParams(allowed_token_ids=[5]).processed
+    assert SamplingParams(bad_words_ids=[[3, 4], (3, 4), [5]]).bad_words_ids == ((3, 4), (5,))
+    with pytest.raises(ValueError, match="bad_words_ids"):
+        SamplingParams(bad_words_ids=[[]])
+    from specserve.engine.grammar import Grammar
+    with pytest.raises(ValueError, match="bad_words"):
+        SamplingParams(bad_words_ids=[[4]], grammar=Grammar("json_object"))
     from specserve.engine.step import InvalidPrompt, new_sequence
     with pytest.raises(InvalidPrompt, match="allowed_token_ids"):
         new_sequence("r", [1], SamplingParams(allowed_token_ids=[99]), vocab_size=96, max_model_len=64,

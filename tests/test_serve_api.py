@@ -850,6 +850,9 @@ def test_min_tokens_min_p_stop_token_ids_and_priority_reach_the_engine(client, f
                                                 "allowed_token_ids": [9, 4, 9]}).status_code == 200
     assert fake.requests[0].params.min_p == 0.25 and fake.requests[0].priority == -3
     assert fake.requests[0].params.allowed_token_ids == (4, 9)
+    fake.requests.clear()
+    assert client.post("/v1/completions", json={**body, "bad_words": ["hi", " yo"]}).status_code == 200
+    assert set(fake.requests[0].params.bad_words_ids) == {tuple(b"hi"), tuple(b" hi"), tuple(b"yo"), tuple(b" yo")}
 
 
 def _text_and_ids(client, body: dict, stream: bool) -> tuple[str, list[int], dict]:
@@ -911,6 +914,10 @@ def test_no_stop_string_ends_in_the_first_min_tokens(client, fake, stream, min_t
     ({"prompt": "x", "stop_token_ids": [-2]}, "stop_token_ids"),
     ({"prompt": "x", "stop_token_ids": list(range(17))}, "stop_token_ids"),
     ({"prompt": "x", "allowed_token_ids": [259]}, "allowed_token_ids"),
+    ({"prompt": "x", "bad_words": ["  "]}, "bad_words"),
+    ({"prompt": "x", "bad_words": ["w"], "response_format": {"type": "json_object"}}, "bad_words"),
+    ({"prompt": "x", "bad_words": ["w"] * 17}, "bad_words"),
+    ({"prompt": "x", "bad_words": ["w" * 257]}, "bad_words"),
     ({"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids"),
     ({"prompt": "x", "allowed_token_ids": [5], "response_format": {"type": "json_object"}}, "allowed_token_ids"),
     ({"prompt": "x", "min_tokens": 2, "response_format": {"type": "json_object"}}, "min_tokens"),

@@ -35,7 +35,8 @@ def sampling() -> BatchSampling:
     allowed token ids (each rides along with the step)."""
     grammar = Grammar.json_schema({"type": "array"})
     params = [SamplingParams(temperature=0.0, grammar=grammar, presence_penalty=0.5, logit_bias={3: 1.0}),
-              SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1, min_tokens=4, allowed_token_ids=[7, 9])]
+              SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1, min_tokens=4, allowed_token_ids=[7, 9],
+                             bad_words_ids=[(7, 9), (3,)])]
     seqs = [SimpleNamespace(request_id=r, params=p, output=o, prompt=[1], stop_ids=frozenset({2, 0})) for r, p, o in
             zip("ab", params, ([91, 49], [7]))]
     return BatchSampling.from_params(params, processing=LogitsProcessing.of(seqs), grammar=GrammarRows.of(seqs))

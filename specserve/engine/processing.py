@@ -1,13 +1,13 @@
-"""Logit processing that depends on the tokens before each position: penalties, logit bias, min_tokens.
+"""Logit processing that depends on the tokens before each position: penalties, bias, bans, min_tokens.
 
 OpenAI's `presence_penalty` and `frequency_penalty`, the `repetition_penalty` extension (as in HF
-and vLLM), `logit_bias`, and vLLM's `allowed_token_ids` and `min_tokens` (no stop token before that
-many output tokens) change the target's distribution at every position as a function of the tokens already there.
-Inside a verified block the tokens before position j are the row's output so far *plus drafts
-0..j-1*, so the counts must advance through the drafts, and with them fall back to the committed
-tokens once the verdict rejects some: computed per position here from the committed tokens (host
-lists, sent with the step) and the block's drafts (device), nothing kept between steps, so a
-rejected draft leaves no trace. The rejection rule then needs only p exact
+and vLLM), `logit_bias`, and vLLM's `allowed_token_ids`, `bad_words` and `min_tokens` (no stop
+token before that many output tokens) change the target's distribution at every position as a
+function of the tokens already there. Inside a verified block the tokens before position j are the
+row's output so far *plus drafts 0..j-1*, so the counts must advance through the drafts, and with
+them fall back to the committed tokens once the verdict rejects some: computed per position here
+from the committed tokens (host lists, sent with the step) and the block's drafts (device), nothing
+kept between steps, so a rejected draft leaves no trace. The rejection rule then needs only p exact
 (`TargetVerifier._accept` applies this before argmax / softmax); the draft proposes from its own
 unprocessed q, which the rule corrects for (it only costs acceptance).
 
@@ -17,6 +17,9 @@ Per row and position j, in this order, on float32 logits [V]:
   repetition r != 1, seen = prompt + output + drafts before j:  l > 0: l / r, else l * r   (HF's rule)
   - frequency * count_j[v] - presence * (count_j[v] > 0), count over output + drafts before j (OpenAI)
   -inf at the row's stop ids (EOS unless ignore_eos, stop_token_ids) while len(output) + j < min_tokens
+  -inf at a bad word's last token where output + drafts before j end with the rest of it (its
+    first token alone, for a one-token word, everywhere). Matching needs the drafts on the host:
+    one more device-to-host copy, in steps with such a row only (as a grammar row's masks)
 
 A step without any such row carries `processing = None` and pays nothing (a min_tokens row stops
 asking once its output holds min_tokens tokens). A row with processing
@@ -46,6 +49,8 @@ class LogitsProcessing:
     min_left: list[int] | None = None  # [B] output tokens before a stop id may come (None: 0 in every row)
     stops: list[tuple[int, ...]] | None = None  # [B] the stop ids held back (with min_left)
     allowed: list[tuple[int, ...] | None] | None = None  # [B] the only ids a row may generate (None: any)
+    bad_words: list[tuple[tuple[int, ...], ...]] | None = None  # [B] token sequences never generated
+    recent: list[list[int]] | None = None  # [B] each row's last output tokens, as many as its longest bad word - 1
 
     @staticmethod
     def of(seqs: Sequence) -> "LogitsProcessing | None":
@@ -64,14 +69,15 @@ class LogitsProcessing:
             if repeat else None,
             held if any(held) else None,
             [tuple(sorted(s.stop_ids)) if h else () for s, h in zip(seqs, held)] if any(held) else None,
-            [p.allowed_token_ids for p in params] if any(p.allowed_token_ids is not None for p in params) else None)
+            [p.allowed_token_ids for p in params] if any(p.allowed_token_ids is not None for p in params) else None,
+            *_bad_words(seqs))
 
     def select(self, rows: list[int]) -> "LogitsProcessing":
         """These rows only (caller indices)."""
         pick = lambda values: None if values is None else [values[b] for b in rows]  # noqa: E731
         return LogitsProcessing(pick(self.presence), pick(self.frequency), pick(self.repetition), pick(self.bias),
                                 pick(self.generated), pick(self.context), pick(self.min_left), pick(self.stops),
-                                pick(self.allowed))
+                                pick(self.allowed), pick(self.bad_words), pick(self.recent))
 
     def apply(self, logits: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
         """logits [B, W, V] (position j follows drafts 0..j-1), drafts [B, >= W-1] -> processed
@@ -96,7 +102,26 @@ class LogitsProcessing:
             logits = logits - frequency * counts - presence * (counts > 0).float()
         if self.min_left is not None:
             logits = logits.masked_fill(self._held_back(batch, width, vocab, device), float("-inf"))
+        if self.bad_words is not None:
+            logits = logits.masked_fill(self._bad(drafts[:, : width - 1].tolist(), width, vocab, device), float("-inf"))
         return logits
+
+    def _bad(self, drafts: list[list[int]], width: int, vocab: int, device) -> torch.Tensor:
+        """[B, W, V] bool: at position j, the last token of each bad word whose other tokens end
+        the row's output followed by drafts 0..j-1 (drafts [B, W-1] on the host)."""
+        rows, positions, tokens = [], [], []
+        for b, words in enumerate(self.bad_words):
+            for j in range(width):
+                before = self.recent[b] + drafts[b][:j]
+                for word in words:
+                    head = word[:-1]
+                    if word[-1] < vocab and (not head or before[len(before) - len(head):] == list(head)):
+                        rows.append(b)
+                        positions.append(j)
+                        tokens.append(word[-1])
+        banned = torch.zeros(len(self.bad_words), width, vocab, dtype=torch.bool)
+        banned[rows, positions, tokens] = True
+        return banned.to(device)
 
     def _allowed(self, batch: int, vocab: int, device) -> torch.Tensor:
         """[B, V] bool: the tokens each row may generate (every one in a row without a list)."""
@@ -125,6 +150,18 @@ class LogitsProcessing:
         bias[torch.tensor(rows, device=device), torch.tensor(tokens, device=device)] = torch.tensor(
             values, device=device)
         return bias
+
+
+def _bad_words(seqs: Sequence) -> tuple[list | None, list | None]:
+    """(each row's bad words, each row's output tail as long as its longest word - 1), or (None,
+    None) when no row has any."""
+    if not any(s.params.bad_words_ids for s in seqs):
+        return None, None
+    tails = []
+    for s in seqs:
+        longest = max((len(w) for w in s.params.bad_words_ids), default=1)
+        tails.append(list(s.output[len(s.output) - (longest - 1):]) if longest > 1 else [])
+    return [s.params.bad_words_ids for s in seqs], tails
 
 
 def _counts(token_lists: list[list[int]], vocab: int, device) -> torch.Tensor:

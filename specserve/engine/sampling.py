@@ -48,6 +48,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)  # (token, added logit in [-100, 100])
     min_tokens: int = 0  # no stop id (EOS, stop_token_ids) before this many output tokens (vLLM's)
     allowed_token_ids: tuple[int, ...] | None = None  # only these may be generated (vLLM's; None: any)
+    # token sequences never generated: a sequence's last token is forbidden wherever the output
+    # (drafts included) ends with the rest of it (vLLM's `bad_words`, as token ids)
+    bad_words_ids: tuple[tuple[int, ...], ...] = field(default_factory=tuple)
     # None: no log-probabilities; k >= 0: each generated token's, and the k likeliest alternatives'
     # (the verifier's `token_logprobs`: the processed target distribution at the row's temperature)
     logprobs: int | None = None
@@ -86,6 +89,12 @@ class SamplingParams:
             if self.grammar is not None:
                 raise ValueError("allowed_token_ids cannot be combined with a grammar (it decides the tokens)")
             object.__setattr__(self, "allowed_token_ids", allowed)
+        bad = tuple(dict.fromkeys(tuple(int(t) for t in words) for words in self.bad_words_ids))
+        if any(not words or min(words) < 0 for words in bad):
+            raise ValueError("bad_words_ids must be non-empty sequences of token ids >= 0")
+        if bad and self.grammar is not None:
+            raise ValueError("bad_words (bad_words_ids) cannot be combined with a grammar (it decides the tokens)")
+        object.__setattr__(self, "bad_words_ids", bad)
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
         if self.min_tokens and self.grammar is not None:
@@ -101,7 +110,7 @@ class SamplingParams:
     def processed(self) -> bool:
         """Whether penalties or a logit bias change the target's logits (LogitsProcessing)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.allowed_token_ids is not None)
+                    or self.logit_bias or self.allowed_token_ids is not None or bool(self.bad_words_ids))
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ every list a client controls has a limit (`front_door.*`).
 
 Besides OpenAI's own fields (penalties, logit_bias, logprobs, n, batched prompts: docs/serving.md),
 extensions: `repetition_penalty`, `top_k` (0 or -1 = off), vLLM's `min_p`, `min_tokens`,
-`stop_token_ids`, `allowed_token_ids`, `truncate_prompt_tokens`, `include_stop_str_in_output`, `skip_special_tokens` and chat template options,
+`stop_token_ids`, `allowed_token_ids`, `bad_words`, `truncate_prompt_tokens`, `include_stop_str_in_output`, `skip_special_tokens` and chat template options,
 `ignore_eos`, `return_token_ids`
 (the generated ids in the choice; streaming: each chunk's choice carries the ids new since the previous
 chunk), and `num_speculative_tokens` (a per-request cap on γ, 0 = no speculation; at most
@@ -363,6 +363,11 @@ class OpenAIServer:
         check_unicode(text, param)
         return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
 
+    def _bad_words(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
+        """bad_words as token sequences, each word as the text's first word and after a space (vLLM's rule)."""
+        variants = {text for word in words for text in (word.lstrip(), " " + word.lstrip())}
+        return tuple(tuple(self.tokenizer(text, add_special_tokens=False).input_ids) for text in sorted(variants))
+
     def _template(self, messages: list[dict], tools: list[dict] | None, options: dict) -> str:
         """options: add_generation_prompt, continue_final_message and the request's chat_template_kwargs."""
         try:
@@ -466,6 +471,13 @@ class OpenAIServer:
             raise OpenAIError(400, f"at most {front.max_logit_bias_entries} logit_bias entries", "logit_bias")
         if body.stop_token_ids is not None and len(body.stop_token_ids) > front.max_stop_sequences:
             raise OpenAIError(400, f"at most {front.max_stop_sequences} stop_token_ids", "stop_token_ids")
+        if len(body.bad_words or []) > front.max_stop_sequences:
+            raise OpenAIError(400, f"at most {front.max_stop_sequences} bad_words", "bad_words")
+        for word in body.bad_words or []:
+            if not word.strip() or len(word) > front.max_stop_chars:
+                raise OpenAIError(400, f"a bad word has 1 to {front.max_stop_chars} characters, not only spaces",
+                                  "bad_words")
+            check_unicode(word, "bad_words")
 
     async def _respond(self, body: SamplingRequest, prompts: list[list[int]], max_tokens: int, chat: bool,
                        key: int, length_param: str = "max_tokens", echoes: list[Echo] | None = None,
@@ -498,7 +510,8 @@ class OpenAIServer:
         """Start one generation per (prompt index, prompt) of `runs`; seeded ones draw from seed + k."""
         params = self._params(body, max_tokens, await self._logit_bias(body), await self._grammar(body, tools),
                               await self._token_ids(body.stop_token_ids, "stop_token_ids"),
-                              await self._token_ids(body.allowed_token_ids, "allowed_token_ids"))
+                              await self._token_ids(body.allowed_token_ids, "allowed_token_ids"),
+                              await self._offload(self._bad_words, body.bad_words or []))
         if time.monotonic() < self._shed_until:  # a burst: the surplus gets its 429 without a round trip
             raise overloaded("the server is overloaded; retry later")
         choices: list = []
@@ -545,14 +558,16 @@ class OpenAIServer:
 
     def _params(self, body: SamplingRequest, max_tokens: int, bias: dict[int, float],
                 grammar: Grammar | None = None, stop_ids: tuple[int, ...] | None = None,
-                allowed_ids: tuple[int, ...] | None = None) -> SamplingParams:
+                allowed_ids: tuple[int, ...] | None = None,
+                bad_words: tuple[tuple[int, ...], ...] = ()) -> SamplingParams:
         try:
             return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_k=max(body.top_k, 0),
                                   top_p=body.top_p, min_p=body.min_p, seed=body.seed, ignore_eos=body.ignore_eos,
                                   presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                                   repetition_penalty=body.repetition_penalty, logit_bias=bias,
                                   logprobs=body.logprobs_wanted(), grammar=grammar, min_tokens=body.min_tokens,
-                                  stop_token_ids=stop_ids or (), allowed_token_ids=allowed_ids)
+                                  stop_token_ids=stop_ids or (), allowed_token_ids=allowed_ids,
+                                  bad_words_ids=bad_words)
         except ValueError as err:  # the engine's own checks: a client error, never a 500
             named = str(err).split(maxsplit=1)[0]  # (the engine's messages start with the field's name)
             raise OpenAIError(400, str(err), named if named in type(body).model_fields else None) from err

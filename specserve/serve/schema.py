@@ -139,6 +139,7 @@ class SamplingRequest(BaseModel):
     min_tokens: int = Field(0, ge=0)  # vLLM's: no EOS, stop_token_ids or stop string before this many tokens
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None  # vLLM's: ids that end the output (text not shown)
     allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, min_length=1)  # vLLM's: only these
+    bad_words: list[str] | None = None  # vLLM's: words never generated (at the start of the text or after a space)
     include_stop_str_in_output: bool = False  # vLLM's: the stop string, or the ending stop token's text, stays in
     skip_special_tokens: bool = True  # vLLM's: false shows special tokens' text
     num_speculative_tokens: int | None = Field(None, ge=0)
