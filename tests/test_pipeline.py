@@ -200,19 +200,21 @@ def test_overlapped_policy_drafts_longer_than_sequential_where_overlap_pays_and_
 
 
 def test_pipelined_penalties_and_logprobs_are_the_sequential_ones(local_coordinator):
-    """Penalties (and min_tokens) counted through the drafts and log-probabilities of each token: a prepared block
+    """Penalties (and min_tokens, bad words) counted through the drafts and log-probabilities of each token: a prepared block
     verified one step later sees the tokens of the step it was drafted ahead of, so pipelined
     output and log-probabilities equal the sequential loop's."""
     from specserve.serve.coordinator import Delta, GenerateRequest
 
-    # the third row's stop token is its plain output's 2nd token, held back for 12 tokens (min_tokens)
-    stop = generate(local_coordinator(config(pipelined=False)), PROMPTS[2:3],
-                    [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)])[0][1]
+    # the third row's stop token is its plain output's 2nd token, held back for 12 tokens (min_tokens),
+    # and its 6th and 7th tokens are a bad word
+    plain3 = generate(local_coordinator(config(pipelined=False)), PROMPTS[2:3],
+                      [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)])[0]
+    stop = plain3[1]
     params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2, presence_penalty=0.4,
                              frequency_penalty=0.2, logit_bias={72: 1.0}),
               SamplingParams(temperature=0.0, max_tokens=35, ignore_eos=True, logprobs=0, repetition_penalty=1.1),
               SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=0, stop_token_ids=(stop,),
-                             min_tokens=12)]
+                             min_tokens=12, bad_words_ids=[tuple(plain3[5:7])])]
 
     def run(coordinator) -> list[tuple[list[int], list[float]]]:
         async def one(prompt, p):
@@ -239,6 +241,7 @@ def test_pipelined_penalties_and_logprobs_are_the_sequential_ones(local_coordina
         assert len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b)) < 1e-4
     assert pipelined._totals["pipelined_hits"] > 0
     assert stop not in got[2][0][:12] and len(got[2][0]) >= 12
+    assert all(got[2][0][i:i + 2] != plain3[5:7] for i in range(len(got[2][0]) - 1))
     plain = [SamplingParams(temperature=0.0, max_tokens=p.max_tokens, ignore_eos=True) for p in params[:2]]
     assert generate(local_coordinator(config(pipelined=False)), PROMPTS[:2], plain) != [t for t, _ in got]
 
