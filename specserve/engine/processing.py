@@ -119,26 +119,21 @@ class LogitsProcessing:
                         rows.append(b)
                         positions.append(j)
                         tokens.append(word[-1])
-        banned = torch.zeros(len(self.bad_words), width, vocab, dtype=torch.bool)
-        banned[rows, positions, tokens] = True
-        return banned.to(device)
+        return _mask((len(self.bad_words), width, vocab), (rows, positions, tokens), device)
 
     def _allowed(self, batch: int, vocab: int, device) -> torch.Tensor:
         """[B, V] bool: the tokens each row may generate (every one in a row without a list)."""
-        allowed = torch.ones(batch, vocab, dtype=torch.bool)
-        for b, ids in enumerate(self.allowed):
-            if ids is not None:
-                allowed[b] = False
-                allowed[b, [t for t in ids if t < vocab]] = True
-        return allowed.to(device)
+        listed = [(b, t) for b, ids in enumerate(self.allowed) if ids is not None for t in ids if t < vocab]
+        allowed = _mask((batch, vocab), tuple(zip(*listed)) if listed else ([], []), device)
+        free = [b for b, ids in enumerate(self.allowed) if ids is None]
+        allowed[torch.tensor(free, dtype=torch.long, device=device)] = True
+        return allowed
 
     def _held_back(self, batch: int, width: int, vocab: int, device) -> torch.Tensor:
         """[B, W, V] bool: a row's stop ids at the positions before its min_tokens-th output token."""
-        stop = torch.zeros(batch, vocab, dtype=torch.bool)
-        for b, ids in enumerate(self.stops):
-            stop[b, [t for t in ids if t < vocab]] = True
-        early = torch.arange(width)[None, :] < torch.tensor(self.min_left)[:, None]  # [B, W]
-        return (early[:, :, None] & stop[:, None, :]).to(device)
+        held = [(b, j, t) for b, (left, ids) in enumerate(zip(self.min_left, self.stops))
+                for j in range(min(left, width)) for t in ids if t < vocab]
+        return _mask((batch, width, vocab), tuple(zip(*held)) if held else ([], [], []), device)
 
     def _bias(self, batch: int, vocab: int, device) -> torch.Tensor | None:
         """[B, V] the rows' logit biases (None when no row has any)."""
@@ -150,6 +145,15 @@ class LogitsProcessing:
         bias[torch.tensor(rows, device=device), torch.tensor(tokens, device=device)] = torch.tensor(
             values, device=device)
         return bias
+
+
+def _mask(shape: tuple[int, ...], index: tuple, device) -> torch.Tensor:
+    """A bool tensor of `shape` on the device, True at `index` (one host list per dimension): only
+    the indices cross, not a [B, W, V] mask built on the host."""
+    out = torch.zeros(shape, dtype=torch.bool, device=device)
+    if index and len(index[0]):
+        out[tuple(torch.tensor(i, dtype=torch.long).to(device) for i in index)] = True
+    return out
 
 
 def _bad_words(seqs: Sequence) -> tuple[list | None, list | None]:

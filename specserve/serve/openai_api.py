@@ -12,7 +12,8 @@ every list a client controls has a limit (`front_door.*`).
 
 Besides OpenAI's own fields (penalties, logit_bias, logprobs, n, batched prompts: docs/serving.md),
 extensions: `repetition_penalty`, `top_k` (0 or -1 = off), vLLM's `min_p`, `min_tokens`,
-`stop_token_ids`, `allowed_token_ids`, `bad_words`, `truncate_prompt_tokens`, `include_stop_str_in_output`, `skip_special_tokens` and chat template options,
+`stop_token_ids`, `allowed_token_ids`, `bad_words`, `truncate_prompt_tokens`,
+`include_stop_str_in_output`, `skip_special_tokens`, `priority` and chat template options,
 `ignore_eos`, `return_token_ids`
 (the generated ids in the choice; streaming: each chunk's choice carries the ids new since the previous
 chunk), and `num_speculative_tokens` (a per-request cap on γ, 0 = no speculation; at most
