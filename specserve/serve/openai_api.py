@@ -51,7 +51,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specserve.config import AppConfig
 from specserve.engine.grammar import Grammar, check_grammar, tokenizer_view
-from specserve.engine.sampling import SamplingParams
 
 from .continuation import Continuation, EngineLost
 from .coordinator import Accepted, Delta, Failed, GenerateRequest, Rejected
@@ -59,6 +58,7 @@ from .front_door import (Door, FrontDoor, KeyLimits, OpenAIError, check_unicode,
                          token_floor)
 from .responses import (Echo, NoGeneration, Piece, ResponseFormat, StreamFailed, nothing_generated, sse_stream,
                         whole_body)
+from .checks import check_limits, kept_tokens, refuse, sampling_params, token_ids
 from .schema import (ChatCompletionRequest, CompletionRequest, Conversation, DetokenizeRequest, SamplingRequest,
                      TokenizeChatRequest, TokenizeTextRequest, format_grammar)
 from .tools import ToolPlan, prompt_messages, renders_tools
@@ -264,7 +264,8 @@ class OpenAIServer:
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
         prompts = body.prompts()
         self._check_choices(len(prompts) * body.n)
-        keep = await self._kept_tokens(body)
+        info = await self.info()
+        keep = kept_tokens(body, info["max_model_len"])
         batch = []
         for prompt in prompts:
             if isinstance(prompt, str):
@@ -274,7 +275,7 @@ class OpenAIServer:
             else:
                 if keep is None:
                     await self._precheck(None, len(prompt), max(max_tokens, 1), "prompt")
-                await self._token_ids(prompt, "prompt")  # (before `echo` decodes them)
+                token_ids(prompt, "prompt", info["vocab_size"])  # (before `echo` decodes them)
                 batch.append(list(prompt))
         if keep is not None:  # left truncation; an echo shows what was kept
             prompts = [p if len(ids) <= keep else ids[-keep:] for p, ids in zip(prompts, batch)]
@@ -301,7 +302,7 @@ class OpenAIServer:
         self._check(body)
         text, plan = await self._render(body)
         sent = body.max_completion_tokens or body.max_tokens
-        keep = await self._kept_tokens(body)
+        keep = kept_tokens(body, (await self.info())["max_model_len"])
         if keep is None:
             await self._precheck(text, None, sent or 1, "messages")
         ids = await self._offload(self._encode, text, "messages", False)
@@ -317,7 +318,7 @@ class OpenAIServer:
         completions render it), their count and the context they must fit in."""
         self._check_model(body.model)
         if isinstance(body, TokenizeChatRequest):
-            self._refuse(body.conversation_problems())
+            refuse(body.conversation_problems())
             text, _ = await self._render(body)
             ids = await self._offload(self._encode, text, "messages", False)
         else:
@@ -343,7 +344,8 @@ class OpenAIServer:
         """A conversation as the chat template renders it, within the ingress's limits, and its tool plan."""
         front = self.config.front_door
         if len(body.messages) > front.max_messages:
-            raise OpenAIError(400, f"at most {front.max_messages} messages per request", "messages", "too_many_messages")
+            raise OpenAIError(400, f"at most {front.max_messages} messages per request", "messages",
+                              "too_many_messages")
         for m in body.messages:
             if isinstance(m.content, list) and len(m.content) > front.max_content_parts:
                 raise OpenAIError(400, f"at most {front.max_content_parts} content parts per message", "messages",
@@ -405,8 +407,8 @@ class OpenAIServer:
     def _check(self, body: SamplingRequest) -> None:
         self._refresh_readiness()
         self._check_model(body.model)
-        self._check_limits(body)
-        self._refuse(body.unsupported())
+        check_limits(body, self.config.front_door)
+        refuse(body.unsupported())
         cap = body.num_speculative_tokens
         if cap is not None and cap > self.config.speculation.num_speculative_tokens:
             raise OpenAIError(400, f"num_speculative_tokens must be <= "
@@ -417,68 +419,6 @@ class OpenAIServer:
         if model is not None and model != self.config.served_model_name:
             raise OpenAIError(404, f"model {model!r} does not exist; this server serves "
                                    f"{self.config.served_model_name!r}", "model", "model_not_found")
-
-    @staticmethod
-    def _refuse(bad: list[tuple[str, str]]) -> None:
-        """A 400 naming the first (param, why) of `bad`, if any."""
-        if bad:
-            param, why = bad[0]
-            raise OpenAIError(400, why, param, "unsupported_parameter")
-
-    async def _logit_bias(self, body: SamplingRequest) -> dict[int, float]:
-        """logit_bias's keys as token ids of the model's vocabulary (OpenAI sends them as strings)."""
-        if not body.logit_bias:
-            return {}
-        vocab = (await self.info())["vocab_size"]
-        bias = {}
-        for key, value in body.logit_bias.items():
-            if not key.strip().isdigit() or int(key) >= vocab:
-                raise OpenAIError(400, f"logit_bias keys must be token ids in [0, {vocab}), got {key!r}", "logit_bias")
-            bias[int(key)] = value
-        return bias
-
-    async def _kept_tokens(self, body: SamplingRequest) -> int | None:
-        """truncate_prompt_tokens as a count (-1: the model's context); None: no truncation."""
-        keep = body.truncate_prompt_tokens
-        if keep is None:
-            return None
-        context = (await self.info())["max_model_len"]
-        if keep == 0 or keep > context:
-            raise OpenAIError(400, f"truncate_prompt_tokens must be -1 or in [1, {context}]", "truncate_prompt_tokens")
-        return context if keep == -1 else keep
-
-    async def _token_ids(self, ids: list[int] | None, param: str) -> tuple[int, ...] | None:
-        """A list of token ids a request sends (a prompt, stop_token_ids, allowed_token_ids), checked
-        against the model's vocabulary."""
-        if not ids:
-            return None
-        vocab = (await self.info())["vocab_size"]
-        if min(ids) < 0 or max(ids) >= vocab:
-            raise OpenAIError(400, f"{param} must be token ids in [0, {vocab})", param)
-        return tuple(ids)
-
-    def _check_limits(self, body: SamplingRequest) -> None:
-        """The lists and strings a client controls (the prompt's size is _precheck's)."""
-        front = self.config.front_door
-        stops = body.stop_list()
-        if len(stops) > front.max_stop_sequences:
-            raise OpenAIError(400, f"at most {front.max_stop_sequences} stop sequences", "stop", "too_many_stop_sequences")
-        for stop in stops:
-            if len(stop) > front.max_stop_chars:
-                raise OpenAIError(400, f"a stop sequence may have at most {front.max_stop_chars} characters", "stop",
-                                  "stop_sequence_too_long")
-            check_unicode(stop, "stop")
-        if body.logit_bias is not None and len(body.logit_bias) > front.max_logit_bias_entries:
-            raise OpenAIError(400, f"at most {front.max_logit_bias_entries} logit_bias entries", "logit_bias")
-        if body.stop_token_ids is not None and len(body.stop_token_ids) > front.max_stop_sequences:
-            raise OpenAIError(400, f"at most {front.max_stop_sequences} stop_token_ids", "stop_token_ids")
-        if len(body.bad_words or []) > front.max_stop_sequences:
-            raise OpenAIError(400, f"at most {front.max_stop_sequences} bad_words", "bad_words")
-        for word in body.bad_words or []:
-            if not word.strip() or len(word) > front.max_stop_chars:
-                raise OpenAIError(400, f"a bad word has 1 to {front.max_stop_chars} characters, not only spaces",
-                                  "bad_words")
-            check_unicode(word, "bad_words")
 
     async def _respond(self, body: SamplingRequest, prompts: list[list[int]], max_tokens: int, chat: bool,
                        key: int, length_param: str = "max_tokens", echoes: list[Echo] | None = None,
@@ -509,10 +449,9 @@ class OpenAIServer:
                            max_tokens: int, chat: bool, key: int, length_param: str,
                            echoes: list[Echo] | None, tools: ToolPlan | None) -> list:
         """Start one generation per (prompt index, prompt) of `runs`; seeded ones draw from seed + k."""
-        params = self._params(body, max_tokens, await self._logit_bias(body), await self._grammar(body, tools),
-                              await self._token_ids(body.stop_token_ids, "stop_token_ids"),
-                              await self._token_ids(body.allowed_token_ids, "allowed_token_ids"),
-                              await self._offload(self._bad_words, body.bad_words or []))
+        grammar = await self._grammar(body, tools)
+        bad_words = await self._offload(self._bad_words, body.bad_words or [])
+        params = sampling_params(body, max_tokens, (await self.info())["vocab_size"], grammar, bad_words)
         if time.monotonic() < self._shed_until:  # a burst: the surplus gets its 429 without a round trip
             raise overloaded("the server is overloaded; retry later")
         choices: list = []
@@ -556,22 +495,6 @@ class OpenAIServer:
             what = "function parameters" if tools is not None else grammar.kind
             raise OpenAIError(400, f"{param}: invalid {what}: {error.strip()}", param, f"invalid_{param}")
         return grammar
-
-    def _params(self, body: SamplingRequest, max_tokens: int, bias: dict[int, float],
-                grammar: Grammar | None = None, stop_ids: tuple[int, ...] | None = None,
-                allowed_ids: tuple[int, ...] | None = None,
-                bad_words: tuple[tuple[int, ...], ...] = ()) -> SamplingParams:
-        try:
-            return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_k=max(body.top_k, 0),
-                                  top_p=body.top_p, min_p=body.min_p, seed=body.seed, ignore_eos=body.ignore_eos,
-                                  presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-                                  repetition_penalty=body.repetition_penalty, logit_bias=bias,
-                                  logprobs=body.logprobs_wanted(), grammar=grammar, min_tokens=body.min_tokens,
-                                  stop_token_ids=stop_ids or (), allowed_token_ids=allowed_ids,
-                                  bad_words_ids=bad_words)
-        except ValueError as err:  # the engine's own checks: a client error, never a 500
-            named = str(err).split(maxsplit=1)[0]  # (the engine's messages start with the field's name)
-            raise OpenAIError(400, str(err), named if named in type(body).model_fields else None) from err
 
     async def _start(self, request: GenerateRequest, length_param: str) -> tuple[Continuation, Accepted]:
         """Submit one generation; its Continuation once a coordinator accepted it, or the error the

@@ -1,0 +1,90 @@
+"""What a request's body may hold, checked against the server's limits and the model: the lists and
+strings a client controls, token ids against the vocabulary, and the engine's SamplingParams built
+from it. Pure functions (the ingress passes the config and the model's figures): every failure is
+an OpenAIError, a 400 naming the parameter."""
+from __future__ import annotations
+
+from specserve.config import FrontDoorConfig
+from specserve.engine.grammar import Grammar
+from specserve.engine.sampling import SamplingParams
+
+from .front_door import OpenAIError, check_unicode
+from .schema import SamplingRequest
+
+
+def refuse(bad: list[tuple[str, str]]) -> None:
+    """A 400 naming the first (param, why) of `bad`, if any."""
+    if bad:
+        param, why = bad[0]
+        raise OpenAIError(400, why, param, "unsupported_parameter")
+
+
+def check_limits(body: SamplingRequest, front: FrontDoorConfig) -> None:
+    """The lists and strings a client controls (the prompt's size is the ingress's pre-check)."""
+    stops = body.stop_list()
+    if len(stops) > front.max_stop_sequences:
+        raise OpenAIError(400, f"at most {front.max_stop_sequences} stop sequences", "stop", "too_many_stop_sequences")
+    for stop in stops:
+        if len(stop) > front.max_stop_chars:
+            raise OpenAIError(400, f"a stop sequence may have at most {front.max_stop_chars} characters", "stop",
+                              "stop_sequence_too_long")
+        check_unicode(stop, "stop")
+    if body.logit_bias is not None and len(body.logit_bias) > front.max_logit_bias_entries:
+        raise OpenAIError(400, f"at most {front.max_logit_bias_entries} logit_bias entries", "logit_bias")
+    if body.stop_token_ids is not None and len(body.stop_token_ids) > front.max_stop_sequences:
+        raise OpenAIError(400, f"at most {front.max_stop_sequences} stop_token_ids", "stop_token_ids")
+    if len(body.bad_words or []) > front.max_stop_sequences:
+        raise OpenAIError(400, f"at most {front.max_stop_sequences} bad_words", "bad_words")
+    for word in body.bad_words or []:
+        if not word.strip() or len(word) > front.max_stop_chars:
+            raise OpenAIError(400, f"a bad word has 1 to {front.max_stop_chars} characters, not only spaces",
+                              "bad_words")
+        check_unicode(word, "bad_words")
+
+
+def logit_bias_ids(body: SamplingRequest, vocab: int) -> dict[int, float]:
+    """logit_bias's keys as token ids of the model's vocabulary (OpenAI sends them as strings)."""
+    bias = {}
+    for key, value in (body.logit_bias or {}).items():
+        if not key.strip().isdigit() or int(key) >= vocab:
+            raise OpenAIError(400, f"logit_bias keys must be token ids in [0, {vocab}), got {key!r}", "logit_bias")
+        bias[int(key)] = value
+    return bias
+
+
+def token_ids(ids: list[int] | None, param: str, vocab: int) -> tuple[int, ...] | None:
+    """A list of token ids a request sends (a prompt, stop_token_ids, allowed_token_ids), checked
+    against the model's vocabulary (None for none)."""
+    if not ids:
+        return None
+    if min(ids) < 0 or max(ids) >= vocab:
+        raise OpenAIError(400, f"{param} must be token ids in [0, {vocab})", param)
+    return tuple(ids)
+
+
+def kept_tokens(body: SamplingRequest, context: int) -> int | None:
+    """truncate_prompt_tokens as a count (-1: the model's context); None: no truncation."""
+    keep = body.truncate_prompt_tokens
+    if keep is None:
+        return None
+    if keep == 0 or keep > context:
+        raise OpenAIError(400, f"truncate_prompt_tokens must be -1 or in [1, {context}]", "truncate_prompt_tokens")
+    return context if keep == -1 else keep
+
+
+def sampling_params(body: SamplingRequest, max_tokens: int, vocab: int, grammar: Grammar | None,
+                    bad_words: tuple[tuple[int, ...], ...]) -> SamplingParams:
+    """The engine's parameters for one generation of `body` (its ids checked against the vocabulary;
+    `bad_words` already tokenized)."""
+    try:
+        return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_k=max(body.top_k, 0),
+                              top_p=body.top_p, min_p=body.min_p, seed=body.seed, ignore_eos=body.ignore_eos,
+                              presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                              repetition_penalty=body.repetition_penalty, logit_bias=logit_bias_ids(body, vocab),
+                              logprobs=body.logprobs_wanted(), grammar=grammar, min_tokens=body.min_tokens,
+                              stop_token_ids=token_ids(body.stop_token_ids, "stop_token_ids", vocab) or (),
+                              allowed_token_ids=token_ids(body.allowed_token_ids, "allowed_token_ids", vocab),
+                              bad_words_ids=bad_words)
+    except ValueError as err:  # the engine's own checks: a client error, never a 500
+        named = str(err).split(maxsplit=1)[0]  # (the engine's messages start with the field's name)
+        raise OpenAIError(400, str(err), named if named in type(body).model_fields else None) from err
