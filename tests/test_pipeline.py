@@ -200,9 +200,9 @@ def test_overlapped_policy_drafts_longer_than_sequential_where_overlap_pays_and_
 
 
 def test_pipelined_penalties_and_logprobs_are_the_sequential_ones(local_coordinator):
-    """Penalties (and min_tokens, bad words) counted through the drafts and log-probabilities of each token: a prepared block
-    verified one step later sees the tokens of the step it was drafted ahead of, so pipelined
-    output and log-probabilities equal the sequential loop's."""
+    """Penalties (and min_tokens, bad words) counted through the drafts and log-probabilities of
+    each token: a prepared block verified one step later sees the tokens of the step it was drafted
+    ahead of, so pipelined output and log-probabilities equal the sequential loop's."""
     from specserve.serve.coordinator import Delta, GenerateRequest
 
     # the third row's stop token is its plain output's 2nd token, held back for 12 tokens (min_tokens),
