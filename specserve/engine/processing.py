@@ -109,22 +109,20 @@ class LogitsProcessing:
     def _bad(self, drafts: list[list[int]], width: int, vocab: int, device) -> torch.Tensor:
         """[B, W, V] bool: at position j, the last token of each bad word whose other tokens end
         the row's output followed by drafts 0..j-1 (drafts [B, W-1] on the host)."""
-        rows, positions, tokens = [], [], []
+        banned = []  # (row, position, token)
         for b, words in enumerate(self.bad_words):
             for j in range(width):
                 before = self.recent[b] + drafts[b][:j]
                 for word in words:
                     head = word[:-1]
                     if word[-1] < vocab and (not head or before[len(before) - len(head):] == list(head)):
-                        rows.append(b)
-                        positions.append(j)
-                        tokens.append(word[-1])
-        return _mask((len(self.bad_words), width, vocab), (rows, positions, tokens), device)
+                        banned.append((b, j, word[-1]))
+        return _mask((len(self.bad_words), width, vocab), banned, device)
 
     def _allowed(self, batch: int, vocab: int, device) -> torch.Tensor:
         """[B, V] bool: the tokens each row may generate (every one in a row without a list)."""
         listed = [(b, t) for b, ids in enumerate(self.allowed) if ids is not None for t in ids if t < vocab]
-        allowed = _mask((batch, vocab), tuple(zip(*listed)) if listed else ([], []), device)
+        allowed = _mask((batch, vocab), listed, device)
         free = [b for b, ids in enumerate(self.allowed) if ids is None]
         allowed[torch.tensor(free, dtype=torch.long, device=device)] = True
         return allowed
@@ -133,7 +131,7 @@ class LogitsProcessing:
         """[B, W, V] bool: a row's stop ids at the positions before its min_tokens-th output token."""
         held = [(b, j, t) for b, (left, ids) in enumerate(zip(self.min_left, self.stops))
                 for j in range(min(left, width)) for t in ids if t < vocab]
-        return _mask((batch, width, vocab), tuple(zip(*held)) if held else ([], [], []), device)
+        return _mask((batch, width, vocab), held, device)
 
     def _bias(self, batch: int, vocab: int, device) -> torch.Tensor | None:
         """[B, V] the rows' logit biases (None when no row has any)."""
@@ -147,12 +145,12 @@ class LogitsProcessing:
         return bias
 
 
-def _mask(shape: tuple[int, ...], index: tuple, device) -> torch.Tensor:
-    """A bool tensor of `shape` on the device, True at `index` (one host list per dimension): only
+def _mask(shape: tuple[int, ...], entries: list[tuple[int, ...]], device) -> torch.Tensor:
+    """A bool tensor of `shape` on the device, True at each entry (an index per dimension): only
     the indices cross, not a [B, W, V] mask built on the host."""
     out = torch.zeros(shape, dtype=torch.bool, device=device)
-    if index and len(index[0]):
-        out[tuple(torch.tensor(i, dtype=torch.long).to(device) for i in index)] = True
+    if entries:
+        out[tuple(torch.tensor(entries, dtype=torch.long).T.to(device))] = True
     return out
 
 
