@@ -7,6 +7,7 @@
       max_resumes                              continuations of a request after its replica is lost
       api_key                                  optional Bearer key(s) (or env SPECSERVE_API_KEY)
       front_door:       FrontDoorConfig  (ingress threads, body / list limits, per-key limits)
+      reasoning:        ReasoningConfig  (a reasoning model's thinking, split out of chat answers)
       target / draft:   ModelSource  (tiny | smollm2 | hf | random)
       speculation:      SpeculationConfig
       ingress / coordinator: DeploymentConfig (Serve resources, autoscaling, max_ongoing_requests)
@@ -359,6 +360,31 @@ class FrontDoorConfig(_Strict):
     allow_unauthenticated_public: bool = False
 
 
+# -- reasoning models ------------------------------------------------------------------------------
+class ReasoningConfig(_Strict):
+    """A reasoning (thinking) target: chat answers split the text between the tags out of
+    `content` (docs/serving.md, "Reasoning models"). The output reasons when the rendered prompt
+    leaves `start` open (DeepSeek-R1's template ends with it) or when it begins with `start`
+    (Qwen3's hybrid models write it themselves); either way its reasoning ends at `end`. A grammar
+    (response_format, structured_outputs, a tool grammar) then applies only from `end` on, so the
+    model still thinks first. `fields`: the message and delta fields that carry the reasoning text
+    (vLLM's `reasoning`, DeepSeek's and SGLang's `reasoning_content`, or both)."""
+
+    start: str = Field("<think>", min_length=1, max_length=64)
+    end: str = Field("</think>", min_length=1, max_length=64)
+    fields: tuple[Literal["reasoning", "reasoning_content"], ...] = Field(("reasoning",), min_length=1)
+
+    @model_validator(mode="after")
+    def _distinct(self) -> "ReasoningConfig":
+        if not self.start.strip() or not self.end.strip():
+            raise ValueError("reasoning.start and reasoning.end must not be blank")
+        if self.start == self.end or self.end.startswith(self.start):
+            raise ValueError("reasoning.end must differ from reasoning.start and not begin with it")
+        if len(set(self.fields)) < len(self.fields):
+            raise ValueError("reasoning.fields names a field twice")
+        return self
+
+
 # -- the application -----------------------------------------------------------------------------
 
 
@@ -405,6 +431,7 @@ class AppConfig(_Strict):
     # environment: a config's args are stored by Serve.
     api_key: Annotated[str, Field(min_length=1)] | tuple[Annotated[str, Field(min_length=1)], ...] | None = None
     front_door: FrontDoorConfig = FrontDoorConfig()
+    reasoning: ReasoningConfig | None = None  # the target is a reasoning model (None: no split)
     ingress: DeploymentConfig = DeploymentConfig(resources=Resources(num_cpus=0.1))
     coordinator: DeploymentConfig = DeploymentConfig(resources=Resources(num_cpus=0.1))
     target_worker: Resources = Resources()

@@ -9,7 +9,7 @@ import torch
 
 from specserve.engine import Proposal, RowInput, Verdict
 from specserve.engine.model_runner import ForwardTiming
-from specserve.engine.grammar import Grammar, GrammarRows
+from specserve.engine.grammar import Grammar, GrammarRows, Reasoning
 from specserve.engine.processing import LogitsProcessing
 from specserve.engine.sampling import BatchSampling, SamplingParams
 from specserve.serve.wire import _SMALL, AheadCall, Block, Reply, StepCall, StepReply, pack, unpack
@@ -31,9 +31,9 @@ def same(a, b) -> bool:
 
 
 def sampling() -> BatchSampling:
-    """Two rows, one with penalties, a logit bias and a grammar, one with min-p, min_tokens and
-    allowed token ids (each rides along with the step)."""
-    grammar = Grammar.json_schema({"type": "array"})
+    """Two rows, one with penalties, a logit bias and a grammar (after a reasoning), one with min-p,
+    min_tokens and allowed token ids (each rides along with the step)."""
+    grammar = Grammar.json_schema({"type": "array"}).after_reasoning(Reasoning("<think>", "</think>", True))
     params = [SamplingParams(temperature=0.0, grammar=grammar, presence_penalty=0.5, logit_bias={3: 1.0}),
               SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1, min_tokens=4, allowed_token_ids=[7, 9],
                              bad_words_ids=[(7, 9), (3,)])]

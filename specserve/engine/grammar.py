@@ -30,6 +30,7 @@ lazily from the model's tokenizer the first time a grammar row is met.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from collections import OrderedDict
@@ -43,16 +44,48 @@ GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "lark")
 JSON_OPTIONS = {"whitespace_flexible": False}
 MAX_GRAMMARS = 64  # compiled grammars a process keeps (least recently used dropped)
 MAX_MATCHERS = 4096  # requests' matchers a process keeps (a freed or dropped one is rebuilt on demand)
+# whitespace allowed between a reasoning's end and the grammar (Qwen3 writes "\n\n"): bounded, so
+# that a small model cannot loop on blank lines there either
+MAX_SEPARATOR = 4
+
+
+@dataclass(frozen=True)
+class Reasoning:
+    """Free text a reasoning model writes before its grammar applies: the grammar holds from the
+    first `end` on (a little whitespace after it allowed). open: the prompt already opened the reasoning,
+    so the output starts inside it; otherwise the output either opens it with `start` first or
+    does not reason at all."""
+
+    start: str
+    end: str
+    open: bool
+
+    def around(self, answer: dict) -> str:
+        """llguidance's text of the whole output: the reasoning, then `answer` (one grammar entry
+        of llguidance's top-level form) as a subgrammar. The reasoning is a lazy lexeme, so it
+        ends at the first `end`; up to MAX_SEPARATOR whitespace characters may follow it."""
+        head = "reasoning" if self.open else f"{_literal(self.start)} reasoning"
+        rules = [f"start: {head} SEP? @answer" + ("" if self.open else " | @answer"),
+                 f"reasoning[suffix={_literal(self.end)}]: /(?s:.*)/",
+                 r"SEP: /[ \t\r\n]{1,%d}/" % MAX_SEPARATOR]
+        return json.dumps({"grammars": [{"lark_grammar": "\n".join(rules)}, {**answer, "name": "answer"}]})
+
+
+def _literal(text: str) -> str:
+    """A Lark string literal of `text` (JSON's string escapes are Lark's)."""
+    return json.dumps(text, ensure_ascii=False)
 
 
 @dataclass(frozen=True)
 class Grammar:
     """What a request's output must match. kind: "json_object" (any JSON object), "json_schema"
     (source: the schema as JSON text), "regex" (source: the pattern, matched in full) or "lark"
-    (source: a Lark grammar, llguidance's dialect)."""
+    (source: a Lark grammar, llguidance's dialect). reasoning: the output may reason first, and
+    the grammar applies after its reasoning (a reasoning model's chat)."""
 
     kind: str
     source: str = ""
+    reasoning: Reasoning | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in GRAMMAR_KINDS:
@@ -71,10 +104,18 @@ class Grammar:
     def json_schema(schema: dict | bool) -> "Grammar":
         return Grammar("json_schema", json.dumps(schema, sort_keys=True))
 
+    def after_reasoning(self, reasoning: Reasoning | None) -> "Grammar":
+        """This grammar, applying only after the output's reasoning (None: from its first token)."""
+        return dataclasses.replace(self, reasoning=reasoning)
+
     def text(self) -> str:
         """The grammar in llguidance's own form."""
         from llguidance import LLMatcher
 
+        if self.reasoning is not None:
+            own = {"lark_grammar": self.source} if self.kind == "lark" else \
+                json.loads(dataclasses.replace(self, reasoning=None).text())["grammars"][0]
+            return self.reasoning.around(own)
         if self.kind == "json_object":
             return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
         if self.kind == "json_schema":

@@ -14,7 +14,8 @@ Besides OpenAI's own fields (penalties, logit_bias, logprobs, n, batched prompts
 extensions: `repetition_penalty`, `top_k` (0 or -1 = off), vLLM's `min_p`, `min_tokens`,
 `stop_token_ids`, `allowed_token_ids`, `bad_words`, `truncate_prompt_tokens`,
 `include_stop_str_in_output`, `skip_special_tokens`, `priority` and chat template options,
-`ignore_eos`, `return_token_ids`
+`ignore_eos`, `include_reasoning` and `reasoning_effort` (a reasoning model's thinking is split
+out of chat answers when the config has `reasoning`: serve/reasoning.py), `return_token_ids`
 (the generated ids in the choice; streaming: each chunk's choice carries the ids new since the previous
 chunk), and `num_speculative_tokens` (a per-request cap on γ, 0 = no speculation; at most
 the configured γ).
@@ -59,6 +60,7 @@ from .front_door import (Door, FrontDoor, KeyLimits, OpenAIError, check_unicode,
 from .responses import (Echo, NoGeneration, Piece, ResponseFormat, StreamFailed, nothing_generated, sse_stream,
                         whole_body)
 from .checks import check_limits, kept_tokens, refuse, sampling_params, token_ids
+from .reasoning import ReasoningSpec, check_tags, opens_reasoning, reasoning_tokens
 from .schema import (ChatCompletionRequest, CompletionRequest, Conversation, DetokenizeRequest, SamplingRequest,
                      TokenizeChatRequest, TokenizeTextRequest, format_grammar)
 from .tools import ToolPlan, prompt_messages, renders_tools
@@ -124,6 +126,8 @@ class OpenAIServer:
         self._info: dict | None = None
         self._grammar_view = None  # llguidance's view of the tokenizer, built at the first response_format
         self._native_tools = renders_tools(self.tokenizer)  # the chat template renders `tools` itself
+        if config.reasoning is not None:  # (a tag the detokenizer hides could never be split at)
+            check_tags(self.tokenizer, config.reasoning.start, config.reasoning.end)
         self._shed_until = 0.0  # after a full coordinator queue: refuse at once until then (monotonic s)
         # requests continued on another coordinator replica after losing theirs, and given up on
         self.continuations = {"continuations": 0, "given_up": 0}
@@ -310,7 +314,16 @@ class OpenAIServer:
         max_tokens = sent if sent is not None else await self._room(len(ids))
         self._check_choices(body.n)
         return await self._respond(body, [ids], max_tokens, chat=True, key=_key(request),
-                                   length_param="max_tokens" if sent is not None else "messages", tools=plan)
+                                   length_param="max_tokens" if sent is not None else "messages", tools=plan,
+                                   reasoning=self._reasoning_of(body, text))
+
+    def _reasoning_of(self, body: ChatCompletionRequest, prompt: str) -> ReasoningSpec | None:
+        """A reasoning model's chat: its tags, and whether the rendered prompt opened them."""
+        config = self.config.reasoning
+        if config is None:
+            return None
+        return ReasoningSpec(config.start, config.end, opens_reasoning(prompt, config.start, config.end),
+                             config.fields, body.include_reasoning)
 
     @app.post("/tokenize")
     async def tokenize(self, body: TokenizeTextRequest | TokenizeChatRequest) -> dict:
@@ -422,10 +435,11 @@ class OpenAIServer:
 
     async def _respond(self, body: SamplingRequest, prompts: list[list[int]], max_tokens: int, chat: bool,
                        key: int, length_param: str = "max_tokens", echoes: list[Echo] | None = None,
-                       tools: ToolPlan | None = None):
+                       tools: ToolPlan | None = None, reasoning: ReasoningSpec | None = None):
         """Generate body.n choices for each prompt (each a request of its own), whole or streamed;
         `echoes`: each prompt as a completion's echo shows it (max_tokens 0: that alone); `tools`: a
-        chat request's tool calling (its grammar, and its output read back as calls)."""
+        chat request's tool calling (its grammar, and its output read back as calls); `reasoning`:
+        a reasoning model's chat (its thinking split out, any grammar applied after it)."""
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         runs = [(i, prompt) for i, prompt in enumerate(prompts) for _ in range(body.n)]
         if max_tokens == 0:  # echo alone: each prompt (and its logprobs), nothing generated
@@ -433,7 +447,8 @@ class OpenAIServer:
                                        self.tokenizer, body.logprobs_wanted(), k, i, echoes[i]), nothing_generated())
                        for k, (i, prompt) in enumerate(runs)]
         else:
-            choices = await self._generations(body, rid, runs, max_tokens, chat, key, length_param, echoes, tools)
+            choices = await self._generations(body, rid, runs, max_tokens, chat, key, length_param, echoes, tools,
+                                              reasoning)
         if body.stream:
             options = body.stream_options
             return StreamingResponse(sse_stream(choices, options is not None and options.include_usage,
@@ -447,9 +462,9 @@ class OpenAIServer:
 
     async def _generations(self, body: SamplingRequest, rid: str, runs: list[tuple[int, list[int]]],
                            max_tokens: int, chat: bool, key: int, length_param: str,
-                           echoes: list[Echo] | None, tools: ToolPlan | None) -> list:
+                           echoes: list[Echo] | None, tools: ToolPlan | None, reasoning: ReasoningSpec | None) -> list:
         """Start one generation per (prompt index, prompt) of `runs`; seeded ones draw from seed + k."""
-        grammar = await self._grammar(body, tools)
+        grammar = await self._grammar(body, tools, reasoning)
         bad_words = await self._offload(self._bad_words, body.bad_words or [])
         params = sampling_params(body, max_tokens, (await self.info())["vocab_size"], grammar, bad_words)
         if time.monotonic() < self._shed_until:  # a burst: the surplus gets its 429 without a round trip
@@ -463,18 +478,20 @@ class OpenAIServer:
                 gen, first = await self._start(request, length_param)
                 self.door.limits.charge(key, first.num_prompt_tokens)
                 fmt = ResponseFormat(rid, self.config.served_model_name, chat, first.num_prompt_tokens, gen,
-                                     self.tokenizer, params.logprobs, k, i, echoes[i] if echoes else None, tools)
-                choices.append((fmt, self._pieces(gen, prompt, body.text_rules(), key)))
+                                     self.tokenizer, params.logprobs, k, i, echoes[i] if echoes else None, tools,
+                                     reasoning)
+                choices.append((fmt, self._pieces(gen, prompt, body.text_rules(), key, reasoning)))
         except BaseException:
             for fmt, _ in choices:
                 fmt.gen.close()
             raise
         return choices
 
-    async def _grammar(self, body: SamplingRequest, tools: ToolPlan | None) -> Grammar | None:
-        """The output's grammar (tool_choice's, else response_format's), compiled here once against
-        the tokenizer (off the event loop) so that a bad schema, regex or grammar is a 400 before
-        anything runs."""
+    async def _grammar(self, body: SamplingRequest, tools: ToolPlan | None,
+                       reasoning: ReasoningSpec | None) -> Grammar | None:
+        """The output's grammar (tool_choice's, else response_format's; a reasoning model thinks
+        first, then follows it), compiled here once against the tokenizer (off the event loop) so
+        that a bad schema, regex or grammar is a 400 before anything runs."""
         fmt, param = body.output_format() if tools is None else (None, "tools")
         try:
             grammar = format_grammar(fmt) if tools is None else tools.grammar()
@@ -484,6 +501,8 @@ class OpenAIServer:
             raise OpenAIError(400, f"{param}: the schema is nested too deeply", param) from err
         if grammar is None:
             return None
+        if reasoning is not None:
+            grammar = grammar.after_reasoning(reasoning.grammar_reasoning())
         limit = self.config.front_door.max_grammar_chars
         if len(grammar.source) > limit:
             raise OpenAIError(400, f"{param}: at most {limit} characters of schema or grammar", param)
@@ -542,14 +561,15 @@ class OpenAIServer:
         return self.coordinator.options(stream=True).generate.remote(request)
 
     async def _pieces(self, gen: Continuation, prompt_ids: list[int], rules: TextRules,
-                      key: int) -> AsyncIterator[Piece]:
+                      key: int, reasoning: ReasoningSpec | None = None) -> AsyncIterator[Piece]:
         """Coordinator Deltas -> text pieces. Cancels the coordinator stream if it ends early
         (stop string, client gone), which aborts the request and frees its caches. The detokenizer
         decodes a window of a few tokens per delta (text.py), cheap enough for the event loop; it
         and the stop-string state live here, so a continuation on another replica (`gen`) goes on
         with them as if nothing happened. The stop token (EOS, stop_token_ids) that ends a
         generation leaves its text out, unless `include_stop` (vLLM's rule); no stop string may end
-        in the first min_tokens - 1 tokens' text."""
+        in the first min_tokens - 1 tokens' text. A reasoning model's last piece counts its
+        thinking's tokens (decoded on the tokenizer pool)."""
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, rules.skip_special)
         stopper = StopStrings(rules.stops, rules.include_stop)
         token_ids: list[int] = []
@@ -580,8 +600,10 @@ class OpenAIServer:
                         "num_steps": item.num_steps}
                 if stopped or final:
                     gen.finished = final
+                    thought = None if reasoning is None else \
+                        await self._offload(reasoning_tokens, self.tokenizer, token_ids, reasoning)
                     yield Piece(out, "stop" if stopped else item.finish_reason, len(token_ids), spec, token_ids,
-                                logprobs, tops, item.cached_tokens)
+                                logprobs, tops, item.cached_tokens, thought)
                     return
                 if out or item.token_ids:  # tokens whose text is held back still show as token_ids
                     yield Piece(out, None, len(token_ids), spec, token_ids, logprobs, tops, item.cached_tokens)

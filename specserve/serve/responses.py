@@ -10,6 +10,7 @@ from typing import AsyncIterator
 
 from .continuation import Continuation
 from .front_door import OpenAIError
+from .reasoning import ReasoningSpec
 from .tools import ToolPlan, without_index
 
 # an alternative a grammar, allowed_token_ids or min_tokens forbids has logprob -inf, which JSON
@@ -28,6 +29,7 @@ class Piece:
     logprobs: list[float] | None = None  # per token of token_ids, when asked
     top_logprobs: list[list[tuple[int, float]]] | None = None
     cached_tokens: int = 0  # prompt tokens taken from shared KV blocks (usage.prompt_tokens_details)
+    reasoning_tokens: int | None = None  # the final piece of a reasoning model's chat: its thinking's tokens
 
 
 class StreamFailed(RuntimeError):
@@ -53,9 +55,11 @@ class ResponseFormat:
     prompt_index: int = 0  # which prompt it answers (usage counts each prompt once)
     echo: "Echo | None" = None  # completions' echo: the prompt before the output (and its logprobs)
     tools: ToolPlan | None = None  # chat with tools: the output is read back as content and tool calls
+    reasoning: ReasoningSpec | None = None  # a reasoning model's chat: its thinking split out of the content
 
     def __post_init__(self) -> None:
         self.created = int(time.time())
+        self._split = None if self.reasoning is None else self.reasoning.split()
         self._texts: dict[int, str] = {}
         self._offset = 0  # characters of text before the next token whose log-probability goes out
         self.last: Piece | None = None  # the latest piece of this choice (its totals)
@@ -99,19 +103,32 @@ class ResponseFormat:
                 "text_offset": offsets}
 
     def _choice(self, text: str | None, finish: str | None, first: bool = False, delta: bool = False,
-                logprobs: dict | None = None, calls: list[dict] | None = None) -> dict:
+                logprobs: dict | None = None, calls: list[dict] | None = None, thinking: str | None = None) -> dict:
         if not self.chat:
             return {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        shown = self.reasoning is not None and self.reasoning.include
         if delta:
             content = {"role": "assistant", "content": text or (None if calls else "")} if first \
                 else ({"content": text} if text else {})
+            if thinking and shown:
+                content.update(dict.fromkeys(self.reasoning.fields, thinking))
             if calls:
                 content["tool_calls"] = calls
             return {"index": self.index, "delta": content, "logprobs": logprobs, "finish_reason": finish}
         message = {"role": "assistant", "content": text}
+        if self.reasoning is not None:
+            message.update(dict.fromkeys(self.reasoning.fields, thinking if shown else None))
         if calls:
             message["tool_calls"] = without_index(calls)
         return {"index": self.index, "message": message, "logprobs": logprobs, "finish_reason": finish}
+
+    def _parts(self, text: str, final: bool) -> tuple[str | None, str | None]:
+        """Text that came -> (reasoning, content) to send: the reasoning None when the choice has
+        not reasoned, the content None while it has not begun (a whole answer cut while thinking)."""
+        if self._split is None:
+            return None, text
+        thinking, content = self._split.feed(text, final)
+        return thinking if self._split.reasoned else None, content if self._split.answering else None
 
     def _envelope(self, choices: list[dict], chunk: bool) -> dict:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
@@ -130,9 +147,11 @@ class ResponseFormat:
         last = self.last
         prefix = self._echo_logprobs()
         text = ("" if self.echo is None else self.echo.text) + "".join(texts)
-        content, calls = (text, []) if self.tools is None else self.tools.read(text)
+        thinking, content = self._parts(text, True)
+        content, calls = (content, []) if self.tools is None or content is None else self.tools.read(content)
         body = self._envelope([self._choice(content, _finish(last.finish_reason, bool(calls)), calls=calls,
-                                            logprobs=_joined(prefix, self._logprobs_body(last, 0)))], chunk=False)
+                                            logprobs=_joined(prefix, self._logprobs_body(last, 0)),
+                                            thinking=thinking)], chunk=False)
         if return_token_ids:
             body["choices"][0]["token_ids"] = list(last.token_ids)
         return body
@@ -146,14 +165,18 @@ class ResponseFormat:
                 yield self._envelope([self._choice(self.echo.text, None, True, True, self._echo_logprobs())], True)
             async for piece in pieces:
                 self.last = piece
-                text, calls, finish = piece.text, [], piece.finish_reason
-                if calls_from is not None:
-                    text, calls = calls_from.feed(text, finish is not None)
+                calls, finish = [], piece.finish_reason
+                thinking, text = self._parts(piece.text, finish is not None)
+                text = text or ""
+                if calls_from is not None and (self._split is None or self._split.answering):
+                    text, calls = calls_from.feed(text, finish is not None)  # (the content only)
                     finish = _finish(finish, calls_from.called)
+                thinking = thinking if self.reasoning is not None and self.reasoning.include else None
                 new_ids = (return_token_ids or self.logprobs is not None) and len(piece.token_ids) > sent_ids
-                if text or calls or finish or first or new_ids:
+                if text or thinking or calls or finish or first or new_ids:
                     logprobs = self._logprobs_body(piece, sent_ids)
-                    chunk = self._envelope([self._choice(text, finish, first, True, logprobs, calls)], True)
+                    chunk = self._envelope([self._choice(text, finish, first, True, logprobs, calls, thinking)],
+                                           True)
                     if return_token_ids:
                         chunk["choices"][0]["token_ids"] = piece.token_ids[sent_ids:]
                     sent_ids = len(piece.token_ids)
@@ -215,9 +238,13 @@ def usage(formats: list[ResponseFormat]) -> tuple[dict, dict]:
     for p in done:
         for name, value in p.speculation.items():
             speculation[name] = speculation.get(name, 0) + value
-    return ({"prompt_tokens": sum(prompts.values()), "completion_tokens": completion,
-             "total_tokens": sum(prompts.values()) + completion,
-             "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}, speculation)
+    out = {"prompt_tokens": sum(prompts.values()), "completion_tokens": completion,
+           "total_tokens": sum(prompts.values()) + completion,
+           "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
+    if any(f.reasoning is not None for f in formats) and len(done) == len(formats) and \
+            all(p.reasoning_tokens is not None for p in done):  # (known once every choice has finished)
+        out["completion_tokens_details"] = {"reasoning_tokens": sum(p.reasoning_tokens for p in done)}
+    return out, speculation
 
 
 async def whole_body(choices: list[Choice], return_token_ids: bool = False) -> dict:

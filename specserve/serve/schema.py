@@ -281,12 +281,22 @@ class AssistantMessage(_Message):
     content: str | list[TextPart] | None = None
     tool_calls: list[ToolCall] | None = None  # the calls it made
     refusal: str | None = None  # (sent back by clients that replay a response's message; not rendered)
+    # a reasoning model's thinking, as a response gave it (vLLM's name, DeepSeek's): the chat
+    # template gets it as `reasoning_content` (and `reasoning`), and renders it or drops it
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     @model_validator(mode="after")
     def _says_something(self) -> "AssistantMessage":
-        if self.content is None and not self.tool_calls:
-            raise ValueError("an assistant message needs content or tool_calls")
+        if self.content is None and not self.tool_calls and self.thinking() is None:
+            raise ValueError("an assistant message needs content, tool_calls or reasoning")
+        if None not in (self.reasoning, self.reasoning_content) and self.reasoning != self.reasoning_content:
+            raise ValueError("an assistant message's reasoning and reasoning_content differ")
         return self
+
+    def thinking(self) -> str | None:
+        """Its reasoning text, under either name (None: none)."""
+        return self.reasoning if self.reasoning is not None else self.reasoning_content
 
 
 class ToolMessage(_Message):
@@ -318,6 +328,8 @@ class Conversation(BaseModel):
     add_generation_prompt: bool = True  # open an assistant turn after the messages
     continue_final_message: bool = False  # leave the last (assistant) message open: the output continues it
     chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template (say, enable_thinking)
+    # OpenAI's: how hard a reasoning model thinks; the chat template gets it as `reasoning_effort`
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
 
     def tool_mode(self) -> str:
         """"none" (no tools in play), "auto", "required" or "named" (tool_choice names one)."""
@@ -329,7 +341,8 @@ class Conversation(BaseModel):
 
     def template_options(self) -> dict[str, Any]:
         """The chat template's arguments besides the messages and tools."""
-        return {**(self.chat_template_kwargs or {}), "add_generation_prompt": self.add_generation_prompt,
+        effort = {} if self.reasoning_effort is None else {"reasoning_effort": self.reasoning_effort}
+        return {**(self.chat_template_kwargs or {}), **effort, "add_generation_prompt": self.add_generation_prompt,
                 "continue_final_message": self.continue_final_message}
 
     def conversation_problems(self) -> list[tuple[str, str]]:
@@ -351,6 +364,8 @@ class Conversation(BaseModel):
         if self.continue_final_message and self.messages[-1].role != "assistant":
             return [("continue_final_message", "continue_final_message needs an assistant message last")]
         named = list(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None and "reasoning_effort" in named:
+            return [("chat_template_kwargs", "give reasoning_effort once: as the parameter or in chat_template_kwargs")]
         if len(named) > MAX_TEMPLATE_KWARGS:
             return [("chat_template_kwargs", f"at most {MAX_TEMPLATE_KWARGS} chat_template_kwargs")]
         for name in named:
@@ -363,6 +378,7 @@ class ChatCompletionRequest(SamplingRequest, Conversation):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    include_reasoning: bool = True  # vLLM's: false leaves a reasoning model's thinking out of the answer
 
     def unsupported(self) -> list[tuple[str, str]]:
         bad = super().unsupported()

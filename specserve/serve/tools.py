@@ -278,9 +278,9 @@ def prompt_messages(messages: list[ChatMessage], plan: ToolPlan | None, native: 
         elif isinstance(m, AssistantMessage) and m.tool_calls:
             calls = [{"name": c.function.name, "arguments": _arguments(c.function.arguments)} for c in m.tool_calls]
             blocks = [f"{OPEN}\n{json.dumps(call, ensure_ascii=False)}\n{CLOSE}" for call in calls]
-            out.append({"role": m.role, "content": "\n".join(([m.text()] if m.text() else []) + blocks)})
+            out.append(_thinking(m, {"role": m.role, "content": "\n".join(([m.text()] if m.text() else []) + blocks)}))
         else:
-            out.append({"role": m.role, "content": m.text()})
+            out.append(_thinking(m, {"role": m.role, "content": m.text()}))
     for m in out:
         m.pop("tool_results", None)
     if plan is not None:
@@ -301,6 +301,14 @@ def _native(m: ChatMessage) -> dict:
         out["tool_call_id"] = m.tool_call_id
     if m.name is not None:
         out["name"] = m.name
+    return _thinking(m, out)
+
+
+def _thinking(m: ChatMessage, out: dict) -> dict:
+    """An assistant message's reasoning, where it has one, under both names templates read."""
+    thinking = m.thinking() if isinstance(m, AssistantMessage) else None
+    if thinking is not None:
+        out["reasoning_content"] = out["reasoning"] = thinking
     return out
 
 
