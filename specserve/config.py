@@ -8,6 +8,7 @@
       api_key                                  optional Bearer key(s) (or env SPECSERVE_API_KEY)
       front_door:       FrontDoorConfig  (ingress threads, body / list limits, per-key limits)
       reasoning:        ReasoningConfig  (a reasoning model's thinking, split out of chat answers)
+      responses:        ResponsesConfig  (the Responses API's store of earlier responses)
       target / draft:   ModelSource  (tiny | smollm2 | hf | random)
       speculation:      SpeculationConfig
       ingress / coordinator: DeploymentConfig (Serve resources, autoscaling, max_ongoing_requests)
@@ -385,6 +386,17 @@ class ReasoningConfig(_Strict):
         return self
 
 
+class ResponsesConfig(_Strict):
+    """The Responses API (`/v1/responses`): what it keeps of the responses it gave. With `store`,
+    a request with `store: true` (OpenAI's default) is kept in the app's ResponseStore deployment
+    (memory; the least recently used dropped beyond either bound), so that a later request's
+    `previous_response_id` goes on from it and `GET /v1/responses/{id}` finds it."""
+
+    store: bool = True
+    max_stored: int = Field(1024, ge=1)  # responses kept
+    max_stored_bytes: int = Field(64 << 20, ge=1 << 16)  # their JSON, in all
+
+
 # -- the application -----------------------------------------------------------------------------
 
 
@@ -432,6 +444,7 @@ class AppConfig(_Strict):
     api_key: Annotated[str, Field(min_length=1)] | tuple[Annotated[str, Field(min_length=1)], ...] | None = None
     front_door: FrontDoorConfig = FrontDoorConfig()
     reasoning: ReasoningConfig | None = None  # the target is a reasoning model (None: no split)
+    responses: ResponsesConfig = ResponsesConfig()
     ingress: DeploymentConfig = DeploymentConfig(resources=Resources(num_cpus=0.1))
     coordinator: DeploymentConfig = DeploymentConfig(resources=Resources(num_cpus=0.1))
     target_worker: Resources = Resources()

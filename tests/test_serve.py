@@ -247,6 +247,30 @@ def test_openai_client(server):
                                                         "json_schema": {"name": "x", "schema": {"type": "nope"}}})
 
 
+def test_the_responses_api_over_the_app(server):
+    """/v1/responses is the chat it translates to (greedy: the same text), whole and streamed, and
+    the app's ResponseStore deployment carries a conversation on (previous_response_id)."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+    hi = [{"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(model=MODEL, messages=hi, max_tokens=8, temperature=0)
+    first = client.responses.create(model=MODEL, input="hi", max_output_tokens=8, temperature=0)
+    assert first.output_text == chat.choices[0].message.content and first.usage.output_tokens == 8
+    events = list(client.responses.create(model=MODEL, input="hi", max_output_tokens=8, temperature=0, stream=True))
+    assert events[-1].type == "response.incomplete" and events[-1].response.output_text == first.output_text
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == first.output_text
+    second = client.responses.create(model=MODEL, input="more", previous_response_id=first.id, max_output_tokens=6,
+                                     temperature=0)
+    history = hi + [{"role": "assistant", "content": first.output_text}, {"role": "user", "content": "more"}]
+    again = client.chat.completions.create(model=MODEL, messages=history, max_tokens=6, temperature=0)
+    assert second.output_text == again.choices[0].message.content
+    assert client.responses.retrieve(second.id).previous_response_id == first.id
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+
+
 def test_logprobs_are_the_same_with_and_without_speculation(http):
     """A greedy answer's log-probabilities (accepted drafts, recovered and bonus tokens alike) equal
     those of the same app's target-only decoding within 1e-4, alternatives included."""

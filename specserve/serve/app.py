@@ -1,8 +1,9 @@
 """build_app(args) -> serve.Application: the `import_path` of configs/*.yaml.
 
     HTTP -> OpenAIIngress --(DeploymentHandle, streaming)--> Coordinator replica
-                                                               |- TargetWorker (bundle 1)
-                                                               '- DraftWorker  (bundle 2)
+                 |                                             |- TargetWorker (bundle 1)
+                 |                                             '- DraftWorker  (bundle 2)
+                 '--(DeploymentHandle)--> ResponseStore (one replica: the Responses API's store)
 
 `args` is validated once into an `AppConfig`; every deployment's resources and autoscaling come
 from it (so the coordinator's placement-group bundles always match its workers' requests), and so
@@ -17,6 +18,7 @@ from specserve.config import AppConfig, DeploymentConfig, load_app_config
 
 from .coordinator import Coordinator
 from .openai_api import RETRY_AFTER_S, OpenAIIngress
+from .response_store import ResponseStoreDeployment
 
 SHUTDOWN_MARGIN_S = 30.0  # beyond request_timeout_s, for the last chunks and the replica's own shutdown
 
@@ -46,7 +48,9 @@ def build_from_config(config: AppConfig) -> serve.Application:
         placement_group_strategy=config.placement_group_strategy,
         **_options("coordinator", config),
     ).bind(config)
-    return OpenAIIngress.options(**_options("ingress", config)).bind(coordinator, config)
+    responses = config.responses
+    store = ResponseStoreDeployment.bind(responses.max_stored, responses.max_stored_bytes) if responses.store else None
+    return OpenAIIngress.options(**_options("ingress", config)).bind(coordinator, config, store)
 
 
 def build_app(args: dict) -> serve.Application:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
 import math
 import re
 import time
@@ -352,3 +353,21 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip().strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+def warn_if_public() -> None:
+    """Warn when Serve's proxy listens beyond loopback while this ingress takes no key (best effort:
+    the HTTP options come from the Serve controller)."""
+    try:
+        import ray
+        from ray.serve.context import _get_global_client
+
+        if not ray.is_initialized():  # not inside a Ray worker: asking would start a cluster
+            return
+        host = _get_global_client(raise_if_no_controller_running=False).http_config.host
+    except Exception:  # no controller (tests in process) or an older Serve: nothing to tell
+        return
+    if not is_loopback(host):
+        logging.getLogger("specserve.ingress").warning(
+            "Serve's HTTP proxy binds %s, beyond loopback, and this ingress has no API key: anyone who can reach "
+            "it can use the model (set SPECSERVE_API_KEY)", host)

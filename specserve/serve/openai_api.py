@@ -21,6 +21,9 @@ chunk), and `num_speculative_tokens` (a per-request cap on γ, 0 = no speculatio
 the configured γ).
 Responses carry a `speculation` object (draft tokens, accepted tokens, steps) next to `usage`.
 
+OpenAI's Responses API (`/v1/responses`) runs as the chat its request translates to
+(responses_schema.py), its output and events in responses_api.py, its store in response_store.py.
+
 Operations: an optional Bearer key (config `api_key`, else env SPECSERVE_API_KEY) guards every route
 but /health and /live, /openapi.json included (401 without it); a full coordinator queue is a 429 with Retry-After; a
 coordinator replica lost mid-request is continued on another one from the tokens already delivered
@@ -40,9 +43,9 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import AsyncIterator
+from typing import AsyncIterator, Literal, NamedTuple
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
@@ -55,16 +58,19 @@ from specserve.engine.grammar import Grammar, check_grammar, tokenizer_view
 
 from .continuation import Continuation, EngineLost
 from .coordinator import Accepted, Delta, Failed, GenerateRequest, Rejected
-from .front_door import (Door, FrontDoor, KeyLimits, OpenAIError, check_unicode, is_loopback, parse_keys,
-                         token_floor)
+from .front_door import (Door, FrontDoor, KeyLimits, OpenAIError, check_unicode, parse_keys, token_floor,
+                         warn_if_public)
 from .responses import (Echo, NoGeneration, Piece, ResponseFormat, StreamFailed, nothing_generated, sse_stream,
                         whole_body)
 from .checks import check_limits, kept_tokens, refuse, sampling_params, token_ids
 from .reasoning import ReasoningSpec, check_tags, opens_reasoning, reasoning_tokens
 from .schema import (ChatCompletionRequest, CompletionRequest, Conversation, DetokenizeRequest, SamplingRequest,
                      TokenizeChatRequest, TokenizeTextRequest, format_grammar)
+from .response_store import StoreClient
+from .responses_api import ResponseEvents, ResponseShape, input_page, item_id, whole_response
+from .responses_schema import ITEMS, ResponsesRequest
 from .tools import ToolPlan, prompt_messages, renders_tools
-from .text import IncrementalDetokenizer, StopStrings, TextRules
+from .text import IncrementalDetokenizer, StopStrings, TextRules, shown_ids
 
 logger = logging.getLogger("specserve.ingress")
 
@@ -116,12 +122,22 @@ async def _http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
     return _error_response(OpenAIError(err.status_code, str(err.detail), None, code))
 
 
+class ChatPrompt(NamedTuple):
+    ids: list[int]
+    max_tokens: int
+    length_param: str  # the parameter a prompt too long for its max tokens is refused under
+    tools: ToolPlan | None
+    reasoning: ReasoningSpec | None
+
+
 class OpenAIServer:
-    def __init__(self, coordinator: DeploymentHandle, config: AppConfig) -> None:
+    def __init__(self, coordinator: DeploymentHandle, config: AppConfig, store: DeploymentHandle | None = None) -> None:
         from specserve.models.loading import load_tokenizer
 
         self.coordinator = coordinator
         self.config = config
+        # the Responses API's store: the app's deployment, else (in process) one of this process
+        self._store = StoreClient(store, config.responses)
         self.tokenizer = load_tokenizer(config.target, config.tokenizer)
         self._info: dict | None = None
         self._grammar_view = None  # llguidance's view of the tokenizer, built at the first response_format
@@ -148,7 +164,7 @@ class OpenAIServer:
             logger.warning("this tokenizer can map unboundedly many characters to one token: prompts are "
                            "tokenized without a length pre-check (the body limit still applies)")
         if not keys:
-            threading.Thread(target=_warn_if_public, daemon=True).start()
+            threading.Thread(target=warn_if_public, daemon=True).start()
 
     async def info(self) -> dict:
         if self._info is None:
@@ -303,19 +319,25 @@ class OpenAIServer:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
+        prompt = await self._chat_prompt(body)
+        return await self._respond(body, [prompt.ids], prompt.max_tokens, chat=True, key=_key(request),
+                                   length_param=prompt.length_param, tools=prompt.tools, reasoning=prompt.reasoning)
+
+    async def _chat_prompt(self, body: ChatCompletionRequest, length_param: str = "max_tokens") -> "ChatPrompt":
+        """A chat request checked and rendered: its prompt's ids, its max_tokens (by default all
+        that fits), its tool plan and its reasoning."""
         self._check(body)
         text, plan = await self._render(body)
         sent = body.max_completion_tokens or body.max_tokens
         keep = kept_tokens(body, (await self.info())["max_model_len"])
         if keep is None:
-            await self._precheck(text, None, sent or 1, "messages")
+            await self._precheck(text, None, sent or 1, "messages", length_param)
         ids = await self._offload(self._encode, text, "messages", False)
         ids = ids if keep is None else ids[-keep:]
         max_tokens = sent if sent is not None else await self._room(len(ids))
         self._check_choices(body.n)
-        return await self._respond(body, [ids], max_tokens, chat=True, key=_key(request),
-                                   length_param="max_tokens" if sent is not None else "messages", tools=plan,
-                                   reasoning=self._reasoning_of(body, text))
+        return ChatPrompt(ids, max_tokens, length_param if sent is not None else "messages", plan,
+                          self._reasoning_of(body, text))
 
     def _reasoning_of(self, body: ChatCompletionRequest, prompt: str) -> ReasoningSpec | None:
         """A reasoning model's chat: its tags, and whether the rendered prompt opened them."""
@@ -351,6 +373,47 @@ class OpenAIServer:
         if body.tokens and max(body.tokens) >= info["vocab_size"]:
             raise OpenAIError(400, f"tokens must be token ids in [0, {info['vocab_size']})", "tokens")
         return {"prompt": await self._offload(self.tokenizer.decode, body.tokens)}
+
+    # -- the Responses API (responses_schema.py, responses_api.py, response_store.py) ----------------
+    @app.post("/v1/responses")
+    async def create_response(self, body: ResponsesRequest, request: Request):
+        """OpenAI's Responses API, run as the chat it translates to; kept in the store (`store`)."""
+        refuse(body.unsupported())
+        history = await self._store.history(body.previous_response_id)
+        chat = body.chat(ITEMS.validate_python(history))
+        prompt = await self._chat_prompt(chat, "max_output_tokens")
+        shape = ResponseShape(item_id("resp"), self.config.served_model_name, body, body.store and self._store.on)
+        ((fmt, pieces),) = await self._generations(chat, shape.rid, [(0, prompt.ids)], prompt.max_tokens, True,
+                                                   _key(request), prompt.length_param, None, prompt.tools,
+                                                   prompt.reasoning)
+        inputs = history + [item.model_dump(by_alias=True, exclude_none=True) for item in body.items()]
+
+        async def keep(response: dict) -> None:
+            response["store"] = shape.stored and await self._store.keep(response, inputs)
+
+        field = self.config.reasoning.fields[0] if self.config.reasoning is not None else None
+        if not body.stream:
+            return await whole_response(shape, fmt, pieces, field, keep)
+        def count(ids: list[int]):  # (the logprobs of a reasoning model's text: its own tokens')
+            return self._offload(reasoning_tokens, self.tokenizer, ids, prompt.reasoning)
+
+        wanted = prompt.reasoning is not None and body.logprobs_wanted()
+        events = ResponseEvents(shape, field, count if wanted else None).stream(fmt, pieces, keep)
+        return StreamingResponse(events, media_type="text/event-stream")
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(self, response_id: str) -> dict:
+        return await self._store.stored(response_id, "get")
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(self, response_id: str) -> dict:
+        await self._store.stored(response_id, "delete")
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(self, response_id: str, limit: int = Query(20, ge=1, le=100),
+                                   order: Literal["asc", "desc"] = "desc", after: str | None = None) -> dict:
+        return input_page(await self._store.stored(response_id, "input_items"), limit, order, after)
 
     # -- helpers ----------------------------------------------------------------------------------
     async def _render(self, body: Conversation) -> tuple[str, ToolPlan | None]:
@@ -391,7 +454,8 @@ class OpenAIServer:
         except Exception as err:  # a template may reject a role order, or a final message to continue
             raise OpenAIError(400, f"chat template failed: {err}", "messages") from err
 
-    async def _precheck(self, text: str | None, tokens: int | None, max_tokens: int, param: str) -> None:
+    async def _precheck(self, text: str | None, tokens: int | None, max_tokens: int, param: str,
+                        length_param: str = "max_tokens") -> None:
         """Refuse, before tokenizing, a prompt whose size alone shows it cannot fit the context:
         `text` is at least token_floor(text) tokens (`tokens`: a token-id prompt's exact count)."""
         if text is not None:
@@ -404,8 +468,8 @@ class OpenAIServer:
             raise OpenAIError(400, f"{param}: {what}: exceeds the model's context of {context} tokens", param,
                               "context_length_exceeded")
         if tokens + max_tokens > context:
-            raise OpenAIError(400, f"prompt ({what}) + max_tokens ({max_tokens}) exceeds the model's context of "
-                                   f"{context} tokens", "max_tokens", "context_length_exceeded")
+            raise OpenAIError(400, f"prompt ({what}) + {length_param} ({max_tokens}) exceeds the model's context of "
+                                   f"{context} tokens", length_param, "context_length_exceeded")
 
     async def _room(self, prompt_tokens: int) -> int:
         """The chat default for max_tokens: all that fits the context. (AppConfig refuses a KV-cache
@@ -590,7 +654,7 @@ class OpenAIServer:
                     logprobs.extend(item.logprobs)
                     tops.extend(item.top_logprobs or [[] for _ in item.logprobs])
                 final = item.finish_reason is not None
-                shown = item.token_ids if rules.include_stop else _shown(item)
+                shown = item.token_ids if rules.include_stop else shown_ids(item.token_ids, item.finish_reason)
                 shielded = max(min(rules.min_tokens - 1 - (len(token_ids) - len(item.token_ids)), len(shown)), 0)
                 if shielded:
                     stopper.shield(detok.push(shown[:shielded]))
@@ -613,33 +677,9 @@ class OpenAIServer:
             gen.close()
 
 
-def _shown(delta: Delta) -> list[int]:
-    """The delta's tokens whose text the output shows: all but the stop token that ends it (an
-    engine's "stop" is always a stop id: EOS, stop_token_ids, a grammar's EOS)."""
-    ids = delta.token_ids
-    return ids[:-1] if delta.finish_reason == "stop" and ids else ids
-
-
 def _key(request: Request) -> int:
     """The index of the API key the FrontDoor accepted (-1: no keys configured)."""
     return request.scope.get(FrontDoor.KEY_SCOPE, -1)
-
-
-def _warn_if_public() -> None:
-    """Warn when Serve's proxy listens beyond loopback while this ingress takes no key (best effort:
-    the HTTP options come from the Serve controller)."""
-    try:
-        import ray
-        from ray.serve.context import _get_global_client
-
-        if not ray.is_initialized():  # not inside a Ray worker: asking would start a cluster
-            return
-        host = _get_global_client(raise_if_no_controller_running=False).http_config.host
-    except Exception:  # no controller (tests in process) or an older Serve: nothing to tell
-        return
-    if not is_loopback(host):
-        logger.warning("Serve's HTTP proxy binds %s, beyond loopback, and this ingress has no API key: anyone who "
-                       "can reach it can use the model (set SPECSERVE_API_KEY)", host)
 
 
 async def _guarded(gen: Continuation) -> AsyncIterator:

@@ -114,21 +114,17 @@ def format_grammar(fmt: BaseModel | None) -> Grammar | None:
     return Grammar("lark", fmt.lark)
 
 
-class SamplingRequest(BaseModel):
+class SamplingOptions(BaseModel):
+    """The sampling and scheduling options every generating route takes (chat, completions, responses)."""
+
     model_config = ConfigDict(extra="forbid")
 
-    model: str
-    max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = Field(0, ge=-1, le=2**31 - 1)  # extension
     min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)  # extension (vLLM's)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
     user: str | None = None
-    n: int = Field(1, ge=1)  # choices per prompt, each its own generation (seeded: seed + its index)
     # applied to the target's logits at every position, drafts included (specserve.engine.processing)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
@@ -140,10 +136,19 @@ class SamplingRequest(BaseModel):
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None  # vLLM's: ids that end the output (text not shown)
     allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, min_length=1)  # vLLM's: only these
     bad_words: list[str] | None = None  # vLLM's: words never generated (at the start of the text or after a space)
-    include_stop_str_in_output: bool = False  # vLLM's: the stop string, or the ending stop token's text, stays in
     skip_special_tokens: bool = True  # vLLM's: false shows special tokens' text
     num_speculative_tokens: int | None = Field(None, ge=0)
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1)  # vLLM's: a lower value is admitted first
+
+
+class SamplingRequest(SamplingOptions):
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1)  # choices per prompt, each its own generation (seeded: seed + its index)
+    include_stop_str_in_output: bool = False  # vLLM's: the stop string, or the ending stop token's text, stays in
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # vLLM's: keep the prompt's last k tokens (-1: context)
     # the generated token ids ride along in the choice (streaming: the ids new since the last chunk)
     return_token_ids: bool = False

@@ -113,3 +113,9 @@ class StopStrings:
         out, self.buffer = self.buffer[:cut], self.buffer[cut:]
         self.start += cut
         return out, False
+
+
+def shown_ids(token_ids: list[int], finish_reason: str | None) -> list[int]:
+    """A delta's tokens whose text the output shows: all but the stop token that ends it (an
+    engine's "stop" is always a stop id: EOS, stop_token_ids, a grammar's EOS)."""
+    return token_ids[:-1] if finish_reason == "stop" and token_ids else token_ids

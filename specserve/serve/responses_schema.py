@@ -1,0 +1,315 @@
+"""The Responses API's request (`POST /v1/responses`, OpenAI's newer API): its input items, tools
+and options, and the chat request it becomes (the ingress then runs it as a chat, so everything
+chat does, from tool calls to reasoning and structured output, holds for it unchanged).
+
+    Responses                                   chat
+    instructions                                a system message first
+    input: text, or items:                      messages:
+      message (user / system / developer)         the same role
+      reasoning, message (assistant),             one assistant message: reasoning, content,
+        function_call, ...                          tool_calls (consecutive items, as one turn)
+      function_call_output                        a tool message
+    tools [{type: function, name, ...}]         tools [{type: function, function: {...}}]
+    tool_choice {type: function, name}          {type: function, function: {name}}
+    text.format                                 response_format
+    reasoning.effort                            reasoning_effort
+    max_output_tokens                           max_completion_tokens
+    top_logprobs / include logprobs             logprobs, top_logprobs
+
+Images, files and audio, hosted tools, background responses, prompt templates, conversations
+and item references are refused with a 400 naming the parameter: this server runs one text
+model and keeps nothing but the responses of its store (response_store.py).
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError
+
+from specserve.engine.sampling import MAX_LOGPROBS
+
+from .front_door import OpenAIError
+from .schema import FUNCTION_NAME, ChatCompletionRequest, JsonObjectFormat, SamplingOptions, TextFormat
+
+MAX_METADATA = 16  # OpenAI's limits on metadata: pairs, key and value lengths
+Status = Literal["in_progress", "completed", "incomplete"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# -- input items -----------------------------------------------------------------------------------
+class TextContent(_Strict):
+    type: Literal["input_text", "output_text"]
+    text: str
+    annotations: list[Any] | None = None  # (an earlier output's; not rendered)
+    logprobs: list[Any] | None = None
+
+
+class RefusalContent(_Strict):
+    type: Literal["refusal"]
+    refusal: str
+
+
+class MediaContent(BaseModel):
+    """An image, a file or audio: refused (this server's model takes text)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["input_image", "input_file", "input_audio"]
+
+
+Content = Annotated[Union[TextContent, RefusalContent, MediaContent], Field(discriminator="type")]
+
+
+class MessageItem(_Strict):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[Content]
+    id: str | None = None
+    status: Status | None = None
+
+
+class FunctionCallItem(_Strict):
+    type: Literal["function_call"]
+    call_id: str = Field(min_length=1)
+    name: str
+    arguments: str  # JSON text
+    id: str | None = None
+    status: Status | None = None
+
+
+class FunctionCallOutputItem(_Strict):
+    type: Literal["function_call_output"]
+    call_id: str = Field(min_length=1)
+    output: str | list[Content]
+    id: str | None = None
+    status: Status | None = None
+
+
+class SummaryText(_Strict):
+    type: Literal["summary_text"]
+    text: str
+
+
+class ReasoningText(_Strict):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class ReasoningItem(_Strict):
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[SummaryText] = []
+    content: list[ReasoningText] | None = None
+    encrypted_content: str | None = None  # (another server's; nothing here can read it)
+    status: Status | None = None
+
+    def text(self) -> str:
+        parts = self.content or self.summary
+        return "".join(p.text for p in parts)
+
+
+class ItemReference(_Strict):
+    type: Literal["item_reference"]
+    id: str
+
+
+def _item_type(value: Any) -> str:
+    """An item's type (an easy input message has none: a message)."""
+    return value.get("type", "message") if isinstance(value, dict) else getattr(value, "type", "message")
+
+
+InputItem = Annotated[Union[Annotated[MessageItem, Tag("message")],
+                            Annotated[FunctionCallItem, Tag("function_call")],
+                            Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+                            Annotated[ReasoningItem, Tag("reasoning")],
+                            Annotated[ItemReference, Tag("item_reference")]], Discriminator(_item_type)]
+ITEMS = TypeAdapter(list[InputItem])
+
+
+# -- tools, formats, options -----------------------------------------------------------------------
+class FunctionTool(_Strict):
+    type: Literal["function"]
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments (None: any object)
+    strict: bool | None = None  # (the schema is always enforced where the output is constrained)
+
+
+class HostedTool(BaseModel):
+    """A tool OpenAI's servers run (web search, file search, ...): refused."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+
+class FunctionChoice(_Strict):
+    type: Literal["function"]
+    name: str
+
+
+class JsonSchemaText(_Strict):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    type: Literal["json_schema"]
+    name: str = Field("response", max_length=64)
+    schema_: dict | bool = Field(alias="schema")
+    description: str | None = None
+    strict: bool | None = None  # (the schema is always enforced)
+
+
+class TextOptions(_Strict):
+    format: Annotated[Union[TextFormat, JsonObjectFormat, JsonSchemaText], Field(discriminator="type")] | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None  # (for models that read it; not rendered)
+
+
+class ReasoningOptions(_Strict):
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None  # (the reasoning comes whole, not summarised)
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None  # (the older name)
+
+
+class ResponsesStreamOptions(_Strict):
+    include_obfuscation: bool = True  # (no obfuscation padding is sent: the server is not a browser's peer)
+
+
+INCLUDABLE = Literal["message.output_text.logprobs", "reasoning.encrypted_content", "message.input_image.image_url",
+                     "computer_call_output.output.image_url", "file_search_call.results",
+                     "web_search_call.action.sources", "web_search_call.results", "code_interpreter_call.outputs"]
+
+
+class ResponsesRequest(SamplingOptions):
+    model: str
+    input: str | list[InputItem]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[FunctionTool | HostedTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
+    parallel_tool_calls: bool = True
+    text: TextOptions | None = None
+    reasoning: ReasoningOptions | None = None
+    stream: bool = False
+    stream_options: ResponsesStreamOptions | None = None
+    store: bool = True
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    include: list[INCLUDABLE] | None = None
+    truncation: Literal["disabled", "auto"] | None = None
+    service_tier: str | None = None
+    background: bool | None = None
+    max_tool_calls: int | None = Field(None, ge=1)  # (built-in tool calls: there are none here)
+    prompt_cache_key: str | None = None  # (prefix caching needs no key)
+    safety_identifier: str | None = None
+    prompt: dict[str, Any] | None = None
+    conversation: str | dict[str, Any] | None = None
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        """(param, why) for every option set to something this server does not do."""
+        bad = []
+        if self.background:
+            bad.append(("background", "background responses are not supported"))
+        if self.prompt is not None:
+            bad.append(("prompt", "prompt templates are not supported: send the input itself"))
+        if self.conversation is not None:
+            bad.append(("conversation", "conversations are not supported: use previous_response_id or send the items"))
+        if self.truncation == "auto":
+            bad.append(("truncation", "truncation 'auto' is not supported: the input must fit the context"))
+        if any(isinstance(t, HostedTool) for t in self.tools or []):
+            bad.append(("tools", "only function tools are supported"))
+        if self.stream_options is not None and not self.stream:
+            bad.append(("stream_options", "stream_options needs stream=true"))
+        metadata = self.metadata or {}
+        if len(metadata) > MAX_METADATA or any(len(k) > 64 or len(v) > 512 for k, v in metadata.items()):
+            bad.append(("metadata", f"metadata holds at most {MAX_METADATA} pairs, keys of at most 64 characters "
+                                    "and values of at most 512"))
+        items = self.input if isinstance(self.input, list) else []
+        if any(isinstance(item, ItemReference) for item in items):
+            bad.append(("input", "item references are not supported: send the item itself, or previous_response_id"))
+        return bad
+
+    def logprobs_wanted(self) -> bool:
+        return self.top_logprobs is not None or "message.output_text.logprobs" in (self.include or [])
+
+    def items(self) -> list:
+        """The input as items (a text input: one user message)."""
+        if isinstance(self.input, str):
+            return [MessageItem(role="user", content=self.input)]
+        return list(self.input)
+
+    def chat(self, history: list) -> ChatCompletionRequest:
+        """The chat request this is, after the items of `history` (a previous response's input and
+        output). Raises OpenAIError (400) for what a chat cannot say."""
+        body = {"model": self.model, "messages": messages(self.instructions, history + self.items()),
+                **self.model_dump(include=set(SamplingOptions.model_fields), exclude_unset=True),
+                "max_completion_tokens": self.max_output_tokens, "parallel_tool_calls": self.parallel_tool_calls}
+        if self.tools:
+            body["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
+                             for t in self.tools]
+        if isinstance(self.tool_choice, FunctionChoice):
+            body["tool_choice"] = {"type": "function", "function": {"name": self.tool_choice.name}}
+        elif self.tool_choice is not None:
+            body["tool_choice"] = self.tool_choice
+        fmt = self.text.format if self.text is not None else None
+        if isinstance(fmt, JsonSchemaText):
+            body["response_format"] = {"type": "json_schema", "json_schema": fmt.model_dump(
+                by_alias=True, exclude={"type"}, exclude_none=True)}
+        elif fmt is not None:
+            body["response_format"] = fmt.model_dump()
+        effort = self.reasoning.effort if self.reasoning is not None else None
+        if effort is not None:
+            body["reasoning_effort"] = effort
+        if self.logprobs_wanted():
+            body.update(logprobs=True, top_logprobs=self.top_logprobs or 0)
+        try:
+            return ChatCompletionRequest.model_validate(body)
+        except ValidationError as err:
+            first = err.errors()[0]
+            loc = [str(x) for x in first.get("loc", ())]
+            param = CHAT_TO_RESPONSES.get(loc[0], loc[0]) if loc else "input"
+            raise OpenAIError(400, f"{param}: {first.get('msg', 'invalid request')}", param) from None
+
+
+CHAT_TO_RESPONSES = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text",
+                     "reasoning_effort": "reasoning", "top_logprobs": "top_logprobs"}
+
+
+def messages(instructions: str | None, items: list) -> list[dict]:
+    """Input items -> chat messages: consecutive reasoning, assistant message and function_call
+    items are one assistant turn (as one response gave them)."""
+    out: list[dict] = [{"role": "system", "content": instructions}] if instructions else []
+    turn: dict | None = None
+    for item in items:
+        if isinstance(item, ReasoningItem):
+            if turn is not None and (turn.get("content") is not None or turn.get("tool_calls")):
+                out.append(turn)  # a reasoning item begins the next turn
+                turn = None
+            if item.text():
+                turn = turn or {"role": "assistant", "content": None}
+                turn["reasoning"] = (turn.get("reasoning") or "") + item.text()
+        elif isinstance(item, MessageItem) and item.role == "assistant":
+            turn = turn or {"role": "assistant", "content": None}
+            turn["content"] = (turn["content"] or "") + _text(item.content)
+        elif isinstance(item, FunctionCallItem):
+            turn = turn or {"role": "assistant", "content": None}
+            turn.setdefault("tool_calls", []).append(
+                {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}})
+        else:
+            if turn is not None:
+                out.append(turn)
+                turn = None
+            if isinstance(item, FunctionCallOutputItem):
+                out.append({"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output)})
+            else:
+                out.append({"role": item.role, "content": _text(item.content)})
+    return out + ([turn] if turn is not None else [])
+
+
+def _text(content: str | list) -> str:
+    if isinstance(content, str):
+        return content
+    for part in content:
+        if isinstance(part, MediaContent):
+            raise OpenAIError(400, f"input: {part.type} is not supported: this model takes text", "input",
+                              "unsupported_content")
+    return "".join(p.text if isinstance(p, TextContent) else p.refusal for p in content)

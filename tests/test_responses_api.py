@@ -1,0 +1,288 @@
+"""The Responses API (`/v1/responses`) in process: the real routes with the fake coordinator of
+test_serve_api, read back with the openai client (whose typed models and stream helper check every
+event): text and items in, the chat they become, whole and streamed output, tools, structured
+output, a reasoning model's reasoning items and logprobs, the store (previous_response_id, GET,
+DELETE, input items) and every refusal."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specserve.serve.response_store import ResponseStore
+from specserve.serve.responses_api import input_page
+from test_reasoning import said
+from test_serve_api import MODEL, FakeCoordinator, _error, _server
+
+WEATHER = {"type": "function", "name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+
+
+@pytest.fixture()
+def fake():
+    return FakeCoordinator(max_model_len=4096)
+
+
+def app_client(fake, monkeypatch, **config):
+    from starlette.testclient import TestClient
+
+    from specserve.serve.openai_api import app
+
+    _server(fake, monkeypatch, **config)
+    return TestClient(app, raise_server_exceptions=False)
+
+
+@pytest.fixture()
+def client(fake, monkeypatch):
+    with app_client(fake, monkeypatch) as c:
+        yield c
+
+
+def oai(client):
+    from openai import OpenAI
+
+    return OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=client, max_retries=0)
+
+
+def prompt_text(fake) -> str:
+    """The prompt the engine got last (the byte tokenizer's text)."""
+    return bytes(t for t in fake.requests[-1].prompt_token_ids if t < 256).decode()
+
+
+def events_of(client, body: dict) -> list[dict]:
+    """A streamed response's events (type, payload), as sent."""
+    with client.stream("POST", "/v1/responses", json={**body, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        lines = list(r.iter_lines())
+    kinds = [line[7:] for line in lines if line.startswith("event: ")]
+    events = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+    assert kinds == [e["type"] for e in events] and [e["sequence_number"] for e in events] == list(range(len(events)))
+    return events
+
+
+# -- text in, text out ------------------------------------------------------------------------------
+def test_text_in_text_out_whole_and_streamed(client, fake):
+    fake.script = said(b"Paris is the capital.")
+    response = oai(client).responses.create(model=MODEL, input="Capital of France?", instructions="Be brief.",
+                                            max_output_tokens=100, temperature=0)
+    assert response.status == "completed" and response.output_text == "Paris is the capital."
+    assert response.id.startswith("resp_") and response.output[0].type == "message"
+    assert response.usage.output_tokens == len(fake.script) and response.usage.input_tokens > 0
+    assert response.usage.output_tokens_details.reasoning_tokens == 0
+    assert "num_draft_tokens" in response.model_extra["speculation"]
+    text = prompt_text(fake)
+    assert text.index("system\nBe brief.") < text.index("user\nCapital of France?")
+    assert fake.requests[-1].params.temperature == 0 and fake.requests[-1].params.max_tokens == 100
+    with oai(client).responses.stream(model=MODEL, input="Capital of France?", max_output_tokens=100) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert "".join(deltas) == final.output_text == "Paris is the capital." and final.status == "completed"
+    kinds = [e["type"] for e in events_of(client, {"model": MODEL, "input": "Hi"})]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert kinds[2:5] == ["response.output_item.added", "response.content_part.added", "response.output_text.delta"]
+    assert kinds[-4:-1] == ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
+
+
+def test_a_cut_answer_is_incomplete(client, fake):
+    fake.script = said(b"A long answer that goes on and on")
+    response = oai(client).responses.create(model=MODEL, input="Talk", max_output_tokens=6)
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    assert response.output_text == "A long" and response.output[-1].status == "incomplete"
+    events = events_of(client, {"model": MODEL, "input": "Talk", "max_output_tokens": 6})
+    assert events[-1]["type"] == "response.incomplete"
+    assert events[-1]["response"]["output"][-1]["status"] == "incomplete"
+
+
+def test_items_in_are_the_conversation_the_chat_template_renders(client, fake):
+    fake.script = said(b"It is sunny.")
+    items = [{"role": "developer", "content": "Answer from the tool."},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather in Oslo?"}]},
+             {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Oslo"}'},
+             {"type": "function_call_output", "call_id": "call_1", "output": "Sunny, 21 C"},
+             {"role": "assistant", "content": [{"type": "output_text", "text": "Noted.", "annotations": []}]},
+             {"role": "user", "content": "And now?"}]
+    response = oai(client).responses.create(model=MODEL, input=items, tools=[WEATHER])
+    assert response.output_text == "It is sunny."
+    text = prompt_text(fake)
+    for part in ("Answer from the tool.", "Weather in Oslo?", '"arguments": {"city": "Oslo"}',
+                 "<tool_response>\nSunny, 21 C\n</tool_response>", "Noted.", "And now?"):
+        assert part in text, part
+    assert text.index("Weather in Oslo?") < text.index("Sunny, 21 C") < text.index("And now?")
+
+
+# -- tools and formats -------------------------------------------------------------------------------
+@pytest.mark.parametrize("stream", [False, True])
+def test_function_calls_come_back_as_items(client, fake, stream):
+    fake.script = said(b'{"city": "Rome"}')
+    body = {"model": MODEL, "input": "Weather in Rome?", "tools": [WEATHER],
+            "tool_choice": {"type": "function", "name": "get_weather"}}
+    if stream:
+        events = events_of(client, body)
+        response = events[-1]["response"]
+        arguments = "".join(e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta")
+        assert arguments == '{"city": "Rome"}'
+        assert any(e["type"] == "response.function_call_arguments.done" for e in events)
+    else:
+        response = client.post("/v1/responses", json=body).json()
+    (call,) = [item for item in response["output"] if item["type"] == "function_call"]
+    assert call["name"] == "get_weather" and json.loads(call["arguments"]) == {"city": "Rome"}
+    assert call["call_id"].startswith("call_") and call["id"].startswith("fc_")
+    grammar = fake.requests[-1].params.grammar
+    assert json.loads(grammar.source) == WEATHER["parameters"]
+    fake.script = said(b'I will check. <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>')
+    auto = oai(client).responses.create(model=MODEL, input="Weather in Oslo?", tools=[WEATHER], stream=False)
+    assert [item.type for item in auto.output] == ["message", "function_call"]
+    assert auto.output[0].content[0].text == "I will check." and auto.output[1].name == "get_weather"
+
+
+def test_text_format_is_the_chat_s_response_format(client, fake):
+    fake.script = said(b'{"a": 1}')
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    response = oai(client).responses.create(model=MODEL, input="JSON please", text={
+        "format": {"type": "json_schema", "name": "thing", "schema": schema, "strict": True}})
+    assert json.loads(response.output_text) == {"a": 1} and response.text.format.type == "json_schema"
+    grammar = fake.requests[-1].params.grammar
+    assert grammar.kind == "json_schema" and json.loads(grammar.source) == schema
+    oai(client).responses.create(model=MODEL, input="JSON please", text={"format": {"type": "json_object"}})
+    assert fake.requests[-1].params.grammar.kind == "json_object"
+
+
+# -- a reasoning model ------------------------------------------------------------------------------
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_reasoning_model_gives_a_reasoning_item_and_its_text_s_own_logprobs(fake, monkeypatch, stream):
+    fake.script = said(b"<think>Easy one.</think>Paris.")
+    thought = len(b"<think>Easy one.</think>")
+    body = {"model": MODEL, "input": "Capital?", "include": ["message.output_text.logprobs"], "top_logprobs": 1,
+            "reasoning": {"effort": "low"}}
+    with app_client(fake, monkeypatch, reasoning={}) as client:
+        if stream:
+            events = events_of(client, body)
+            response = events[-1]["response"]
+            kinds = [e["type"] for e in events]
+            assert kinds.index("response.reasoning_text.delta") < kinds.index("response.output_text.delta")
+            streamed = [lp for e in events if e["type"] == "response.output_text.delta" for lp in e["logprobs"]]
+            (done,) = [e for e in events if e["type"] == "response.output_text.done"]
+            # the deltas carry the text's tokens; the stop token, which has no text, only the whole text's
+            assert streamed == done["logprobs"][:-1] and len(done["logprobs"]) == len(fake.script) - thought
+        else:
+            response = client.post("/v1/responses", json=body).json()
+    reasoning, message = response["output"]
+    assert reasoning["type"] == "reasoning"
+    assert reasoning["content"] == [{"type": "reasoning_text", "text": "Easy one."}]
+    assert message["content"][0]["text"] == "Paris."
+    assert len(message["content"][0]["logprobs"]) == len(fake.script) - thought  # (the stop token's own too)
+    assert response["usage"]["output_tokens_details"]["reasoning_tokens"] == thought
+    assert response["reasoning"]["effort"] == "low"
+
+
+def test_a_reasoning_item_sent_back_is_the_assistant_s_reasoning(fake, monkeypatch):
+    fake.script = said(b"Fine.")
+    items = [{"role": "user", "content": "Hi"},
+             {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "Hm."}]},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hello."}]},
+             {"role": "user", "content": "Bye"}]
+    with app_client(fake, monkeypatch, reasoning={}) as client:
+        assert oai(client).responses.create(model=MODEL, input=items).output_text == "Fine."
+    from specserve.serve.responses_schema import ITEMS, messages
+
+    assert messages(None, ITEMS.validate_python(items))[1] == {"role": "assistant", "content": "Hello.",
+                                                               "reasoning": "Hm."}
+
+
+# -- the store -------------------------------------------------------------------------------------
+def test_previous_response_id_goes_on_from_the_stored_conversation(client, fake):
+    fake.script = said(b"Oslo is cold.")
+    first = oai(client).responses.create(model=MODEL, input="Tell me about Oslo.", instructions="Be terse.")
+    assert first.store is True
+    fake.script = said(b"Yes.")
+    second = oai(client).responses.create(model=MODEL, input="Really?", previous_response_id=first.id)
+    text = prompt_text(fake)
+    assert text.index("Tell me about Oslo.") < text.index("Oslo is cold.") < text.index("Really?")
+    assert "Be terse." not in text  # (instructions are not carried over, as OpenAI's are not)
+    assert second.previous_response_id == first.id
+    got = client.get(f"/v1/responses/{second.id}").json()
+    assert got["output"] == second.model_dump()["output"] or got["id"] == second.id
+    items = client.get(f"/v1/responses/{second.id}/input_items", params={"order": "asc"}).json()
+    texts = [i.get("content") if isinstance(i.get("content"), str) else i["content"][0]["text"] for i in items["data"]]
+    assert texts == ["Tell me about Oslo.", "Oslo is cold.", "Really?"] and not items["has_more"]
+    assert all(i["id"] for i in items["data"])
+    assert client.delete(f"/v1/responses/{first.id}").json() == {"id": first.id, "object": "response", "deleted": True}
+    assert _error(client.get(f"/v1/responses/{first.id}"), 404)["param"] == "response_id"
+    r = client.post("/v1/responses", json={"model": MODEL, "input": "x", "previous_response_id": first.id})
+    assert _error(r, 400)["param"] == "previous_response_id"
+    unstored = oai(client).responses.create(model=MODEL, input="x", store=False)
+    assert unstored.store is False and client.get(f"/v1/responses/{unstored.id}").status_code == 404
+
+
+def test_a_streamed_response_is_stored_too(client, fake):
+    fake.script = said(b"Streamed.")
+    events = events_of(client, {"model": MODEL, "input": "Go"})
+    rid = events[-1]["response"]["id"]
+    assert client.get(f"/v1/responses/{rid}").json()["output"] == events[-1]["response"]["output"]
+
+
+def test_without_a_store(fake, monkeypatch):
+    fake.script = said(b"Ok.")
+    with app_client(fake, monkeypatch, responses={"store": False}) as client:
+        response = oai(client).responses.create(model=MODEL, input="x")
+        assert response.store is False and client.get(f"/v1/responses/{response.id}").status_code == 404
+        r = client.post("/v1/responses", json={"model": MODEL, "input": "x", "previous_response_id": response.id})
+        assert _error(r, 400)["param"] == "previous_response_id"
+
+
+def test_the_store_keeps_the_most_recently_used_within_its_bounds():
+    store = ResponseStore(max_stored=2, max_stored_bytes=1 << 16)
+    for k in range(3):
+        assert store.put({"id": f"r{k}", "output": []}, [{"role": "user", "content": str(k)}])
+        if k == 1:
+            store.get("r0")  # r0 now the most recently used: r1 goes next
+    assert store.get("r1") is None and store.get("r0") is not None and len(store) == 2
+    assert store.input_items("r2")[0]["id"].startswith("msg_")
+    assert not store.put({"id": "big", "output": [], "x": "y" * (1 << 16)}, [])
+    small = ResponseStore(max_stored=100, max_stored_bytes=1 << 16)
+    for k in range(40):
+        small.put({"id": f"r{k}", "output": [], "pad": "z" * 4000}, [])
+    assert 10 < len(small) < 17 and small.get("r39") is not None and small.get("r0") is None
+
+
+def test_input_items_come_in_pages():
+    items = [{"id": f"i{k}"} for k in range(5)]
+    page = input_page(items, 2, "desc", None)
+    assert [i["id"] for i in page["data"]] == ["i4", "i3"] and page["has_more"] and page["last_id"] == "i3"
+    page = input_page(items, 2, "desc", "i3")
+    assert [i["id"] for i in page["data"]] == ["i2", "i1"]
+    assert input_page(items, 10, "asc", "i3") == {"object": "list", "data": [{"id": "i4"}], "first_id": "i4",
+                                                   "last_id": "i4", "has_more": False}
+
+
+# -- refusals and failures ----------------------------------------------------------------------------
+@pytest.mark.parametrize("extra,param", [
+    ({"background": True}, "background"),
+    ({"tools": [{"type": "web_search"}]}, "tools"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]}, "input"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input"),
+    ({"truncation": "auto"}, "truncation"),
+    ({"include": ["everything"]}, "include"),
+    ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+    ({"prompt": {"id": "pmpt_1"}}, "prompt"),
+    ({"conversation": "conv_1"}, "conversation"),
+    ({"temperature": 3}, "temperature"),
+    ({"max_output_tokens": 100000}, "max_output_tokens"),
+    ({"tool_choice": "required"}, "tool_choice"),  # (no tools)
+    ({"input": [{"role": "wizard", "content": "x"}]}, "input"),
+    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input"),  # (no call_id)
+    ({"model": "gpt-9"}, "model"),
+])
+def test_what_cannot_be_served_is_a_4xx_naming_it(client, extra, param):
+    r = client.post("/v1/responses", json={"model": MODEL, "input": "x", **extra})
+    err = _error(r, 404 if param == "model" else 400)
+    assert err["param"] == param, err
+
+
+def test_an_engine_lost_mid_stream_fails_the_response(fake, monkeypatch):
+    fake.mode, fake.lost_after = "lost", 1
+    with app_client(fake, monkeypatch, max_resumes=0) as client:
+        events = events_of(client, {"model": MODEL, "input": "Hello there", "max_output_tokens": 50})
+    assert events[-1]["type"] == "response.failed"
+    assert events[-1]["response"]["status"] == "failed" and events[-1]["response"]["error"]["message"]
+    fake.mode = "ok"
