@@ -3,7 +3,8 @@
     python -m specserve.bench.features --url http://127.0.0.1:8000 [--prompts 20] [--features plain,json_schema]
 
 For each feature (plain greedy chat, logprobs, penalties, repetition penalty, logit bias, n=2,
-json_object, json_schema, a tool call of a named function or a required one) and each held-out
+json_object, json_schema, a tool call of a named function or a required one, and the same plain
+request through the Responses API, `/v1/responses`) and each held-out
 chat prompt of the shipped sets (specserve/prompts, interleaved by category), it sends the same
 request twice, back to back: with the app's own speculation and with the per-request
 `num_speculative_tokens: 0` (target-only decoding on the same replica and workers). One request
@@ -11,7 +12,7 @@ at a time, so the ratio is the per-request speed a user sees.
 
 Per feature: completion tokens/s of each (all tokens / time inside the requests), their ratio,
 the acceptance rate (accepted / drafted), and its checks: greedy answers' token ids identical with
-and without speculation, greedy logprobs within 1e-4 (alternatives too), json_schema answers that
+and without speculation (the Responses API gives no ids: its text), greedy logprobs within 1e-4 (alternatives too), json_schema answers that
 validate against the schema (tool calls: arguments that validate against the function's
 parameters). Prints a table and writes JSON.
 """
@@ -43,6 +44,7 @@ FEATURES = {  # name -> extra request fields (all greedy but n, which samples tw
     "json_schema": {"response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}}},
     "tool_named": {"tools": [ANSWER_TOOL], "tool_choice": {"type": "function", "function": {"name": "answer"}}},
     "tool_required": {"tools": [ANSWER_TOOL], "tool_choice": "required", "parallel_tool_calls": False},
+    "responses": {},  # plain, as the Responses API asks it
 }
 STRUCTURED_MAX_TOKENS = 160  # an answer of up to 160 characters and its JSON frame (json_object: may not end)
 
@@ -58,13 +60,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=600.0)
 
 
-def _request(client: httpx.Client, body: dict) -> tuple[dict, float]:
+def _request(client: httpx.Client, body: dict, route: str = "/v1/chat/completions") -> tuple[dict, float]:
     began = time.perf_counter()
-    r = client.post("/v1/chat/completions", json=body)
+    r = client.post(route, json=body)
     seconds = time.perf_counter() - began
     if r.status_code != 200:
         raise RuntimeError(f"HTTP {r.status_code}: {r.text[:300]}")
     return r.json(), seconds
+
+
+def _as_response(chat: dict) -> dict:
+    """A chat request's body as the Responses API takes it (one user message, no ids)."""
+    (message,) = chat["messages"]
+    extra = {k: v for k, v in chat.items() if k not in ("messages", "max_tokens", "return_token_ids")}
+    return {**extra, "input": message["content"], "max_output_tokens": chat["max_tokens"], "store": False}
+
+
+def _as_chat(response: dict) -> dict:
+    """A Responses API answer in the chat shape the rows read (its text where chat has token ids)."""
+    usage = response["usage"]
+    return {"usage": {"completion_tokens": usage["output_tokens"]}, "speculation": response["speculation"],
+            "choices": [{"token_ids": response["output"][0]["content"][0]["text"], "logprobs": None,
+                         "finish_reason": "stop" if response["status"] == "completed" else "length",
+                         "message": {}}]}
 
 
 def _logprobs_match(a: dict | None, b: dict | None) -> bool:
@@ -107,7 +125,11 @@ def run_feature(client: httpx.Client, model: str, name: str, prompts: list[str],
                 "max_tokens": STRUCTURED_MAX_TOKENS if structured else max_tokens, "return_token_ids": True, **extra}
         answers = []
         for i, fields in enumerate(({}, {"num_speculative_tokens": 0})):
-            answer, seconds = _request(client, {**body, **fields})
+            if name == "responses":
+                answer, seconds = _request(client, _as_response({**body, **fields}), "/v1/responses")
+                answer = _as_chat(answer)
+            else:
+                answer, seconds = _request(client, {**body, **fields})
             row["tokens"][i] += answer["usage"]["completion_tokens"]
             row["seconds"][i] += seconds
             answers.append(answer)
