@@ -221,6 +221,22 @@ def test_a_streamed_response_is_stored_too(client, fake):
     assert client.get(f"/v1/responses/{rid}").json()["output"] == events[-1]["response"]["output"]
 
 
+def test_a_stored_response_is_found_only_with_the_key_that_made_it(fake, monkeypatch):
+    fake.script = said(b"Mine.")
+    with app_client(fake, monkeypatch, api_key=["key-a", "key-b"]) as client:
+        a = {"authorization": "Bearer key-a"}
+        b = {"authorization": "Bearer key-b"}
+        rid = client.post("/v1/responses", json={"model": MODEL, "input": "x"}, headers=a).json()["id"]
+        assert client.get(f"/v1/responses/{rid}", headers=a).status_code == 200
+        for path in (f"/v1/responses/{rid}", f"/v1/responses/{rid}/input_items"):
+            assert _error(client.get(path, headers=b), 404)["param"] == "response_id"
+        assert client.delete(f"/v1/responses/{rid}", headers=b).status_code == 404
+        later = {"model": MODEL, "input": "y", "previous_response_id": rid}
+        assert _error(client.post("/v1/responses", json=later, headers=b), 400)["param"] == "previous_response_id"
+        assert client.post("/v1/responses", json=later, headers=a).status_code == 200
+        assert client.delete(f"/v1/responses/{rid}", headers=a).status_code == 200
+
+
 def test_without_a_store(fake, monkeypatch):
     fake.script = said(b"Ok.")
     with app_client(fake, monkeypatch, responses={"store": False}) as client:
@@ -232,6 +248,8 @@ def test_without_a_store(fake, monkeypatch):
 
 def test_the_store_keeps_the_most_recently_used_within_its_bounds():
     store = ResponseStore(max_stored=2, max_stored_bytes=1 << 16)
+    store.put({"id": "other", "output": []}, [], owner=1)
+    assert store.get("other") is None and not store.delete("other") and store.get("other", owner=1)
     for k in range(3):
         assert store.put({"id": f"r{k}", "output": []}, [{"role": "user", "content": str(k)}])
         if k == 1:

@@ -63,7 +63,7 @@ from .front_door import (Door, FrontDoor, KeyLimits, OpenAIError, check_unicode,
 from .responses import (Echo, NoGeneration, Piece, ResponseFormat, StreamFailed, nothing_generated, sse_stream,
                         whole_body)
 from .checks import check_limits, kept_tokens, refuse, sampling_params, token_ids
-from .reasoning import ReasoningSpec, check_tags, opens_reasoning, reasoning_tokens
+from .reasoning import ReasoningSpec, check_tags, reasoning_tokens
 from .schema import (ChatCompletionRequest, CompletionRequest, Conversation, DetokenizeRequest, SamplingRequest,
                      TokenizeChatRequest, TokenizeTextRequest, format_grammar)
 from .response_store import StoreClient
@@ -337,15 +337,7 @@ class OpenAIServer:
         max_tokens = sent if sent is not None else await self._room(len(ids))
         self._check_choices(body.n)
         return ChatPrompt(ids, max_tokens, length_param if sent is not None else "messages", plan,
-                          self._reasoning_of(body, text))
-
-    def _reasoning_of(self, body: ChatCompletionRequest, prompt: str) -> ReasoningSpec | None:
-        """A reasoning model's chat: its tags, and whether the rendered prompt opened them."""
-        config = self.config.reasoning
-        if config is None:
-            return None
-        return ReasoningSpec(config.start, config.end, opens_reasoning(prompt, config.start, config.end),
-                             config.fields, body.include_reasoning)
+                          ReasoningSpec.of(self.config.reasoning, text, body.include_reasoning))
 
     @app.post("/tokenize")
     async def tokenize(self, body: TokenizeTextRequest | TokenizeChatRequest) -> dict:
@@ -379,9 +371,10 @@ class OpenAIServer:
     async def create_response(self, body: ResponsesRequest, request: Request):
         """OpenAI's Responses API, run as the chat it translates to; kept in the store (`store`)."""
         refuse(body.unsupported())
-        history = await self._store.history(body.previous_response_id)
+        history = await self._store.history(body.previous_response_id, _key(request))
         chat = body.chat(ITEMS.validate_python(history))
         prompt = await self._chat_prompt(chat, "max_output_tokens")
+        owner = _key(request)  # (a stored response is found again only with the API key that made it)
         shape = ResponseShape(item_id("resp"), self.config.served_model_name, body, body.store and self._store.on)
         ((fmt, pieces),) = await self._generations(chat, shape.rid, [(0, prompt.ids)], prompt.max_tokens, True,
                                                    _key(request), prompt.length_param, None, prompt.tools,
@@ -389,7 +382,7 @@ class OpenAIServer:
         inputs = history + [item.model_dump(by_alias=True, exclude_none=True) for item in body.items()]
 
         async def keep(response: dict) -> None:
-            response["store"] = shape.stored and await self._store.keep(response, inputs)
+            response["store"] = shape.stored and await self._store.keep(response, inputs, owner)
 
         field = self.config.reasoning.fields[0] if self.config.reasoning is not None else None
         if not body.stream:
@@ -402,18 +395,19 @@ class OpenAIServer:
         return StreamingResponse(events, media_type="text/event-stream")
 
     @app.get("/v1/responses/{response_id}")
-    async def get_response(self, response_id: str) -> dict:
-        return await self._store.stored(response_id, "get")
+    async def get_response(self, response_id: str, request: Request) -> dict:
+        return await self._store.stored("get", response_id, _key(request))
 
     @app.delete("/v1/responses/{response_id}")
-    async def delete_response(self, response_id: str) -> dict:
-        await self._store.stored(response_id, "delete")
+    async def delete_response(self, response_id: str, request: Request) -> dict:
+        await self._store.stored("delete", response_id, _key(request))
         return {"id": response_id, "object": "response", "deleted": True}
 
     @app.get("/v1/responses/{response_id}/input_items")
-    async def response_input_items(self, response_id: str, limit: int = Query(20, ge=1, le=100),
+    async def response_input_items(self, response_id: str, request: Request, limit: int = Query(20, ge=1, le=100),
                                    order: Literal["asc", "desc"] = "desc", after: str | None = None) -> dict:
-        return input_page(await self._store.stored(response_id, "input_items"), limit, order, after)
+        items = await self._store.stored("input_items", response_id, _key(request))
+        return input_page(items, limit, order, after)
 
     # -- helpers ----------------------------------------------------------------------------------
     async def _render(self, body: Conversation) -> tuple[str, ToolPlan | None]:

@@ -32,6 +32,15 @@ class ReasoningSpec:
     fields: tuple[str, ...] = ("reasoning",)
     include: bool = True
 
+    @staticmethod
+    def of(config, prompt: str, include: bool = True) -> "ReasoningSpec | None":
+        """A chat's spec under the app's `reasoning` config (None: not a reasoning model), given
+        its rendered prompt."""
+        if config is None:
+            return None
+        return ReasoningSpec(config.start, config.end, opens_reasoning(prompt, config.start, config.end),
+                             config.fields, include)
+
     def grammar_reasoning(self) -> Reasoning:
         """The free reasoning a grammar lets the output begin with (engine/grammar.py)."""
         return Reasoning(self.start, self.end, self.opened)

@@ -23,57 +23,64 @@ logger = logging.getLogger("specserve.responses")
 
 
 class ResponseStore:
+    """Each response is kept with its owner, the index of the API key that made it (-1 without
+    keys): asked with another key, it is not there."""
+
     def __init__(self, max_stored: int, max_stored_bytes: int) -> None:
         self.max_stored, self.max_bytes = max_stored, max_stored_bytes
-        self._entries: OrderedDict[str, tuple[bytes, bytes]] = OrderedDict()  # id -> (response, input items)
+        self._entries: OrderedDict[str, tuple[int, bytes, bytes]] = OrderedDict()  # id -> (owner, response, inputs)
         self._bytes = 0
 
-    def put(self, response: dict, inputs: list[dict]) -> bool:
+    def put(self, response: dict, inputs: list[dict], owner: int = -1) -> bool:
         """Keep a response and its input items (an item without an id gets one). False when it
         alone is over the byte bound (then nothing is kept)."""
         inputs = [item if item.get("id") else {**item, "id": f"{_prefix(item)}_{uuid.uuid4().hex}"}
                   for item in inputs]
-        entry = (json.dumps(response).encode(), json.dumps(inputs).encode())
-        size = len(entry[0]) + len(entry[1])
+        entry = (owner, json.dumps(response).encode(), json.dumps(inputs).encode())
+        size = _size(entry)
         if size > self.max_bytes:
             logger.warning("response %s (%d bytes) is larger than responses.max_stored_bytes: not stored",
                            response["id"], size)
             return False
-        self.delete(response["id"])
+        self.delete(response["id"], owner)
         self._entries[response["id"]] = entry
         self._bytes += size
         while len(self._entries) > self.max_stored or self._bytes > self.max_bytes:
-            _, (a, b) = self._entries.popitem(last=False)
-            self._bytes -= len(a) + len(b)
+            self._bytes -= _size(self._entries.popitem(last=False)[1])
         return True
 
-    def get(self, response_id: str) -> dict | None:
-        entry = self._touch(response_id)
-        return None if entry is None else json.loads(entry[0])
-
-    def conversation(self, response_id: str) -> list[dict] | None:
-        """A response's input items and then its output items: what a next turn goes on from."""
-        entry = self._touch(response_id)
-        return None if entry is None else json.loads(entry[1]) + json.loads(entry[0])["output"]
-
-    def input_items(self, response_id: str) -> list[dict] | None:
-        entry = self._touch(response_id)
+    def get(self, response_id: str, owner: int = -1) -> dict | None:
+        entry = self._touch(response_id, owner)
         return None if entry is None else json.loads(entry[1])
 
-    def delete(self, response_id: str) -> bool:
-        entry = self._entries.pop(response_id, None)
-        if entry is not None:
-            self._bytes -= len(entry[0]) + len(entry[1])
-        return entry is not None
+    def conversation(self, response_id: str, owner: int = -1) -> list[dict] | None:
+        """A response's input items and then its output items: what a next turn goes on from."""
+        entry = self._touch(response_id, owner)
+        return None if entry is None else json.loads(entry[2]) + json.loads(entry[1])["output"]
+
+    def input_items(self, response_id: str, owner: int = -1) -> list[dict] | None:
+        entry = self._touch(response_id, owner)
+        return None if entry is None else json.loads(entry[2])
+
+    def delete(self, response_id: str, owner: int = -1) -> bool:
+        if self._touch(response_id, owner) is None:
+            return False
+        self._bytes -= _size(self._entries.pop(response_id))
+        return True
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def _touch(self, response_id: str) -> tuple[bytes, bytes] | None:
+    def _touch(self, response_id: str, owner: int) -> tuple[int, bytes, bytes] | None:
         entry = self._entries.get(response_id)
-        if entry is not None:
-            self._entries.move_to_end(response_id)
+        if entry is None or entry[0] != owner:
+            return None
+        self._entries.move_to_end(response_id)
         return entry
+
+
+def _size(entry: tuple[int, bytes, bytes]) -> int:
+    return len(entry[1]) + len(entry[2])
 
 
 def _prefix(item: dict) -> str:
@@ -99,27 +106,27 @@ class StoreClient:
             raise OpenAIError(503, f"the response store is unavailable: {type(err).__name__}", None,
                               "store_unavailable", "server_error", {"Retry-After": "1"}) from err
 
-    async def history(self, previous_id: str | None) -> list[dict]:
+    async def history(self, previous_id: str | None, owner: int) -> list[dict]:
         """The items a previous response leaves (its input, then its output); 400 for one not kept."""
         if previous_id is None:
             return []
-        items = await self.call("conversation", previous_id) if self.on else None
+        items = await self.call("conversation", previous_id, owner) if self.on else None
         if items is None:
             raise OpenAIError(400, f"previous_response_id: no stored response {previous_id!r} (never stored, "
                                    "deleted, or dropped from the store)", "previous_response_id", "not_found")
         return items
 
-    async def stored(self, response_id: str, method: str):
+    async def stored(self, method: str, response_id: str, owner: int):
         """What `method` (get, input_items, delete) gives for a stored response; 404 for another id."""
-        found = await self.call(method, response_id) if self.on else None
+        found = await self.call(method, response_id, owner) if self.on else None
         if found is None or found is False:
             raise OpenAIError(404, f"no stored response {response_id!r}", "response_id", "not_found")
         return found
 
-    async def keep(self, response: dict, inputs: list[dict]) -> bool:
+    async def keep(self, response: dict, inputs: list[dict], owner: int) -> bool:
         """Store a response; False when it could not be kept (too large, or the store unavailable)."""
         try:
-            return await self.call("put", response, inputs)
+            return await self.call("put", response, inputs, owner)
         except OpenAIError:
             logger.warning("the response store is unavailable: response %s not stored", response["id"])
             return False
