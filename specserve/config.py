@@ -2,6 +2,7 @@
 
     AppConfig
       served_model_name, max_batch_size, max_model_len
+      tokenizer, chat_template, default_chat_template_kwargs   how chats are rendered
       max_queued_requests, max_cached_tokens   overload: bounded waiting queue, KV-cache allocation budget
       request_timeout_s, deadlines             how long a request and each worker call may take
       max_resumes                              continuations of a request after its replica is lost
@@ -18,7 +19,7 @@ Every field is checked here; nothing downstream re-validates a dict.
 """
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -406,6 +407,12 @@ class AppConfig(_Strict):
     draft: ModelSource | None = None  # a separate draft model, in its own worker and bundle
     drafter: ColocatedDrafter | None = None  # or a drafter inside the target worker (no draft model)
     tokenizer: str | None = None  # a local tokenizer directory; default: the target's
+    # The chat template chats are rendered with instead of the tokenizer's: inline Jinja, or the path
+    # of a file holding it, readable where the ingress runs (vLLM's --chat-template)
+    chat_template: str | None = Field(None, min_length=1)
+    # Template variables every chat gets unless it sends its own chat_template_kwargs, e.g.
+    # {enable_thinking: false} (vLLM's --default-chat-template-kwargs)
+    default_chat_template_kwargs: dict[str, Any] | None = None
     speculation: SpeculationConfig = SpeculationConfig()
     max_batch_size: int = Field(32, ge=1)
     max_model_len: int | None = Field(None, ge=2)  # default: the models' own limit
@@ -466,6 +473,9 @@ class AppConfig(_Strict):
             raise ValueError("a tiny draft only fits a tiny target (they share the byte tokenizer)")
         self._check_limits()
         self._check_failure_domains()
+        bad = [k for k in self.default_chat_template_kwargs or {} if not k.isidentifier()]
+        if bad:
+            raise ValueError(f"default_chat_template_kwargs: {bad[0][:64]!r} is not a template variable's name")
         if self.coordinator.max_replicas_per_node is not None:
             raise ValueError("coordinator.max_replicas_per_node: a coordinator replica is a placement group, which "
                              "Serve places by its bundles (see placement_group_strategy and custom resources)")

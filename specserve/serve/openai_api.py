@@ -69,7 +69,8 @@ from .schema import (ChatCompletionRequest, CompletionRequest, Conversation, Det
 from .response_store import StoreClient
 from .responses_api import ResponseEvents, ResponseShape, input_page, item_id, whole_response
 from .responses_schema import ITEMS, ResponsesRequest
-from .tools import ToolPlan, prompt_messages, renders_tools
+from .templates import ChatTemplate
+from .tools import ToolPlan, prompt_messages
 from .text import IncrementalDetokenizer, StopStrings, TextRules, shown_ids
 
 logger = logging.getLogger("specserve.ingress")
@@ -141,7 +142,7 @@ class OpenAIServer:
         self.tokenizer = load_tokenizer(config.target, config.tokenizer)
         self._info: dict | None = None
         self._grammar_view = None  # llguidance's view of the tokenizer, built at the first response_format
-        self._native_tools = renders_tools(self.tokenizer)  # the chat template renders `tools` itself
+        self._chat = ChatTemplate(self.tokenizer, config.chat_template, config.default_chat_template_kwargs)
         if config.reasoning is not None:  # (a tag the detokenizer hides could never be split at)
             check_tags(self.tokenizer, config.reasoning.start, config.reasoning.end)
         self._shed_until = 0.0  # after a full coordinator queue: refuse at once until then (monotonic s)
@@ -423,8 +424,9 @@ class OpenAIServer:
         if len(body.tools or []) > front.max_tools:
             raise OpenAIError(400, f"at most {front.max_tools} tools per request", "tools", "too_many_tools")
         plan = ToolPlan.of(body)
-        messages = prompt_messages(body.messages, plan, self._native_tools)
-        text = await self._offload(self._template, messages, plan.specs() if self._native_tools and plan else None,
+        native = self._chat.renders_tools
+        messages = prompt_messages(body.messages, plan, native)
+        text = await self._offload(self._chat.render, messages, plan.specs() if native and plan else None,
                                    body.template_options())
         return text, plan
 
@@ -440,13 +442,6 @@ class OpenAIServer:
         """bad_words as token sequences, each word as the text's first word and after a space (vLLM's rule)."""
         variants = {text for word in words for text in (word.lstrip(), " " + word.lstrip())}
         return tuple(tuple(self.tokenizer(text, add_special_tokens=False).input_ids) for text in sorted(variants))
-
-    def _template(self, messages: list[dict], tools: list[dict] | None, options: dict) -> str:
-        """options: add_generation_prompt, continue_final_message and the request's chat_template_kwargs."""
-        try:
-            return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, **options)
-        except Exception as err:  # a template may reject a role order, or a final message to continue
-            raise OpenAIError(400, f"chat template failed: {err}", "messages") from err
 
     async def _precheck(self, text: str | None, tokens: int | None, max_tokens: int, param: str,
                         length_param: str = "max_tokens") -> None:

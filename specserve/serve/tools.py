@@ -43,9 +43,9 @@ def call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def renders_tools(tokenizer) -> bool:
-    """Whether the tokenizer's chat template renders `tools` itself."""
-    template = tokenizer.chat_template
+def renders_tools(tokenizer, template: str | None = None) -> bool:
+    """Whether the chat template (`template`, else the tokenizer's) renders `tools` itself."""
+    template = tokenizer.chat_template if template is None else template
     if isinstance(template, dict):
         template = template.get("tool_use") or template.get("default")
     return isinstance(template, str) and "tools" in template
