@@ -9,6 +9,7 @@
       api_key                                  optional Bearer key(s) (or env SPECSERVE_API_KEY)
       front_door:       FrontDoorConfig  (ingress threads, body / list limits, per-key limits)
       reasoning:        ReasoningConfig  (a reasoning model's thinking, split out of chat answers)
+      fim:              FimConfig  (a code model's fill-in-the-middle tokens: completions' `suffix`)
       responses:        ResponsesConfig  (the Responses API's store of earlier responses)
       target / draft:   ModelSource  (tiny | smollm2 | hf | random)
       speculation:      SpeculationConfig
@@ -362,6 +363,20 @@ class FrontDoorConfig(_Strict):
     allow_unauthenticated_public: bool = False
 
 
+# -- code models -----------------------------------------------------------------------------------
+class FimConfig(_Strict):
+    """A fill-in-the-middle (code) target: a completion's `suffix` is the text after the cursor,
+    and the prompt becomes prefix + prompt + suffix tag + suffix + middle ("psm"), or prefix +
+    suffix tag + suffix + middle + prompt ("spm"), in the model's own FIM tokens (Qwen2.5-Coder:
+    <|fim_prefix|>, <|fim_suffix|>, <|fim_middle|>; StarCoder2: <fim_prefix>, <fim_suffix>,
+    <fim_middle>; docs/serving.md)."""
+
+    prefix: str = Field(min_length=1, max_length=64)
+    suffix: str = Field(min_length=1, max_length=64)
+    middle: str = Field(min_length=1, max_length=64)
+    order: Literal["psm", "spm"] = "psm"
+
+
 # -- reasoning models ------------------------------------------------------------------------------
 class ReasoningConfig(_Strict):
     """A reasoning (thinking) target: chat answers split the text between the tags out of
@@ -451,6 +466,7 @@ class AppConfig(_Strict):
     api_key: Annotated[str, Field(min_length=1)] | tuple[Annotated[str, Field(min_length=1)], ...] | None = None
     front_door: FrontDoorConfig = FrontDoorConfig()
     reasoning: ReasoningConfig | None = None  # the target is a reasoning model (None: no split)
+    fim: FimConfig | None = None  # the target fills in the middle (None: `suffix` is refused)
     responses: ResponsesConfig = ResponsesConfig()
     ingress: DeploymentConfig = DeploymentConfig(resources=Resources(num_cpus=0.1))
     coordinator: DeploymentConfig = DeploymentConfig(resources=Resources(num_cpus=0.1))

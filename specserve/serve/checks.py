@@ -4,7 +4,7 @@ from it. Pure functions (the ingress passes the config and the model's figures):
 an OpenAIError, a 400 naming the parameter."""
 from __future__ import annotations
 
-from specserve.config import FrontDoorConfig
+from specserve.config import FimConfig, FrontDoorConfig
 from specserve.engine.grammar import Grammar
 from specserve.engine.sampling import SamplingParams
 
@@ -88,3 +88,16 @@ def sampling_params(body: SamplingRequest, max_tokens: int, vocab: int, grammar:
     except ValueError as err:  # the engine's own checks: a client error, never a 500
         named = str(err).split(maxsplit=1)[0]  # (the engine's messages start with the field's name)
         raise OpenAIError(400, str(err), named if named in type(body).model_fields else None) from err
+
+
+def fill_in_the_middle(fim: FimConfig | None, prompts: list, suffix: str) -> list[str]:
+    """Text prompts with the text after the cursor, in the model's FIM order and tokens (config
+    `fim`; None: refused)."""
+    if fim is None:
+        raise OpenAIError(400, "suffix: this server's model does not fill in the middle (its config has no fim)",
+                          "suffix")
+    if not all(isinstance(p, str) for p in prompts):
+        raise OpenAIError(400, "suffix needs text prompts, not token ids", "suffix")
+    if fim.order == "spm":
+        return [f"{fim.prefix}{fim.suffix}{suffix}{fim.middle}{p}" for p in prompts]
+    return [f"{fim.prefix}{p}{fim.suffix}{suffix}{fim.middle}" for p in prompts]

@@ -62,7 +62,7 @@ from .front_door import (Door, FrontDoor, KeyLimits, OpenAIError, check_unicode,
                          warn_if_public)
 from .responses import (Echo, NoGeneration, Piece, ResponseFormat, StreamFailed, nothing_generated, sse_stream,
                         whole_body)
-from .checks import check_limits, kept_tokens, refuse, sampling_params, token_ids
+from .checks import check_limits, fill_in_the_middle, kept_tokens, refuse, sampling_params, token_ids
 from .reasoning import ReasoningSpec, check_tags, reasoning_tokens
 from .schema import (ChatCompletionRequest, CompletionRequest, Conversation, DetokenizeRequest, SamplingRequest,
                      TokenizeChatRequest, TokenizeTextRequest, format_grammar)
@@ -284,6 +284,8 @@ class OpenAIServer:
         # an explicit null means the default, as OpenAI's API treats it
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
         prompts = body.prompts()
+        if body.suffix:  # a code model fills in the middle: the text after the cursor
+            prompts = fill_in_the_middle(self.config.fim, prompts, body.suffix)
         self._check_choices(len(prompts) * body.n)
         info = await self.info()
         keep = kept_tokens(body, info["max_model_len"])

@@ -197,7 +197,7 @@ class CompletionRequest(SamplingRequest):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # alternatives per token (0: the token's own)
     echo: bool = False
     best_of: int | None = None
-    suffix: str | None = None
+    suffix: str | None = None  # fill in the middle (a code model's, config `fim`): the text after the cursor
 
     def unsupported(self) -> list[tuple[str, str]]:
         bad = super().unsupported()
@@ -205,8 +205,8 @@ class CompletionRequest(SamplingRequest):
             bad.append(("max_tokens", "max_tokens 0 needs echo: true (the prompt and its logprobs, nothing generated)"))
         if self.best_of not in (None, 1):
             bad.append(("best_of", "best_of is not supported"))
-        if self.suffix:
-            bad.append(("suffix", "suffix is not supported"))
+        if self.suffix and (self.echo or self.truncate_prompt_tokens is not None):
+            bad.append(("suffix", "suffix (fill in the middle) cannot be combined with echo or truncate_prompt_tokens"))
         return bad
 
     def prompts(self) -> list[str | list[int]]:

@@ -1,6 +1,8 @@
-"""The config's chat template and default template variables (serve/templates.py): chats, and
-/tokenize, rendered with the config's template (inline or from a file) instead of the tokenizer's,
-the defaults under each request's own chat_template_kwargs, and bad templates refused at start."""
+"""How the config shapes prompts: its chat template and default template variables
+(serve/templates.py: chats, and /tokenize, rendered with the config's template, inline or from a
+file, instead of the tokenizer's; the defaults under each request's own chat_template_kwargs; bad
+templates refused at start), and a code model's fill in the middle (config `fim`, completions'
+`suffix`)."""
 from __future__ import annotations
 
 import pytest
@@ -85,3 +87,40 @@ def test_a_template_that_refuses_a_conversation_is_a_400(fake, monkeypatch):
     with TestClient(app, raise_server_exceptions=False) as client:
         r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]})
     assert "a system message first" in _error(r, 400)["message"]
+
+
+# -- fill in the middle -------------------------------------------------------------------------------
+FIM = {"prefix": "<PRE>", "suffix": "<SUF>", "middle": "<MID>"}
+
+
+@pytest.mark.parametrize("order,expected", [("psm", "<PRE>def f(x):<SUF>    return y<MID>"),
+                                            ("spm", "<PRE><SUF>    return y<MID>def f(x):")])
+def test_a_suffix_is_filled_in_in_the_model_s_order(fake, monkeypatch, order, expected):
+    from starlette.testclient import TestClient
+
+    from specserve.models.tiny import byte_tokenizer
+    from specserve.serve.openai_api import app
+
+    _server(fake, monkeypatch, fim={**FIM, "order": order})
+    with TestClient(app, raise_server_exceptions=False) as client:
+        body = {"model": MODEL, "prompt": "def f(x):", "suffix": "    return y", "max_tokens": 3}
+        assert client.post("/v1/completions", json=body).status_code == 200
+        assert fake.requests[-1].prompt_token_ids == byte_tokenizer()(expected).input_ids
+        batch = client.post("/v1/completions", json={**body, "prompt": ["a", "b"]})
+        assert batch.status_code == 200 and len(fake.requests) >= 3
+        assert client.post("/v1/completions", json={**body, "suffix": ""}).status_code == 200
+        assert fake.requests[-1].prompt_token_ids == byte_tokenizer()("def f(x):").input_ids  # (no suffix)
+        for extra, param in (({"prompt": [1, 2, 3]}, "suffix"), ({"echo": True}, "suffix"),
+                             ({"truncate_prompt_tokens": 8}, "suffix")):
+            assert _error(client.post("/v1/completions", json={**body, **extra}), 400)["param"] == param
+
+
+def test_without_fim_a_suffix_is_refused(fake, monkeypatch):
+    from starlette.testclient import TestClient
+
+    from specserve.serve.openai_api import app
+
+    _server(fake, monkeypatch)
+    with TestClient(app, raise_server_exceptions=False) as client:
+        r = client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "suffix": "y", "max_tokens": 2})
+    assert "fill in the middle" in _error(r, 400)["message"]
