@@ -17,7 +17,8 @@ from ray import serve
 from specserve.config import AppConfig, DeploymentConfig, load_app_config
 
 from .coordinator import Coordinator
-from .openai_api import RETRY_AFTER_S, OpenAIIngress
+from .ingress import RETRY_AFTER_S
+from .openai_api import OpenAIIngress
 from .response_store import ResponseStoreDeployment
 
 SHUTDOWN_MARGIN_S = 30.0  # beyond request_timeout_s, for the last chunks and the replica's own shutdown
