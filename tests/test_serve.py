@@ -271,6 +271,21 @@ def test_the_responses_api_over_the_app(server):
         client.responses.retrieve(first.id)
 
 
+def test_the_messages_api_over_the_app(server):
+    """/v1/messages is the chat it translates to (greedy: the same text), whole and streamed."""
+    import anthropic
+    import openai
+
+    chat = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8, temperature=0)
+    client = anthropic.Anthropic(base_url=server, api_key="unused", max_retries=0)
+    kw = dict(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "hi"}], extra_body={"temperature": 0})
+    message = client.messages.create(**kw)
+    assert message.content[0].text == chat.choices[0].message.content and message.stop_reason == "max_tokens"
+    with client.messages.stream(**kw) as stream:
+        assert stream.get_final_message().content[0].text == message.content[0].text
+
+
 def test_logprobs_are_the_same_with_and_without_speculation(http):
     """A greedy answer's log-probabilities (accepted drafts, recovered and bonus tokens alike) equal
     those of the same app's target-only decoding within 1e-4, alternatives included."""

@@ -205,7 +205,7 @@ def test_openapi_fuzz_finds_no_server_error(fake, monkeypatch):
         for result in schema.get_all_operations():
             operation = result.ok()
             heavy = operation.method.upper() == "POST" and ("completions" in operation.path
-                                                            or operation.path == "/v1/responses")
+                                                            or operation.path in ("/v1/responses", "/v1/messages"))
             modes = (GenerationMode.POSITIVE, GenerationMode.NEGATIVE) if heavy else (GenerationMode.POSITIVE,)
             for mode in modes:  # (an operation without inputs has no invalid ones)
                 try:

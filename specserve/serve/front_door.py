@@ -39,8 +39,24 @@ class OpenAIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return _AsciiJSON(self.body(), status_code=self.status, headers=self.headers)
+    def anthropic_body(self) -> dict:
+        """The same error as Anthropic's Messages API shapes one (its routes answer with this)."""
+        kind = ANTHROPIC_ERRORS.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+    def response(self, anthropic: bool = False) -> JSONResponse:
+        return _AsciiJSON(self.anthropic_body() if anthropic else self.body(), status_code=self.status,
+                          headers=self.headers)
+
+
+ANTHROPIC_ERRORS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+                    503: "overloaded_error"}
+ANTHROPIC_PATHS = ("/v1/messages",)  # routes whose errors take Anthropic's shape
+
+
+def anthropic_route(scope) -> bool:
+    return _route_path(scope).startswith(ANTHROPIC_PATHS)
 
 
 class _AsciiJSON(JSONResponse):
@@ -71,8 +87,8 @@ def key_index(authorization: str, keys: tuple[bytes, ...]) -> int:
     Every key is compared in constant time, so timing tells nothing about which one nearly matched."""
     scheme, _, token = authorization.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
-        raise OpenAIError(401, "missing API key: send 'Authorization: Bearer <key>'", None, "missing_api_key",
-                          headers={"WWW-Authenticate": "Bearer"})
+        raise OpenAIError(401, "missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')", None,
+                          "missing_api_key", headers={"WWW-Authenticate": "Bearer"})
     sent, found = token.strip().encode(), -1
     for i, key in enumerate(keys):
         if hmac.compare_digest(sent, key) and found < 0:
@@ -166,18 +182,19 @@ class FrontDoor:
             return
         door = self.door()
         headers = _headers(scope)
+        anthropic = anthropic_route(scope)
         try:
-            key = key_index(headers.get("authorization", ""), door.keys) if door.keys else -1
+            key = key_index(_credential(headers), door.keys) if door.keys else -1
             door.limits.enter(key)
         except OpenAIError as err:
-            await err.response()(scope, receive, send)
+            await err.response(anthropic)(scope, receive, send)
             return
         try:
             try:
                 body = await _read_body(receive, headers.get("content-length"), door.max_body_bytes)
             except _TooLarge:
                 await OpenAIError(413, f"request body too large (limit {door.max_body_bytes} bytes)", None,
-                                  "request_too_large").response()(scope, receive, send)
+                                  "request_too_large").response(anthropic)(scope, receive, send)
                 return
             scope[self.KEY_SCOPE] = key
             await self.app(scope, _replay(body, receive), send)
@@ -188,6 +205,12 @@ class FrontDoor:
 def _route_path(scope) -> str:
     path, root = scope.get("path", ""), scope.get("root_path", "")
     return path[len(root):] if root and path.startswith(root) else path
+
+
+def _credential(headers: dict[str, str]) -> str:
+    """The Authorization header, or Anthropic clients' `x-api-key` as a Bearer key."""
+    key = headers.get("x-api-key", "").strip()
+    return headers.get("authorization") or (f"Bearer {key}" if key else "")
 
 
 def _headers(scope) -> dict[str, str]:

@@ -98,6 +98,11 @@ class Ingress:
         if not keys:
             threading.Thread(target=warn_if_public, daemon=True).start()
 
+    @property
+    def reasoning_field(self) -> str | None:
+        """The field a chat answer carries a reasoning model's thinking in (None: not one)."""
+        return self.config.reasoning.fields[0] if self.config.reasoning is not None else None
+
     async def info(self) -> dict:
         if self._info is None:
             try:
@@ -397,7 +402,7 @@ class Ingress:
                     thought = None if reasoning is None else \
                         await self._offload(reasoning_tokens, self.tokenizer, token_ids, reasoning)
                     yield Piece(out, "stop" if stopped else item.finish_reason, len(token_ids), spec, token_ids,
-                                logprobs, tops, item.cached_tokens, thought)
+                                logprobs, tops, item.cached_tokens, thought, stopper.hit)
                     return
                 if out or item.token_ids:  # tokens whose text is held back still show as token_ids
                     yield Piece(out, None, len(token_ids), spec, token_ids, logprobs, tops, item.cached_tokens)

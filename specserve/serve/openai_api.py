@@ -47,8 +47,10 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .checks import fill_in_the_middle, kept_tokens, refuse, token_ids
-from .front_door import FrontDoor, OpenAIError
+from .front_door import FrontDoor, OpenAIError, anthropic_route
 from .ingress import RETRY_AFTER_S, Ingress, request_key
+from .messages_api import MessageEvents, MessageShape, message_id, whole_message
+from .messages_schema import CountTokensRequest, MessagesRequest
 from .reasoning import reasoning_tokens
 from .responses_api import ResponseEvents, ResponseShape, input_page, item_id, whole_response
 from .responses_schema import ITEMS, ResponsesRequest
@@ -57,8 +59,9 @@ from .schema import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest
 
 
 # -- errors --------------------------------------------------------------------------------------
-def _error_response(err: OpenAIError) -> JSONResponse:
-    return err.response()
+def _error_response(request: Request, err: OpenAIError) -> JSONResponse:
+    """OpenAI's error shape; Anthropic's on the Messages API's routes."""
+    return err.response(anthropic_route(request.scope))
 
 
 READY_TIMEOUT_S = 2.0  # /health: a coordinator replica must answer within this
@@ -72,25 +75,26 @@ app.add_middleware(FrontDoor, door=lambda: serve.get_replica_context().servable_
 
 
 @app.exception_handler(OpenAIError)
-async def _openai_error(_: Request, err: OpenAIError) -> JSONResponse:
-    return _error_response(err)
+async def _openai_error(request: Request, err: OpenAIError) -> JSONResponse:
+    return _error_response(request, err)
 
 
 @app.exception_handler(RequestValidationError)
-async def _validation_error(_: Request, err: RequestValidationError) -> JSONResponse:
+async def _validation_error(request: Request, err: RequestValidationError) -> JSONResponse:
     first = err.errors()[0] if err.errors() else {}
     loc = [str(x) for x in first.get("loc", ())][1:]  # drop "body" / "query"
     if first.get("type") == "json_invalid":
-        return _error_response(OpenAIError(400, f"malformed JSON body: {first.get('msg', '')}", None, "json_invalid"))
+        return _error_response(request, OpenAIError(400, f"malformed JSON body: {first.get('msg', '')}", None,
+                                                    "json_invalid"))
     param = loc[0] if loc else None
     message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
-    return _error_response(OpenAIError(400, message, param, first.get("type")))
+    return _error_response(request, OpenAIError(400, message, param, first.get("type")))
 
 
 @app.exception_handler(StarletteHTTPException)
-async def _http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
+async def _http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
     code = "not_found" if err.status_code == 404 else None
-    return _error_response(OpenAIError(err.status_code, str(err.detail), None, code))
+    return _error_response(request, OpenAIError(err.status_code, str(err.detail), None, code))
 
 
 class OpenAIServer(Ingress):
@@ -260,7 +264,7 @@ class OpenAIServer(Ingress):
         async def keep(response: dict) -> None:
             response["store"] = shape.stored and await self._store.keep(response, inputs, owner)
 
-        field = self.config.reasoning.fields[0] if self.config.reasoning is not None else None
+        field = self.reasoning_field
         if not body.stream:
             return await whole_response(shape, fmt, pieces, field, keep)
         def count(ids: list[int]):  # (the logprobs of a reasoning model's text: its own tokens')
@@ -285,7 +289,30 @@ class OpenAIServer(Ingress):
         items = await self._store.stored("input_items", response_id, request_key(request))
         return input_page(items, limit, order, after)
 
-    # -- helpers ----------------------------------------------------------------------------------
+    # -- Anthropic's Messages API (messages_schema.py, messages_api.py) ----------------------------
+    @app.post("/v1/messages")
+    async def create_message(self, body: MessagesRequest, request: Request):
+        """Anthropic's Messages API, run as the chat it translates to (errors in Anthropic's shape)."""
+        refuse(body.unsupported())
+        chat = body.chat()
+        prompt = await self._chat_prompt(chat)
+        shape = MessageShape(message_id(), self.config.served_model_name, self.reasoning_field)
+        ((fmt, pieces),) = await self._generations(chat, shape.mid, [(0, prompt.ids)], prompt.max_tokens, True,
+                                                   request_key(request), prompt.length_param, None, prompt.tools,
+                                                   prompt.reasoning)
+        if body.stream:
+            return StreamingResponse(MessageEvents(shape).stream(fmt, pieces), media_type="text/event-stream")
+        return await whole_message(shape, fmt, pieces)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_message_tokens(self, body: CountTokensRequest) -> dict:
+        """The tokens a Messages request's prompt renders to (as /v1/messages renders it)."""
+        messages = body.request()
+        refuse(messages.unsupported())
+        chat = messages.chat()
+        self._check(chat)
+        text, _ = await self._render(chat)
+        return {"input_tokens": len(await self._offload(self._encode, text, "messages", False))}
 
 
 OpenAIIngress = serve.deployment(ray_actor_options={"num_cpus": 0.1})(serve.ingress(app)(OpenAIServer))

@@ -30,6 +30,7 @@ class Piece:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     cached_tokens: int = 0  # prompt tokens taken from shared KV blocks (usage.prompt_tokens_details)
     reasoning_tokens: int | None = None  # the final piece of a reasoning model's chat: its thinking's tokens
+    stop_string: str | None = None  # the final piece of one a stop string ended: that string
 
 
 class StreamFailed(RuntimeError):

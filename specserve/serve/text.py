@@ -93,6 +93,7 @@ class StopStrings:
         self.buffer = ""
         self.start = 0  # characters emitted before buffer[0]
         self.floor = 0  # characters, from the start of the output, in which no stop string may end
+        self.hit: str | None = None  # the stop string that ended the text
 
     def shield(self, text: str) -> None:
         """Text in which no stop string may end (it is emitted by the next `feed`)."""
@@ -106,6 +107,7 @@ class StopStrings:
                                           for s in self.stops) if i >= 0]
         if hits:
             at, minus_length = min(hits)  # the earliest, the longest of those
+            self.hit = self.buffer[at: at - minus_length]
             out, self.buffer = self.buffer[: at - minus_length if self.include else at], ""
             return out, True
         keep = 0 if final else self.hold
