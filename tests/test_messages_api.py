@@ -8,32 +8,16 @@ import json
 
 import pytest
 
+import test_responses_api
 from test_reasoning import said
-from test_serve_api import MODEL, FakeCoordinator, _server
+from test_serve_api import MODEL
+
+# the Responses API tests' app in process, and its fixtures
+app_client, fake, client = test_responses_api.app_client, test_responses_api.fake, test_responses_api.client
 
 WEATHER = {"name": "get_weather", "description": "The weather in a city",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
 USER = {"role": "user", "content": "Weather in Oslo?"}
-
-
-@pytest.fixture()
-def fake():
-    return FakeCoordinator(max_model_len=4096)
-
-
-def app_client(fake, monkeypatch, **config):
-    from starlette.testclient import TestClient
-
-    from specserve.serve.openai_api import app
-
-    _server(fake, monkeypatch, **config)
-    return TestClient(app, raise_server_exceptions=False)
-
-
-@pytest.fixture()
-def client(fake, monkeypatch):
-    with app_client(fake, monkeypatch) as c:
-        yield c
 
 
 def claude(client, key: str = "unused"):

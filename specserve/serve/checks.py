@@ -4,12 +4,14 @@ from it. Pure functions (the ingress passes the config and the model's figures):
 an OpenAIError, a 400 naming the parameter."""
 from __future__ import annotations
 
+from pydantic import ValidationError
+
 from specserve.config import FimConfig, FrontDoorConfig
 from specserve.engine.grammar import Grammar
 from specserve.engine.sampling import SamplingParams
 
 from .front_door import OpenAIError, check_unicode
-from .schema import SamplingRequest
+from .schema import ChatCompletionRequest, SamplingRequest
 
 
 def refuse(bad: list[tuple[str, str]]) -> None:
@@ -101,3 +103,14 @@ def fill_in_the_middle(fim: FimConfig | None, prompts: list, suffix: str) -> lis
     if fim.order == "spm":
         return [f"{fim.prefix}{fim.suffix}{suffix}{fim.middle}{p}" for p in prompts]
     return [f"{fim.prefix}{p}{fim.suffix}{suffix}{fim.middle}" for p in prompts]
+
+
+def as_chat(body: dict, params: dict[str, str], fallback: str) -> ChatCompletionRequest:
+    """Another API's request, translated to a chat body, validated as a chat request; a field it
+    refuses is a 400 naming the other API's parameter (`params`: chat's name -> the other's)."""
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except ValidationError as err:
+        loc = [str(x) for x in err.errors()[0].get("loc", ())]
+        param = params.get(loc[0], loc[0]) if loc else fallback
+        raise OpenAIError(400, f"{param}: {err.errors()[0].get('msg', 'invalid request')}", param) from None

@@ -21,8 +21,9 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
+from .checks import as_chat
 from .front_door import OpenAIError
 from .schema import FUNCTION_NAME, ChatCompletionRequest, SamplingOptions
 
@@ -161,13 +162,7 @@ class MessagesRequest(SamplingOptions):
             body["parallel_tool_calls"] = not choice.disable_parallel_tool_use
         if self.thinking is not None and self.thinking.type != "adaptive":
             body["chat_template_kwargs"] = {"enable_thinking": self.thinking.type == "enabled"}
-        try:
-            return ChatCompletionRequest.model_validate(body)
-        except ValidationError as err:
-            first = err.errors()[0]
-            loc = [str(x) for x in first.get("loc", ())]
-            param = CHAT_TO_MESSAGES.get(loc[0], loc[0]) if loc else "messages"
-            raise OpenAIError(400, f"{param}: {first.get('msg', 'invalid request')}", param) from None
+        return as_chat(body, CHAT_TO_MESSAGES, "messages")
 
 
 CHAT_TO_MESSAGES = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences", "chat_template_kwargs": "thinking"}

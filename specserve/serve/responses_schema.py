@@ -24,10 +24,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter
 
 from specserve.engine.sampling import MAX_LOGPROBS
 
+from .checks import as_chat
 from .front_door import OpenAIError
 from .schema import FUNCTION_NAME, ChatCompletionRequest, JsonObjectFormat, SamplingOptions, TextFormat
 
@@ -261,13 +262,7 @@ class ResponsesRequest(SamplingOptions):
             body["reasoning_effort"] = effort
         if self.logprobs_wanted():
             body.update(logprobs=True, top_logprobs=self.top_logprobs or 0)
-        try:
-            return ChatCompletionRequest.model_validate(body)
-        except ValidationError as err:
-            first = err.errors()[0]
-            loc = [str(x) for x in first.get("loc", ())]
-            param = CHAT_TO_RESPONSES.get(loc[0], loc[0]) if loc else "input"
-            raise OpenAIError(400, f"{param}: {first.get('msg', 'invalid request')}", param) from None
+        return as_chat(body, CHAT_TO_RESPONSES, "input")
 
 
 CHAT_TO_RESPONSES = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text",
