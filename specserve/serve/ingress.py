@@ -254,10 +254,14 @@ class Ingress:
                                                 body.return_token_ids,
                                                 options is not None and options.continuous_usage_stats),
                                      media_type="text/event-stream")
-        try:
-            return await whole_body(choices, body.return_token_ids)
-        except StreamFailed as err:
-            raise err.error from err
+        return await whole_body(choices, body.return_token_ids)
+
+    async def _chat_generation(self, body: ChatCompletionRequest, prompt: ChatPrompt, rid: str,
+                               key: int) -> tuple[ResponseFormat, AsyncIterator[Piece]]:
+        """The one generation of a chat that another API translated (its format and its pieces)."""
+        ((fmt, pieces),) = await self._generations(body, rid, [(0, prompt.ids)], prompt.max_tokens, True, key,
+                                                   prompt.length_param, None, prompt.tools, prompt.reasoning)
+        return fmt, pieces
 
     async def _generations(self, body: SamplingRequest, rid: str, runs: list[tuple[int, list[int]]],
                            max_tokens: int, chat: bool, key: int, length_param: str,

@@ -66,10 +66,7 @@ def tool_block(call: dict) -> dict:
 
 async def whole_message(shape: MessageShape, fmt: ResponseFormat, pieces) -> dict:
     """The whole message of one generation (an engine failure is its error, raised)."""
-    try:
-        whole = await whole_body([(fmt, pieces)])
-    except StreamFailed as err:
-        raise err.error from err
+    whole = await whole_body([(fmt, pieces)])
     choice = whole["choices"][0]
     message = choice["message"]
     content = []

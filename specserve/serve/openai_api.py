@@ -251,14 +251,12 @@ class OpenAIServer(Ingress):
     async def create_response(self, body: ResponsesRequest, request: Request):
         """OpenAI's Responses API, run as the chat it translates to; kept in the store (`store`)."""
         refuse(body.unsupported())
-        history = await self._store.history(body.previous_response_id, request_key(request))
+        owner = request_key(request)  # (a stored response is found again only with the API key that made it)
+        history = await self._store.history(body.previous_response_id, owner)
         chat = body.chat(ITEMS.validate_python(history))
         prompt = await self._chat_prompt(chat, "max_output_tokens")
-        owner = request_key(request)  # (a stored response is found again only with the API key that made it)
         shape = ResponseShape(item_id("resp"), self.config.served_model_name, body, body.store and self._store.on)
-        ((fmt, pieces),) = await self._generations(chat, shape.rid, [(0, prompt.ids)], prompt.max_tokens, True,
-                                                   request_key(request), prompt.length_param, None, prompt.tools,
-                                                   prompt.reasoning)
+        fmt, pieces = await self._chat_generation(chat, prompt, shape.rid, owner)
         inputs = history + [item.model_dump(by_alias=True, exclude_none=True) for item in body.items()]
 
         async def keep(response: dict) -> None:
@@ -297,9 +295,7 @@ class OpenAIServer(Ingress):
         chat = body.chat()
         prompt = await self._chat_prompt(chat)
         shape = MessageShape(message_id(), self.config.served_model_name, self.reasoning_field)
-        ((fmt, pieces),) = await self._generations(chat, shape.mid, [(0, prompt.ids)], prompt.max_tokens, True,
-                                                   request_key(request), prompt.length_param, None, prompt.tools,
-                                                   prompt.reasoning)
+        fmt, pieces = await self._chat_generation(chat, prompt, shape.mid, request_key(request))
         if body.stream:
             return StreamingResponse(MessageEvents(shape).stream(fmt, pieces), media_type="text/event-stream")
         return await whole_message(shape, fmt, pieces)

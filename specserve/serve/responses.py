@@ -249,11 +249,13 @@ def usage(formats: list[ResponseFormat]) -> tuple[dict, dict]:
 
 
 async def whole_body(choices: list[Choice], return_token_ids: bool = False) -> dict:
-    """One response body for every choice (raises StreamFailed: the first that fails; the other
-    generations are cancelled)."""
+    """One response body for every choice; raises the error the client gets (OpenAIError) of the
+    first that fails, the other generations cancelled."""
     tasks = [asyncio.ensure_future(fmt.whole(pieces, return_token_ids)) for fmt, pieces in choices]
     try:
         bodies = await asyncio.gather(*tasks)
+    except StreamFailed as err:
+        raise err.error from err
     finally:
         for task in tasks:
             task.cancel()

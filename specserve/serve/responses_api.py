@@ -129,10 +129,7 @@ async def whole_response(shape: ResponseShape, fmt: ResponseFormat, pieces, fiel
                          keep: Callable[[dict], Awaitable[None]]) -> dict:
     """The whole response of one generation (an engine failure is its error, raised); `keep` as
     ResponseEvents.stream's `on_done`."""
-    try:
-        whole = await whole_body([(fmt, pieces)])
-    except StreamFailed as err:
-        raise err.error from err
+    whole = await whole_body([(fmt, pieces)])
     (choice,), details = whole["choices"], whole["usage"].get("completion_tokens_details") or {}
     output = output_items(choice["message"], choice["finish_reason"], field_name,
                           (choice["logprobs"] or {}).get("content"), details.get("reasoning_tokens", 0))
