@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 from specserve.engine.grammar import Reasoning
 
+from .text import tag_prefix
+
 BEFORE, THINKING, ANSWERING = "before", "thinking", "answering"
 
 
@@ -88,7 +90,7 @@ class ReasoningSplit:
         if self.state == THINKING:
             at = self.held.find(self.end)
             if at < 0:
-                keep = 0 if final else _partial_tag(self.held, self.end)
+                keep = 0 if final else tag_prefix(self.held, self.end)
                 return self._part(len(self.held) - keep, len(self.held) - keep), ""
             reasoning = self._part(at, at + len(self.end))
             self.state, self.trim = ANSWERING, True
@@ -114,14 +116,6 @@ class ReasoningSplit:
             out = out.lstrip()
             self.trim = not out
         return out
-
-
-def _partial_tag(text: str, tag: str) -> int:
-    """How many characters at the end of `text` could be the start of `tag`."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
 
 
 def reasoning_tokens(tokenizer, token_ids: list[int], spec: ReasoningSpec) -> int:

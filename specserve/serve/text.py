@@ -121,3 +121,12 @@ def shown_ids(token_ids: list[int], finish_reason: str | None) -> list[int]:
     """A delta's tokens whose text the output shows: all but the stop token that ends it (an
     engine's "stop" is always a stop id: EOS, stop_token_ids, a grammar's EOS)."""
     return token_ids[:-1] if finish_reason == "stop" and token_ids else token_ids
+
+
+def tag_prefix(text: str, tag: str) -> int:
+    """How many characters at the end of `text` could be the start of `tag` (held back from a
+    stream until the next text decides)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from specserve.engine.grammar import Grammar
 
 from .schema import AssistantMessage, ChatCompletionRequest, ChatMessage, Tool, ToolMessage
+from .text import tag_prefix
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|\Z)", re.S)
@@ -247,17 +248,9 @@ class ToolStream:
             self.held, self.in_call = "", True
             more, calls = self._at_end(rest, final)
             return out + more, calls
-        keep = 0 if final else _partial_open(self.held)
+        keep = 0 if final else tag_prefix(self.held, OPEN)
         out, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
         return out, []
-
-
-def _partial_open(text: str) -> int:
-    """How many characters at the end of `text` could be the start of <tool_call>."""
-    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if OPEN.startswith(text[-n:]):
-            return n
-    return 0
 
 
 # -- the history ---------------------------------------------------------------------------------
