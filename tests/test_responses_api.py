@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from specserve.serve import reasoning
 from specserve.serve.response_store import ResponseStore
 from specserve.serve.responses_api import input_page
 from test_reasoning import said
@@ -154,6 +155,9 @@ def test_a_reasoning_model_gives_a_reasoning_item_and_its_text_s_own_logprobs(fa
     thought = len(b"<think>Easy one.</think>")
     body = {"model": MODEL, "input": "Capital?", "include": ["message.output_text.logprobs"], "top_logprobs": 1,
             "reasoning": {"effort": "low"}}
+    counts = []  # (the search for the end tag, run once although the stream splits logprobs and counts usage)
+    real = reasoning.reasoning_tokens
+    monkeypatch.setattr(reasoning, "reasoning_tokens", lambda *args: counts.append(real(*args)) or counts[-1])
     with app_client(fake, monkeypatch, reasoning={}) as client:
         if stream:
             events = events_of(client, body)
@@ -166,12 +170,12 @@ def test_a_reasoning_model_gives_a_reasoning_item_and_its_text_s_own_logprobs(fa
             assert streamed == done["logprobs"][:-1] and len(done["logprobs"]) == len(fake.script) - thought
         else:
             response = client.post("/v1/responses", json=body).json()
-    reasoning, message = response["output"]
-    assert reasoning["type"] == "reasoning"
-    assert reasoning["content"] == [{"type": "reasoning_text", "text": "Easy one."}]
+    thinking, message = response["output"]
+    assert thinking["type"] == "reasoning"
+    assert thinking["content"] == [{"type": "reasoning_text", "text": "Easy one."}]
     assert message["content"][0]["text"] == "Paris."
     assert len(message["content"][0]["logprobs"]) == len(fake.script) - thought  # (the stop token's own too)
-    assert response["usage"]["output_tokens_details"]["reasoning_tokens"] == thought
+    assert response["usage"]["output_tokens_details"]["reasoning_tokens"] == thought and counts == [thought]
     assert response["reasoning"]["effort"] == "low"
 
 

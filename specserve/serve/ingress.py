@@ -28,7 +28,7 @@ from .continuation import Continuation, EngineLost
 from .coordinator import Accepted, Delta, Failed, GenerateRequest, Rejected
 from .front_door import (Door, FrontDoor, KeyLimits, OpenAIError, check_unicode, parse_keys, token_floor,
                          warn_if_public)
-from .reasoning import ReasoningSpec, check_tags, reasoning_tokens
+from .reasoning import ReasoningSpec, ThoughtCount, check_tags
 from .response_store import StoreClient
 from .responses import (Echo, NoGeneration, Piece, ResponseFormat, StreamFailed, nothing_generated, sse_stream,
                         whole_body)
@@ -280,10 +280,11 @@ class Ingress:
                                           body.num_speculative_tokens, priority=body.priority)
                 gen, first = await self._start(request, length_param)
                 self.door.limits.charge(key, first.num_prompt_tokens)
+                thoughts = None if reasoning is None else ThoughtCount(self.tokenizer, reasoning, self._offload)
                 fmt = ResponseFormat(rid, self.config.served_model_name, chat, first.num_prompt_tokens, gen,
                                      self.tokenizer, params.logprobs, k, i, echoes[i] if echoes else None, tools,
-                                     reasoning)
-                choices.append((fmt, self._pieces(gen, prompt, body.text_rules(), key, reasoning)))
+                                     reasoning, thoughts)
+                choices.append((fmt, self._pieces(gen, prompt, body.text_rules(), key, thoughts)))
         except BaseException:
             for fmt, _ in choices:
                 fmt.gen.close()
@@ -364,7 +365,7 @@ class Ingress:
         return self.coordinator.options(stream=True).generate.remote(request)
 
     async def _pieces(self, gen: Continuation, prompt_ids: list[int], rules: TextRules,
-                      key: int, reasoning: ReasoningSpec | None = None) -> AsyncIterator[Piece]:
+                      key: int, thoughts: ThoughtCount | None = None) -> AsyncIterator[Piece]:
         """Coordinator Deltas -> text pieces. Cancels the coordinator stream if it ends early
         (stop string, client gone), which aborts the request and frees its caches. The detokenizer
         decodes a window of a few tokens per delta (text.py), cheap enough for the event loop; it
@@ -403,8 +404,7 @@ class Ingress:
                         "num_steps": item.num_steps}
                 if stopped or final:
                     gen.finished = final
-                    thought = None if reasoning is None else \
-                        await self._offload(reasoning_tokens, self.tokenizer, token_ids, reasoning)
+                    thought = None if thoughts is None else await thoughts(token_ids)
                     yield Piece(out, "stop" if stopped else item.finish_reason, len(token_ids), spec, token_ids,
                                 logprobs, tops, item.cached_tokens, thought, stopper.hit)
                     return

@@ -51,7 +51,6 @@ from .front_door import FrontDoor, OpenAIError, anthropic_route
 from .ingress import RETRY_AFTER_S, Ingress, request_key
 from .messages_api import MessageEvents, MessageShape, message_id, whole_message
 from .messages_schema import CountTokensRequest, MessagesRequest
-from .reasoning import reasoning_tokens
 from .responses_api import ResponseEvents, ResponseShape, input_page, item_id, whole_response
 from .responses_schema import ITEMS, ResponsesRequest
 from .schema import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
@@ -265,11 +264,9 @@ class OpenAIServer(Ingress):
         field = self.reasoning_field
         if not body.stream:
             return await whole_response(shape, fmt, pieces, field, keep)
-        def count(ids: list[int]):  # (the logprobs of a reasoning model's text: its own tokens')
-            return self._offload(reasoning_tokens, self.tokenizer, ids, prompt.reasoning)
-
-        wanted = prompt.reasoning is not None and body.logprobs_wanted()
-        events = ResponseEvents(shape, field, count if wanted else None).stream(fmt, pieces, keep)
+        # (the logprobs of a reasoning model's text are its own tokens': counted once, for usage too)
+        count = fmt.thoughts if body.logprobs_wanted() else None
+        events = ResponseEvents(shape, field, count).stream(fmt, pieces, keep)
         return StreamingResponse(events, media_type="text/event-stream")
 
     @app.get("/v1/responses/{response_id}")

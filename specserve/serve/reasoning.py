@@ -15,6 +15,7 @@ a chunk is held back until the next one decides it). The tags must be text the d
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Awaitable, Callable
 
 from specserve.engine.grammar import Reasoning
 
@@ -140,3 +141,21 @@ def reasoning_tokens(tokenizer, token_ids: list[int], spec: ReasoningSpec) -> in
         else:
             low = mid + 1
     return low
+
+
+class ThoughtCount:
+    """One output's reasoning tokens (`reasoning_tokens`, run through `offload`), remembered once
+    the answer has begun: asked again with more tokens, as for the usage after a stream split its
+    logprobs at the text's start, it costs nothing, since what follows the end tag is no reasoning."""
+
+    def __init__(self, tokenizer, spec: ReasoningSpec, offload: Callable[..., Awaitable]) -> None:
+        self.tokenizer, self.spec, self.offload = tokenizer, spec, offload
+        self.settled: int | None = None
+
+    async def __call__(self, token_ids: list[int]) -> int:
+        if self.settled is None:
+            count = await self.offload(reasoning_tokens, self.tokenizer, token_ids, self.spec)
+            if 0 < count < len(token_ids):  # (0 is one decode, no search: asked again, it looks again)
+                self.settled = count
+            return count
+        return self.settled

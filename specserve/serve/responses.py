@@ -10,7 +10,7 @@ from typing import AsyncIterator
 
 from .continuation import Continuation
 from .front_door import OpenAIError
-from .reasoning import ReasoningSpec
+from .reasoning import ReasoningSpec, ThoughtCount
 from .tools import ToolPlan, without_index
 
 # an alternative a grammar, allowed_token_ids or min_tokens forbids has logprob -inf, which JSON
@@ -57,6 +57,7 @@ class ResponseFormat:
     echo: "Echo | None" = None  # completions' echo: the prompt before the output (and its logprobs)
     tools: ToolPlan | None = None  # chat with tools: the output is read back as content and tool calls
     reasoning: ReasoningSpec | None = None  # a reasoning model's chat: its thinking split out of the content
+    thoughts: ThoughtCount | None = None  # (with reasoning) counts the output's reasoning tokens
 
     def __post_init__(self) -> None:
         self.created = int(time.time())
