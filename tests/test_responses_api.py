@@ -260,11 +260,89 @@ def test_the_store_keeps_the_most_recently_used_within_its_bounds():
             store.get("r0")  # r0 now the most recently used: r1 goes next
     assert store.get("r1") is None and store.get("r0") is not None and len(store) == 2
     assert store.input_items("r2")[0]["id"].startswith("msg_")
-    assert not store.put({"id": "big", "output": [], "x": "y" * (1 << 16)}, [])
+    assert store.put({"id": "big", "output": [], "x": "y" * (1 << 16)}, []) == "too_large"
     small = ResponseStore(max_stored=100, max_stored_bytes=1 << 16)
     for k in range(40):
         small.put({"id": f"r{k}", "output": [], "pad": "z" * 4000}, [])
     assert 10 < len(small) < 17 and small.get("r39") is not None and small.get("r0") is None
+
+
+def _turn(store, k: int, previous: str | None, pad: int = 1000, owner: int = -1) -> str:
+    """Store turn k (its own input and output item, `pad` bytes each) after `previous`."""
+    said_ = {"type": "message", "id": f"out{k}", "role": "assistant", "content": "a" * pad}
+    store.put({"id": f"r{k}", "output": [said_]}, [{"role": "user", "content": "q" * pad}], owner, previous)
+    return f"r{k}"
+
+
+def test_a_conversation_costs_its_turns_once():
+    store = ResponseStore(max_stored=1000, max_stored_bytes=1 << 20)
+    previous = None
+    for k in range(60):
+        previous = _turn(store, k, previous)
+    one = store._links["r0"].size
+    assert store._bytes == sum(link.size for link in store._links.values()) < 60 * (one + 200)  # (not 60² / 2)
+    items = store.conversation("r59")
+    assert len(items) == 120 and [i["id"] for i in items[1::2]] == [f"out{k}" for k in range(60)]
+    assert store.input_items("r59") == items[:-1]
+    assert store.put({"id": "x", "output": []}, [], -1, "gone") == "no_previous"
+    assert store.put({"id": "x", "output": []}, [], 7, "r59") == "no_previous"  # (another key's)
+    assert "x" not in store._links
+
+
+def test_a_link_that_went_stays_as_the_history_of_the_turns_after_it():
+    store = ResponseStore(max_stored=1000, max_stored_bytes=1 << 20)
+    for k, previous in enumerate([None, "r0", "r1", "r1"]):  # r2 and r3: two branches from r1
+        _turn(store, k, previous)
+    whole = store.conversation("r3")
+    assert store.delete("r1") and store.get("r1") is None and store.conversation("r1") is None
+    assert not store.delete("r1") and store.conversation("r3") == whole and len(store) == 3
+    _turn(store, 4, "r1")  # (a turn in flight while r1 went: the ingress read r1 while it was there)
+    assert store.input_items("r4") == whole[:4] + [json.loads(store._links["r4"].inputs)[0]]
+    store.delete("r0")
+    assert store.input_items("r3") == whole[:-1] and set(store._links) == {"r0", "r1", "r2", "r3", "r4"}
+    for rid in ("r2", "r3", "r4"):
+        store.delete(rid)
+    assert store._links == {} and store._bytes == 0 and len(store) == 0
+
+
+def test_dropping_the_least_recently_used_frees_whole_conversations():
+    store = ResponseStore(max_stored=1000, max_stored_bytes=30_000)  # (a turn: ~2.1 kB)
+    for k in range(60):  # 20 conversations of 3 turns, their turns interleaved two at a time
+        conversation, turn = divmod(k, 6)[0] * 2 + k % 2, (k % 6) // 2
+        previous = None if turn == 0 else f"c{conversation}t{turn - 1}"
+        store.put({"id": f"c{conversation}t{turn}", "output": [{"content": "a" * 1000}]},
+                  [{"content": "q" * 1000}], -1, previous)
+        assert store._bytes <= 30_000
+        assert all(link.shown or link.later for link in store._links.values())  # (nothing hidden for nothing)
+    assert store.conversation("c19t2") is not None and store.conversation("c0t2") is None
+    assert len(store.conversation("c19t2")) == 6 and len(store) < 15
+    assert store.put({"id": "big", "output": []}, [{"content": "z" * 40_000}]) == "too_large"
+    long = None  # a conversation whose turns together pass the bound: its last turns are not kept
+    for k in range(20):
+        done = store.put({"id": f"long{k}", "output": [{"content": "a" * 1000}]}, [{"content": "q" * 1000}],
+                         -1, long)
+        if done != "stored":
+            break
+        long = f"long{k}"
+    assert done == "too_large" and 10 < k < 15 and len(store.conversation(long)) == 2 * k
+
+
+def test_a_turn_whose_previous_response_went_meanwhile_is_kept_with_its_history():
+    import asyncio
+
+    from specserve.config import ResponsesConfig
+    from specserve.serve.response_store import StoreClient
+
+    client = StoreClient(None, ResponsesConfig())
+    store = client._local
+    _turn(store, 0, None)
+    history = asyncio.run(client.history("r0", -1))
+    assert store.delete("r0") and store._links == {}  # (gone while the next turn was generated)
+    response = {"id": "r1", "previous_response_id": "r0", "output": [{"type": "message", "id": "m1"}]}
+    assert asyncio.run(client.keep(response, history, [{"type": "message", "content": "next"}], -1))
+    assert store.conversation("r1")[:2] == history and store._links["r1"].previous is None
+    big = {**response, "id": "r2", "previous_response_id": "r1", "pad": "x" * (64 << 20)}
+    assert not asyncio.run(client.keep(big, history, [], -1)) and "r2" not in store._links
 
 
 def test_input_items_come_in_pages():

@@ -256,10 +256,10 @@ class OpenAIServer(Ingress):
         prompt = await self._chat_prompt(chat, "max_output_tokens")
         shape = ResponseShape(item_id("resp"), self.config.served_model_name, body, body.store and self._store.on)
         fmt, pieces = await self._chat_generation(chat, prompt, shape.rid, owner)
-        inputs = history + [item.model_dump(by_alias=True, exclude_none=True) for item in body.items()]
+        inputs = [item.model_dump(by_alias=True, exclude_none=True) for item in body.items()]
 
         async def keep(response: dict) -> None:
-            response["store"] = shape.stored and await self._store.keep(response, inputs, owner)
+            response["store"] = shape.stored and await self._store.keep(response, history, inputs, owner)
 
         field = self.reasoning_field
         if not body.stream:

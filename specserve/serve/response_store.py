@@ -1,10 +1,16 @@
-"""The Responses API's store: the responses given with `store: true`, each with the input that led
-to it (the earlier turns' items included), so that `previous_response_id` goes on from one and
-`GET /v1/responses/{id}` finds it. Kept in memory as JSON, within `responses.max_stored` responses
-and `max_stored_bytes` bytes: the least recently used go first (a later turn naming one that went
-is a 400, as for an id never stored). In an app it is one Serve deployment that every ingress
-replica asks, so a conversation may go on through any of them; in process it is this class alone.
-A restart of the store's replica forgets what it held.
+"""The Responses API's store: the responses given with `store: true`, each as a link of its
+conversation (its own input items, its output, and the response it went on from), so that
+`previous_response_id` goes on from one and `GET /v1/responses/{id}` finds it. Kept in memory as
+JSON, within `responses.max_stored` responses and `max_stored_bytes` bytes: the least recently
+used go first (a later turn naming one that went is a 400, as for an id never stored). In an app
+it is one Serve deployment that every ingress replica asks, so a conversation may go on through
+any of them; in process it is this class alone. A restart of the store's replica forgets what it
+held.
+
+A turn keeps only what it added, so a conversation of n turns costs its own bytes once, not its
+early turns n times over. A link that goes (deleted, or dropped as least recently used) while
+later turns still go on from it is no longer found, but stays, hidden, as their history: its
+bytes still count, and go with the last of them.
 """
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ import json
 import logging
 import uuid
 from collections import OrderedDict
+from dataclasses import dataclass
 
 from ray import serve
 
@@ -21,66 +28,114 @@ from .front_door import OpenAIError
 
 logger = logging.getLogger("specserve.responses")
 
+STORED, TOO_LARGE, NO_PREVIOUS = "stored", "too_large", "no_previous"  # what ResponseStore.put did
+
+
+@dataclass
+class _Link:
+    owner: int  # the index of the API key that made it (-1 without keys)
+    previous: str | None  # the response it went on from (None: a first turn)
+    response: bytes  # its JSON
+    inputs: bytes  # its own input items' JSON (not the earlier turns')
+    later: int = 0  # stored links that go on from this one
+    shown: bool = True  # False: deleted or dropped, kept only as the later links' history
+
+    @property
+    def size(self) -> int:
+        return len(self.response) + len(self.inputs)
+
 
 class ResponseStore:
-    """Each response is kept with its owner, the index of the API key that made it (-1 without
-    keys): asked with another key, it is not there."""
+    """Each response is kept with its owner: asked with another key, it is not there."""
 
     def __init__(self, max_stored: int, max_stored_bytes: int) -> None:
         self.max_stored, self.max_bytes = max_stored, max_stored_bytes
-        self._entries: OrderedDict[str, tuple[int, bytes, bytes]] = OrderedDict()  # id -> (owner, response, inputs)
-        self._bytes = 0
+        self._links: dict[str, _Link] = {}  # id -> link, shown or hidden
+        self._shown: OrderedDict[str, None] = OrderedDict()  # the shown links' ids, least recently used first
+        self._bytes = 0  # of every link, hidden ones included
 
-    def put(self, response: dict, inputs: list[dict], owner: int = -1) -> bool:
-        """Keep a response and its input items (an item without an id gets one). False when it
-        alone is over the byte bound (then nothing is kept)."""
+    def put(self, response: dict, inputs: list[dict], owner: int = -1, previous: str | None = None) -> str:
+        """Keep a response, its own input items (an item without an id gets one) and the response
+        it went on from: STORED; TOO_LARGE when its whole conversation is over the byte bound, or
+        NO_PREVIOUS when `previous` is no longer here (then nothing is kept)."""
         inputs = [item if item.get("id") else {**item, "id": f"{_prefix(item)}_{uuid.uuid4().hex}"}
                   for item in inputs]
-        entry = (owner, json.dumps(response).encode(), json.dumps(inputs).encode())
-        size = _size(entry)
+        link = _Link(owner, previous, json.dumps(response).encode(), json.dumps(inputs).encode())
+        before = None if previous is None else self._links.get(previous)
+        if previous is not None and (before is None or before.owner != owner):
+            return NO_PREVIOUS
+        if response["id"] in self._links:
+            raise ValueError(f"response {response['id']} is stored already")
+        size = link.size + sum(earlier.size for _, earlier in self._chain(previous))
         if size > self.max_bytes:
-            logger.warning("response %s (%d bytes) is larger than responses.max_stored_bytes: not stored",
-                           response["id"], size)
-            return False
-        self.delete(response["id"], owner)
-        self._entries[response["id"]] = entry
-        self._bytes += size
-        while len(self._entries) > self.max_stored or self._bytes > self.max_bytes:
-            self._bytes -= _size(self._entries.popitem(last=False)[1])
-        return True
+            logger.warning("response %s (%d bytes with its earlier turns) is larger than "
+                           "responses.max_stored_bytes: not stored", response["id"], size)
+            return TOO_LARGE
+        if before is not None:
+            before.later += 1
+        self._links[response["id"]] = link
+        self._shown[response["id"]] = None
+        self._bytes += link.size
+        while len(self._shown) > self.max_stored or self._bytes > self.max_bytes:
+            self._hide(next(iter(self._shown)))  # (never this one: its conversation alone fits)
+        return STORED
 
     def get(self, response_id: str, owner: int = -1) -> dict | None:
-        entry = self._touch(response_id, owner)
-        return None if entry is None else json.loads(entry[1])
+        link = self._touch(response_id, owner)
+        return None if link is None else json.loads(link.response)
 
     def conversation(self, response_id: str, owner: int = -1) -> list[dict] | None:
-        """A response's input items and then its output items: what a next turn goes on from."""
-        entry = self._touch(response_id, owner)
-        return None if entry is None else json.loads(entry[2]) + json.loads(entry[1])["output"]
+        """A response's input items and then its output items, the earlier turns' first: what a
+        next turn goes on from."""
+        return None if self._touch(response_id, owner) is None else self._items(response_id)
 
     def input_items(self, response_id: str, owner: int = -1) -> list[dict] | None:
-        entry = self._touch(response_id, owner)
-        return None if entry is None else json.loads(entry[2])
+        """The items that led to a response: the earlier turns' inputs and outputs, then its own inputs."""
+        link = self._touch(response_id, owner)
+        return None if link is None else self._items(link.previous) + json.loads(link.inputs)
 
     def delete(self, response_id: str, owner: int = -1) -> bool:
         if self._touch(response_id, owner) is None:
             return False
-        self._bytes -= _size(self._entries.pop(response_id))
+        self._hide(response_id)
         return True
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._shown)
 
-    def _touch(self, response_id: str, owner: int) -> tuple[int, bytes, bytes] | None:
-        entry = self._entries.get(response_id)
-        if entry is None or entry[0] != owner:
+    def _touch(self, response_id: str, owner: int) -> _Link | None:
+        link = self._links.get(response_id)
+        if link is None or not link.shown or link.owner != owner:
             return None
-        self._entries.move_to_end(response_id)
-        return entry
+        self._shown.move_to_end(response_id)
+        return link
 
+    def _chain(self, response_id: str | None) -> list[tuple[str, _Link]]:
+        """A link and the ones it went on from, the latest first."""
+        chain = []
+        while response_id is not None:
+            chain.append((response_id, self._links[response_id]))
+            response_id = chain[-1][1].previous
+        return chain
 
-def _size(entry: tuple[int, bytes, bytes]) -> int:
-    return len(entry[1]) + len(entry[2])
+    def _items(self, response_id: str | None) -> list[dict]:
+        """Every item of a conversation through this link (hidden links' included), the first turn's first."""
+        return [item for _, link in reversed(self._chain(response_id))
+                for item in json.loads(link.inputs) + json.loads(link.response)["output"]]
+
+    def _hide(self, response_id: str) -> None:
+        """No longer found; its bytes freed, and any earlier hidden link's that only it kept."""
+        self._links[response_id].shown = False
+        del self._shown[response_id]
+        while response_id is not None:
+            link = self._links[response_id]
+            if link.shown or link.later:
+                return
+            del self._links[response_id]
+            self._bytes -= link.size
+            response_id = link.previous
+            if response_id is not None:
+                self._links[response_id].later -= 1
 
 
 def _prefix(item: dict) -> str:
@@ -123,13 +178,20 @@ class StoreClient:
             raise OpenAIError(404, f"no stored response {response_id!r}", "response_id", "not_found")
         return found
 
-    async def keep(self, response: dict, inputs: list[dict], owner: int) -> bool:
-        """Store a response; False when it could not be kept (too large, or the store unavailable)."""
+    async def keep(self, response: dict, history: list[dict], inputs: list[dict], owner: int) -> bool:
+        """Store a response that went on from `response["previous_response_id"]` (its items:
+        `history`) with its own input items; False when it could not be kept (too large, or the
+        store unavailable). Where the previous response went while this one was generated, its
+        items are kept with this one's."""
+        previous = response.get("previous_response_id")
         try:
-            return await self.call("put", response, inputs, owner)
+            done = await self.call("put", response, inputs, owner, previous)
+            if done == NO_PREVIOUS:
+                done = await self.call("put", response, history + inputs, owner, None)
         except OpenAIError:
             logger.warning("the response store is unavailable: response %s not stored", response["id"])
             return False
+        return done == STORED
 
 
 # One replica for the whole app (a second would hold other responses); every call is a dict lookup.
