@@ -355,13 +355,49 @@ def test_input_items_come_in_pages():
                                                    "last_id": "i4", "has_more": False}
 
 
+# -- truncation "auto" -------------------------------------------------------------------------------
+def test_truncation_auto_drops_the_fewest_first_turns_that_let_it_fit(monkeypatch):
+    fake = FakeCoordinator(max_model_len=600)  # (the byte tokenizer: a token a character)
+    with app_client(fake, monkeypatch) as client:
+        fake.script = said(b"A" * 40)
+        base = {"model": MODEL, "instructions": "Be brief.", "max_output_tokens": 40}
+        previous = None
+        for k in range(8):  # 8 stored turns of ~100 tokens: the 9th does not fit 600 with all of them
+            turn = {"role": "user", "content": f"question {k} " + "q" * 40}
+            if k == 1:  # (a system message within the conversation stays when its turn goes)
+                turn = [{"role": "system", "content": "SYSTEM"}, turn]
+            r = client.post("/v1/responses", json={**base, "input": turn if isinstance(turn, list) else [turn],
+                                                   "previous_response_id": previous, "truncation": "auto"})
+            assert r.status_code == 200, r.text
+            previous = r.json()["id"]
+        body = {**base, "input": "last question", "previous_response_id": previous}
+        r = client.post("/v1/responses", json=body)
+        assert _error(r, 400)["code"] == "context_length_exceeded"  # (truncation "disabled": OpenAI's default)
+        r = client.post("/v1/responses", json={**body, "truncation": "auto"})
+        assert r.status_code == 200 and r.json()["truncation"] == "auto", r.text
+        sent = prompt_text(fake)
+        kept = [k for k in range(8) if f"question {k} " in sent]
+        assert kept and kept == list(range(kept[0], 8)) and kept[0] > 1 and "last question" in sent
+        assert "Be brief." in sent and "SYSTEM" in sent and len(fake.requests[-1].prompt_token_ids) + 40 <= 600
+        # the fewest: with the turn before the first one kept, it would not fit
+        turns = [m for k in range(kept[0] - 1, 8) for m in (
+            {"role": "user", "content": f"question {k} " + "q" * 40}, {"role": "assistant", "content": "A" * 40})]
+        longer = {**base, "input": [{"role": "system", "content": "SYSTEM"}, *turns, {"role": "user",
+                                                                                   "content": "last question"}]}
+        assert client.post("/v1/responses", json={**longer, "input": longer["input"][:1] + longer["input"][3:]}) \
+            .status_code == 200  # (the kept turns alone: what truncation sent, and it fits)
+        assert prompt_text(fake) == sent
+        assert _error(client.post("/v1/responses", json=longer), 400)["code"] == "context_length_exceeded"
+        huge = {**base, "input": "z" * 700, "truncation": "auto"}  # the latest turn alone: its own 400
+        assert _error(client.post("/v1/responses", json=huge), 400)["code"] == "context_length_exceeded"
+
+
 # -- refusals and failures ----------------------------------------------------------------------------
 @pytest.mark.parametrize("extra,param", [
     ({"background": True}, "background"),
     ({"tools": [{"type": "web_search"}]}, "tools"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]}, "input"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input"),
-    ({"truncation": "auto"}, "truncation"),
     ({"include": ["everything"]}, "include"),
     ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),

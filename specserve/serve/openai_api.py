@@ -48,7 +48,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .checks import fill_in_the_middle, kept_tokens, refuse, token_ids
 from .front_door import FrontDoor, OpenAIError, anthropic_route
-from .ingress import RETRY_AFTER_S, Ingress, request_key
+from .ingress import RETRY_AFTER_S, ChatPrompt, Ingress, request_key
 from .messages_api import MessageEvents, MessageShape, message_id, whole_message
 from .messages_schema import CountTokensRequest, MessagesRequest
 from .responses_api import ResponseEvents, ResponseShape, input_page, item_id, whole_response
@@ -252,8 +252,7 @@ class OpenAIServer(Ingress):
         refuse(body.unsupported())
         owner = request_key(request)  # (a stored response is found again only with the API key that made it)
         history = await self._store.history(body.previous_response_id, owner)
-        chat = body.chat(ITEMS.validate_python(history))
-        prompt = await self._chat_prompt(chat, "max_output_tokens")
+        chat, prompt = await self._response_prompt(body, ITEMS.validate_python(history))
         shape = ResponseShape(item_id("resp"), self.config.served_model_name, body, body.store and self._store.on)
         fmt, pieces = await self._chat_generation(chat, prompt, shape.rid, owner)
         inputs = [item.model_dump(by_alias=True, exclude_none=True) for item in body.items()]
@@ -268,6 +267,35 @@ class OpenAIServer(Ingress):
         count = fmt.thoughts if body.logprobs_wanted() else None
         events = ResponseEvents(shape, field, count).stream(fmt, pieces, keep)
         return StreamingResponse(events, media_type="text/event-stream")
+
+    async def _response_prompt(self, body: ResponsesRequest, history: list) -> tuple[ChatCompletionRequest, ChatPrompt]:
+        """The chat a Responses request is, and its prompt. With truncation "auto", where the
+        whole conversation does not fit the context with max_output_tokens (or one token) after
+        it, the fewest first turns dropped that let it fit (`cuts`; found in O(log turns)
+        renders); where even the latest turn alone does not fit, its own 400."""
+        cuts = body.cuts(history) if body.truncation == "auto" else [0]
+        context = (await self.info())["max_model_len"]
+
+        async def fitting(drop: int, last: bool) -> tuple[ChatCompletionRequest, ChatPrompt] | None:
+            chat = body.chat(history, drop)
+            try:
+                prompt = await self._chat_prompt(chat, "max_output_tokens")
+            except OpenAIError as err:
+                if last or err.code != "context_length_exceeded":
+                    raise
+                return None
+            fits = len(prompt.ids) + (body.max_output_tokens or 1) <= context
+            return (chat, prompt) if fits or last else None
+
+        whole = await fitting(0, len(cuts) == 1)  # (the usual case)
+        if whole is not None:
+            return whole
+        low, high, best = 1, len(cuts) - 1, None  # the fewest cuts that fit: cuts[k], k in [low, high]
+        while low < high:  # (best: what cuts[high] gave, once probed)
+            mid = (low + high) // 2
+            probe = await fitting(cuts[mid], False)
+            low, high, best = (mid + 1, high, best) if probe is None else (low, mid, probe)
+        return best if best is not None else await fitting(cuts[high], True)
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(self, response_id: str, request: Request) -> dict:

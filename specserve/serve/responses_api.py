@@ -57,7 +57,7 @@ class ResponseShape:
                      "verbosity": body.text.verbosity if body.text else None},
             "tool_choice": choice.model_dump() if isinstance(choice, FunctionChoice) else choice,
             "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
-            "top_logprobs": body.top_logprobs or 0, "top_p": body.top_p, "truncation": "disabled",
+            "top_logprobs": body.top_logprobs or 0, "top_p": body.top_p, "truncation": body.truncation or "disabled",
             "usage": usage_, "user": body.user, "metadata": body.metadata or {},
             "safety_identifier": body.safety_identifier, "prompt_cache_key": body.prompt_cache_key,
             **({} if speculation is None else {"speculation": speculation}),

@@ -16,9 +16,11 @@ chat does, from tool calls to reasoning and structured output, holds for it unch
     max_output_tokens                           max_completion_tokens
     top_logprobs / include logprobs             logprobs, top_logprobs
 
-Images, files and audio, hosted tools, background responses, prompt templates, conversations
-and item references are refused with a 400 naming the parameter: this server runs one text
-model and keeps nothing but the responses of its store (response_store.py).
+`truncation: "auto"` drops the conversation's first turns until the prompt fits the context
+(`cuts`; the ingress finds how many). Images, files and audio, hosted tools, background
+responses, prompt templates, conversations and item references are refused with a 400 naming the
+parameter: this server runs one text model and keeps nothing but the responses of its store
+(response_store.py).
 """
 from __future__ import annotations
 
@@ -214,8 +216,6 @@ class ResponsesRequest(SamplingOptions):
             bad.append(("prompt", "prompt templates are not supported: send the input itself"))
         if self.conversation is not None:
             bad.append(("conversation", "conversations are not supported: use previous_response_id or send the items"))
-        if self.truncation == "auto":
-            bad.append(("truncation", "truncation 'auto' is not supported: the input must fit the context"))
         if any(isinstance(t, HostedTool) for t in self.tools or []):
             bad.append(("tools", "only function tools are supported"))
         if self.stream_options is not None and not self.stream:
@@ -229,6 +229,13 @@ class ResponsesRequest(SamplingOptions):
             bad.append(("input", "item references are not supported: send the item itself, or previous_response_id"))
         return bad
 
+    def cuts(self, history: list) -> list[int]:
+        """The numbers of first items that truncation "auto" may drop, fewest first: none, or all
+        before a user message (where a turn begins, so that no call loses its output or a turn its
+        start), the latest user message always kept."""
+        items = history + self.items()
+        return [0] + [k for k, item in enumerate(items) if k and isinstance(item, MessageItem) and item.role == "user"]
+
     def logprobs_wanted(self) -> bool:
         return self.top_logprobs is not None or "message.output_text.logprobs" in (self.include or [])
 
@@ -238,10 +245,12 @@ class ResponsesRequest(SamplingOptions):
             return [MessageItem(role="user", content=self.input)]
         return list(self.input)
 
-    def chat(self, history: list) -> ChatCompletionRequest:
+    def chat(self, history: list, drop: int = 0) -> ChatCompletionRequest:
         """The chat request this is, after the items of `history` (a previous response's input and
-        output). Raises OpenAIError (400) for what a chat cannot say."""
-        body = {"model": self.model, "messages": messages(self.instructions, history + self.items()),
+        output); `drop`: how many of the conversation's first items it leaves out (`cuts`; system
+        and developer messages stay). Raises OpenAIError (400) for what a chat cannot say."""
+        items = [item for k, item in enumerate(history + self.items()) if k >= drop or _standing(item)]
+        body = {"model": self.model, "messages": messages(self.instructions, items),
                 **self.model_dump(include=set(SamplingOptions.model_fields), exclude_unset=True),
                 "max_completion_tokens": self.max_output_tokens, "parallel_tool_calls": self.parallel_tool_calls}
         if self.tools:
@@ -298,6 +307,12 @@ def messages(instructions: str | None, items: list) -> list[dict]:
             else:
                 out.append({"role": item.role, "content": _text(item.content)})
     return out + ([turn] if turn is not None else [])
+
+
+def _standing(item) -> bool:
+    """Whether an item stays when truncation drops the conversation's first items: a system or
+    developer message, which speaks for the whole conversation."""
+    return isinstance(item, MessageItem) and item.role in ("system", "developer")
 
 
 def _text(content: str | list) -> str:
