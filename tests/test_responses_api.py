@@ -6,10 +6,11 @@ DELETE, input items) and every refusal."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
-from specserve.serve import reasoning
+from specserve.serve import reasoning, response_store
 from specserve.serve.response_store import ResponseStore
 from specserve.serve.responses_api import input_page
 from test_reasoning import said
@@ -392,9 +393,107 @@ def test_truncation_auto_drops_the_fewest_first_turns_that_let_it_fit(monkeypatc
         assert _error(client.post("/v1/responses", json=huge), 400)["code"] == "context_length_exceeded"
 
 
+# -- background responses ------------------------------------------------------------------------------
+ENDED = ("completed", "incomplete", "failed", "cancelled")
+
+
+def read_until(client, rid: str, check, timeout: float = 10.0) -> dict:
+    """GET the response until check(response) holds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        r = client.get(f"/v1/responses/{rid}")
+        assert r.status_code == 200, r.text
+        if check(r.json()) or time.monotonic() > deadline:
+            assert check(r.json()), r.json()
+            return r.json()
+        time.sleep(0.02)
+
+
+@pytest.fixture()
+def quick_polls(monkeypatch):
+    monkeypatch.setattr(response_store, "POLL_S", 0.02)
+
+
+def test_a_background_response_is_stored_in_progress_then_finished(fake, monkeypatch, quick_polls):
+    fake.script, fake.step_delay = said(b"Paris is the capital."), 0.01
+    with app_client(fake, monkeypatch) as client:
+        response = oai(client).responses.create(model=MODEL, input="Capital?", background=True)
+        assert response.status == "in_progress" and response.background and response.output == []
+        r = client.post("/v1/responses", json={"model": MODEL, "input": "And?", "previous_response_id": response.id})
+        assert _error(r, 400)["param"] == "previous_response_id"  # (while it is in progress)
+        done = read_until(client, response.id, lambda r: r["status"] in ENDED)
+        assert done["status"] == "completed" and done["background"] is True and done["store"] is True
+        assert done["output"][0]["content"][0]["text"] == "Paris is the capital."
+        assert done["usage"]["output_tokens"] == len(fake.script)
+        assert oai(client).responses.create(model=MODEL, input="Capital?").output_text == "Paris is the capital."
+        later = oai(client).responses.create(model=MODEL, input="And?", previous_response_id=response.id)
+        assert "Paris is the capital." in prompt_text(fake) and later.status == "completed"
+
+
+def test_a_cancel_or_a_delete_stops_a_background_generation(fake, monkeypatch, quick_polls):
+    fake.script, fake.step_delay = said(b"x" * 300), 0.05  # (100 deltas: 5 s)
+    with app_client(fake, monkeypatch) as client:
+        client_ = oai(client)
+        first = client_.responses.create(model=MODEL, input="Long", background=True)
+        r = client.post(f"/v1/responses/{first.id}/cancel")
+        assert r.status_code == 200 and r.json()["status"] == "cancelled", r.text
+        deadline = time.monotonic() + 3
+        while not fake.streams[-1].cancelled and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert fake.streams[-1].cancelled  # the engine was told to stop
+        assert client.post(f"/v1/responses/{first.id}/cancel").json()["status"] == "cancelled"  # (idempotent)
+        time.sleep(0.2)
+        assert client.get(f"/v1/responses/{first.id}").json()["status"] == "cancelled"  # (not overwritten)
+        second = client_.responses.create(model=MODEL, input="Long", background=True)
+        assert client.delete(f"/v1/responses/{second.id}").status_code == 200
+        deadline = time.monotonic() + 3
+        while not fake.streams[-1].cancelled and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert fake.streams[-1].cancelled and client.get(f"/v1/responses/{second.id}").status_code == 404
+        fake.step_delay = 0.0
+        plain = client_.responses.create(model=MODEL, input="x")
+        assert _error(client.post(f"/v1/responses/{plain.id}/cancel"), 400)["param"] == "response_id"
+        assert _error(client.post("/v1/responses/resp_nope/cancel"), 404)
+
+
+def test_a_background_response_whose_engine_failed_reads_failed(fake, monkeypatch, quick_polls):
+    fake.mode = "lost"  # (every continuation lost too)
+    with app_client(fake, monkeypatch) as client:
+        rid = oai(client).responses.create(model=MODEL, input="x" * 40, max_output_tokens=30, background=True).id
+        done = read_until(client, rid, lambda r: r["status"] in ENDED)
+        assert done["status"] == "failed" and done["error"]["code"] == "engine_unavailable"
+
+
+def test_a_background_response_ends_once_and_reads_failed_when_its_ingress_was_lost(monkeypatch):
+    store = ResponseStore(max_stored=10, max_stored_bytes=1 << 16)
+    running = {"id": "r0", "status": "in_progress", "background": True, "output": []}
+    assert store.put(running, []) == "stored" and store.poll("r0") and store.get("r0")["status"] == "in_progress"
+    assert store.put({**running, "id": "r1"}, []) == "stored" and store.cancel("r1")["status"] == "cancelled"
+    assert not store.poll("r1") and not store.finish({**running, "id": "r1", "status": "completed"})
+    assert store.get("r1")["status"] == "cancelled" and store.conversation("r1") == []
+    assert store.put({**running, "id": "r2"}, []) == "stored" and store.conversation("r2") is None
+    assert store.finish({**running, "id": "r2", "status": "completed"}) and store.get("r2")["status"] == "completed"
+    monkeypatch.setattr(response_store, "LEASE_S", 0.0)
+    time.sleep(0.01)
+    assert store.get("r0")["status"] == "failed" and "lost" in store.get("r0")["error"]["message"]
+    assert not store.poll("r0") and not store.finish({**running, "status": "completed"})
+    assert store.cancel("r0")["status"] == "failed"  # (an ended response, as it is)
+
+
+@pytest.mark.parametrize("extra,param", [({"stream": True}, "stream"), ({"store": False}, "background")])
+def test_what_a_background_response_cannot_be_is_a_400(client, extra, param):
+    r = client.post("/v1/responses", json={"model": MODEL, "input": "x", "background": True, **extra})
+    assert _error(r, 400)["param"] == param
+
+
+def test_without_a_store_there_are_no_background_responses(fake, monkeypatch):
+    with app_client(fake, monkeypatch, responses={"store": False}) as client:
+        r = client.post("/v1/responses", json={"model": MODEL, "input": "x", "background": True})
+        assert _error(r, 400)["param"] == "background" and not fake.requests
+
+
 # -- refusals and failures ----------------------------------------------------------------------------
 @pytest.mark.parametrize("extra,param", [
-    ({"background": True}, "background"),
     ({"tools": [{"type": "web_search"}]}, "tools"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]}, "input"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input"),

@@ -269,6 +269,15 @@ def test_the_responses_api_over_the_app(server):
     client.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(first.id)
+    items = client.responses.input_items.list(second.id, order="asc").data  # (first's turn: still its history)
+    assert [i.type for i in items] == ["message", "message", "message"] and items[1].content[0].text == first.output_text
+    background = client.responses.create(model=MODEL, input="hi", max_output_tokens=8, temperature=0, background=True)
+    for _ in range(300):  # (the ingress generates it in a task; the app's store holds it meanwhile)
+        done = client.responses.retrieve(background.id)
+        if done.status not in ("queued", "in_progress"):
+            break
+        time.sleep(0.1)
+    assert background.status == "in_progress" and done.status == "incomplete" and done.output_text == first.output_text
 
 
 def test_the_messages_api_over_the_app(server):

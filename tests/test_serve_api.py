@@ -63,12 +63,18 @@ class FakeCoordinator:
         self.requests: list = []
         self.wrap = 128  # output token ids: the prompt's, modulo this (256: any byte, UTF-8 included)
         self.script: list[int] | None = None  # output token ids instead, the last the stop token (finish "stop")
+        self.step_delay = 0.0  # seconds before each delta after the first (a slow generation)
+        self.streams: list[FakeStream] = []  # every generation's stream (cancelled: the ingress closed it)
         self.info = _Call(self._info)
         self.ready = _Call(self._ready)
         self.stats = _Call(self._stats)
         self.reset_stats = _Call(self._stats)
-        self.generate = _Call(lambda request: FakeStream(self._generate(request)))
+        self.generate = _Call(self._stream)
         self.prompt_logprobs = _Call(self._prompt_logprobs)
+
+    def _stream(self, request) -> FakeStream:
+        self.streams.append(FakeStream(self._generate(request)))
+        return self.streams[-1]
 
     def options(self, stream: bool = False) -> "FakeCoordinator":
         return self
@@ -134,7 +140,7 @@ class FakeCoordinator:
                                            for t, lp in zip(tokens, logprobs)]
             end = "stop" if script is not None and produced == len(script) else "length"
             yield Delta(tokens, end if produced >= n else None, 4 * step, 2 * step, step, None, logprobs, tops)
-            await asyncio.sleep(0)
+            await asyncio.sleep(self.step_delay)
 
 
 # -- the app in process --------------------------------------------------------------------------------

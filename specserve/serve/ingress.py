@@ -29,6 +29,7 @@ from .coordinator import Accepted, Delta, Failed, GenerateRequest, Rejected
 from .front_door import (Door, FrontDoor, KeyLimits, OpenAIError, check_unicode, parse_keys, token_floor,
                          warn_if_public)
 from .reasoning import ReasoningSpec, ThoughtCount, check_tags
+from .background import BackgroundRuns
 from .response_store import StoreClient
 from .responses import (Echo, NoGeneration, Piece, ResponseFormat, StreamFailed, nothing_generated, sse_stream,
                         whole_body)
@@ -70,6 +71,7 @@ class Ingress:
         self.config = config
         # the Responses API's store: the app's deployment, else (in process) one of this process
         self._store = StoreClient(store, config.responses)
+        self._background = BackgroundRuns(self._store)  # (the Responses API's background responses)
         self.tokenizer = load_tokenizer(config.target, config.tokenizer)
         self._info: dict | None = None
         self._grammar_view = None  # llguidance's view of the tokenizer, built at the first response_format

@@ -250,6 +250,9 @@ class OpenAIServer(Ingress):
     async def create_response(self, body: ResponsesRequest, request: Request):
         """OpenAI's Responses API, run as the chat it translates to; kept in the store (`store`)."""
         refuse(body.unsupported())
+        if body.background and not self._store.on:
+            raise OpenAIError(400, "background responses need the server's response store (responses.store)",
+                              "background")
         owner = request_key(request)  # (a stored response is found again only with the API key that made it)
         history = await self._store.history(body.previous_response_id, owner)
         chat, prompt = await self._response_prompt(body, ITEMS.validate_python(history))
@@ -261,6 +264,8 @@ class OpenAIServer(Ingress):
             response["store"] = shape.stored and await self._store.keep(response, history, inputs, owner)
 
         field = self.reasoning_field
+        if body.background:  # (its errors before the generation began were this request's own)
+            return await self._background.start(shape, fmt, pieces, field, history, inputs, owner)
         if not body.stream:
             return await whole_response(shape, fmt, pieces, field, keep)
         # (the logprobs of a reasoning model's text are its own tokens': counted once, for usage too)
@@ -305,6 +310,14 @@ class OpenAIServer(Ingress):
     async def delete_response(self, response_id: str, request: Request) -> dict:
         await self._store.stored("delete", response_id, request_key(request))
         return {"id": response_id, "object": "response", "deleted": True}
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(self, response_id: str, request: Request) -> dict:
+        response = await self._store.stored("cancel", response_id, request_key(request))
+        if not response.get("background"):
+            raise OpenAIError(400, f"response {response_id!r} was not created with background: true: only "
+                                   "background responses can be cancelled", "response_id")
+        return response
 
     @app.get("/v1/responses/{response_id}/input_items")
     async def response_input_items(self, response_id: str, request: Request, limit: int = Query(20, ge=1, le=100),

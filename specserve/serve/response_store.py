@@ -7,6 +7,11 @@ it is one Serve deployment that every ingress replica asks, so a conversation ma
 any of them; in process it is this class alone. A restart of the store's replica forgets what it
 held.
 
+A background response (`background: true`) is stored as in progress when it starts and replaced
+by the finished response when it ends (`finish`); its ingress asks every `POLL_S` seconds whether
+it was cancelled or deleted (`poll`), which renews its lease: one whose lease ran out (its
+ingress replica was lost) reads as failed.
+
 A turn keeps only what it added, so a conversation of n turns costs its own bytes once, not its
 early turns n times over. A link that goes (deleted, or dropped as least recently used) while
 later turns still go on from it is no longer found, but stays, hidden, as their history: its
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -29,6 +35,9 @@ from .front_door import OpenAIError
 logger = logging.getLogger("specserve.responses")
 
 STORED, TOO_LARGE, NO_PREVIOUS = "stored", "too_large", "no_previous"  # what ResponseStore.put did
+RUNNING = ("queued", "in_progress")  # a background response's statuses before it ends
+POLL_S = 1.0  # how often a background response's ingress asks after it (and renews its lease)
+LEASE_S = 15.0  # a background response not asked after for this long: its ingress replica was lost
 
 
 @dataclass
@@ -53,6 +62,7 @@ class ResponseStore:
         self._links: dict[str, _Link] = {}  # id -> link, shown or hidden
         self._shown: OrderedDict[str, None] = OrderedDict()  # the shown links' ids, least recently used first
         self._bytes = 0  # of every link, hidden ones included
+        self._leases: dict[str, float] = {}  # a running background response's id -> when its ingress last asked
 
     def put(self, response: dict, inputs: list[dict], owner: int = -1, previous: str | None = None) -> str:
         """Keep a response, its own input items (an item without an id gets one) and the response
@@ -76,18 +86,81 @@ class ResponseStore:
         self._links[response["id"]] = link
         self._shown[response["id"]] = None
         self._bytes += link.size
-        while len(self._shown) > self.max_stored or self._bytes > self.max_bytes:
-            self._hide(next(iter(self._shown)))  # (never this one: its conversation alone fits)
+        if response.get("background") and response["status"] in RUNNING:
+            self._leases[response["id"]] = time.monotonic()
+        self._bound()  # (never this one: its conversation alone fits)
         return STORED
 
     def get(self, response_id: str, owner: int = -1) -> dict | None:
         link = self._touch(response_id, owner)
-        return None if link is None else json.loads(link.response)
+        return None if link is None else self._response(response_id, link)
 
     def conversation(self, response_id: str, owner: int = -1) -> list[dict] | None:
         """A response's input items and then its output items, the earlier turns' first: what a
-        next turn goes on from."""
-        return None if self._touch(response_id, owner) is None else self._items(response_id)
+        next turn goes on from (None, too, while it is in progress)."""
+        link = self._touch(response_id, owner)
+        if link is None or self._response(response_id, link).get("status") in RUNNING:
+            return None
+        return self._items(response_id)
+
+    # -- background responses ---------------------------------------------------------------------
+    def poll(self, response_id: str, owner: int = -1) -> bool:
+        """Whether a background response is to go on (not cancelled, not deleted, not failed),
+        its lease renewed."""
+        link = self._touch(response_id, owner)
+        if link is None or response_id not in self._leases:
+            return False
+        self._response(response_id, link)  # (a lease that ran out: failed)
+        if response_id not in self._leases:
+            return False
+        self._leases[response_id] = time.monotonic()
+        return True
+
+    def finish(self, response: dict, owner: int = -1) -> bool:
+        """A background response's end: the finished response in place of the running one; False
+        (nothing changed) when it was cancelled, deleted, or its lease ran out meanwhile."""
+        rid = response["id"]
+        if not self.poll(rid, owner):
+            return False
+        self._rewrite(rid, response)
+        return True
+
+    def cancel(self, response_id: str, owner: int = -1) -> dict | None:
+        """A background response cancelled (its ingress stops it at its next poll), as it now
+        reads; one that has ended as it is."""
+        link = self._touch(response_id, owner)
+        if link is None:
+            return None
+        response = self._response(response_id, link)
+        if response_id in self._leases:
+            self._rewrite(response_id, {**response, "status": "cancelled"})
+            response["status"] = "cancelled"
+        return response
+
+    def _response(self, response_id: str, link: _Link) -> dict:
+        """A link's response; a background one whose lease ran out rewritten as failed first."""
+        response = json.loads(link.response)
+        lease = self._leases.get(response_id)
+        if lease is not None and time.monotonic() - lease > LEASE_S:
+            response.update(status="failed", error={
+                "code": "server_error", "message": "the server replica generating this background response was "
+                                                   "lost; create the response again"})
+            self._rewrite(response_id, response)
+        return response
+
+    def _rewrite(self, response_id: str, response: dict) -> None:
+        """A stored link's response replaced (it has ended: no lease any more)."""
+        link = self._links[response_id]
+        self._leases.pop(response_id, None)
+        self._bytes -= len(link.response)
+        link.response = json.dumps(response).encode()
+        self._bytes += len(link.response)
+        self._bound()
+
+    def _bound(self) -> None:
+        """The least recently used links hidden until both bounds hold."""
+        while self._shown and (len(self._shown) > self.max_stored or self._bytes > self.max_bytes):
+            self._hide(next(iter(self._shown)))
 
     def input_items(self, response_id: str, owner: int = -1) -> list[dict] | None:
         """The items that led to a response: the earlier turns' inputs and outputs, then its own inputs."""
@@ -126,6 +199,7 @@ class ResponseStore:
     def _hide(self, response_id: str) -> None:
         """No longer found; its bytes freed, and any earlier hidden link's that only it kept."""
         self._links[response_id].shown = False
+        self._leases.pop(response_id, None)
         del self._shown[response_id]
         while response_id is not None:
             link = self._links[response_id]
@@ -168,11 +242,12 @@ class StoreClient:
         items = await self.call("conversation", previous_id, owner) if self.on else None
         if items is None:
             raise OpenAIError(400, f"previous_response_id: no stored response {previous_id!r} (never stored, "
-                                   "deleted, or dropped from the store)", "previous_response_id", "not_found")
+                                   "deleted, dropped from the store, or a background response still in progress)",
+                              "previous_response_id", "not_found")
         return items
 
     async def stored(self, method: str, response_id: str, owner: int):
-        """What `method` (get, input_items, delete) gives for a stored response; 404 for another id."""
+        """What `method` (get, input_items, delete, cancel) gives for a stored response; 404 for another id."""
         found = await self.call(method, response_id, owner) if self.on else None
         if found is None or found is False:
             raise OpenAIError(404, f"no stored response {response_id!r}", "response_id", "not_found")
