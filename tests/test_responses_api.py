@@ -356,6 +356,32 @@ def test_input_items_come_in_pages():
                                                    "last_id": "i4", "has_more": False}
 
 
+def test_an_item_reference_is_the_stored_item_it_names(client, fake):
+    fake.script = said(b"Paris.")
+    first = oai(client).responses.create(model=MODEL, input=[{"role": "user", "content": "Capital?", "id": "msg_q"}])
+    answer = first.output[0].id
+    refs = [{"type": "item_reference", "id": "msg_q"}, {"type": "item_reference", "id": answer},
+            {"role": "user", "content": "Sure?"}]
+    second = client.post("/v1/responses", json={"model": MODEL, "input": refs})
+    assert second.status_code == 200, second.text
+    sent = prompt_text(fake)
+    assert sent.index("Capital?") < sent.index("Paris.") < sent.index("Sure?")
+    items = client.get(f"/v1/responses/{second.json()['id']}/input_items", params={"order": "asc"}).json()["data"]
+    assert [i["id"] for i in items[:2]] == ["msg_q", answer] and items[1]["content"][0]["text"] == "Paris."
+    for missing in ("msg_nope", answer):
+        if missing == answer:  # (held by the second response's input too: it goes with both)
+            client.delete(f"/v1/responses/{first.id}")
+            again = {"model": MODEL, "input": refs[1:2], "store": False}
+            assert client.post("/v1/responses", json=again).status_code == 200
+            client.delete(f"/v1/responses/{second.json()['id']}")
+        r = client.post("/v1/responses", json={"model": MODEL, "input": [{"type": "item_reference", "id": missing}]})
+        assert _error(r, 400)["param"] == "input" and missing in r.json()["error"]["message"]
+    store = ResponseStore(max_stored=10, max_stored_bytes=1 << 16)
+    store.put({"id": "r0", "output": [{"type": "message", "id": "m0"}]}, [{"id": "i0", "content": "x"}], owner=3)
+    assert store.items(["m0", "i0"], 3) == [{"type": "message", "id": "m0"}, {"id": "i0", "content": "x"}]
+    assert store.items(["m0"], -1) == [None]  # (another key's)
+
+
 # -- truncation "auto" -------------------------------------------------------------------------------
 def test_truncation_auto_drops_the_fewest_first_turns_that_let_it_fit(monkeypatch):
     fake = FakeCoordinator(max_model_len=600)  # (the byte tokenizer: a token a character)
@@ -496,7 +522,6 @@ def test_without_a_store_there_are_no_background_responses(fake, monkeypatch):
 @pytest.mark.parametrize("extra,param", [
     ({"tools": [{"type": "web_search"}]}, "tools"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]}, "input"),
-    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input"),
     ({"include": ["everything"]}, "include"),
     ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),

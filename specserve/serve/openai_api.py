@@ -254,6 +254,8 @@ class OpenAIServer(Ingress):
             raise OpenAIError(400, "background responses need the server's response store (responses.store)",
                               "background")
         owner = request_key(request)  # (a stored response is found again only with the API key that made it)
+        if body.references():  # (an item of a stored response, named by its id)
+            body = body.resolved(await self._store.referenced(body.references(), owner))
         history = await self._store.history(body.previous_response_id, owner)
         chat, prompt = await self._response_prompt(body, ITEMS.validate_python(history))
         shape = ResponseShape(item_id("resp"), self.config.served_model_name, body, body.store and self._store.on)

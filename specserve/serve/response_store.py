@@ -63,6 +63,7 @@ class ResponseStore:
         self._shown: OrderedDict[str, None] = OrderedDict()  # the shown links' ids, least recently used first
         self._bytes = 0  # of every link, hidden ones included
         self._leases: dict[str, float] = {}  # a running background response's id -> when its ingress last asked
+        self._index: dict[tuple[int, str], str] = {}  # (owner, item id) -> the shown response holding that item
 
     def put(self, response: dict, inputs: list[dict], owner: int = -1, previous: str | None = None) -> str:
         """Keep a response, its own input items (an item without an id gets one) and the response
@@ -88,6 +89,7 @@ class ResponseStore:
         self._bytes += link.size
         if response.get("background") and response["status"] in RUNNING:
             self._leases[response["id"]] = time.monotonic()
+        self._list(response["id"], link)
         self._bound()  # (never this one: its conversation alone fits)
         return STORED
 
@@ -102,6 +104,16 @@ class ResponseStore:
         if link is None or self._response(response_id, link).get("status") in RUNNING:
             return None
         return self._items(response_id)
+
+    def items(self, item_ids: list[str], owner: int = -1) -> list[dict | None]:
+        """Each of these items as a stored response holds it (its input or output; None: in none)."""
+        found = []
+        for item_id in item_ids:
+            response_id = self._index.get((owner, item_id))
+            link = None if response_id is None else self._touch(response_id, owner)
+            found.append(None if link is None else next(
+                (item for item in _own_items(link) if item.get("id") == item_id), None))
+        return found
 
     # -- background responses ---------------------------------------------------------------------
     def poll(self, response_id: str, owner: int = -1) -> bool:
@@ -155,6 +167,7 @@ class ResponseStore:
         self._bytes -= len(link.response)
         link.response = json.dumps(response).encode()
         self._bytes += len(link.response)
+        self._list(response_id, link)
         self._bound()
 
     def _bound(self) -> None:
@@ -193,14 +206,23 @@ class ResponseStore:
 
     def _items(self, response_id: str | None) -> list[dict]:
         """Every item of a conversation through this link (hidden links' included), the first turn's first."""
-        return [item for _, link in reversed(self._chain(response_id))
-                for item in json.loads(link.inputs) + json.loads(link.response)["output"]]
+        return [item for _, link in reversed(self._chain(response_id)) for item in _own_items(link)]
+
+    def _list(self, response_id: str, link: _Link) -> None:
+        """A shown link's items in the index (item_reference finds them)."""
+        for item in _own_items(link):
+            if item.get("id"):
+                self._index[link.owner, item["id"]] = response_id
 
     def _hide(self, response_id: str) -> None:
         """No longer found; its bytes freed, and any earlier hidden link's that only it kept."""
-        self._links[response_id].shown = False
+        hidden = self._links[response_id]
+        hidden.shown = False
         self._leases.pop(response_id, None)
         del self._shown[response_id]
+        for item in _own_items(hidden):
+            if self._index.get((hidden.owner, item.get("id"))) == response_id:
+                del self._index[hidden.owner, item["id"]]
         while response_id is not None:
             link = self._links[response_id]
             if link.shown or link.later:
@@ -210,6 +232,11 @@ class ResponseStore:
             response_id = link.previous
             if response_id is not None:
                 self._links[response_id].later -= 1
+
+
+def _own_items(link: _Link) -> list[dict]:
+    """A link's own input items, then its output items."""
+    return json.loads(link.inputs) + json.loads(link.response).get("output", [])
 
 
 def _prefix(item: dict) -> str:
@@ -245,6 +272,15 @@ class StoreClient:
                                    "deleted, dropped from the store, or a background response still in progress)",
                               "previous_response_id", "not_found")
         return items
+
+    async def referenced(self, item_ids: list[str], owner: int) -> dict[str, dict]:
+        """The stored items these `item_reference` inputs name, by id; 400 for one in no stored response."""
+        found = await self.call("items", item_ids, owner) if self.on else [None] * len(item_ids)
+        for item_id, item in zip(item_ids, found):
+            if item is None:
+                raise OpenAIError(400, f"input: item_reference {item_id!r}: no stored response holds that item "
+                                       "(never stored, deleted, or dropped from the store)", "input", "not_found")
+        return dict(zip(item_ids, found))
 
     async def stored(self, method: str, response_id: str, owner: int):
         """What `method` (get, input_items, delete, cancel) gives for a stored response; 404 for another id."""

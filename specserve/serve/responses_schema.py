@@ -18,10 +18,10 @@ chat does, from tool calls to reasoning and structured output, holds for it unch
 
 `truncation: "auto"` drops the conversation's first turns until the prompt fits the context
 (`cuts`; the ingress finds how many); `background: true` returns at once and generates in the
-background (serve/background.py). Images, files and audio, hosted tools, streamed background
-responses, prompt templates, conversations and item references are refused with a 400 naming the
-parameter: this server runs one text model and keeps nothing but the responses of its store
-(response_store.py).
+background (serve/background.py); an `item_reference` is the stored item it names. Images,
+files and audio, hosted tools, streamed background responses, prompt templates and
+conversations are refused with a 400 naming the parameter: this server runs one text model and
+keeps nothing but the responses of its store (response_store.py).
 """
 from __future__ import annotations
 
@@ -130,6 +130,7 @@ InputItem = Annotated[Union[Annotated[MessageItem, Tag("message")],
                             Annotated[ReasoningItem, Tag("reasoning")],
                             Annotated[ItemReference, Tag("item_reference")]], Discriminator(_item_type)]
 ITEMS = TypeAdapter(list[InputItem])
+ITEM = TypeAdapter(InputItem)
 
 
 # -- tools, formats, options -----------------------------------------------------------------------
@@ -228,10 +229,17 @@ class ResponsesRequest(SamplingOptions):
         if len(metadata) > MAX_METADATA or any(len(k) > 64 or len(v) > 512 for k, v in metadata.items()):
             bad.append(("metadata", f"metadata holds at most {MAX_METADATA} pairs, keys of at most 64 characters "
                                     "and values of at most 512"))
-        items = self.input if isinstance(self.input, list) else []
-        if any(isinstance(item, ItemReference) for item in items):
-            bad.append(("input", "item references are not supported: send the item itself, or previous_response_id"))
         return bad
+
+    def references(self) -> list[str]:
+        """The ids the input's `item_reference` items name."""
+        return [item.id for item in self.items() if isinstance(item, ItemReference)]
+
+    def resolved(self, stored: dict[str, dict]) -> "ResponsesRequest":
+        """This request with each `item_reference` replaced by the stored item it names (`stored`: by id)."""
+        items = [ITEM.validate_python(stored[item.id]) if isinstance(item, ItemReference) else item
+                 for item in self.items()]
+        return self.model_copy(update={"input": items})
 
     def cuts(self, history: list) -> list[int]:
         """The numbers of first items that truncation "auto" may drop, fewest first: none, or all
