@@ -129,6 +129,7 @@ BENCHES = {  # name -> module with `main(argv: list[str]) -> int`; its own argpa
     "host": "specserve.bench.host",
     "qwire": "specserve.bench.qwire",
     "draws": "specserve.bench.draws",
+    "grammar": "specserve.bench.grammar",
 }
 
 

@@ -14,7 +14,7 @@ import torch
 import specserve.engine.grammar as grammar_module
 from models import tiny_llama
 from specserve import SamplingParams, SpeculativeEngine
-from specserve.engine.grammar import Grammar, GrammarBook, GrammarRows
+from specserve.engine.grammar import WIDE_SHARE, Grammar, GrammarBook, GrammarRows
 from specserve.engine.sampling import BatchSampling, logits_to_probs
 from specserve.models.tiny import byte_tokenizer
 from test_drafters import prompts
@@ -23,6 +23,7 @@ from test_feature_drafter import target
 from test_sampling_distribution import PROMPT, VOCAB, assert_engine_samples, enumerated_marginals
 
 MAX_NEW = 24
+DRAFTERS = ["draft-model", "feature-head", "layer-skip", "prompt-lookup"]
 # the test models' 96 ids are the bytes 0..95: digits, capitals, [ ] ( ) , - " : and the like
 GRAMMARS = [  # one per row of a ragged batch
     Grammar.json_schema({"type": "array", "items": {"type": "integer"}}),
@@ -72,16 +73,21 @@ def reference(prompt: tuple[int, ...], grammar: Grammar | None) -> list[int]:
     return out
 
 
-def engine_for(name: str, gamma: int, head_dir, model=None) -> SpeculativeEngine:
-    return SpeculativeEngine(model or target(), proposer=drafter(name, head_dir), num_speculative_tokens=gamma,
+def engine_for(name: str, gamma: int, head_dir, model=None, wide: float | None = WIDE_SHARE) -> SpeculativeEngine:
+    """wide: the proposer's `wide_share` (0: every grammar row drafts unmasked; None: every one masked)."""
+    proposer = drafter(name, head_dir)
+    if hasattr(proposer, "wide_share"):
+        proposer.wide_share = wide
+    return SpeculativeEngine(model or target(), proposer=proposer, num_speculative_tokens=gamma,
                              adaptive=False, tokenizer=byte_tokenizer())
 
 
-@pytest.mark.parametrize("name", ["draft-model", "feature-head", "layer-skip", "prompt-lookup"])
-@pytest.mark.parametrize("gamma", [1, 4])
-def test_greedy_identical_to_the_constrained_target_alone(name, gamma, head_dir):
+@pytest.mark.parametrize("name,gamma,wide", [(name, gamma, WIDE_SHARE) for name in DRAFTERS for gamma in (1, 4)] +
+                         [(name, 4, wide) for name in DRAFTERS[:3] for wide in (0.0, None)])
+def test_greedy_identical_to_the_constrained_target_alone(name, gamma, wide, head_dir):
+    """Also with every grammar row drafting unmasked (wide 0), and every one masked (None)."""
     batch = prompts(len(GRAMMARS), seed=11)
-    engine = engine_for(name, gamma, head_dir)
+    engine = engine_for(name, gamma, head_dir, wide=wide)
     outs = engine.generate(batch, [params(g) for g in GRAMMARS])
     for prompt, g, out in zip(batch, GRAMMARS, outs):
         assert out.token_ids == reference(tuple(prompt), g), (name, gamma, g)
@@ -117,6 +123,33 @@ def test_the_draft_proposes_valid_tokens():
                                adaptive=False, tokenizer=byte_tokenizer())
     (out,) = engine.generate([prompts(1, seed=3)[0]], [params(GRAMMARS[1])])
     assert out.metrics.num_accepted_tokens == out.metrics.num_draft_tokens > 0
+
+
+def test_a_wide_grammar_row_drafts_unmasked():
+    """The target as its own draft: masked, every draft of a constrained row is accepted; drafting
+    unmasked (wide 0) it proposes the unconstrained argmax, rejected where the grammar forbids it,
+    and the output is the same."""
+    outs = {}
+    for wide in (None, 0.0):
+        engine = SpeculativeEngine(target(), proposer=drafter("draft-model", None), num_speculative_tokens=4,
+                                   adaptive=False, tokenizer=byte_tokenizer())
+        engine.proposer.wide_share = wide
+        (outs[wide],) = engine.generate([prompts(1, seed=3)[0]], [params(GRAMMARS[1])])
+    assert outs[None].metrics.num_accepted_tokens == outs[None].metrics.num_draft_tokens
+    assert outs[0.0].metrics.num_accepted_tokens < outs[0.0].metrics.num_draft_tokens
+    assert outs[0.0].token_ids == outs[None].token_ids
+
+
+def test_which_rows_draft_masked():
+    """A row whose mask allows at least `wide` of the vocabulary drafts unmasked; the others, and
+    every row with wide None, are masked; none left: None (the step's loop may be the captured one)."""
+    book = GrammarBook(byte_tokenizer, 96, ())
+    anything, digits = Grammar("regex", "[\\x00-\\x5f]*"), Grammar("regex", "[0-9]+")
+    rows = GrammarRows(["a", "b", "c"], [anything, None, digits], [[], None, [ord("1")]])
+    kept = book.draft_rows(rows, 0.9)
+    assert kept.grammars == [None, None, digits] and kept.outputs == [None, None, [ord("1")]]
+    assert book.draft_rows(rows, None) is rows and book.draft_rows(rows, 0.05) is None  # (10/96 digits)
+    assert book.draft_rows(rows.select([0, 1]), 0.9) is None
 
 
 def test_masks_advance_through_the_drafts():
@@ -213,7 +246,10 @@ def allowed_by_hand(out: list[int]) -> list[int]:
     return [3, 4, 5] if out[-1] in (1, 2) else [0, 1, 2]
 
 
-def test_sampling_follows_the_masked_target():
+@pytest.mark.parametrize("wide", [WIDE_SHARE, 0.0])
+def test_sampling_follows_the_masked_target(wide):
+    """Drafts masked (the pairs allow at most half the vocabulary: below WIDE_SHARE) or not (wide 0:
+    q is the draft's own, unmasked; the rule corrects for it)."""
     small = dict(vocab=VOCAB, init_range=0.3, layers=1, hidden=16)
     model, draft = tiny_llama(0, **small), tiny_llama(5, **small)
     p = SamplingParams(max_tokens=4, temperature=1.0, grammar=PAIRS, ignore_eos=True)  # (token 1: the prompt forward)
@@ -227,6 +263,7 @@ def test_sampling_follows_the_masked_target():
 
     engine = SpeculativeEngine(model, draft, num_speculative_tokens=2, adaptive=False, max_batch_size=2500,
                                tokenizer=byte_tokenizer())
+    engine.proposer.wide_share = wide
     assert_engine_samples(engine, p, *enumerated_marginals(dist))
 
 

@@ -757,9 +757,7 @@ class FeatureDrafterProposer(DraftModelProposer):
         staged = runner.stage(catch_up, extra_positions=num_tokens - 1, min_width=width)
         picked = staged.order + [staged.order[0]] * (staged.padded - staged.rows)  # sorted row -> caller row
         flags = sampling.loop_flags()  # host reads of host tensors
-        masks = None  # grammar rows draft from their masked distributions (engine/grammar.py)
-        if sampling.grammar is not None and self.grammar is not None:
-            masks = DraftMasks(self.grammar, sampling.grammar, staged.order + [-1] * (staged.padded - staged.rows))
+        masks = self._draft_masks(sampling, lambda: staged.order, staged.padded)  # (narrow grammar rows')
         uniforms = None if uniforms is None else uniforms[picked].to(runner.device)  # [B', G]
         features, sampling = self._sorted_features(staged, feats), sampling.select(picked).to(runner.device)
         static = self.graph_loops() and masks is None and runner.fixed_shape(staged)

@@ -44,6 +44,11 @@ GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "lark")
 JSON_OPTIONS = {"whitespace_flexible": False}
 MAX_GRAMMARS = 64  # compiled grammars a process keeps (least recently used dropped)
 MAX_MATCHERS = 4096  # requests' matchers a process keeps (a freed or dropped one is rebuilt on demand)
+# A grammar row whose mask at its committed output allows at least this share of the vocabulary
+# (free text inside a JSON string, a reasoning model's thinking before its grammar) drafts unmasked
+# in that step (`GrammarBook.draft_rows`): no host read per draft position, and where every
+# grammar row is so, the step's draft loop is the captured one.
+WIDE_SHARE = 0.9
 # whitespace allowed between a reasoning's end and the grammar (Qwen3 writes "\n\n"): bounded, so
 # that a small model cannot loop on blank lines there either
 MAX_SEPARATOR = 4
@@ -257,6 +262,26 @@ class GrammarBook:
         if len(drafting) < len(entries):  # rows without drafts (the call refuses an empty draft list)
             lt.fill_next_token_bitmask_par(self.executor, [(m, i) for m, i, d in entries if not d], bitmask)
         return self._allowed(bitmask, filled.view(-1), device).view(batch, width, self.vocab_size)
+
+    def draft_rows(self, rows: GrammarRows, wide: float | None = WIDE_SHARE) -> GrammarRows | None:
+        """The rows whose drafts are masked in this step: those whose grammar, after the row's
+        committed output, allows less than `wide` of the vocabulary (None: every grammar row).
+        The others draft unmasked, which is lossless: the target is masked at every position, so a
+        draft the grammar forbids is rejected where it stands. Host work only (one mask per row)."""
+        if wide is None:
+            return rows
+        import llguidance.torch as lt
+
+        held = [b for b, g in enumerate(rows.grammars) if g is not None]
+        matchers = [self.matcher(rows.request_ids[b], rows.grammars[b], rows.outputs[b]) for b in held]
+        bitmask = torch.zeros(len(held), _words(self.view.vocab_size), dtype=torch.int32)  # [N, V/32]
+        lt.fill_next_token_bitmask_par(self.executor, [(m, i) for i, m in enumerate(matchers)], bitmask)
+        share = (_unpack(bitmask, self.vocab_size).sum(dim=-1) / self.vocab_size).tolist()  # [N] (host)
+        narrow = {b for b, part in zip(held, share) if part < wide}
+        if not narrow:
+            return None
+        return GrammarRows(rows.request_ids, [g if b in narrow else None for b, g in enumerate(rows.grammars)],
+                           [o if b in narrow else None for b, o in enumerate(rows.outputs)])
 
     def draft_masks(self, matchers: list, device) -> torch.Tensor:
         """[N, V] bool: each matcher's next-token mask now (None entries allow everything)."""

@@ -30,7 +30,7 @@ from typing import Protocol
 
 import torch
 
-from .grammar import DraftMasks, GrammarBook
+from .grammar import WIDE_SHARE, DraftMasks, GrammarBook
 from .lookup import TokenStore, continue_match
 from .model_runner import DRAFT_ROW_TOKENS, ForwardTiming, ModelRunner, RowInput, catch_up
 from .sampling import BatchSampling, SamplingParams, logits_to_probs, q_to_send, sample_with_uniforms
@@ -115,6 +115,7 @@ class DraftModelProposer:
         self._inputs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # (B', G) -> static loop inputs
         self._q_out: dict[tuple[int, int], torch.Tensor] = {}  # (B', G) -> where captured sampled loops leave q
         self.grammar: GrammarBook | None = None  # masks grammar rows' drafts when set (engine/grammar.py)
+        self.wide_share: float | None = WIDE_SHARE  # a grammar row this wide drafts unmasked (None: never)
         # the dtype q crosses to the target in (`sampling.q_to_send`): a served draft worker's is
         # its target's where that is 16-bit. Set before the first propose (captured loops round to it).
         self.q_dtype = torch.float32
@@ -225,11 +226,8 @@ class DraftModelProposer:
         alternates = alternates and flags is None
         inputs = self._static_inputs(staged, num_tokens, sampling, uniforms, flags)
         began = runner.clock()
-        masks = None
-        if sampling.grammar is not None and self.grammar is not None:  # host reads at each draft position
-            order = staged.sorted_to_caller.tolist()[: len(rows)]  # (padding rows past B are free)
-            masks = DraftMasks(self.grammar, sampling.grammar, order + [-1] * (staged.padded - len(rows)))
-            alternates = False
+        masks = self._draft_masks(sampling, lambda: staged.sorted_to_caller.tolist()[: len(rows)], staged.padded)
+        alternates = alternates and masks is None
         static = runner.execution == "graph" and runner.fixed_shape(staged)
         if masks is not None:
             try:
@@ -250,6 +248,18 @@ class DraftModelProposer:
         runner.commit(staged, advanced=num_tokens - 1)
         return Proposal(runner.unsort(staged, tokens), self._sent(runner.unsort(staged, probs)),
                         runner.take_forward_log(), alternates=runner.unsort(staged, ups))
+
+    def _draft_masks(self, sampling: BatchSampling, order: Callable[[], list[int]], padded: int) -> DraftMasks | None:
+        """The masks of the grammar rows that draft masked in this step (`GrammarBook.draft_rows`),
+        read at each draft position (then the loop is not the captured one); None where none does.
+        order(): the caller row of each of the loop's first B rows (B' - B padding rows are free)."""
+        if sampling.grammar is None or self.grammar is None:
+            return None
+        masked = self.grammar.draft_rows(sampling.grammar, self.wide_share)
+        if masked is None:
+            return None
+        rows = order()
+        return DraftMasks(self.grammar, masked, rows + [-1] * (padded - len(rows)))
 
     def _sent(self, probs: torch.Tensor | None) -> torch.Tensor | None:
         """A proposal's q [B, G, V], drawn from values rounded to `q_dtype`, in that dtype."""
