@@ -380,6 +380,9 @@ def test_an_item_reference_is_the_stored_item_it_names(client, fake):
     store.put({"id": "r0", "output": [{"type": "message", "id": "m0"}]}, [{"id": "i0", "content": "x"}], owner=3)
     assert store.items(["m0", "i0"], 3) == [{"type": "message", "id": "m0"}, {"id": "i0", "content": "x"}]
     assert store.items(["m0"], -1) == [None]  # (another key's)
+    store.put({"id": "r1", "output": []}, [{"id": "m0", "type": "message"}], owner=3)  # (held by r1 too)
+    assert store.delete("r1", 3) and store.items(["m0"], 3) == [{"type": "message", "id": "m0"}]  # (r0's)
+    assert store.delete("r0", 3) and store.items(["m0"], 3) == [None] and store._index == {}
 
 
 # -- truncation "auto" -------------------------------------------------------------------------------

@@ -63,7 +63,7 @@ class ResponseStore:
         self._shown: OrderedDict[str, None] = OrderedDict()  # the shown links' ids, least recently used first
         self._bytes = 0  # of every link, hidden ones included
         self._leases: dict[str, float] = {}  # a running background response's id -> when its ingress last asked
-        self._index: dict[tuple[int, str], str] = {}  # (owner, item id) -> the shown response holding that item
+        self._index: dict[tuple[int, str], list[str]] = {}  # (owner, item id) -> the shown responses holding it
 
     def put(self, response: dict, inputs: list[dict], owner: int = -1, previous: str | None = None) -> str:
         """Keep a response, its own input items (an item without an id gets one) and the response
@@ -109,8 +109,8 @@ class ResponseStore:
         """Each of these items as a stored response holds it (its input or output; None: in none)."""
         found = []
         for item_id in item_ids:
-            response_id = self._index.get((owner, item_id))
-            link = None if response_id is None else self._touch(response_id, owner)
+            holders = self._index.get((owner, item_id))
+            link = None if not holders else self._touch(holders[-1], owner)
             found.append(None if link is None else next(
                 (item for item in _own_items(link) if item.get("id") == item_id), None))
         return found
@@ -211,8 +211,11 @@ class ResponseStore:
     def _list(self, response_id: str, link: _Link) -> None:
         """A shown link's items in the index (item_reference finds them)."""
         for item in _own_items(link):
-            if item.get("id"):
-                self._index[link.owner, item["id"]] = response_id
+            if not item.get("id"):
+                continue
+            holders = self._index.setdefault((link.owner, item["id"]), [])
+            if response_id not in holders:
+                holders.append(response_id)
 
     def _hide(self, response_id: str) -> None:
         """No longer found; its bytes freed, and any earlier hidden link's that only it kept."""
@@ -221,8 +224,11 @@ class ResponseStore:
         self._leases.pop(response_id, None)
         del self._shown[response_id]
         for item in _own_items(hidden):
-            if self._index.get((hidden.owner, item.get("id"))) == response_id:
-                del self._index[hidden.owner, item["id"]]
+            holders = self._index.get((hidden.owner, item.get("id")), [])
+            if response_id in holders:
+                holders.remove(response_id)
+                if not holders:
+                    del self._index[hidden.owner, item["id"]]
         while response_id is not None:
             link = self._links[response_id]
             if link.shown or link.later:
