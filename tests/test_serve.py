@@ -270,7 +270,8 @@ def test_the_responses_api_over_the_app(server):
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(first.id)
     items = client.responses.input_items.list(second.id, order="asc").data  # (first's turn: still its history)
-    assert [i.type for i in items] == ["message", "message", "message"] and items[1].content[0].text == first.output_text
+    assert [i.type for i in items] == ["message", "message", "message"]
+    assert items[1].content[0].text == first.output_text
     background = client.responses.create(model=MODEL, input="hi", max_output_tokens=8, temperature=0, background=True)
     for _ in range(300):  # (the ingress generates it in a task; the app's store holds it meanwhile)
         done = client.responses.retrieve(background.id)

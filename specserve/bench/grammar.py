@@ -129,7 +129,8 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 def print_row(row: dict) -> None:
     if row["grammar"] == "json_schema" and row["drafts"] == "masked":
-        print("| grammar | drafts | α | draft calls without a mask | tok/s | tokens | same |\n|---|---|---|---|---|---|---|")
+        print("| grammar | drafts | α | draft calls without a mask | tok/s | tokens | same |\n"
+              "|---|---|---|---|---|---|---|")
     alpha = "-" if row["alpha"] is None else f"{row['alpha']:.3f}"
     unmasked = "-" if row["unmasked_calls"] is None else f"{row['unmasked_calls']:.2f}"
     print(f"| {row['grammar']} | {row['drafts']} | {alpha} | {unmasked} | {row['tok_s']:.1f} | {row['tokens']} | "

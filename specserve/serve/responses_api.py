@@ -46,7 +46,8 @@ class ResponseShape:
         fmt = body.text.format if body.text is not None and body.text.format is not None else None
         choice = body.tool_choice or "auto"
         return {
-            "id": self.rid, "object": "response", "created_at": self.created, "status": status, "background": bool(body.background),
+            "id": self.rid, "object": "response", "created_at": self.created, "status": status,
+            "background": bool(body.background),
             "error": error, "incomplete_details": incomplete, "instructions": body.instructions,
             "max_output_tokens": body.max_output_tokens, "max_tool_calls": body.max_tool_calls, "model": self.model,
             "output": output, "parallel_tool_calls": body.parallel_tool_calls,
