@@ -140,6 +140,25 @@ def test_a_wide_grammar_row_drafts_unmasked():
     assert outs[0.0].token_ids == outs[None].token_ids
 
 
+@pytest.mark.parametrize("name", ["draft-model", "feature-head"])
+def test_the_first_draft_position_reuses_the_mask_that_chose_the_rows(monkeypatch, name, head_dir):
+    """`draft_rows` made each masked row's mask at its committed output: the loop's first position
+    takes it, so a γ-position loop makes γ - 1 masks more, not γ (and the output is the same)."""
+    made, positions, loops = [], [], []
+    real_masks, real_init = GrammarBook.draft_masks, grammar_module.DraftMasks.__init__
+    real_apply = grammar_module.DraftMasks.apply
+    monkeypatch.setattr(GrammarBook, "draft_masks", lambda self, m, d: made.append(1) or real_masks(self, m, d))
+    monkeypatch.setattr(grammar_module.DraftMasks, "__init__",
+                        lambda self, *a: loops.append(1) or real_init(self, *a))
+    monkeypatch.setattr(grammar_module.DraftMasks, "apply",
+                        lambda self, logits: positions.append(1) or real_apply(self, logits))
+    engine = engine_for(name, 4, head_dir)
+    prompt = prompts(1, seed=3)[0]
+    (out,) = engine.generate([prompt], [params(GRAMMARS[1])])
+    assert out.token_ids == reference(tuple(prompt), GRAMMARS[1]) and len(positions) > 2 * len(loops) > 0
+    assert len(made) == len(positions) - len(loops)
+
+
 def test_which_rows_draft_masked():
     """A row whose mask allows at least `wide` of the vocabulary drafts unmasked; the others, and
     every row with wide None, are masked; none left: None (the step's loop may be the captured one)."""

@@ -35,7 +35,7 @@ import functools
 import json
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -137,6 +137,9 @@ class GrammarRows:
     request_ids: list[str]  # [B]
     grammars: list[Grammar | None]  # [B]; None: the row is free
     outputs: list[list[int] | None]  # [B] each grammar row's committed output tokens (None: free rows)
+    # [B, V/32] int32 bit words (host), where `GrammarBook.draft_rows` made these rows: each masked
+    # row's mask after its committed output, which a draft loop's first position then reuses
+    first_masks: torch.Tensor | None = field(default=None, compare=False)
 
     @staticmethod
     def of(seqs: Sequence) -> "GrammarRows | None":
@@ -280,8 +283,10 @@ class GrammarBook:
         narrow = {b for b, part in zip(held, share) if part < wide}
         if not narrow:
             return None
+        first = torch.zeros(len(rows.request_ids), bitmask.shape[1], dtype=torch.int32)  # [B, V/32]
+        first[held] = bitmask
         return GrammarRows(rows.request_ids, [g if b in narrow else None for b, g in enumerate(rows.grammars)],
-                           [o if b in narrow else None for b, o in enumerate(rows.outputs)])
+                           [o if b in narrow else None for b, o in enumerate(rows.outputs)], first)
 
     def draft_masks(self, matchers: list, device) -> torch.Tensor:
         """[N, V] bool: each matcher's next-token mask now (None entries allow everything)."""
@@ -343,11 +348,18 @@ class DraftMasks:
         self.matchers = [by_caller[i] if 0 <= i < len(by_caller) else None for i in order]  # [B']
         self.active = [m is not None for m in self.matchers]  # [B'] rows still masked
         self.consumed = [0] * len(order)  # [B'] tokens each matcher consumed in this loop
+        self.first = None if rows.first_masks is None else \
+            rows.first_masks[[max(i, 0) for i in order]]  # [B', V/32]: position 0's masks, already made
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """[B', V] target-vocabulary logits -> the same with each grammar row's forbidden tokens at -inf."""
         live = [m if a else None for m, a in zip(self.matchers, self.active)]
-        allowed = self.book.draft_masks(live, logits.device)  # [B', V]
+        if self.first is not None:  # (the first position: every row's matcher still at its committed output)
+            filled = torch.tensor([m is not None for m in live], dtype=torch.bool)
+            allowed = self.book._allowed(self.first, filled, logits.device)
+            self.first = None
+        else:
+            allowed = self.book.draft_masks(live, logits.device)  # [B', V]
         return logits.masked_fill(~allowed, float("-inf"))
 
     def advance(self, tokens: torch.Tensor) -> None:
