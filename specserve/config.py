@@ -228,6 +228,12 @@ class SpeculationConfig(_Strict):
     # shared memory) instead of through the host and a channel or the object store. Tried at a
     # replica's first step and after a worker comes back; where it fails, q crosses as before.
     place_q: bool = True
+    # Structured output: a grammar row whose mask, after its output so far, allows at least this
+    # share of the vocabulary (free text in a JSON string, a reasoning model's thinking) drafts
+    # unmasked in that step, so the step needs no mask per draft position (lossless: the target is
+    # masked at every position; docs/engine.md, "Structured output"). null: every grammar row's
+    # drafts masked.
+    grammar_wide_share: float | None = Field(0.9, ge=0, le=1)
     # Benchmarks only: acceptance planted in the draft model's proposals (needs draft:).
     planted: PlantedAcceptance | None = None
 

@@ -308,3 +308,17 @@ def test_the_feature_head_masks_as_the_host_loop_did(head_dir, sampled, floor):
         if p.temperature == 0:
             assert out.token_ids == reference(tuple(prompt), g), g
     assert len(compared) > 5
+
+
+def test_the_served_workers_take_the_configured_wide_share():
+    """speculation.grammar_wide_share reaches the drafter beside the target and a draft worker's
+    model (the default is the engine's)."""
+    from specserve.config import LayerSkipDrafter, SpeculationConfig, TinySource
+    from specserve.serve.workers import DraftWorker, TargetWorker, TokenizerSource
+
+    assert SpeculationConfig().grammar_wide_share == WIDE_SHARE
+    source = TinySource(layers=2)
+    beside = TargetWorker(source, 64, drafter=LayerSkipDrafter(skip_layers=[1]), wide_share=None)
+    assert beside.proposer.wide_share is None
+    draft = DraftWorker(source, 259, 64, tokenizer=TokenizerSource(source), wide_share=0.5)
+    assert draft.model.wide_share == 0.5 and DraftWorker(source, 259, 64).model.wide_share == WIDE_SHARE

@@ -96,7 +96,7 @@ def worker_classes(draft_layers: int, draft_width: int, alpha: float, seed: int,
     from specserve.serve.workers import DraftWorker, ModelInfo, TargetWorker, _Worker
 
     class Target(TargetWorker):
-        def __init__(self, source, max_model_len, torch_threads=None, drafter=None, execution="auto"):
+        def __init__(self, source, max_model_len, torch_threads=None, drafter=None, execution="auto", **_):
             _Worker.__init__(self, torch_threads)
             self.model = TargetVerifier(llama(TARGET_SHAPE, seed), max_model_len, execution)
             self.info_ = ModelInfo(self.model.vocab_size, max_model_len, frozenset())

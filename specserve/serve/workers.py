@@ -30,7 +30,7 @@ from specserve.engine import CacheMiss, DraftModelProposer, Proposal, RowInput, 
 from specserve.engine.planted import PlantedProposer, read_references
 from specserve.engine.proposers import branch_id
 from specserve.engine.engine import capture_graphs, model_eos_ids, page_runners
-from specserve.engine.grammar import GrammarBook
+from specserve.engine.grammar import WIDE_SHARE, GrammarBook
 from specserve.engine.step import empty_proposal, verified_counts
 from specserve.engine.verifier import prompt_logprobs
 from specserve.engine.sampling import BatchSampling
@@ -235,7 +235,8 @@ class TargetWorker(_Worker):
 
     def __init__(self, source: ModelSource, max_model_len: int | None, torch_threads: int | None = None,
                  drafter: ColocatedDrafter | None = None, execution: str = "auto",
-                 tokenizer: TokenizerSource | None = None, kv: tuple = (None, None, False)) -> None:
+                 tokenizer: TokenizerSource | None = None, kv: tuple = (None, None, False),
+                 wide_share: float | None = WIDE_SHARE) -> None:
         super().__init__(torch_threads)
         from specserve.models.loading import load_target
 
@@ -256,6 +257,8 @@ class TargetWorker(_Worker):
             book = self.model.grammar = tokenizer.book(self.model.vocab_size, eos)
             if hasattr(self.proposer, "grammar"):
                 self.proposer.grammar = book
+        if hasattr(self.proposer, "wide_share"):  # (speculation.grammar_wide_share)
+            self.proposer.wide_share = wide_share
 
     @_serialised
     def propose(
@@ -409,7 +412,7 @@ class DraftWorker(_Worker):
                  feature_head: FeatureDrafter | None = None, target=None,
                  planted: PlantedAcceptance | None = None, tokenizer: TokenizerSource | None = None,
                  eos_token_ids: frozenset[int] = frozenset(), kv: tuple = (None, None, False),
-                 q_dtype: str = "float32") -> None:
+                 q_dtype: str = "float32", wide_share: float | None = WIDE_SHARE) -> None:
         """q_dtype: what q crosses to the target in (its weights' dtype where that is 16-bit:
         half the bytes; the drafts are drawn from q so rounded, `sampling.q_to_send`)."""
         super().__init__(torch_threads)
@@ -430,6 +433,7 @@ class DraftWorker(_Worker):
         self.model.q_dtype = getattr(torch, q_dtype)  # (before any loop is captured)
         if tokenizer is not None and hasattr(self.model, "grammar"):  # a draft model masks grammar rows' drafts
             self.model.grammar = tokenizer.book(vocab_size, eos_token_ids)
+            self.model.wide_share = wide_share  # (speculation.grammar_wide_share)
         self._outbox = Outbox()  # q placed for the target to read in place (`placed_q`) ...
         self._placing = False  # ... once the handshake said it can (`q_placed`)
         self._probe = Outbox()  # the handshake's probe (not the ring: only proposes write that)
