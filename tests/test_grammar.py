@@ -322,3 +322,28 @@ def test_the_served_workers_take_the_configured_wide_share():
     assert beside.proposer.wide_share is None
     draft = DraftWorker(source, 259, 64, tokenizer=TokenizerSource(source), wide_share=0.5)
     assert draft.model.wide_share == 0.5 and DraftWorker(source, 259, 64).model.wide_share == WIDE_SHARE
+
+
+@pytest.mark.parametrize("wide", [None, 0.0])
+def test_a_complete_grammar_allows_only_its_end_through_the_drafts(wide):
+    """A model that declares no EOS (a random load-test model) under a grammar that completes,
+    with ignore_eos: every token after the grammar's end is the tokenizer's EOS, the grammar's own
+    end, at every position of a verified block too (where the library leaves the masks after a
+    draft past the end empty), so speculation gives the target alone's tokens, masked or not."""
+    from specserve.bench.gpu import random_llama
+    from specserve.engine.proposers import DraftModelProposer, target_vocab_size
+
+    model = random_llama("tiny-target", "cpu", torch.float32, 0, peaked=True)
+    draft = random_llama("tiny-draft", "cpu", torch.float32, 1, peaked=False)
+    ends = byte_tokenizer().eos_token_id
+    batch = [[(7 * b + 3 * i) % 250 + 1 for i in range(16)] for b in range(3)]
+    rows = [params(Grammar("regex", "[a-z ]{1,3}")), params(None), params(Grammar("regex", "[0-9]+"))]
+    alone = SpeculativeEngine(model, num_speculative_tokens=0, tokenizer=byte_tokenizer()).generate(batch, rows)
+    first = alone[0].token_ids
+    cut = next(j for j, t in enumerate(first) if t == ends)
+    assert 1 <= cut <= 3 and set(first[cut:]) == {ends}
+    proposer = DraftModelProposer(draft, target_vocab_size(model))
+    proposer.wide_share = wide
+    engine = SpeculativeEngine(model, proposer=proposer, num_speculative_tokens=4, adaptive=False,
+                               tokenizer=byte_tokenizer())
+    assert [o.token_ids for o in engine.generate(batch, rows)] == [o.token_ids for o in alone]

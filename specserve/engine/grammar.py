@@ -162,13 +162,19 @@ class GrammarRows:
         return GrammarRows([self.request_ids[b] for b in rows], grammars, [self.outputs[b] for b in rows])
 
 
+def grammar_ends(tokenizer, eos_token_ids: Sequence[int]) -> list[int]:
+    """The ids a complete grammar allows: the model's EOS ids, the tokenizer's own when the model
+    declares none."""
+    return sorted(eos_token_ids) or [tokenizer.eos_token_id]
+
+
 def tokenizer_view(tokenizer, vocab_size: int, eos_token_ids: Sequence[int]):
     """llguidance's view of a HF fast tokenizer over max(V, its own size) ids (a model head may be
-    padded past the tokenizer, or, in tests, cover only part of it); the grammar's end allows every
-    EOS id of the model (the tokenizer's own when the model declares none)."""
+    padded past the tokenizer, or, in tests, cover only part of it); the grammar's end allows
+    `grammar_ends`."""
     import llguidance.hf
 
-    eos = sorted(eos_token_ids) or [tokenizer.eos_token_id]
+    eos = grammar_ends(tokenizer, eos_token_ids)
     return llguidance.hf.from_tokenizer(tokenizer, n_vocab=max(vocab_size, len(tokenizer)), eos_token=eos)
 
 
@@ -204,6 +210,7 @@ class GrammarBook:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(sorted(eos_token_ids))
+        self._ends: list[int] = list(self.eos_token_ids)  # (the tokenizer's EOS too, once `view` was built)
         self._view = None
         self._executor = None
         self._compiled: OrderedDict[Grammar, object] = OrderedDict()  # grammar -> a fresh matcher to copy
@@ -212,7 +219,9 @@ class GrammarBook:
     @property
     def view(self):
         if self._view is None:
-            self._view = tokenizer_view(self._tokenizer(), self.vocab_size, self.eos_token_ids)
+            tokenizer = self._tokenizer()
+            self._ends = grammar_ends(tokenizer, self.eos_token_ids)
+            self._view = tokenizer_view(tokenizer, self.vocab_size, self.eos_token_ids)
         return self._view
 
     def free(self, request_id: str) -> None:
@@ -322,13 +331,15 @@ class GrammarBook:
     def _allowed(self, bitmask: torch.Tensor, filled: torch.Tensor, device) -> torch.Tensor:
         """bitmask [N, V/32] int32 (host), filled [N] (rows whose mask was computed) -> [N, V]
         bool on the device. A filled row that allows no token of the model's (a matcher in an error
-        state, or past its end) allows the model's EOS ids, so that the request ends there (all
-        tokens, for a model without any); an unfilled row allows all."""
+        state, or past its end, which the library leaves empty at a draft position after the
+        end) allows the ids a complete grammar allows (`grammar_ends`), as a matcher's own mask at
+        its end does, so that the request ends there (all tokens where none of those is the
+        model's); an unfilled row allows all."""
         allowed = _unpack(bitmask.to(device), self.vocab_size)  # [N, V]
         allowed[~filled.to(device)] = True
         empty = ~allowed.any(dim=-1)  # [N]
         if bool(empty.any()):
-            eos = [t for t in self.eos_token_ids if t < self.vocab_size]
+            eos = [t for t in self._ends if t < self.vocab_size]
             fallback = torch.zeros(self.vocab_size, dtype=torch.bool, device=device) if eos else \
                 torch.ones(self.vocab_size, dtype=torch.bool, device=device)
             fallback[eos] = True
