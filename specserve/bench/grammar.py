@@ -18,6 +18,16 @@ each with the proposer's `wide_share` at None (every grammar row's drafts masked
 WIDE_SHARE (the default) and 0 (never masked), the three run in turn on each prompt. Per row: α,
 the share of draft calls that read no mask, tok/s, and whether every output equals the target
 alone under the same grammar (γ=0). Prints a table, writes JSON.
+
+    python -m specserve.bench.grammar --section batch --device cuda [--batch 16] [--tiny]
+
+What one grammar row costs a batch on a GPU: random Llama-2-7B / TinyLlama-1.1B shapes (bf16,
+CUDA graphs, a peaked target: `bench gpu`'s), `--batch` rows of which the first is under a
+narrow regex (the byte tokenizer's masks are never wide, so `wide_share` forces the setting),
+greedy, γ 4: no grammar row (every draft loop captured), the row's drafts masked (every loop
+uncaptured, a mask and a host read per position), and unmasked (captured; the row's drafts
+rejected where the grammar forbids them). Per row: ms per step, of which drafting, tok/s, and
+whether the tokens equal the target alone's. Imports torch, transformers and the engine only.
 """
 from __future__ import annotations
 
@@ -127,6 +137,63 @@ def run(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def batch_costs(args: argparse.Namespace) -> list[dict]:
+    from specserve.bench import sync
+    from specserve.bench.gpu import random_llama
+    from specserve.engine.proposers import DraftModelProposer, target_vocab_size
+    from specserve.models.tiny import byte_tokenizer
+
+    device, dtype = args.device, torch.bfloat16 if args.device == "cuda" else torch.float32
+    shapes = ("tiny-target", "tiny-draft") if args.tiny else ("llama2-7b", "tinyllama-1.1b")
+    target = random_llama(shapes[0], device, dtype, 0, peaked=True)
+    draft = random_llama(shapes[1], device, dtype, 1, peaked=False)
+    tokenizer, vocab = byte_tokenizer(), target_vocab_size(target)
+    batch = [[(7 * b + 3 * i) % 250 + 1 for i in range(args.prompt_len)] for b in range(args.batch)]  # byte ids
+    free = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    narrow = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True,
+                            grammar=Grammar("regex", "[a-z ]+"))
+    mixes = {False: [free] * len(batch), True: [narrow] + [free] * (len(batch) - 1)}
+    alone = SpeculativeEngine(target, num_speculative_tokens=0, max_batch_size=len(batch), tokenizer=tokenizer)
+    references = {g: [o.token_ids for o in alone.generate(batch, mix)] for g, mix in mixes.items()}
+    rows = []
+    for name, (grammar_row, wide) in {"no grammar row": (False, None), "one row masked": (True, None),
+                                      "one row unmasked": (True, 0.0)}.items():
+        proposer = DraftModelProposer(draft, vocab)
+        proposer.wide_share = wide
+        drafting = []
+        inner = proposer.propose
+
+        def timed(*a, inner=inner, drafting=drafting, **k):
+            began = time.perf_counter()
+            out = inner(*a, **k)
+            sync(device)
+            drafting.append(time.perf_counter() - began)
+            return out
+
+        proposer.propose = timed
+        engine = SpeculativeEngine(target, proposer=proposer, num_speculative_tokens=args.gamma, adaptive=False,
+                                   max_batch_size=len(batch), tokenizer=tokenizer)
+        engine.generate(batch, mixes[grammar_row])  # (warm-up: graphs captured, masks compiled)
+        drafting.clear()
+        sync(device)
+        began = time.perf_counter()
+        outs = engine.generate(batch, mixes[grammar_row])
+        sync(device)
+        seconds = time.perf_counter() - began
+        steps = max(o.metrics.num_steps for o in outs)
+        rows.append({"setting": name, "batch": len(batch), "gamma": args.gamma, "step_ms": 1e3 * seconds / steps,
+                     "draft_ms": 1e3 * sum(drafting) / steps, "tok_s": sum(len(o.token_ids) for o in outs) / seconds,
+                     "grammar_row_alpha": outs[0].metrics.num_accepted_tokens / max(outs[0].metrics.num_draft_tokens, 1),
+                     "same": [o.token_ids for o in outs] == references[grammar_row]})
+        r = rows[-1]
+        if len(rows) == 1:
+            print("| batch | setting | ms / step | of which drafting | tok/s | grammar row's α | same |\n"
+                  "|---|---|---|---|---|---|---|")
+        print(f"| {r['batch']} | {name} | {r['step_ms']:.2f} | {r['draft_ms']:.2f} | {r['tok_s']:.1f} | "
+              f"{r['grammar_row_alpha']:.2f} | {'yes' if r['same'] else 'NO'} |", flush=True)
+    return rows
+
+
 def print_row(row: dict) -> None:
     if row["grammar"] == "json_schema" and row["drafts"] == "masked":
         print("| grammar | drafts | α | draft calls without a mask | tok/s | tokens | same |\n"
@@ -139,6 +206,10 @@ def print_row(row: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--section", choices=["prompts", "batch"], default="prompts")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="(batch section)")
+    p.add_argument("--batch", type=int, default=16, help="(batch section)")
+    p.add_argument("--prompt-len", type=int, default=128, help="(batch section)")
     p.add_argument("--prompts", type=int, default=12)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--gamma", type=int, default=4)
@@ -149,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    rows = run(args)
+    rows = run(args) if args.section == "prompts" else batch_costs(args)
     write_json(args.out, args, rows=rows)
     return 0 if all(r["same"] for r in rows) else 1
 
