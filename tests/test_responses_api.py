@@ -485,6 +485,30 @@ def test_a_cancel_or_a_delete_stops_a_background_generation(fake, monkeypatch, q
         assert _error(client.post("/v1/responses/resp_nope/cancel"), 404)
 
 
+def test_a_background_response_counts_as_a_running_request_of_its_key(fake, monkeypatch, quick_polls):
+    """front_door.per_key.max_concurrent_requests holds while a background response generates
+    after its request returned, and frees the slot when it ends."""
+    fake.script, fake.step_delay = said(b"x" * 300), 0.05
+    with app_client(fake, monkeypatch, api_key=["a-key"],
+                    front_door={"per_key": {"max_concurrent_requests": 1}}) as client:
+        key = {"authorization": "Bearer a-key"}
+        body = {"model": MODEL, "input": "Long", "background": True}
+        running = client.post("/v1/responses", json=body, headers=key)
+        assert running.status_code == 200, running.text
+        r = client.post("/v1/responses", json={**body, "background": False}, headers=key)
+        assert _error(r, 429)["code"] == "concurrency_limit_exceeded"
+        rid = running.json()["id"]
+        assert client.get(f"/v1/responses/{rid}", headers=key).status_code == 429  # (every route takes the slot)
+        fake.step_delay = 0.0  # (the rest at once: the task ends, and with it its hold on the slot)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            r = client.get(f"/v1/responses/{rid}", headers=key)
+            if r.status_code == 200:
+                break
+            time.sleep(0.05)
+        assert r.status_code == 200 and r.json()["status"] == "completed"
+
+
 def test_a_background_response_whose_engine_failed_reads_failed(fake, monkeypatch, quick_polls):
     fake.mode = "lost"  # (every continuation lost too)
     with app_client(fake, monkeypatch) as client:

@@ -11,7 +11,7 @@ import asyncio
 import logging
 
 from . import response_store
-from .front_door import OpenAIError
+from .front_door import KeyLimits, OpenAIError
 from .response_store import StoreClient
 from .responses import ResponseFormat
 from .responses_api import ResponseShape, whole_response
@@ -20,10 +20,11 @@ logger = logging.getLogger("specserve.responses")
 
 
 class BackgroundRuns:
-    """The background responses this ingress replica is generating."""
+    """The background responses this ingress replica is generating; each counts as a running
+    request of its key (`limits`: front_door.per_key) until it ends."""
 
-    def __init__(self, store: StoreClient) -> None:
-        self.store = store
+    def __init__(self, store: StoreClient, limits: KeyLimits) -> None:
+        self.store, self.limits = store, limits
         self._tasks: set[asyncio.Task] = set()  # (held: a task only the loop refers to may be collected)
 
     def __len__(self) -> int:
@@ -41,6 +42,7 @@ class BackgroundRuns:
                                    "(the store is unavailable, or the conversation is over "
                                    "responses.max_stored_bytes)", "background", "store_unavailable", "server_error",
                               {"Retry-After": "1"})
+        self.limits.hold(owner)  # (released when the task ends)
         task = asyncio.ensure_future(self._run(shape, fmt, pieces, field_name, owner))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -70,6 +72,7 @@ class BackgroundRuns:
         finally:
             work.cancel()
             fmt.gen.close()
+            self.limits.leave(owner)
 
     async def _going_on(self, response_id: str, owner: int) -> bool:
         try:

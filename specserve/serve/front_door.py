@@ -144,6 +144,11 @@ class KeyLimits:
                                "retry later", wait, "tokens_per_minute_exceeded")
         acct.running += 1
 
+    def hold(self, key: int) -> None:
+        """Count one more running request of `key`, unchecked: work that goes on after the
+        request that passed `enter` (a background response's generation). Pair with leave()."""
+        self._account(key).running += 1
+
     def leave(self, key: int) -> None:
         self.accounts[key].running -= 1
 

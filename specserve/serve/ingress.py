@@ -71,7 +71,6 @@ class Ingress:
         self.config = config
         # the Responses API's store: the app's deployment, else (in process) one of this process
         self._store = StoreClient(store, config.responses)
-        self._background = BackgroundRuns(self._store)  # (the Responses API's background responses)
         self.tokenizer = load_tokenizer(config.target, config.tokenizer)
         self._info: dict | None = None
         self._grammar_view = None  # llguidance's view of the tokenizer, built at the first response_format
@@ -91,6 +90,7 @@ class Ingress:
                                "SPECSERVE_API_KEY in the ingress replicas' environment (or api_key)")
         self.door = Door(keys, KeyLimits(front.per_key.max_concurrent_requests, front.per_key.tokens_per_minute),
                          front.max_request_bytes)
+        self._background = BackgroundRuns(self._store, self.door.limits)  # (the Responses API's background responses)
         self._pool = ThreadPoolExecutor(front.threads, thread_name_prefix="specserve-tokenize")
         # the fewest tokens a text can become, without tokenizing (None: no proven bound, no pre-check)
         self._token_floor = token_floor(self.tokenizer)
