@@ -89,7 +89,7 @@ class ResponseStore:
         self._bytes += link.size
         if response.get("background") and response["status"] in RUNNING:
             self._leases[response["id"]] = time.monotonic()
-        self._list(response["id"], link)
+        self._list(response["id"], owner, inputs + response.get("output", []))
         self._bound()  # (never this one: its conversation alone fits)
         return STORED
 
@@ -145,8 +145,8 @@ class ResponseStore:
             return None
         response = self._response(response_id, link)
         if response_id in self._leases:
-            self._rewrite(response_id, {**response, "status": "cancelled"})
             response["status"] = "cancelled"
+            self._rewrite(response_id, response)
         return response
 
     def _response(self, response_id: str, link: _Link) -> dict:
@@ -167,7 +167,7 @@ class ResponseStore:
         self._bytes -= len(link.response)
         link.response = json.dumps(response).encode()
         self._bytes += len(link.response)
-        self._list(response_id, link)
+        self._list(response_id, link.owner, response.get("output", []))  # (its inputs are listed already)
         self._bound()
 
     def _bound(self) -> None:
@@ -208,12 +208,13 @@ class ResponseStore:
         """Every item of a conversation through this link (hidden links' included), the first turn's first."""
         return [item for _, link in reversed(self._chain(response_id)) for item in _own_items(link)]
 
-    def _list(self, response_id: str, link: _Link) -> None:
-        """A shown link's items in the index (item_reference finds them)."""
-        for item in _own_items(link):
+    def _list(self, response_id: str, owner: int, items: list[dict]) -> None:
+        """A shown link's items in the index (item_reference finds them), from the dicts at hand
+        rather than its JSON decoded again."""
+        for item in items:
             if not item.get("id"):
                 continue
-            holders = self._index.setdefault((link.owner, item["id"]), [])
+            holders = self._index.setdefault((owner, item["id"]), [])
             if response_id not in holders:
                 holders.append(response_id)
 
