@@ -433,7 +433,7 @@ class DraftWorker(_Worker):
         self.model.q_dtype = getattr(torch, q_dtype)  # (before any loop is captured)
         if tokenizer is not None and hasattr(self.model, "grammar"):  # a draft model masks grammar rows' drafts
             self.model.grammar = tokenizer.book(vocab_size, eos_token_ids)
-            self.model.wide_share = wide_share  # (speculation.grammar_wide_share)
+        self.model.wide_share = wide_share  # (speculation.grammar_wide_share; every draft model proposer has it)
         self._outbox = Outbox()  # q placed for the target to read in place (`placed_q`) ...
         self._placing = False  # ... once the handshake said it can (`q_placed`)
         self._probe = Outbox()  # the handshake's probe (not the ring: only proposes write that)
