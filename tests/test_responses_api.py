@@ -426,16 +426,24 @@ def test_truncation_auto_drops_the_fewest_first_turns_that_let_it_fit(monkeypatc
 ENDED = ("completed", "incomplete", "failed", "cancelled")
 
 
+def eventually(check, timeout: float = 5.0):
+    """check()'s first truthy answer, asked every 20 ms (its last answer once `timeout` passed)."""
+    deadline = time.monotonic() + timeout
+    while not (answer := check()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return answer
+
+
 def read_until(client, rid: str, check, timeout: float = 10.0) -> dict:
     """GET the response until check(response) holds."""
-    deadline = time.monotonic() + timeout
-    while True:
+    def read():
         r = client.get(f"/v1/responses/{rid}")
         assert r.status_code == 200, r.text
-        if check(r.json()) or time.monotonic() > deadline:
-            assert check(r.json()), r.json()
-            return r.json()
-        time.sleep(0.02)
+        return r.json() if check(r.json()) else None
+
+    done = eventually(read, timeout)
+    assert done is not None, client.get(f"/v1/responses/{rid}").json()
+    return done
 
 
 @pytest.fixture()
@@ -466,19 +474,14 @@ def test_a_cancel_or_a_delete_stops_a_background_generation(fake, monkeypatch, q
         first = client_.responses.create(model=MODEL, input="Long", background=True)
         r = client.post(f"/v1/responses/{first.id}/cancel")
         assert r.status_code == 200 and r.json()["status"] == "cancelled", r.text
-        deadline = time.monotonic() + 3
-        while not fake.streams[-1].cancelled and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert fake.streams[-1].cancelled  # the engine was told to stop
+        assert eventually(lambda: fake.streams[-1].cancelled, 3)  # the engine was told to stop
         assert client.post(f"/v1/responses/{first.id}/cancel").json()["status"] == "cancelled"  # (idempotent)
         time.sleep(0.2)
         assert client.get(f"/v1/responses/{first.id}").json()["status"] == "cancelled"  # (not overwritten)
         second = client_.responses.create(model=MODEL, input="Long", background=True)
         assert client.delete(f"/v1/responses/{second.id}").status_code == 200
-        deadline = time.monotonic() + 3
-        while not fake.streams[-1].cancelled and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert fake.streams[-1].cancelled and client.get(f"/v1/responses/{second.id}").status_code == 404
+        assert eventually(lambda: fake.streams[-1].cancelled, 3)
+        assert client.get(f"/v1/responses/{second.id}").status_code == 404
         fake.step_delay = 0.0
         plain = client_.responses.create(model=MODEL, input="x")
         assert _error(client.post(f"/v1/responses/{plain.id}/cancel"), 400)["param"] == "response_id"
@@ -500,13 +503,12 @@ def test_a_background_response_counts_as_a_running_request_of_its_key(fake, monk
         rid = running.json()["id"]
         assert client.get(f"/v1/responses/{rid}", headers=key).status_code == 429  # (every route takes the slot)
         fake.step_delay = 0.0  # (the rest at once: the task ends, and with it its hold on the slot)
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
+        def read():  # (a 429 while the task holds the slot)
             r = client.get(f"/v1/responses/{rid}", headers=key)
-            if r.status_code == 200:
-                break
-            time.sleep(0.05)
-        assert r.status_code == 200 and r.json()["status"] == "completed"
+            return r.json() if r.status_code == 200 else None
+
+        done = eventually(read)
+        assert done is not None and done["status"] == "completed"
 
 
 def test_a_background_response_whose_engine_failed_reads_failed(fake, monkeypatch, quick_polls):
