@@ -87,17 +87,13 @@ def load(tiny: bool, drafter: str):
 
 
 def prompts(tokenizer, count: int, tiny: bool) -> list[list[int]]:
-    from specserve.prompts import GENERAL, interleaved, load_records
+    from specserve.prompts import GENERAL, encode, interleaved, load_records
 
     records = [r for r in interleaved(load_records(GENERAL)) if r["chat"]][:count]
     if tiny:
         return [list(r["prompt"][:40].encode("latin-1", "replace")) for r in records]
-    out = []
-    for r in records:
-        messages = [{"role": "user", "content": r["prompt"] + " Reply in JSON with an answer and your confidence."}]
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        out.append(tokenizer(text, add_special_tokens=False)["input_ids"])
-    return out
+    return [encode(tokenizer, {**r, "prompt": r["prompt"] + " Reply in JSON with an answer and your confidence."})
+            for r in records]
 
 
 def run(args: argparse.Namespace) -> list[dict]:
