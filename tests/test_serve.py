@@ -249,7 +249,8 @@ def test_openai_client(server):
 
 def test_the_responses_api_over_the_app(server):
     """/v1/responses is the chat it translates to (greedy: the same text), whole and streamed, and
-    the app's ResponseStore deployment carries a conversation on (previous_response_id)."""
+    the app's ResponseStore deployment carries a conversation on (previous_response_id) and keeps
+    background responses, and a streamed one's events."""
     import openai
 
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
@@ -279,6 +280,11 @@ def test_the_responses_api_over_the_app(server):
             break
         time.sleep(0.1)
     assert background.status == "in_progress" and done.status == "incomplete" and done.output_text == first.output_text
+    streamed = list(client.responses.create(model=MODEL, input="hi", max_output_tokens=8, temperature=0,
+                                            background=True, stream=True))  # (its events kept in the app's store)
+    assert streamed[-1].type == "response.incomplete" and streamed[-1].response.output_text == first.output_text
+    again = list(client.responses.retrieve(streamed[0].response.id, stream=True, starting_after=2))
+    assert [e.model_dump() for e in again] == [e.model_dump() for e in streamed[3:]]
 
 
 def test_the_messages_api_over_the_app(server):

@@ -4,19 +4,54 @@ own and stores the finished response, which `GET /v1/responses/{id}` then gives.
 seconds the task asks the store whether to go on: a cancel (`POST /v1/responses/{id}/cancel`)
 or a DELETE, through any replica, stops the generation there. Where this replica is lost, the
 store reads the response as failed once its lease runs out (response_store.py).
+
+With `stream: true` as well, the request's answer is the response's event stream, and the events
+are kept too: this replica sends its followers each event as it comes, and hands the store the
+new ones every `FLUSH_S` seconds, so that `GET /v1/responses/{id}?stream=true&starting_after=n`,
+through any replica, streams every event after the n-th and then follows the rest. A client that
+goes away stops nothing: the generation goes on, and the stream can be taken up again.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
 
 from . import response_store
 from .front_door import KeyLimits, OpenAIError
 from .response_store import StoreClient
 from .responses import ResponseFormat
-from .responses_api import ResponseShape, whole_response
+from .responses_api import ResponseEvents, ResponseShape, whole_response
 
 logger = logging.getLogger("specserve.responses")
+
+FLUSH_S = 0.1  # how often a streamed background response's new events are handed to the store
+FOLLOW_S = 0.1  # how often a follower on another replica asks the store for new events
+
+
+@dataclass
+class _Run:
+    """A background response generating on this replica; `events` (streamed ones only): every
+    event so far, the n-th with sequence number n."""
+
+    owner: int
+    events: list[str] | None
+    ended: bool = False
+    changed: asyncio.Event = field(default_factory=asyncio.Event)  # set (and replaced) at each change
+
+    def add(self, event: str) -> None:
+        self.events.append(event)
+        self._tell()
+
+    def end(self) -> None:
+        self.ended = True
+        self._tell()
+
+    def _tell(self) -> None:
+        told, self.changed = self.changed, asyncio.Event()
+        told.set()
 
 
 class BackgroundRuns:
@@ -25,57 +60,131 @@ class BackgroundRuns:
 
     def __init__(self, store: StoreClient, limits: KeyLimits) -> None:
         self.store, self.limits = store, limits
+        self._runs: dict[str, _Run] = {}  # response id -> its run, while it generates
         self._tasks: set[asyncio.Task] = set()  # (held: a task only the loop refers to may be collected)
 
     def __len__(self) -> int:
         return len(self._tasks)
 
     async def start(self, shape: ResponseShape, fmt: ResponseFormat, pieces, field_name: str | None,
-                    history: list[dict], inputs: list[dict], owner: int) -> dict:
-        """Store the response as in progress and generate it in the background; the response as
-        stored now. A 503 (the generation stopped) when it cannot be stored, since nobody could
-        read it then."""
+                    history: list[dict], inputs: list[dict], owner: int,
+                    events: ResponseEvents | None = None) -> dict:
+        """Store the response as in progress and generate it in the background (its events kept
+        where `events` is given: streamed); the response as stored now. A 503 (the generation
+        stopped) when it cannot be stored, since nobody could read it then."""
         response = shape.envelope("in_progress", [])
-        if not await self.store.keep(response, history, inputs, owner):
+        if not await self.store.keep(response, history, inputs, owner, events is not None):
             fmt.gen.close()
             raise OpenAIError(503, "background: the response could not be stored, so it could not be read back "
                                    "(the store is unavailable, or the conversation is over "
                                    "responses.max_stored_bytes)", "background", "store_unavailable", "server_error",
                               {"Retry-After": "1"})
         self.limits.hold(owner)  # (released when the task ends)
-        task = asyncio.ensure_future(self._run(shape, fmt, pieces, field_name, owner))
+        run = self._runs[shape.rid] = _Run(owner, None if events is None else [])
+        if events is None:
+            work = whole_response(shape, fmt, pieces, field_name, _marked_stored)
+        else:
+            work = _streamed(run, events, fmt, pieces)
+        task = asyncio.ensure_future(self._run(shape.rid, run, work, shape))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return response
 
-    async def _run(self, shape: ResponseShape, fmt: ResponseFormat, pieces, field_name: str | None,
-                   owner: int) -> None:
+    async def follow(self, response_id: str, owner: int, after: int | None) -> AsyncIterator[str]:
+        """A streamed background response's events after the `after`-th (None: all), then the
+        rest as they come; 404 for a response not stored, 400 for one that was not streamed."""
+        run = self._runs.get(response_id)
+        if run is not None and run.owner == owner and run.events is not None:
+            return _local(run, after)
+        found = await self.store.stored("events", response_id, owner)  # (404 before any event is sent)
+        if found["events"] is None:
+            raise OpenAIError(400, f"response {response_id!r} was not created with background: true and "
+                                   "stream: true: only those can be streamed again", "stream")
+        return self._stored(response_id, owner, after)
+
+    async def _stored(self, response_id: str, owner: int, after: int | None) -> AsyncIterator[str]:
+        """Events as the store holds them, asked every FOLLOW_S until the response has ended."""
+        while True:
+            found = await self.store.call("events", response_id, owner, after)
+            if found is None:  # (deleted, or dropped, meanwhile)
+                return
+            for event in found["events"]:
+                yield event
+            after = (-1 if after is None else after) + len(found["events"])
+            if found["ended"]:
+                return
+            await asyncio.sleep(FOLLOW_S)
+
+    async def _run(self, response_id: str, run: _Run, work, shape: ResponseShape) -> None:
         """The whole generation, then the finished (or failed) response stored; stopped at the
         first poll that says it is not to go on."""
-        async def stored(response: dict) -> None:  # (whole_response's keep: the store is written below)
-            response["store"] = True
-
-        work = asyncio.ensure_future(whole_response(shape, fmt, pieces, field_name, stored))
+        work = asyncio.ensure_future(work)
+        tick = response_store.POLL_S if run.events is None else min(FLUSH_S, response_store.POLL_S)
         try:
-            while not (await asyncio.wait([work], timeout=response_store.POLL_S))[0]:
-                if not await self._going_on(shape.rid, owner):
-                    logger.info("background response %s cancelled or deleted: its generation stopped", shape.rid)
-                    return
+            kept, asked = 0, time.monotonic()  # events the store holds; when it was last asked
+            while not (await asyncio.wait([work], timeout=tick))[0]:
+                new = run.events is not None and len(run.events) > kept
+                if new or time.monotonic() - asked >= response_store.POLL_S:
+                    going, kept = await self._hand_over(response_id, run, kept)
+                    asked = time.monotonic()
+                    if not going:
+                        logger.info("background response %s cancelled or deleted: its generation stopped", response_id)
+                        return
             try:
                 response = work.result()
             except OpenAIError as err:  # (the engine failed, or was lost beyond every continuation)
                 response = shape.failed([], err.body()["error"])
-            if not await self.store.call("finish", response, owner):
-                logger.info("background response %s ended after it was cancelled or deleted", shape.rid)
+            new = [] if run.events is None else run.events[kept:]
+            if not await self.store.call("finish", response, run.owner, new):
+                logger.info("background response %s ended after it was cancelled or deleted", response_id)
         except Exception:
-            logger.exception("background response %s could not be finished", shape.rid)
+            logger.exception("background response %s could not be finished", response_id)
         finally:
             work.cancel()
-            fmt.gen.close()
-            self.limits.leave(owner)
+            run.end()
+            del self._runs[response_id]
+            self.limits.leave(run.owner)
 
-    async def _going_on(self, response_id: str, owner: int) -> bool:
+    async def _hand_over(self, response_id: str, run: _Run, kept: int) -> tuple[bool, int]:
+        """The run's new events to the store (which renews its lease): whether it is to go on (not
+        cancelled, deleted or failed), and how many of its events the store now holds."""
+        new = [] if run.events is None else run.events[kept:]
         try:
-            return await self.store.call("poll", response_id, owner)
+            return await self.store.call("append", response_id, run.owner, new), kept + len(new)
         except OpenAIError:  # the store unavailable for a moment: go on (the lease allows LEASE_S)
-            return True
+            return True, kept
+
+
+async def _marked_stored(response: dict) -> None:
+    """whole_response's keep for a background response: the store is written by its task."""
+    response["store"] = True
+
+
+async def _streamed(run: _Run, events: ResponseEvents, fmt: ResponseFormat, pieces) -> dict:
+    """Every event of the generation into the run; the finished response."""
+    done: list[dict] = []
+
+    async def ended(response: dict) -> None:
+        await _marked_stored(response)
+        done.append(response)
+
+    try:
+        async for event in events.stream(fmt, pieces, ended):
+            run.add(event)
+    except OpenAIError as err:  # (raised, not streamed: a StreamFailed ends in its own response.failed)
+        done.append(events.shape.failed(events.output, err.body()["error"]))
+        run.add(events.event("response.failed", response=done[0]))
+    return done[0]
+
+
+async def _local(run: _Run, after: int | None) -> AsyncIterator[str]:
+    """A run's events after the `after`-th, each as it comes, until the run ends."""
+    sent = 0 if after is None else after + 1
+    while True:
+        changed = run.changed
+        while sent < len(run.events):
+            yield run.events[sent]
+            sent += 1
+        if run.ended:
+            return
+        await changed.wait()

@@ -266,14 +266,18 @@ class OpenAIServer(Ingress):
             response["store"] = shape.stored and await self._store.keep(response, history, inputs, owner)
 
         field = self.reasoning_field
-        if body.background:  # (its errors before the generation began were this request's own)
-            return await self._background.start(shape, fmt, pieces, field, history, inputs, owner)
-        if not body.stream:
-            return await whole_response(shape, fmt, pieces, field, keep)
         # (the logprobs of a reasoning model's text are its own tokens': counted once, for usage too)
         count = fmt.thoughts if body.logprobs_wanted() else None
-        events = ResponseEvents(shape, field, count).stream(fmt, pieces, keep)
-        return StreamingResponse(events, media_type="text/event-stream")
+        events = ResponseEvents(shape, field, count) if body.stream else None
+        if body.background:  # (its errors before the generation began were this request's own)
+            response = await self._background.start(shape, fmt, pieces, field, history, inputs, owner, events)
+            if events is None:
+                return response
+            return StreamingResponse(await self._background.follow(shape.rid, owner, None),
+                                     media_type="text/event-stream")
+        if events is None:
+            return await whole_response(shape, fmt, pieces, field, keep)
+        return StreamingResponse(events.stream(fmt, pieces, keep), media_type="text/event-stream")
 
     async def _response_prompt(self, body: ResponsesRequest, history: list) -> tuple[ChatCompletionRequest, ChatPrompt]:
         """The chat a Responses request is, and its prompt. With truncation "auto", where the
@@ -305,8 +309,17 @@ class OpenAIServer(Ingress):
         return best if best is not None else await fitting(cuts[high], True)
 
     @app.get("/v1/responses/{response_id}")
-    async def get_response(self, response_id: str, request: Request) -> dict:
-        return await self._store.stored("get", response_id, request_key(request))
+    async def get_response(self, response_id: str, request: Request, stream: bool = False,
+                           starting_after: int | None = Query(None, ge=0)):
+        """A stored response; with `stream`, a streamed background response's events after
+        `starting_after`, then the rest as they come."""
+        owner = request_key(request)
+        if stream:
+            events = await self._background.follow(response_id, owner, starting_after)
+            return StreamingResponse(events, media_type="text/event-stream")
+        if starting_after is not None:
+            raise OpenAIError(400, "starting_after needs stream=true", "starting_after")
+        return await self._store.stored("get", response_id, owner)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(self, response_id: str, request: Request) -> dict:

@@ -9,8 +9,10 @@ held.
 
 A background response (`background: true`) is stored as in progress when it starts and replaced
 by the finished response when it ends (`finish`); its ingress asks every `POLL_S` seconds whether
-it was cancelled or deleted (`poll`), which renews its lease: one whose lease ran out (its
-ingress replica was lost) reads as failed.
+it was cancelled or deleted (`poll`, or `append`), which renews its lease: one whose lease ran out
+(its ingress replica was lost) reads as failed. A streamed one (with `stream: true`) keeps its
+events as well, handed over as they come (`append`) and read from any sequence number on
+(`events`); they count in its bytes, and stay with it.
 
 A turn keeps only what it added, so a conversation of n turns costs its own bytes once, not its
 early turns n times over. A link that goes (deleted, or dropped as least recently used) while
@@ -31,6 +33,7 @@ from ray import serve
 from specserve.config import ResponsesConfig
 
 from .front_door import OpenAIError
+from .responses import sse_event
 
 logger = logging.getLogger("specserve.responses")
 
@@ -48,10 +51,12 @@ class _Link:
     inputs: bytes  # its own input items' JSON (not the earlier turns')
     later: int = 0  # stored links that go on from this one
     shown: bool = True  # False: deleted or dropped, kept only as the later links' history
+    events: list[str] | None = None  # a streamed background response's events (SSE), the n-th numbered n
+    event_bytes: int = 0  # theirs
 
     @property
     def size(self) -> int:
-        return len(self.response) + len(self.inputs)
+        return len(self.response) + len(self.inputs) + self.event_bytes
 
 
 class ResponseStore:
@@ -65,13 +70,16 @@ class ResponseStore:
         self._leases: dict[str, float] = {}  # a running background response's id -> when its ingress last asked
         self._index: dict[tuple[int, str], list[str]] = {}  # (owner, item id) -> the shown responses holding it
 
-    def put(self, response: dict, inputs: list[dict], owner: int = -1, previous: str | None = None) -> str:
+    def put(self, response: dict, inputs: list[dict], owner: int = -1, previous: str | None = None,
+            streamed: bool = False) -> str:
         """Keep a response, its own input items (an item without an id gets one) and the response
-        it went on from: STORED; TOO_LARGE when its whole conversation is over the byte bound, or
-        NO_PREVIOUS when `previous` is no longer here (then nothing is kept)."""
+        it went on from (`streamed`: a background response whose events are kept as well):
+        STORED; TOO_LARGE when its whole conversation is over the byte bound, or NO_PREVIOUS when
+        `previous` is no longer here (then nothing is kept)."""
         inputs = [item if item.get("id") else {**item, "id": f"{_prefix(item)}_{uuid.uuid4().hex}"}
                   for item in inputs]
-        link = _Link(owner, previous, json.dumps(response).encode(), json.dumps(inputs).encode())
+        link = _Link(owner, previous, json.dumps(response).encode(), json.dumps(inputs).encode(),
+                     events=[] if streamed else None)
         before = None if previous is None else self._links.get(previous)
         if previous is not None and (before is None or before.owner != owner):
             return NO_PREVIOUS
@@ -128,11 +136,37 @@ class ResponseStore:
         self._leases[response_id] = time.monotonic()
         return True
 
-    def finish(self, response: dict, owner: int = -1) -> bool:
-        """A background response's end: the finished response in place of the running one; False
-        (nothing changed) when it was cancelled, deleted, or its lease ran out meanwhile."""
+    def append(self, response_id: str, owner: int = -1, events: list[str] = ()) -> bool:
+        """poll, with a streamed background response's new events kept as well: those made before
+        its generation learnt of a cancel too (this call tells it), but none after its end."""
+        going = self.poll(response_id, owner)
+        link = self._links.get(response_id) if events else None
+        if link is None or link.events is None or not link.shown or link.owner != owner:
+            return going
+        if going or self._response(response_id, link)["status"] == "cancelled":
+            link.events.extend(events)
+            added = sum(len(event) for event in events)
+            link.event_bytes += added
+            self._bytes += added
+            self._bound()  # (this one too, where its events alone pass the bound: it stops then)
+        return going and link.shown
+
+    def events(self, response_id: str, owner: int = -1, after: int | None = None) -> dict | None:
+        """A response's events after the `after`-th (None: all; `events` None where it was not a
+        streamed background response) and whether it has ended (no more will come)."""
+        link = self._touch(response_id, owner)
+        if link is None:
+            return None
+        ended = self._response(response_id, link)["status"] not in RUNNING
+        start = 0 if after is None else after + 1
+        return {"events": None if link.events is None else link.events[start:], "ended": ended}
+
+    def finish(self, response: dict, owner: int = -1, events: list[str] = ()) -> bool:
+        """A background response's end (its last events kept first): the finished response in
+        place of the running one; False (nothing changed) when it was cancelled, deleted, or its
+        lease ran out meanwhile."""
         rid = response["id"]
-        if not self.poll(rid, owner):
+        if not self.append(rid, owner, events):
             return False
         self._rewrite(rid, response)
         return True
@@ -158,7 +192,16 @@ class ResponseStore:
                 "code": "server_error", "message": "the server replica generating this background response was "
                                                    "lost; create the response again"})
             self._rewrite(response_id, response)
+            if link.events is not None:  # (a follower's stream ends with it)
+                self._add_event(link, "response.failed", {"response": response})
         return response
+
+    def _add_event(self, link: _Link, kind: str, payload: dict) -> None:
+        data = {"type": kind, "sequence_number": len(link.events), **payload}
+        event = f"event: {kind}\n" + sse_event(data)
+        link.events.append(event)
+        link.event_bytes += len(event)
+        self._bytes += len(event)
 
     def _rewrite(self, response_id: str, response: dict) -> None:
         """A stored link's response replaced (it has ended: no lease any more)."""
@@ -290,22 +333,23 @@ class StoreClient:
         return dict(zip(item_ids, found))
 
     async def stored(self, method: str, response_id: str, owner: int):
-        """What `method` (get, input_items, delete, cancel) gives for a stored response; 404 for another id."""
+        """What `method` (get, input_items, delete, cancel, events) gives for a stored response; 404 for another id."""
         found = await self.call(method, response_id, owner) if self.on else None
         if found is None or found is False:
             raise OpenAIError(404, f"no stored response {response_id!r}", "response_id", "not_found")
         return found
 
-    async def keep(self, response: dict, history: list[dict], inputs: list[dict], owner: int) -> bool:
+    async def keep(self, response: dict, history: list[dict], inputs: list[dict], owner: int,
+                   streamed: bool = False) -> bool:
         """Store a response that went on from `response["previous_response_id"]` (its items:
-        `history`) with its own input items; False when it could not be kept (too large, or the
-        store unavailable). Where the previous response went while this one was generated, its
-        items are kept with this one's."""
+        `history`) with its own input items (`streamed`: ResponseStore.put's); False when it could
+        not be kept (too large, or the store unavailable). Where the previous response went while
+        this one was generated, its items are kept with this one's."""
         previous = response.get("previous_response_id")
         try:
-            done = await self.call("put", response, inputs, owner, previous)
+            done = await self.call("put", response, inputs, owner, previous, streamed)
             if done == NO_PREVIOUS:
-                done = await self.call("put", response, history + inputs, owner, None)
+                done = await self.call("put", response, history + inputs, owner, None, streamed)
         except OpenAIError:
             logger.warning("the response store is unavailable: response %s not stored", response["id"])
             return False

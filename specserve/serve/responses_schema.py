@@ -18,8 +18,8 @@ chat does, from tool calls to reasoning and structured output, holds for it unch
 
 `truncation: "auto"` drops the conversation's first turns until the prompt fits the context
 (`cuts`; the ingress finds how many); `background: true` returns at once and generates in the
-background (serve/background.py); an `item_reference` is the stored item it names. Images,
-files and audio, hosted tools, streamed background responses, prompt templates and
+background, streamed too where asked, and resumable (serve/background.py); an `item_reference`
+is the stored item it names. Images, files and audio, hosted tools, prompt templates and
 conversations are refused with a 400 naming the parameter: this server runs one text model and
 keeps nothing but the responses of its store (response_store.py).
 """
@@ -212,9 +212,6 @@ class ResponsesRequest(SamplingOptions):
     def unsupported(self) -> list[tuple[str, str]]:
         """(param, why) for every option set to something this server does not do."""
         bad = []
-        if self.background and self.stream:
-            bad.append(("stream", "background responses are read back with GET /v1/responses/{id}: "
-                                  "streaming them is not supported"))
         if self.background and not self.store:
             bad.append(("background", "background responses are kept in the store: they need store: true"))
         if self.prompt is not None:
