@@ -52,7 +52,7 @@ from .ingress import RETRY_AFTER_S, ChatPrompt, Ingress, request_key
 from .messages_api import MessageEvents, MessageShape, message_id, whole_message
 from .messages_schema import CountTokensRequest, MessagesRequest
 from .responses_api import ResponseEvents, ResponseShape, input_page, item_id, whole_response
-from .responses_schema import ITEMS, ResponsesRequest
+from .responses_schema import ITEMS, InputTokensRequest, ResponsesRequest
 from .schema import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
                      TokenizeTextRequest)
 
@@ -333,6 +333,25 @@ class OpenAIServer(Ingress):
             raise OpenAIError(400, f"response {response_id!r} was not created with background: true: only "
                                    "background responses can be cancelled", "response_id")
         return response
+
+    @app.post("/v1/responses/input_tokens")
+    async def count_response_tokens(self, body: InputTokensRequest, request: Request) -> dict:
+        """The tokens a Responses request's input renders to, as POST /v1/responses renders it
+        (with truncation "auto", after the turns it drops; else whether or not it fits the context)."""
+        responses = body.request(self.config.served_model_name)
+        refuse(responses.unsupported())
+        owner = request_key(request)
+        if responses.references():
+            responses = responses.resolved(await self._store.referenced(responses.references(), owner))
+        history = ITEMS.validate_python(await self._store.history(responses.previous_response_id, owner))
+        if responses.truncation == "auto":
+            _, prompt = await self._response_prompt(responses, history)
+            return {"object": "response.input_tokens", "input_tokens": len(prompt.ids)}
+        chat = responses.chat(history)
+        self._check(chat)
+        text, _ = await self._render(chat)
+        return {"object": "response.input_tokens",
+                "input_tokens": len(await self._offload(self._encode, text, "input", False))}
 
     @app.get("/v1/responses/{response_id}/input_items")
     async def response_input_items(self, response_id: str, request: Request, limit: int = Query(20, ge=1, le=100),

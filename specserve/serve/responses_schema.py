@@ -283,6 +283,32 @@ class ResponsesRequest(SamplingOptions):
         return as_chat(body, CHAT_TO_RESPONSES, "input")
 
 
+class InputTokensRequest(BaseModel):
+    """`POST /v1/responses/input_tokens`: the input a Responses request with these fields would
+    give the model, counted (what it would generate from does not change the count)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    input: str | list[InputItem] | None = None
+    instructions: str | None = None
+    tools: list[FunctionTool | HostedTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextOptions | None = None
+    reasoning: ReasoningOptions | None = None
+    previous_response_id: str | None = None
+    conversation: str | dict[str, Any] | None = None
+    truncation: Literal["disabled", "auto"] | None = None
+
+    def request(self, served_model: str) -> ResponsesRequest:
+        """The Responses request counted (no input: an empty one, as after a previous response)."""
+        given = {name: getattr(self, name) for name in self.model_fields_set - {"model", "input"}}
+        if given.get("parallel_tool_calls") is None:
+            given.pop("parallel_tool_calls", None)
+        return ResponsesRequest(model=self.model or served_model, input=[] if self.input is None else self.input,
+                                **given)
+
+
 CHAT_TO_RESPONSES = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text",
                      "reasoning_effort": "reasoning", "top_logprobs": "top_logprobs"}
 
