@@ -31,10 +31,10 @@ class BackgroundRuns:
         return len(self._tasks)
 
     async def start(self, shape: ResponseShape, fmt: ResponseFormat, pieces, field_name: str | None,
-                    history: list[dict], inputs: list[dict], owner: int) -> dict:
+                    history: list[dict], inputs: list[dict], owner: int, then=None) -> dict:
         """Store the response as in progress and generate it in the background; the response as
         stored now. A 503 (the generation stopped) when it cannot be stored, since nobody could
-        read it then."""
+        read it then. `then(response)`, where given, once the finished response is stored."""
         response = shape.envelope("in_progress", [])
         if not await self.store.keep(response, history, inputs, owner):
             fmt.gen.close()
@@ -43,13 +43,13 @@ class BackgroundRuns:
                                    "responses.max_stored_bytes)", "background", "store_unavailable", "server_error",
                               {"Retry-After": "1"})
         self.limits.hold(owner)  # (released when the task ends)
-        task = asyncio.ensure_future(self._run(shape, fmt, pieces, field_name, owner))
+        task = asyncio.ensure_future(self._run(shape, fmt, pieces, field_name, owner, then))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return response
 
     async def _run(self, shape: ResponseShape, fmt: ResponseFormat, pieces, field_name: str | None,
-                   owner: int) -> None:
+                   owner: int, then=None) -> None:
         """The whole generation, then the finished (or failed) response stored; stopped at the
         first poll that says it is not to go on."""
         async def stored(response: dict) -> None:  # (whole_response's keep: the store is written below)
@@ -67,6 +67,8 @@ class BackgroundRuns:
                 response = shape.failed([], err.body()["error"])
             if not await self.store.call("finish", response, owner):
                 logger.info("background response %s ended after it was cancelled or deleted", shape.rid)
+            elif then is not None:
+                await then(response)
         except Exception:
             logger.exception("background response %s could not be finished", shape.rid)
         finally:
