@@ -243,6 +243,7 @@ class ConversationClient:
             logger.warning("conversation %s: a response's %d items not added (%s)", cid, len(items), answer)
 
 
-# One replica for the whole app (a second would hold other conversations); every call is a dict lookup.
+# One replica for the whole app (a second would hold other conversations); every call is a dict
+# lookup, so it asks for a sliver of a CPU (beside the response store's replica on small test clusters).
 ConversationStoreDeployment = serve.deployment(num_replicas=1, max_ongoing_requests=1024,
-                                               ray_actor_options={"num_cpus": 0.05})(ConversationStore)
+                                               ray_actor_options={"num_cpus": 0.01})(ConversationStore)
