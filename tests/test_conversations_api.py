@@ -238,6 +238,18 @@ def test_what_a_conversation_cannot_be_is_a_4xx_naming_it(client):
     assert len(listed(client, cid, limit=100)) == 20
 
 
+def test_items_that_would_put_a_conversation_over_the_byte_bound_are_a_400(fake, monkeypatch):
+    with app_client(fake, monkeypatch, responses={"max_conversation_bytes": 1 << 16}) as client:
+        big = [{"role": "user", "content": "x" * 4000} for _ in range(10)]  # (~40 KB)
+        cid = client.post("/v1/conversations", json={"items": big}).json()["id"]
+        r = client.post(f"/v1/conversations/{cid}/items", json={"items": big})
+        assert _error(r, 400)["code"] == "conversation_too_large" and r.json()["error"]["param"] == "items"
+        assert len(listed(client, cid, limit=100)) == 10  # (nothing added)
+        r = client.post("/v1/conversations", json={"items": big + big})
+        assert _error(r, 400)["code"] == "conversation_too_large"
+        assert client.post(f"/v1/conversations/{cid}/items", json={"items": big[:2]}).status_code == 200
+
+
 def test_a_response_s_conversation_must_be_there_and_alone(client, fake):
     fake.script = said(b"Ok.")
     r = client.post("/v1/responses", json={"model": MODEL, "input": "x", "conversation": "conv_nope"})
