@@ -412,11 +412,15 @@ class ResponsesConfig(_Strict):
     """The Responses API (`/v1/responses`): what it keeps of the responses it gave. With `store`,
     a request with `store: true` (OpenAI's default) is kept in the app's ResponseStore deployment
     (memory; the least recently used dropped beyond either bound), so that a later request's
-    `previous_response_id` goes on from it and `GET /v1/responses/{id}` finds it."""
+    `previous_response_id` goes on from it and `GET /v1/responses/{id}` finds it. With `store`,
+    too, the Conversations API (`/v1/conversations`) keeps conversations in the app's
+    ConversationStore deployment, within bounds of their own."""
 
     store: bool = True
     max_stored: int = Field(1024, ge=1)  # responses kept
     max_stored_bytes: int = Field(64 << 20, ge=1 << 16)  # their JSON, in all
+    max_conversations: int = Field(1024, ge=1)  # conversations kept
+    max_conversation_bytes: int = Field(64 << 20, ge=1 << 16)  # their items' and metadata's JSON, in all
 
 
 # -- the application -----------------------------------------------------------------------------

@@ -553,7 +553,7 @@ def test_without_a_store_there_are_no_background_responses(fake, monkeypatch):
     ({"include": ["everything"]}, "include"),
     ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
-    ({"conversation": "conv_1"}, "conversation"),
+    ({"conversation": "conv_1", "previous_response_id": "resp_1"}, "conversation"),
     ({"temperature": 3}, "temperature"),
     ({"max_output_tokens": 100000}, "max_output_tokens"),
     ({"tool_choice": "required"}, "tool_choice"),  # (no tools)

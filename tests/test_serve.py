@@ -250,7 +250,8 @@ def test_openai_client(server):
 def test_the_responses_api_over_the_app(server):
     """/v1/responses is the chat it translates to (greedy: the same text), whole and streamed, and
     the app's ResponseStore deployment carries a conversation on (previous_response_id) and keeps
-    background responses, and a streamed one's events."""
+    background responses, and a streamed one's events, and its ConversationStore deployment
+    carries a conversation on (conversation)."""
     import openai
 
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
@@ -285,6 +286,17 @@ def test_the_responses_api_over_the_app(server):
     assert streamed[-1].type == "response.incomplete" and streamed[-1].response.output_text == first.output_text
     again = list(client.responses.retrieve(streamed[0].response.id, stream=True, starting_after=2))
     assert [e.model_dump() for e in again] == [e.model_dump() for e in streamed[3:]]
+    said_first = {"role": "assistant", "content": first.output_text}
+    conversation = client.conversations.create(items=hi + [said_first])  # (the app's ConversationStore deployment)
+    turn = client.responses.create(model=MODEL, input="more", conversation=conversation.id, max_output_tokens=6,
+                                   temperature=0)
+    assert turn.output_text == second.output_text and turn.conversation.id == conversation.id
+    kept = client.conversations.items.list(conversation.id, order="asc").data
+    assert [i.content[0].text for i in kept] == ["hi", first.output_text, "more", turn.output_text]
+    from ray import serve
+
+    deployments = serve.status().applications[tiny_app_spec()["name"]].deployments
+    assert deployments["ConversationStore"].replica_states.get("RUNNING") == 1  # (not the ingress's own copy)
 
 
 def test_the_messages_api_over_the_app(server):

@@ -3,7 +3,8 @@
     HTTP -> OpenAIIngress --(DeploymentHandle, streaming)--> Coordinator replica
                  |                                             |- TargetWorker (bundle 1)
                  |                                             '- DraftWorker  (bundle 2)
-                 '--(DeploymentHandle)--> ResponseStore (one replica: the Responses API's store)
+                 |--(DeploymentHandle)--> ResponseStore (one replica: the Responses API's store)
+                 '--(DeploymentHandle)--> ConversationStore (one replica: the Conversations API's)
 
 `args` is validated once into an `AppConfig`; every deployment's resources and autoscaling come
 from it (so the coordinator's placement-group bundles always match its workers' requests), and so
@@ -16,6 +17,7 @@ from ray import serve
 
 from specserve.config import AppConfig, DeploymentConfig, load_app_config
 
+from .conversation_store import ConversationStoreDeployment
 from .coordinator import Coordinator
 from .ingress import RETRY_AFTER_S
 from .openai_api import OpenAIIngress
@@ -50,8 +52,12 @@ def build_from_config(config: AppConfig) -> serve.Application:
         **_options("coordinator", config),
     ).bind(config)
     responses = config.responses
-    store = ResponseStoreDeployment.bind(responses.max_stored, responses.max_stored_bytes) if responses.store else None
-    return OpenAIIngress.options(**_options("ingress", config)).bind(coordinator, config, store)
+    store = conversations = None
+    if responses.store:
+        store = ResponseStoreDeployment.bind(responses.max_stored, responses.max_stored_bytes)
+        conversations = ConversationStoreDeployment.bind(responses.max_conversations,
+                                                         responses.max_conversation_bytes)
+    return OpenAIIngress.options(**_options("ingress", config)).bind(coordinator, config, store, conversations)
 
 
 def build_app(args: dict) -> serve.Application:

@@ -17,7 +17,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable, Callable
 
 from . import response_store
 from .front_door import KeyLimits, OpenAIError
@@ -68,10 +68,12 @@ class BackgroundRuns:
 
     async def start(self, shape: ResponseShape, fmt: ResponseFormat, pieces, field_name: str | None,
                     history: list[dict], inputs: list[dict], owner: int,
-                    events: ResponseEvents | None = None) -> dict:
+                    events: ResponseEvents | None = None,
+                    then: Callable[[dict], Awaitable[None]] | None = None) -> dict:
         """Store the response as in progress and generate it in the background (its events kept
         where `events` is given: streamed); the response as stored now. A 503 (the generation
-        stopped) when it cannot be stored, since nobody could read it then."""
+        stopped) when it cannot be stored, since nobody could read it then. `then(response)`,
+        where given, once the finished response is stored."""
         response = shape.envelope("in_progress", [])
         if not await self.store.keep(response, history, inputs, owner, events is not None):
             fmt.gen.close()
@@ -85,7 +87,7 @@ class BackgroundRuns:
             work = whole_response(shape, fmt, pieces, field_name, _marked_stored)
         else:
             work = _streamed(run, events, fmt, pieces)
-        task = asyncio.ensure_future(self._run(shape.rid, run, work, shape))
+        task = asyncio.ensure_future(self._run(shape.rid, run, work, shape, then))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return response
@@ -115,7 +117,8 @@ class BackgroundRuns:
                 return
             await asyncio.sleep(FOLLOW_S)
 
-    async def _run(self, response_id: str, run: _Run, work, shape: ResponseShape) -> None:
+    async def _run(self, response_id: str, run: _Run, work, shape: ResponseShape,
+                   then: Callable[[dict], Awaitable[None]] | None) -> None:
         """The whole generation, then the finished (or failed) response stored; stopped at the
         first poll that says it is not to go on."""
         work = asyncio.ensure_future(work)
@@ -137,6 +140,8 @@ class BackgroundRuns:
             new = [] if run.events is None else run.events[kept:]
             if not await self.store.call("finish", response, run.owner, new):
                 logger.info("background response %s ended after it was cancelled or deleted", response_id)
+            elif then is not None:
+                await then(response)
         except Exception:
             logger.exception("background response %s could not be finished", response_id)
         finally:

@@ -30,6 +30,7 @@ from .coordinator import Accepted, Delta, Failed, GenerateRequest, Rejected
 from .front_door import (Door, FrontDoor, KeyLimits, OpenAIError, check_unicode, parse_keys, token_floor,
                          warn_if_public)
 from .reasoning import ReasoningSpec, ThoughtCount, check_tags
+from .conversation_store import ConversationClient
 from .response_store import StoreClient
 from .responses import (Echo, NoGeneration, Piece, ResponseFormat, StreamFailed, nothing_generated, sse_stream,
                         whole_body)
@@ -64,13 +65,15 @@ class Ingress:
     """One ingress replica's state (tokenizer, pools, limits, the store's client) and the steps
     its routes share; the routes themselves are OpenAIServer's (openai_api.py)."""
 
-    def __init__(self, coordinator: DeploymentHandle, config: AppConfig, store: DeploymentHandle | None = None) -> None:
+    def __init__(self, coordinator: DeploymentHandle, config: AppConfig, store: DeploymentHandle | None = None,
+                 conversations: DeploymentHandle | None = None) -> None:
         from specserve.models.loading import load_tokenizer
 
         self.coordinator = coordinator
         self.config = config
         # the Responses API's store: the app's deployment, else (in process) one of this process
         self._store = StoreClient(store, config.responses)
+        self._conversations = ConversationClient(conversations, config.responses)  # (the Conversations API's)
         self.tokenizer = load_tokenizer(config.target, config.tokenizer)
         self._info: dict | None = None
         self._grammar_view = None  # llguidance's view of the tokenizer, built at the first response_format

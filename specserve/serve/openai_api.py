@@ -22,7 +22,8 @@ the configured γ).
 Responses carry a `speculation` object (draft tokens, accepted tokens, steps) next to `usage`.
 
 OpenAI's Responses API (`/v1/responses`) runs as the chat its request translates to
-(responses_schema.py), its output and events in responses_api.py, its store in response_store.py.
+(responses_schema.py), its output and events in responses_api.py, its store in response_store.py;
+its Conversations API (`/v1/conversations`) keeps conversations in conversation_store.py.
 
 Operations: an optional Bearer key (config `api_key`, else env SPECSERVE_API_KEY) guards every route
 but /health and /live, /openapi.json included (401 without it); a full coordinator queue is a 429 with Retry-After; a
@@ -47,6 +48,8 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .checks import fill_in_the_middle, kept_tokens, refuse, token_ids
+from .conversation_store import with_id
+from .conversations_schema import ConversationCreate, ConversationUpdate, ItemsCreate
 from .front_door import FrontDoor, OpenAIError, anthropic_route
 from .ingress import RETRY_AFTER_S, ChatPrompt, Ingress, request_key
 from .messages_api import MessageEvents, MessageShape, message_id, whole_message
@@ -254,23 +257,29 @@ class OpenAIServer(Ingress):
             raise OpenAIError(400, "background responses need the server's response store (responses.store)",
                               "background")
         owner = request_key(request)  # (a stored response is found again only with the API key that made it)
-        if body.references():  # (an item of a stored response, named by its id)
-            body = body.resolved(await self._store.referenced(body.references(), owner))
-        history = await self._store.history(body.previous_response_id, owner)
+        history = await self._response_history(body, owner)
+        if body.references():  # (an item of a stored response or of the conversation, named by its id)
+            body = body.resolved(await self._referenced(body.references(), history, owner))
         chat, prompt = await self._response_prompt(body, ITEMS.validate_python(history))
         shape = ResponseShape(item_id("resp"), self.config.served_model_name, body, body.store and self._store.on)
         fmt, pieces = await self._chat_generation(chat, prompt, shape.rid, owner)
-        inputs = [item.model_dump(by_alias=True, exclude_none=True) for item in body.items()]
+        inputs = [with_id(item.model_dump(by_alias=True, exclude_none=True)) for item in body.items()]
+        conversation = body.conversation_id()
+
+        async def add(response: dict) -> None:  # (to the conversation: a response that did not fail)
+            if conversation is not None and response["status"] != "failed":
+                await self._conversations.add(conversation, inputs + response["output"], owner)
 
         async def keep(response: dict) -> None:
             response["store"] = shape.stored and await self._store.keep(response, history, inputs, owner)
+            await add(response)
 
         field = self.reasoning_field
         # (the logprobs of a reasoning model's text are its own tokens': counted once, for usage too)
         count = fmt.thoughts if body.logprobs_wanted() else None
         events = ResponseEvents(shape, field, count) if body.stream else None
         if body.background:  # (its errors before the generation began were this request's own)
-            response = await self._background.start(shape, fmt, pieces, field, history, inputs, owner, events)
+            response = await self._background.start(shape, fmt, pieces, field, history, inputs, owner, events, add)
             if events is None:
                 return response
             return StreamingResponse(await self._background.follow(shape.rid, owner, None),
@@ -278,6 +287,18 @@ class OpenAIServer(Ingress):
         if events is None:
             return await whole_response(shape, fmt, pieces, field, keep)
         return StreamingResponse(events.stream(fmt, pieces, keep), media_type="text/event-stream")
+
+    async def _response_history(self, body: ResponsesRequest, owner: int) -> list[dict]:
+        """The items a response goes on from: its conversation's, or its previous response's."""
+        if body.conversation is None:
+            return await self._store.history(body.previous_response_id, owner)
+        return await self._conversations.found("items", body.conversation_id(), owner, param="conversation")
+
+    async def _referenced(self, item_ids: list[str], history: list[dict], owner: int) -> dict[str, dict]:
+        """The items these `item_reference` inputs name: the conversation's, else a stored response's."""
+        own = {item["id"]: item for item in history if item.get("id") in item_ids}
+        rest = [i for i in item_ids if i not in own]
+        return {**own, **(await self._store.referenced(rest, owner) if rest else {})}
 
     async def _response_prompt(self, body: ResponsesRequest, history: list) -> tuple[ChatCompletionRequest, ChatPrompt]:
         """The chat a Responses request is, and its prompt. With truncation "auto", where the
@@ -341,9 +362,10 @@ class OpenAIServer(Ingress):
         responses = body.request(self.config.served_model_name)
         refuse(responses.unsupported())
         owner = request_key(request)
+        history = await self._response_history(responses, owner)
         if responses.references():
-            responses = responses.resolved(await self._store.referenced(responses.references(), owner))
-        history = ITEMS.validate_python(await self._store.history(responses.previous_response_id, owner))
+            responses = responses.resolved(await self._referenced(responses.references(), history, owner))
+        history = ITEMS.validate_python(history)
         if responses.truncation == "auto":
             _, prompt = await self._response_prompt(responses, history)
             return {"object": "response.input_tokens", "input_tokens": len(prompt.ids)}
@@ -358,6 +380,53 @@ class OpenAIServer(Ingress):
                                    order: Literal["asc", "desc"] = "desc", after: str | None = None) -> dict:
         items = await self._store.stored("input_items", response_id, request_key(request))
         return input_page(items, limit, order, after)
+
+    # -- the Conversations API (conversations_schema.py, conversation_store.py) ------------------------
+    @app.post("/v1/conversations")
+    async def create_conversation(self, body: ConversationCreate, request: Request) -> dict:
+        owner = request_key(request)
+        items = await self._conversation_items(body, owner)
+        return await self._conversations.found("create", items, body.metadata or {}, owner)
+
+    @app.get("/v1/conversations/{conversation_id}")
+    async def get_conversation(self, conversation_id: str, request: Request) -> dict:
+        return await self._conversations.found("get", conversation_id, request_key(request))
+
+    @app.post("/v1/conversations/{conversation_id}")
+    async def update_conversation(self, conversation_id: str, body: ConversationUpdate, request: Request) -> dict:
+        refuse(body.problems())
+        return await self._conversations.found("update", conversation_id, body.metadata or {}, request_key(request))
+
+    @app.delete("/v1/conversations/{conversation_id}")
+    async def delete_conversation(self, conversation_id: str, request: Request) -> dict:
+        await self._conversations.found("delete", conversation_id, request_key(request))
+        return {"id": conversation_id, "object": "conversation.deleted", "deleted": True}
+
+    @app.get("/v1/conversations/{conversation_id}/items")
+    async def conversation_items(self, conversation_id: str, request: Request, limit: int = Query(20, ge=1, le=100),
+                                 order: Literal["asc", "desc"] = "desc", after: str | None = None) -> dict:
+        return await self._conversations.found("page", conversation_id, limit, order, after, request_key(request))
+
+    @app.post("/v1/conversations/{conversation_id}/items")
+    async def add_conversation_items(self, conversation_id: str, body: ItemsCreate, request: Request) -> dict:
+        owner = request_key(request)
+        items = await self._conversation_items(body, owner)
+        added = await self._conversations.found("append", conversation_id, items, owner)
+        return input_page(added, len(added), "asc", None)
+
+    @app.get("/v1/conversations/{conversation_id}/items/{item_id}")
+    async def conversation_item(self, conversation_id: str, item_id: str, request: Request) -> dict:
+        return await self._conversations.found("item", conversation_id, item_id, request_key(request))
+
+    @app.delete("/v1/conversations/{conversation_id}/items/{item_id}")
+    async def delete_conversation_item(self, conversation_id: str, item_id: str, request: Request) -> dict:
+        return await self._conversations.found("delete_item", conversation_id, item_id, request_key(request))
+
+    async def _conversation_items(self, body: ConversationCreate | ItemsCreate, owner: int) -> list[dict]:
+        """A request's items as dicts (an `item_reference`: the stored response's item it names)."""
+        self._conversations.require("conversation_id")
+        refuse(body.problems())
+        return body.dumped(await self._store.referenced(body.references(), owner) if body.references() else {})
 
     # -- Anthropic's Messages API (messages_schema.py, messages_api.py) ----------------------------
     @app.post("/v1/messages")

@@ -62,6 +62,7 @@ class ResponseShape:
             "usage": usage_, "user": body.user, "metadata": body.metadata or {},
             "safety_identifier": body.safety_identifier, "prompt_cache_key": body.prompt_cache_key,
             **({} if speculation is None else {"speculation": speculation}),
+            **({} if body.conversation is None else {"conversation": {"id": body.conversation_id()}}),
         }
 
     def finished(self, output: list[dict], finish: str | None, formats: list[ResponseFormat]) -> dict:

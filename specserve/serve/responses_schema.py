@@ -19,9 +19,11 @@ chat does, from tool calls to reasoning and structured output, holds for it unch
 `truncation: "auto"` drops the conversation's first turns until the prompt fits the context
 (`cuts`; the ingress finds how many); `background: true` returns at once and generates in the
 background, streamed too where asked, and resumable (serve/background.py); an `item_reference`
-is the stored item it names. Images, files and audio, hosted tools, prompt templates and
-conversations are refused with a 400 naming the parameter: this server runs one text model and
-keeps nothing but the responses of its store (response_store.py).
+is the stored item it names; `conversation` goes on from a conversation's items and adds the
+response's to it (conversation_store.py). Images, files and audio, hosted tools, prompt
+templates and `conversation` with `previous_response_id` are refused with a 400 naming the
+parameter: this server runs one text model and keeps nothing but its stores' responses and
+conversations.
 """
 from __future__ import annotations
 
@@ -112,6 +114,10 @@ class ReasoningItem(_Strict):
     def text(self) -> str:
         parts = self.content or self.summary
         return "".join(p.text for p in parts)
+
+
+class ConversationRef(_Strict):
+    id: str
 
 
 class ItemReference(_Strict):
@@ -207,7 +213,7 @@ class ResponsesRequest(SamplingOptions):
     prompt_cache_key: str | None = None  # (prefix caching needs no key)
     safety_identifier: str | None = None
     prompt: dict[str, Any] | None = None
-    conversation: str | dict[str, Any] | None = None
+    conversation: str | ConversationRef | None = None
 
     def unsupported(self) -> list[tuple[str, str]]:
         """(param, why) for every option set to something this server does not do."""
@@ -216,8 +222,9 @@ class ResponsesRequest(SamplingOptions):
             bad.append(("background", "background responses are kept in the store: they need store: true"))
         if self.prompt is not None:
             bad.append(("prompt", "prompt templates are not supported: send the input itself"))
-        if self.conversation is not None:
-            bad.append(("conversation", "conversations are not supported: use previous_response_id or send the items"))
+        if self.conversation is not None and self.previous_response_id is not None:
+            bad.append(("conversation", "conversation and previous_response_id cannot both be given: "
+                                        "a response goes on from one or the other"))
         if any(isinstance(t, HostedTool) for t in self.tools or []):
             bad.append(("tools", "only function tools are supported"))
         if self.stream_options is not None and not self.stream:
@@ -227,6 +234,9 @@ class ResponsesRequest(SamplingOptions):
             bad.append(("metadata", f"metadata holds at most {MAX_METADATA} pairs, keys of at most 64 characters "
                                     "and values of at most 512"))
         return bad
+
+    def conversation_id(self) -> str | None:
+        return self.conversation.id if isinstance(self.conversation, ConversationRef) else self.conversation
 
     def references(self) -> list[str]:
         """The ids the input's `item_reference` items name."""
