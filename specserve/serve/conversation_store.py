@@ -23,7 +23,7 @@ from ray import serve
 from specserve.config import ResponsesConfig
 
 from .front_door import OpenAIError
-from .response_store import _prefix
+from .response_store import with_id
 from .responses_api import input_page
 
 logger = logging.getLogger("specserve.responses")
@@ -42,11 +42,6 @@ class _Conversation:
     def view(self, cid: str) -> dict:
         return {"id": cid, "object": "conversation", "created_at": self.created_at,
                 "metadata": json.loads(self.metadata)}
-
-
-def with_id(item: dict) -> dict:
-    """An item with an id (one of its kind's prefix where it had none)."""
-    return item if item.get("id") else {**item, "id": f"{_prefix(item)}_{uuid.uuid4().hex}"}
 
 
 def as_stored(item: dict) -> dict:

@@ -26,11 +26,11 @@ from specserve.engine.grammar import Grammar, check_grammar, tokenizer_view
 from .background import BackgroundRuns
 from .checks import check_limits, kept_tokens, refuse, sampling_params
 from .continuation import Continuation, EngineLost
+from .conversation_store import ConversationClient
 from .coordinator import Accepted, Delta, Failed, GenerateRequest, Rejected
 from .front_door import (Door, FrontDoor, KeyLimits, OpenAIError, check_unicode, parse_keys, token_floor,
                          warn_if_public)
 from .reasoning import ReasoningSpec, ThoughtCount, check_tags
-from .conversation_store import ConversationClient
 from .response_store import StoreClient
 from .responses import (Echo, NoGeneration, Piece, ResponseFormat, StreamFailed, nothing_generated, sse_stream,
                         whole_body)

@@ -48,12 +48,12 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .checks import fill_in_the_middle, kept_tokens, refuse, token_ids
-from .conversation_store import with_id
 from .conversations_schema import ConversationCreate, ConversationUpdate, ItemsCreate
 from .front_door import FrontDoor, OpenAIError, anthropic_route
 from .ingress import RETRY_AFTER_S, ChatPrompt, Ingress, request_key
 from .messages_api import MessageEvents, MessageShape, message_id, whole_message
 from .messages_schema import CountTokensRequest, MessagesRequest
+from .response_store import with_id
 from .responses_api import ResponseEvents, ResponseShape, input_page, item_id, whole_response
 from .responses_schema import ITEMS, InputTokensRequest, ResponsesRequest
 from .schema import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,

@@ -76,8 +76,7 @@ class ResponseStore:
         it went on from (`streamed`: a background response whose events are kept as well):
         STORED; TOO_LARGE when its whole conversation is over the byte bound, or NO_PREVIOUS when
         `previous` is no longer here (then nothing is kept)."""
-        inputs = [item if item.get("id") else {**item, "id": f"{_prefix(item)}_{uuid.uuid4().hex}"}
-                  for item in inputs]
+        inputs = [with_id(item) for item in inputs]
         link = _Link(owner, previous, json.dumps(response).encode(), json.dumps(inputs).encode(),
                      events=[] if streamed else None)
         before = None if previous is None else self._links.get(previous)
@@ -289,9 +288,13 @@ def _own_items(link: _Link) -> list[dict]:
     return json.loads(link.inputs) + json.loads(link.response).get("output", [])
 
 
-def _prefix(item: dict) -> str:
-    return {"message": "msg", "function_call": "fc", "function_call_output": "fco",
-            "reasoning": "rs"}.get(item.get("type", "message"), "item")
+def with_id(item: dict) -> dict:
+    """An item with an id (one of its kind's prefix where it had none)."""
+    if item.get("id"):
+        return item
+    prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
+              "reasoning": "rs"}.get(item.get("type", "message"), "item")
+    return {**item, "id": f"{prefix}_{uuid.uuid4().hex}"}
 
 
 class StoreClient:

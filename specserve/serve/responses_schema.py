@@ -307,7 +307,7 @@ class InputTokensRequest(BaseModel):
     text: TextOptions | None = None
     reasoning: ReasoningOptions | None = None
     previous_response_id: str | None = None
-    conversation: str | dict[str, Any] | None = None
+    conversation: str | ConversationRef | None = None
     truncation: Literal["disabled", "auto"] | None = None
 
     def request(self, served_model: str) -> ResponsesRequest:
