@@ -175,6 +175,21 @@ def _event(k: int, pad: int = 0) -> str:
     return f"event: e\ndata: {json.dumps({'type': 'e', 'sequence_number': k, 'pad': 'x' * pad})}\n\n"
 
 
+def holds_its_bytes(store: ResponseStore) -> bool:
+    return store._bytes == sum(link.size for link in store._links.values())
+
+
+def test_an_ended_response_s_events_are_packed():
+    store = ResponseStore(max_stored=10, max_stored_bytes=1 << 24)
+    assert store.put(RUNNING, [], streamed=True) == "stored"
+    deltas = [_event(k).replace('"pad": ""', f'"delta": "w{k % 7}", "item_id": "msg_0123456789abcdef"')
+              for k in range(500)]
+    assert store.append("r0", -1, deltas) and store.finish({**RUNNING, "status": "completed"})
+    raw = sum(len(event) for event in deltas)
+    assert store._links["r0"].events.size < raw / 5 and holds_its_bytes(store)
+    assert store.events("r0", -1, 99)["events"] == deltas[100:]
+
+
 def test_the_store_keeps_a_streamed_response_s_events_in_its_bytes():
     store = ResponseStore(max_stored=10, max_stored_bytes=1 << 16)
     assert store.put(RUNNING, [], streamed=True) == "stored" and store.put({**RUNNING, "id": "r1"}, []) == "stored"
@@ -187,10 +202,12 @@ def test_the_store_keeps_a_streamed_response_s_events_in_its_bytes():
     assert not store.append("r0", 7, [_event(9)]) and len(store.events("r0")["events"]) == 3  # (another key's)
     store.cancel("r1")
     assert store.finish({**RUNNING, "status": "completed"}, -1, [_event(3)])
-    assert store.events("r0") == {"events": [_event(k) for k in range(4)], "ended": True}
+    assert store.events("r0") == {"events": [_event(k) for k in range(4)], "ended": True}  # (packed now)
+    assert store.events("r0", -1, 2)["events"] == [_event(3)] and holds_its_bytes(store)
     assert not store.append("r0", -1, [_event(4)]) and len(store.events("r0")["events"]) == 4  # (ended)
     assert store.put({**RUNNING, "id": "r2"}, [], streamed=True) == "stored" and store.cancel("r2")
-    assert not store.append("r2", -1, [_event(0)]) and len(store.events("r2")["events"]) == 1  # (made before it knew)
+    assert not store.append("r2", -1, [_event(0)]) and store.events("r2")["events"] == [_event(0)]  # (made before
+    assert holds_its_bytes(store)  # it knew: unpacked, added, packed again)
     store.delete("r2")
     store.delete("r0")
     assert store._bytes == store._links["r1"].size and len(store._links) == 1  # (their events went with them)

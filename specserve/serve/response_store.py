@@ -12,7 +12,7 @@ by the finished response when it ends (`finish`); its ingress asks every `POLL_S
 it was cancelled or deleted (`poll`, or `append`), which renews its lease: one whose lease ran out
 (its ingress replica was lost) reads as failed. A streamed one (with `stream: true`) keeps its
 events as well, handed over as they come (`append`) and read from any sequence number on
-(`events`); they count in its bytes, and stay with it.
+(`events`); they count in its bytes, and stay with it, packed once it has ended (`EventLog`).
 
 A turn keeps only what it added, so a conversation of n turns costs its own bytes once, not its
 early turns n times over. A link that goes (deleted, or dropped as least recently used) while
@@ -25,8 +25,11 @@ import json
 import logging
 import time
 import uuid
+import zlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
+from itertools import accumulate
 
 from ray import serve
 
@@ -51,12 +54,57 @@ class _Link:
     inputs: bytes  # its own input items' JSON (not the earlier turns')
     later: int = 0  # stored links that go on from this one
     shown: bool = True  # False: deleted or dropped, kept only as the later links' history
-    events: list[str] | None = None  # a streamed background response's events (SSE), the n-th numbered n
-    event_bytes: int = 0  # theirs
+    events: EventLog | None = None  # a streamed background response's events
 
     @property
     def size(self) -> int:
-        return len(self.response) + len(self.inputs) + self.event_bytes
+        return len(self.response) + len(self.inputs) + (0 if self.events is None else self.events.size)
+
+
+class EventLog:
+    """A streamed background response's events (SSE text), the n-th with sequence number n: a
+    list while it runs; once it has ended, packed (zlib, with where each event ends), since it
+    is read rarely then and its deltas repeat themselves (about 20x smaller)."""
+
+    def __init__(self) -> None:
+        self._events: list[str] = []
+        self._packed: bytes | None = None
+        self._ends: array | None = None  # each packed event's end, in characters
+        self.size = 0  # bytes held
+
+    def __len__(self) -> int:
+        return len(self._events) if self._packed is None else len(self._ends)
+
+    def extend(self, events: list[str]) -> int:
+        """Events added at the end (a packed log unpacked first, and packed again); the change in size."""
+        packed, before = self._packed is not None, self.size
+        self._unpack()
+        self._events.extend(events)
+        self.size += sum(len(event) for event in events)
+        if packed:
+            self.pack()
+        return self.size - before
+
+    def since(self, start: int) -> list[str]:
+        if self._packed is None:
+            return self._events[start:]
+        text = zlib.decompress(self._packed).decode()
+        return [text[(self._ends[k - 1] if k else 0):self._ends[k]] for k in range(start, len(self._ends))]
+
+    def pack(self) -> int:
+        """Packed (once it has ended); the change in size."""
+        if self._packed is not None:
+            return 0
+        before = self.size
+        self._ends = array("I", accumulate(len(event) for event in self._events))
+        self._packed = zlib.compress("".join(self._events).encode(), 1)
+        self._events = []
+        self.size = len(self._packed) + self._ends.itemsize * len(self._ends)
+        return self.size - before
+
+    def _unpack(self) -> None:
+        if self._packed is not None:
+            self._events, self._packed, self._ends = self.since(0), None, None
 
 
 class ResponseStore:
@@ -78,7 +126,7 @@ class ResponseStore:
         `previous` is no longer here (then nothing is kept)."""
         inputs = [with_id(item) for item in inputs]
         link = _Link(owner, previous, json.dumps(response).encode(), json.dumps(inputs).encode(),
-                     events=[] if streamed else None)
+                     events=EventLog() if streamed else None)
         before = None if previous is None else self._links.get(previous)
         if previous is not None and (before is None or before.owner != owner):
             return NO_PREVIOUS
@@ -143,10 +191,7 @@ class ResponseStore:
         if link is None or link.events is None or not link.shown or link.owner != owner:
             return going
         if going or self._response(response_id, link)["status"] == "cancelled":
-            link.events.extend(events)
-            added = sum(len(event) for event in events)
-            link.event_bytes += added
-            self._bytes += added
+            self._bytes += link.events.extend(events)
             self._bound()  # (this one too, where its events alone pass the bound: it stops then)
         return going and link.shown
 
@@ -158,7 +203,7 @@ class ResponseStore:
             return None
         ended = self._response(response_id, link)["status"] not in RUNNING
         start = 0 if after is None else after + 1
-        return {"events": None if link.events is None else link.events[start:], "ended": ended}
+        return {"events": None if link.events is None else link.events.since(start), "ended": ended}
 
     def finish(self, response: dict, owner: int = -1, events: list[str] = ()) -> bool:
         """A background response's end (its last events kept first): the finished response in
@@ -190,25 +235,19 @@ class ResponseStore:
             response.update(status="failed", error={
                 "code": "server_error", "message": "the server replica generating this background response was "
                                                    "lost; create the response again"})
-            self._rewrite(response_id, response)
             if link.events is not None:  # (a follower's stream ends with it)
-                self._add_event(link, "response.failed", {"response": response})
+                data = {"type": "response.failed", "sequence_number": len(link.events), "response": response}
+                self._bytes += link.events.extend([f"event: {data['type']}\n" + sse_event(data)])
+            self._rewrite(response_id, response)
         return response
 
-    def _add_event(self, link: _Link, kind: str, payload: dict) -> None:
-        data = {"type": kind, "sequence_number": len(link.events), **payload}
-        event = f"event: {kind}\n" + sse_event(data)
-        link.events.append(event)
-        link.event_bytes += len(event)
-        self._bytes += len(event)
-
     def _rewrite(self, response_id: str, response: dict) -> None:
-        """A stored link's response replaced (it has ended: no lease any more)."""
+        """A stored link's response replaced (it has ended: no lease any more, its events packed)."""
         link = self._links[response_id]
         self._leases.pop(response_id, None)
         self._bytes -= len(link.response)
         link.response = json.dumps(response).encode()
-        self._bytes += len(link.response)
+        self._bytes += len(link.response) + (0 if link.events is None else link.events.pack())
         self._list(response_id, link.owner, response.get("output", []))  # (its inputs are listed already)
         self._bound()
 
