@@ -334,3 +334,23 @@ def test_adding_items_encodes_only_the_new_ones(monkeypatch):
     size = store._conversations[cid].size
     assert store.delete_item(cid, added[0]["id"])["id"] == cid and store._conversations[cid].size < size
     assert store.item(cid, added[0]["id"]) == "no_item" and store.item(cid, added[1]["id"])["id"] == added[1]["id"]
+
+
+def test_a_store_deployment_that_cannot_be_reached_is_a_503():
+    import asyncio
+
+    from specserve.config import ResponsesConfig
+    from specserve.serve.conversation_store import ConversationClient
+    from specserve.serve.front_door import OpenAIError
+    from specserve.serve.response_store import StoreClient
+
+    class Lost:  # (a handle whose replica is gone: every call raises)
+        def __getattr__(self, method):
+            return SimpleNamespace(remote=lambda *args: (_ for _ in ()).throw(RuntimeError("actor died")))
+
+    for client, method in ((StoreClient(Lost(), ResponsesConfig()), "get"),
+                           (ConversationClient(Lost(), ResponsesConfig()), "get")):
+        with pytest.raises(OpenAIError) as err:
+            asyncio.run(client.call(method, "x", -1))
+        assert err.value.status == 503 and err.value.code == "store_unavailable"
+        assert err.value.headers == {"Retry-After": "1"}

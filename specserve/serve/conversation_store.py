@@ -23,7 +23,7 @@ from ray import serve
 from specserve.config import ResponsesConfig
 
 from .front_door import OpenAIError
-from .response_store import with_id
+from .response_store import store_call, with_id
 from .responses_api import input_page
 
 logger = logging.getLogger("specserve.responses")
@@ -203,13 +203,7 @@ class ConversationClient:
         """What the store's `method` answers; a 400 naming `param` with the store off, a 503 when
         the store is unavailable."""
         self.require(param)
-        if self._local is not None:
-            return getattr(self._local, method)(*args)
-        try:
-            return await getattr(self._handle, method).remote(*args)
-        except Exception as err:
-            raise OpenAIError(503, f"the conversation store is unavailable: {type(err).__name__}", None,
-                              "store_unavailable", "server_error", {"Retry-After": "1"}) from err
+        return await store_call(self._local, self._handle, "conversation store", method, *args)
 
     async def found(self, method: str, cid: str, *args, param: str = "conversation_id"):
         """What `method` gives for a conversation; a 404 for one not there (or an item not in it),

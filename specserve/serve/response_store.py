@@ -336,6 +336,18 @@ def with_id(item: dict) -> dict:
     return {**item, "id": f"{prefix}_{uuid.uuid4().hex}"}
 
 
+async def store_call(local, handle, name: str, method: str, *args):
+    """What a store's `method` answers: the local store's (in process), else its deployment's
+    through `handle`; a 503 when the deployment is unavailable."""
+    if local is not None:
+        return getattr(local, method)(*args)
+    try:
+        return await getattr(handle, method).remote(*args)
+    except Exception as err:
+        raise OpenAIError(503, f"the {name} is unavailable: {type(err).__name__}", None,
+                          "store_unavailable", "server_error", {"Retry-After": "1"}) from err
+
+
 class StoreClient:
     """The ingress's side of the store: the app's ResponseStore deployment (a handle), or, in
     process, a ResponseStore of its own; none where `responses.store` is off."""
@@ -346,13 +358,7 @@ class StoreClient:
         self._handle = handle
 
     async def call(self, method: str, *args):
-        if self._local is not None:
-            return getattr(self._local, method)(*args)
-        try:
-            return await getattr(self._handle, method).remote(*args)
-        except Exception as err:
-            raise OpenAIError(503, f"the response store is unavailable: {type(err).__name__}", None,
-                              "store_unavailable", "server_error", {"Retry-After": "1"}) from err
+        return await store_call(self._local, self._handle, "response store", method, *args)
 
     async def history(self, previous_id: str | None, owner: int) -> list[dict]:
         """The items a previous response leaves (its input, then its output); 400 for one not kept."""
