@@ -23,8 +23,8 @@ from ray import serve
 from specserve.config import ResponsesConfig
 
 from .front_door import OpenAIError
-from .response_store import store_call, with_id
-from .responses_api import input_page
+from .response_store import store_call
+from .responses_api import as_stored, input_page
 
 logger = logging.getLogger("specserve.responses")
 
@@ -42,19 +42,6 @@ class _Conversation:
     def view(self, cid: str) -> dict:
         return {"id": cid, "object": "conversation", "created_at": self.created_at,
                 "metadata": json.loads(self.metadata)}
-
-
-def as_stored(item: dict) -> dict:
-    """An item as a conversation keeps it, as OpenAI's give them back: with an id and a type, a
-    message's text as content parts, its status completed where it said none."""
-    item = {"type": "message", **with_id(item)} if item.get("type", "message") == "message" else with_id(item)
-    if item["type"] != "message":
-        return item
-    if isinstance(item.get("content"), str):
-        part = {"type": "output_text", "text": item["content"], "annotations": []} \
-            if item.get("role") == "assistant" else {"type": "input_text", "text": item["content"]}
-        item = {**item, "content": [part]}
-    return {**item, "status": item.get("status") or "completed"}
 
 
 class ConversationStore:

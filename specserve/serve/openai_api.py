@@ -53,8 +53,7 @@ from .front_door import FrontDoor, OpenAIError, anthropic_route
 from .ingress import RETRY_AFTER_S, ChatPrompt, Ingress, request_key
 from .messages_api import MessageEvents, MessageShape, message_id, whole_message
 from .messages_schema import CountTokensRequest, MessagesRequest
-from .response_store import with_id
-from .responses_api import ResponseEvents, ResponseShape, input_page, item_id, whole_response
+from .responses_api import ResponseEvents, ResponseShape, input_page, item_id, whole_response, with_id
 from .responses_schema import ITEMS, InputTokensRequest, ResponsesRequest
 from .schema import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
                      TokenizeTextRequest)

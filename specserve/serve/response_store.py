@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-import uuid
 import zlib
 from array import array
 from collections import OrderedDict
@@ -37,6 +36,7 @@ from specserve.config import ResponsesConfig
 
 from .front_door import OpenAIError
 from .responses import sse_event
+from .responses_api import with_id
 
 logger = logging.getLogger("specserve.responses")
 
@@ -325,15 +325,6 @@ class ResponseStore:
 def _own_items(link: _Link) -> list[dict]:
     """A link's own input items, then its output items."""
     return json.loads(link.inputs) + json.loads(link.response).get("output", [])
-
-
-def with_id(item: dict) -> dict:
-    """An item with an id (one of its kind's prefix where it had none)."""
-    if item.get("id"):
-        return item
-    prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
-              "reasoning": "rs"}.get(item.get("type", "message"), "item")
-    return {**item, "id": f"{prefix}_{uuid.uuid4().hex}"}
 
 
 async def store_call(local, handle, name: str, method: str, *args):

@@ -30,6 +30,28 @@ def item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
+def with_id(item: dict) -> dict:
+    """An item with an id (one of its kind's prefix where it had none)."""
+    if item.get("id"):
+        return item
+    prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs",
+              "compaction": "cmp"}.get(item.get("type", "message"), "item")
+    return {**item, "id": item_id(prefix)}
+
+
+def as_stored(item: dict) -> dict:
+    """An input item as OpenAI's APIs give one back (a conversation's, a compaction's): with an id
+    and a type, a message's text as content parts, its status completed where it said none."""
+    item = {"type": "message", **with_id(item)} if item.get("type", "message") == "message" else with_id(item)
+    if item["type"] != "message":
+        return item
+    if isinstance(item.get("content"), str):
+        part = {"type": "output_text", "text": item["content"], "annotations": []} \
+            if item.get("role") == "assistant" else {"type": "input_text", "text": item["content"]}
+        item = {**item, "content": [part]}
+    return {**item, "status": item.get("status") or "completed"}
+
+
 @dataclass
 class ResponseShape:
     """What a response object says besides its output: its id and the request's options."""
