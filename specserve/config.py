@@ -421,6 +421,7 @@ class ResponsesConfig(_Strict):
     max_stored_bytes: int = Field(64 << 20, ge=1 << 16)  # their JSON, in all
     max_conversations: int = Field(1024, ge=1)  # conversations kept
     max_conversation_bytes: int = Field(64 << 20, ge=1 << 16)  # their items' and metadata's JSON, in all
+    compaction_max_tokens: int = Field(1024, ge=16)  # a /v1/responses/compact summary's (and a quarter of the context)
 
 
 # -- the application -----------------------------------------------------------------------------

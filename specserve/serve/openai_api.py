@@ -53,8 +53,10 @@ from .front_door import FrontDoor, OpenAIError, anthropic_route
 from .ingress import RETRY_AFTER_S, ChatPrompt, Ingress, request_key
 from .messages_api import MessageEvents, MessageShape, message_id, whole_message
 from .messages_schema import CountTokensRequest, MessagesRequest
-from .responses_api import ResponseEvents, ResponseShape, input_page, item_id, whole_response, with_id
-from .responses_schema import ITEMS, InputTokensRequest, ResponsesRequest
+from .responses import whole_body
+from .responses_api import (ResponseEvents, ResponseShape, compacted, input_page, item_id, whole_response,
+                            with_id)
+from .responses_schema import ITEMS, CompactRequest, InputTokensRequest, ResponsesRequest
 from .schema import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
                      TokenizeTextRequest)
 
@@ -256,9 +258,7 @@ class OpenAIServer(Ingress):
             raise OpenAIError(400, "background responses need the server's response store (responses.store)",
                               "background")
         owner = request_key(request)  # (a stored response is found again only with the API key that made it)
-        history = await self._response_history(body, owner)
-        if body.references():  # (an item of a stored response or of the conversation, named by its id)
-            body = body.resolved(await self._referenced(body.references(), history, owner))
+        body, history = await self._resolved(body, owner)
         chat, prompt = await self._response_prompt(body, ITEMS.validate_python(history))
         shape = ResponseShape(item_id("resp"), self.config.served_model_name, body, body.store and self._store.on)
         fmt, pieces = await self._chat_generation(chat, prompt, shape.rid, owner)
@@ -287,11 +287,17 @@ class OpenAIServer(Ingress):
             return await whole_response(shape, fmt, pieces, field, keep)
         return StreamingResponse(events.stream(fmt, pieces, keep), media_type="text/event-stream")
 
-    async def _response_history(self, body: ResponsesRequest, owner: int) -> list[dict]:
-        """The items a response goes on from: its conversation's, or its previous response's."""
+    async def _resolved(self, body: ResponsesRequest, owner: int) -> tuple[ResponsesRequest, list[dict]]:
+        """The request with its `item_reference` items resolved (a stored response's or the
+        conversation's, named by id), and the items it goes on from: its conversation's, or its
+        previous response's."""
         if body.conversation is None:
-            return await self._store.history(body.previous_response_id, owner)
-        return await self._conversations.found("items", body.conversation_id(), owner, param="conversation")
+            history = await self._store.history(body.previous_response_id, owner)
+        else:
+            history = await self._conversations.found("items", body.conversation_id(), owner, param="conversation")
+        if body.references():
+            body = body.resolved(await self._referenced(body.references(), history, owner))
+        return body, history
 
     async def _referenced(self, item_ids: list[str], history: list[dict], owner: int) -> dict[str, dict]:
         """The items these `item_reference` inputs name: the conversation's, else a stored response's."""
@@ -360,10 +366,7 @@ class OpenAIServer(Ingress):
         (with truncation "auto", after the turns it drops; else whether or not it fits the context)."""
         responses = body.request(self.config.served_model_name)
         refuse(responses.unsupported())
-        owner = request_key(request)
-        history = await self._response_history(responses, owner)
-        if responses.references():
-            responses = responses.resolved(await self._referenced(responses.references(), history, owner))
+        responses, history = await self._resolved(responses, request_key(request))
         history = ITEMS.validate_python(history)
         if responses.truncation == "auto":
             _, prompt = await self._response_prompt(responses, history)
@@ -373,6 +376,23 @@ class OpenAIServer(Ingress):
         text, _ = await self._render(chat)
         return {"object": "response.input_tokens",
                 "input_tokens": len(await self._offload(self._encode, text, "input", False))}
+
+    @app.post("/v1/responses/compact")
+    async def compact_response(self, body: CompactRequest, request: Request) -> dict:
+        """A conversation compacted (OpenAI's `/v1/responses/compact`): its user messages, then one
+        compaction item with the model's summary of it (at most responses.compaction_max_tokens,
+        and a quarter of the context); nothing is stored."""
+        room = min(self.config.responses.compaction_max_tokens, (await self.info())["max_model_len"] // 4)
+        summarise = body.summary_request(self.config.served_model_name, room)
+        refuse(summarise.unsupported())
+        owner = request_key(request)
+        summarise, history = await self._resolved(summarise, owner)
+        chat, prompt = await self._response_prompt(summarise, ITEMS.validate_python(history))
+        rid = item_id("resp")
+        fmt, pieces = await self._chat_generation(chat, prompt, rid, owner)
+        whole = await whole_body([(fmt, pieces)])
+        items = history + [item.model_dump(by_alias=True, exclude_none=True) for item in summarise.items()[:-1]]
+        return compacted(rid, items, whole["choices"][0]["message"]["content"] or "", whole["usage"])
 
     @app.get("/v1/responses/{response_id}/input_items")
     async def response_input_items(self, response_id: str, request: Request, limit: int = Query(20, ge=1, le=100),

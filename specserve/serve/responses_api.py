@@ -23,7 +23,7 @@ from typing import AsyncIterator, Awaitable, Callable
 
 from .front_door import OpenAIError
 from .responses import ResponseFormat, StreamFailed, sse_event, usage, whole_body
-from .responses_schema import FunctionChoice, ResponsesRequest
+from .responses_schema import FunctionChoice, ResponsesRequest, compaction_content
 
 
 def item_id(prefix: str) -> str:
@@ -160,6 +160,16 @@ async def whole_response(shape: ResponseShape, fmt: ResponseFormat, pieces, fiel
     response = shape.finished(output, choice["finish_reason"], [fmt])
     await keep(response)
     return response
+
+
+def compacted(rid: str, items: list[dict], summary: str, chat_usage: dict) -> dict:
+    """OpenAI's compacted conversation (`/v1/responses/compact`): its user messages, as given
+    back, then one compaction item holding the model's summary of it all (`items`: the
+    conversation's, earlier compactions included: the summary covers what they held)."""
+    users = [as_stored(item) for item in items if item.get("type", "message") == "message" and item["role"] == "user"]
+    compaction = {"type": "compaction", "id": item_id("cmp"), "encrypted_content": compaction_content(summary)}
+    return {"id": rid, "object": "response.compaction", "created_at": int(time.time()),
+            "output": users + [compaction], "usage": responses_usage(chat_usage)}
 
 
 def input_page(items: list[dict], limit: int, order: str, after: str | None) -> dict:

@@ -20,13 +20,15 @@ chat does, from tool calls to reasoning and structured output, holds for it unch
 (`cuts`; the ingress finds how many); `background: true` returns at once and generates in the
 background, streamed too where asked, and resumable (serve/background.py); an `item_reference`
 is the stored item it names; `conversation` goes on from a conversation's items and adds the
-response's to it (conversation_store.py). Images, files and audio, hosted tools, prompt
+response's to it (conversation_store.py); a `compaction` item (`/v1/responses/compact`'s) is the
+summary it holds, as a user message. Images, files and audio, hosted tools, prompt
 templates and `conversation` with `previous_response_id` are refused with a 400 naming the
 parameter: this server runs one text model and keeps nothing but its stores' responses and
 conversations.
 """
 from __future__ import annotations
 
+import base64
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter
@@ -116,6 +118,35 @@ class ReasoningItem(_Strict):
         return "".join(p.text for p in parts)
 
 
+class CompactionItem(_Strict):
+    """A conversation compacted by `POST /v1/responses/compact`: the model's summary of it, as
+    that route encoded it (not encrypted: opaque to clients, read back by this server only)."""
+
+    type: Literal["compaction"]
+    id: str | None = None
+    encrypted_content: str
+    created_by: str | None = None
+
+    def summary(self) -> str:
+        head, _, body = self.encrypted_content.partition(":")
+        try:
+            if head != COMPACTION_HEAD:
+                raise ValueError(head)
+            return base64.b64decode(body, validate=True).decode()
+        except ValueError:
+            raise OpenAIError(400, "input: a compaction item's encrypted_content must come from this server's "
+                                   "/v1/responses/compact (another server's cannot be read here)", "input",
+                              "invalid_compaction") from None
+
+
+COMPACTION_HEAD = "specserve-compaction-v1"  # (what a compaction item's content begins with)
+SUMMARY_INTRO = "A summary of the conversation before this point:\n\n"  # (a compaction, as the model reads it)
+
+
+def compaction_content(summary: str) -> str:
+    return f"{COMPACTION_HEAD}:{base64.b64encode(summary.encode()).decode()}"
+
+
 class ConversationRef(_Strict):
     id: str
 
@@ -134,6 +165,7 @@ InputItem = Annotated[Union[Annotated[MessageItem, Tag("message")],
                             Annotated[FunctionCallItem, Tag("function_call")],
                             Annotated[FunctionCallOutputItem, Tag("function_call_output")],
                             Annotated[ReasoningItem, Tag("reasoning")],
+                            Annotated[CompactionItem, Tag("compaction")],
                             Annotated[ItemReference, Tag("item_reference")]], Discriminator(_item_type)]
 ITEMS = TypeAdapter(list[InputItem])
 ITEM = TypeAdapter(InputItem)
@@ -319,6 +351,40 @@ class InputTokensRequest(BaseModel):
                                 **given)
 
 
+COMPACT_ASK = ("Write a summary of our conversation so far for whoever continues it without seeing it. "
+               "Keep every goal and request of the user, what has been done and found (with names, numbers "
+               "and results), the decisions taken, what is still open, and anything else needed to go on. "
+               "Be complete and concise; answer with the summary only.")
+
+
+class CompactRequest(BaseModel):
+    """`POST /v1/responses/compact`: a conversation (`input`, after `previous_response_id`'s) to
+    compact: its user messages, then the model's summary of it as one compaction item."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    input: str | list[InputItem] | None = None
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    prompt_cache_key: str | None = None  # (prefix caching needs no key)
+    prompt_cache_options: dict[str, Any] | None = None  # (nor options)
+    prompt_cache_retention: str | None = None
+    service_tier: str | None = None
+    image: dict[str, Any] | None = None  # (image context options: this model takes no images)
+
+    def items(self) -> list:
+        request = ResponsesRequest(model="-", input=[] if self.input is None else self.input)
+        return request.items()
+
+    def summary_request(self, served_model: str, max_tokens: int) -> ResponsesRequest:
+        """The Responses request whose answer is the summary: the conversation, then the ask; greedy,
+        with as many first turns dropped as it takes to fit (they are being summarised)."""
+        ask = MessageItem(role="user", content=COMPACT_ASK)
+        return ResponsesRequest(model=self.model or served_model, input=self.items() + [ask],
+                                instructions=self.instructions, previous_response_id=self.previous_response_id,
+                                max_output_tokens=max_tokens, temperature=0, truncation="auto", store=False)
+
+
 CHAT_TO_RESPONSES = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text",
                      "reasoning_effort": "reasoning", "top_logprobs": "top_logprobs"}
 
@@ -349,6 +415,8 @@ def messages(instructions: str | None, items: list) -> list[dict]:
                 turn = None
             if isinstance(item, FunctionCallOutputItem):
                 out.append({"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output)})
+            elif isinstance(item, CompactionItem):  # (as a user message: every chat template takes one anywhere)
+                out.append({"role": "user", "content": SUMMARY_INTRO + item.summary()})
             else:
                 out.append({"role": item.role, "content": _text(item.content)})
     return out + ([turn] if turn is not None else [])
@@ -356,8 +424,9 @@ def messages(instructions: str | None, items: list) -> list[dict]:
 
 def _standing(item) -> bool:
     """Whether an item stays when truncation drops the conversation's first items: a system or
-    developer message, which speaks for the whole conversation."""
-    return isinstance(item, MessageItem) and item.role in ("system", "developer")
+    developer message, which speaks for the whole conversation, or a compaction, which holds
+    what came before it."""
+    return isinstance(item, CompactionItem) or isinstance(item, MessageItem) and item.role in ("system", "developer")
 
 
 def _text(content: str | list) -> str:

@@ -1,0 +1,100 @@
+"""`POST /v1/responses/compact` (the openai client's `responses.compact`): a conversation's user
+messages, then one compaction item holding the model's summary of it, which a later request sends
+back in their place; what the model was asked and shown, and what a compaction item cannot be."""
+from __future__ import annotations
+
+import pytest
+
+from specserve.serve.responses_schema import COMPACT_ASK, SUMMARY_INTRO
+from test_reasoning import said
+from test_responses_api import app_client, oai, prompt_text
+from test_serve_api import MODEL, FakeCoordinator, _error
+
+TURNS = [{"role": "user", "content": "Plan a trip to Oslo."}, {"role": "assistant", "content": "Go in June."},
+         {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+         {"type": "function_call_output", "call_id": "c1", "output": "cold"},
+         {"role": "user", "content": "Hotels?"}, {"role": "assistant", "content": "Try the Grand."}]
+
+
+@pytest.fixture()
+def fake():
+    return FakeCoordinator(max_model_len=4096)
+
+
+def test_a_compaction_is_the_user_messages_and_the_model_s_summary(fake, monkeypatch):
+    with app_client(fake, monkeypatch) as client:
+        fake.script = said(b"User plans an Oslo trip in June; weather cold; hotel: the Grand.")
+        compacted = oai(client).responses.compact(model=MODEL, input=TURNS, instructions="Be brief.")
+        assert compacted.object == "response.compaction" and compacted.id.startswith("resp_")
+        sent = prompt_text(fake)  # (the conversation, then the ask, greedy)
+        assert sent.index("Be brief.") < sent.index("Plan a trip") < sent.index("Try the Grand.") < sent.index(
+            COMPACT_ASK)
+        assert fake.requests[-1].params.temperature == 0
+        users = [item for item in compacted.output if item.type == "message"]
+        assert [u.content[0].text for u in users] == ["Plan a trip to Oslo.", "Hotels?"]
+        assert all(u.role == "user" and u.id.startswith("msg_") for u in users)
+        (compaction,) = [item for item in compacted.output if item.type == "compaction"]
+        assert compacted.output[-1] is compaction and compaction.id.startswith("cmp_")
+        assert compacted.usage.output_tokens == len(fake.script) and compacted.usage.input_tokens > 0
+        # the next turn sends the compacted window back: the model reads the summary, not the old turns
+        fake.script = said(b"Booked.")
+        window = [item.model_dump(exclude_none=True) for item in compacted.output]
+        later = oai(client).responses.create(model=MODEL, input=window + [{"role": "user", "content": "Book it."}])
+        sent = prompt_text(fake)
+        assert SUMMARY_INTRO + "User plans an Oslo trip in June; weather cold; hotel: the Grand." in sent
+        assert "Try the Grand." not in sent and "Hotels?" in sent and later.output_text == "Booked."
+        again = oai(client).responses.compact(model=MODEL, input=window + [{"role": "user", "content": "More?"}])
+        assert [i.type for i in again.output] == ["message", "message", "message", "compaction"]  # (one summary)
+
+
+def test_a_compaction_goes_on_from_a_previous_response_and_fits_the_context(monkeypatch):
+    fake = FakeCoordinator(max_model_len=1200)  # (the byte tokenizer: a token a character)
+    with app_client(fake, monkeypatch) as client:
+        fake.script = said(b"A" * 40)
+        previous = None
+        for k in range(12):  # (~100 tokens a turn: together, over the context)
+            previous = oai(client).responses.create(model=MODEL, input=f"question {k} " + "q" * 40,
+                                                    previous_response_id=previous, truncation="auto").id
+        fake.script = said(b"the summary")
+        compacted = oai(client).responses.compact(model=MODEL, previous_response_id=previous)
+        sent = prompt_text(fake)
+        assert COMPACT_ASK in sent and "question 11" in sent and "question 0 " not in sent  # (first turns dropped)
+        assert len(fake.requests[-1].prompt_token_ids) + 1200 // 4 <= 1200  # (room for the summary)
+        users = [i.content[0].text for i in compacted.output if i.type == "message"]
+        assert users == [f"question {k} " + "q" * 40 for k in range(12)]  # (every user message, dropped or not)
+
+
+BOTH, COMPACT = ("/v1/responses/compact", "/v1/responses"), ("/v1/responses/compact",)
+
+
+@pytest.mark.parametrize("body,status,param,routes", [
+    ({"input": [{"type": "compaction", "encrypted_content": "gAAAAABo-elsewhere"}]}, 400, "input", BOTH),
+    ({"input": [{"type": "compaction", "encrypted_content": "specserve-compaction-v1:!!"}]}, 400, "input", BOTH),
+    ({"input": "x", "previous_response_id": "resp_nope"}, 400, "previous_response_id", BOTH),
+    ({"input": "x", "model": "other"}, 404, "model", BOTH),
+    ({"input": "x", "stream": True}, 400, None, COMPACT),  # (not a parameter of compact)
+])
+def test_what_a_compaction_cannot_be_is_an_error(fake, monkeypatch, body, status, param, routes):
+    with app_client(fake, monkeypatch) as client:
+        for route in routes:
+            error = _error(client.post(route, json={"model": MODEL, **body}), status)
+            assert param is None or error["param"] == param, (route, error)
+        assert not fake.requests
+
+
+def test_truncation_keeps_a_compaction_while_the_turns_after_it_go(monkeypatch):
+    from specserve.serve.responses_schema import compaction_content
+
+    fake = FakeCoordinator(max_model_len=600)
+    with app_client(fake, monkeypatch) as client:
+        fake.script = said(b"ok")
+        window = [{"role": "user", "content": "first"},
+                  {"type": "compaction", "encrypted_content": compaction_content("SUMMARY-OF-EARLIER")}]
+        turns = [m for k in range(8) for m in ({"role": "user", "content": f"question {k} " + "q" * 40},
+                                               {"role": "assistant", "content": "A" * 40})]
+        r = client.post("/v1/responses", json={"model": MODEL, "input": window + turns + [
+            {"role": "user", "content": "last"}], "truncation": "auto", "max_output_tokens": 8})
+        assert r.status_code == 200, r.text
+        sent = prompt_text(fake)
+        assert "SUMMARY-OF-EARLIER" in sent and "question 0 " not in sent and "last" in sent
+        assert "first" not in sent  # (the user message before it went)
