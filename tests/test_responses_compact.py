@@ -3,6 +3,8 @@ messages, then one compaction item holding the model's summary of it, which a la
 back in their place; what the model was asked and shown, and what a compaction item cannot be."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from specserve.serve.responses_schema import COMPACT_ASK, SUMMARY_INTRO
@@ -98,3 +100,72 @@ def test_truncation_keeps_a_compaction_while_the_turns_after_it_go(monkeypatch):
         sent = prompt_text(fake)
         assert "SUMMARY-OF-EARLIER" in sent and "question 0 " not in sent and "last" in sent
         assert "first" not in sent  # (the user message before it went)
+
+
+# -- server-side compaction (context_management) ---------------------------------------------------------
+class Scripted(FakeCoordinator):
+    """A fake engine whose generations answer with the next of `scripts` (the last one again after)."""
+
+    def __init__(self, *scripts: bytes) -> None:
+        super().__init__(max_model_len=4096)
+        self.scripts = [said(text) for text in scripts]
+
+    @property
+    def script(self):
+        return self.scripts.pop(0) if len(self.scripts) > 1 else self.scripts[0]
+
+    @script.setter
+    def script(self, value) -> None:  # (the base class sets None)
+        pass
+
+
+def sent(fake, k: int) -> str:
+    return bytes(t for t in fake.requests[k].prompt_token_ids if t < 256).decode()
+
+
+LONG = [m for k in range(4) for m in ({"role": "user", "content": f"ask {k} " + "u" * 30},
+                                       {"role": "assistant", "content": f"said {k} " + "a" * 30})]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_past_its_threshold_a_response_is_compacted_first(monkeypatch, stream):
+    fake = Scripted(b"SUMMARY-TEXT", b"The answer.")
+    with app_client(fake, monkeypatch) as client:
+        body = {"model": MODEL, "input": LONG + [{"role": "user", "content": "now?"}],
+                "context_management": [{"type": "compaction", "compact_threshold": 200}]}
+        if stream:
+            with client.stream("POST", "/v1/responses", json={**body, "stream": True}) as r:
+                events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+            assert [e["type"] for e in events[2:4]] == ["response.output_item.added", "response.output_item.done"]
+            assert events[2]["item"]["type"] == "compaction" and events[2]["output_index"] == 0
+            assert {e["output_index"] for e in events[4:-1] if "output_index" in e} == {1}
+            response = events[-1]["response"]
+        else:
+            response = client.post("/v1/responses", json=body).json()
+        assert len(fake.requests) == 2 and COMPACT_ASK in sent(fake, 0)  # (the summary first, then the answer)
+        answer_prompt = sent(fake, 1)
+        assert SUMMARY_INTRO + "SUMMARY-TEXT" in answer_prompt and "ask 0" in answer_prompt and "now?" in answer_prompt
+        assert "said 0" not in answer_prompt and COMPACT_ASK not in answer_prompt
+        assert [i["type"] for i in response["output"]] == ["compaction", "message"]
+        assert response["output"][1]["content"][0]["text"] == "The answer."
+        prompts = len(fake.requests[0].prompt_token_ids) + len(fake.requests[1].prompt_token_ids)
+        assert response["usage"]["input_tokens"] == prompts
+        assert response["usage"]["output_tokens"] == len(said(b"SUMMARY-TEXT")) + len(said(b"The answer."))
+        # chained: the next turn goes on from the compacted window (the old assistant turns stay out)
+        fake.scripts = [said(b"Next.")]
+        later = client.post("/v1/responses", json={"model": MODEL, "input": "and then?",
+                                                   "previous_response_id": response["id"]}).json()
+        assert later["status"] == "completed" and len(fake.requests) == 3
+        window = sent(fake, 2)
+        assert "SUMMARY-TEXT" in window and "The answer." in window and "ask 3" in window and "said 3" not in window
+
+
+def test_under_its_threshold_a_response_is_not_compacted(monkeypatch):
+    fake = Scripted(b"Short.")
+    with app_client(fake, monkeypatch) as client:
+        r = client.post("/v1/responses", json={"model": MODEL, "input": "hi",
+                                               "context_management": [{"type": "compaction"}]})  # (80% of 4096)
+        assert [i["type"] for i in r.json()["output"]] == ["message"] and len(fake.requests) == 1
+        bad = {"model": MODEL, "input": "hi", "context_management": [{"type": "other"}]}
+        assert _error(client.post("/v1/responses", json=bad), 400)
+        assert len(fake.requests) == 1

@@ -54,9 +54,9 @@ from .ingress import RETRY_AFTER_S, ChatPrompt, Ingress, request_key
 from .messages_api import MessageEvents, MessageShape, message_id, whole_message
 from .messages_schema import CountTokensRequest, MessagesRequest
 from .responses import whole_body
-from .responses_api import (ResponseEvents, ResponseShape, compacted, input_page, item_id, whole_response,
-                            with_id)
-from .responses_schema import ITEMS, CompactRequest, InputTokensRequest, ResponsesRequest
+from .responses_api import (ResponseEvents, ResponseShape, compacted, compaction_item, input_page, item_id,
+                            whole_response, with_id)
+from .responses_schema import ITEM, ITEMS, CompactRequest, InputTokensRequest, ResponsesRequest, summary_request
 from .schema import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
                      TokenizeTextRequest)
 
@@ -259,8 +259,9 @@ class OpenAIServer(Ingress):
                               "background")
         owner = request_key(request)  # (a stored response is found again only with the API key that made it)
         body, history = await self._resolved(body, owner)
-        chat, prompt = await self._response_prompt(body, ITEMS.validate_python(history))
         shape = ResponseShape(item_id("resp"), self.config.served_model_name, body, body.store and self._store.on)
+        answering = await self._compacted_first(body, history, shape, owner)
+        chat, prompt = await self._response_prompt(answering, ITEMS.validate_python(history))
         fmt, pieces = await self._chat_generation(chat, prompt, shape.rid, owner)
         inputs = [with_id(item.model_dump(by_alias=True, exclude_none=True)) for item in body.items()]
         conversation = body.conversation_id()
@@ -298,6 +299,39 @@ class OpenAIServer(Ingress):
         if body.references():
             body = body.resolved(await self._referenced(body.references(), history, owner))
         return body, history
+
+    async def _compacted_first(self, body: ResponsesRequest, history: list[dict], shape: ResponseShape,
+                               owner: int) -> ResponsesRequest:
+        """The request the answer runs from: where its prompt is past its compact_threshold
+        (context_management), the conversation compacted first into a compaction item, which the
+        output begins with (shape.first; its pass's usage: shape.spent)."""
+        context = (await self.info())["max_model_len"]
+        threshold = body.compact_threshold(context)
+        if threshold is None or await self._rendered_tokens(body, ITEMS.validate_python(history)) <= threshold:
+            return body
+        summarise = summary_request(body.model, body.items(), body.instructions, self._summary_room(context))
+        summary, shape.spent = await self._summary(summarise, history, owner)
+        item = compaction_item(summary)
+        shape.first = [item]
+        return body.model_copy(update={"input": body.items() + [ITEM.validate_python(item)]})
+
+    async def _summary(self, summarise: ResponsesRequest, history: list[dict], owner: int) -> tuple[str, dict]:
+        """A summary request's answer (responses_schema.summary_request) and its chat usage."""
+        chat, prompt = await self._response_prompt(summarise, ITEMS.validate_python(history))
+        fmt, pieces = await self._chat_generation(chat, prompt, item_id("resp"), owner)
+        whole = await whole_body([(fmt, pieces)])
+        return whole["choices"][0]["message"]["content"] or "", whole["usage"]
+
+    def _summary_room(self, context: int) -> int:
+        """A summary's most tokens: responses.compaction_max_tokens, and a quarter of the context."""
+        return min(self.config.responses.compaction_max_tokens, context // 4)
+
+    async def _rendered_tokens(self, body: ResponsesRequest, history: list) -> int:
+        """How many tokens a Responses request's prompt renders to, whether or not it fits."""
+        chat = body.chat(history)
+        self._check(chat)
+        text, _ = await self._render(chat)
+        return len(await self._offload(self._encode, text, "input", False))
 
     async def _referenced(self, item_ids: list[str], history: list[dict], owner: int) -> dict[str, dict]:
         """The items these `item_reference` inputs name: the conversation's, else a stored response's."""
@@ -371,28 +405,20 @@ class OpenAIServer(Ingress):
         if responses.truncation == "auto":
             _, prompt = await self._response_prompt(responses, history)
             return {"object": "response.input_tokens", "input_tokens": len(prompt.ids)}
-        chat = responses.chat(history)
-        self._check(chat)
-        text, _ = await self._render(chat)
-        return {"object": "response.input_tokens",
-                "input_tokens": len(await self._offload(self._encode, text, "input", False))}
+        return {"object": "response.input_tokens", "input_tokens": await self._rendered_tokens(responses, history)}
 
     @app.post("/v1/responses/compact")
     async def compact_response(self, body: CompactRequest, request: Request) -> dict:
         """A conversation compacted (OpenAI's `/v1/responses/compact`): its user messages, then one
         compaction item with the model's summary of it (at most responses.compaction_max_tokens,
         and a quarter of the context); nothing is stored."""
-        room = min(self.config.responses.compaction_max_tokens, (await self.info())["max_model_len"] // 4)
+        room = self._summary_room((await self.info())["max_model_len"])
         summarise = body.summary_request(self.config.served_model_name, room)
         refuse(summarise.unsupported())
-        owner = request_key(request)
-        summarise, history = await self._resolved(summarise, owner)
-        chat, prompt = await self._response_prompt(summarise, ITEMS.validate_python(history))
-        rid = item_id("resp")
-        fmt, pieces = await self._chat_generation(chat, prompt, rid, owner)
-        whole = await whole_body([(fmt, pieces)])
+        summarise, history = await self._resolved(summarise, request_key(request))
+        summary, spent = await self._summary(summarise, history, request_key(request))
         items = history + [item.model_dump(by_alias=True, exclude_none=True) for item in summarise.items()[:-1]]
-        return compacted(rid, items, whole["choices"][0]["message"]["content"] or "", whole["usage"])
+        return compacted(item_id("resp"), items, summary, spent)
 
     @app.get("/v1/responses/{response_id}/input_items")
     async def response_input_items(self, response_id: str, request: Request, limit: int = Query(20, ge=1, le=100),

@@ -61,6 +61,8 @@ class ResponseShape:
     body: ResponsesRequest
     stored: bool
     created: int = field(default_factory=lambda: int(time.time()))
+    first: list[dict] = field(default_factory=list)  # items the output begins with (a compaction's)
+    spent: dict | None = None  # the chat usage of what ran before the answer (that compaction's pass)
 
     def envelope(self, status: str, output: list[dict], usage_: dict | None = None, error: dict | None = None,
                  incomplete: dict | None = None, speculation: dict | None = None) -> dict:
@@ -90,6 +92,8 @@ class ResponseShape:
     def finished(self, output: list[dict], finish: str | None, formats: list[ResponseFormat]) -> dict:
         """The whole response once its generation ended (finish: the chat choice's reason)."""
         chat_usage, speculation = usage(formats)
+        if self.spent is not None:
+            chat_usage = added_usage(chat_usage, self.spent)
         cut = finish == "length"
         return self.envelope("incomplete" if cut else "completed", output, responses_usage(chat_usage),
                              incomplete={"reason": "max_output_tokens"} if cut else None, speculation=speculation)
@@ -97,6 +101,16 @@ class ResponseShape:
     def failed(self, output: list[dict], error: dict) -> dict:
         return self.envelope("failed", output, error={"code": error.get("code") or "server_error",
                                                       "message": error["message"]})
+
+
+def added_usage(chat: dict, more: dict) -> dict:
+    """Two chat usages together (the answer's and a compaction pass's)."""
+    out = {name: chat[name] + more[name] for name in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    out["prompt_tokens_details"] = {"cached_tokens": chat["prompt_tokens_details"]["cached_tokens"]
+                                    + more["prompt_tokens_details"]["cached_tokens"]}
+    if "completion_tokens_details" in chat:
+        out["completion_tokens_details"] = chat["completion_tokens_details"]  # (the answer's reasoning)
+    return out
 
 
 def responses_usage(chat: dict) -> dict:
@@ -155,8 +169,8 @@ async def whole_response(shape: ResponseShape, fmt: ResponseFormat, pieces, fiel
     ResponseEvents.stream's `on_done`."""
     whole = await whole_body([(fmt, pieces)])
     (choice,), details = whole["choices"], whole["usage"].get("completion_tokens_details") or {}
-    output = output_items(choice["message"], choice["finish_reason"], field_name,
-                          (choice["logprobs"] or {}).get("content"), details.get("reasoning_tokens", 0))
+    output = shape.first + output_items(choice["message"], choice["finish_reason"], field_name,
+                                        (choice["logprobs"] or {}).get("content"), details.get("reasoning_tokens", 0))
     response = shape.finished(output, choice["finish_reason"], [fmt])
     await keep(response)
     return response
@@ -167,9 +181,12 @@ def compacted(rid: str, items: list[dict], summary: str, chat_usage: dict) -> di
     back, then one compaction item holding the model's summary of it all (`items`: the
     conversation's, earlier compactions included: the summary covers what they held)."""
     users = [as_stored(item) for item in items if item.get("type", "message") == "message" and item["role"] == "user"]
-    compaction = {"type": "compaction", "id": item_id("cmp"), "encrypted_content": compaction_content(summary)}
     return {"id": rid, "object": "response.compaction", "created_at": int(time.time()),
-            "output": users + [compaction], "usage": responses_usage(chat_usage)}
+            "output": users + [compaction_item(summary)], "usage": responses_usage(chat_usage)}
+
+
+def compaction_item(summary: str) -> dict:
+    return {"type": "compaction", "id": item_id("cmp"), "encrypted_content": compaction_content(summary)}
 
 
 def input_page(items: list[dict], limit: int, order: str, after: str | None) -> dict:
@@ -196,7 +213,7 @@ class ResponseEvents:
                  count_reasoning: Callable[[list[int]], Awaitable[int]] | None = None) -> None:
         self.shape, self.field, self.count_reasoning = shape, field_name, count_reasoning
         self.sequence = 0
-        self.output: list[dict] = []  # items done
+        self.output: list[dict] = list(shape.first)  # items done
         self.open: dict | None = None  # the item being streamed
         self.text = ""  # its text (reasoning or output text) or arguments so far
         self.token_ids: list[int] = []
@@ -214,6 +231,9 @@ class ResponseEvents:
         """Every event of the response; `on_done(response)` once it ended (stored, where asked)."""
         yield self.event("response.created", response=self.shape.envelope("in_progress", []))
         yield self.event("response.in_progress", response=self.shape.envelope("in_progress", []))
+        for index, item in enumerate(self.shape.first):  # (done before the answer began)
+            yield self.event("response.output_item.added", output_index=index, item=item)
+            yield self.event("response.output_item.done", output_index=index, item=item)
         finish = None
         try:
             async for chunk in fmt.chunks(pieces, return_token_ids=True):
@@ -228,7 +248,7 @@ class ResponseEvents:
             await on_done(response)
             yield self.event("response.failed", response=response)
             return
-        if self.open is None and not self.output:  # (an empty answer is an empty message)
+        if self.open is None and len(self.output) == len(self.shape.first):  # (an empty answer: an empty message)
             for event in await self._begin_text():
                 yield event
         for event in self._close("incomplete" if finish == "length" else "completed"):

@@ -221,6 +221,11 @@ INCLUDABLE = Literal["message.output_text.logprobs", "reasoning.encrypted_conten
                      "web_search_call.action.sources", "web_search_call.results", "code_interpreter_call.outputs"]
 
 
+class ContextManagement(_Strict):
+    type: Literal["compaction"]
+    compact_threshold: int | None = Field(None, ge=1)  # (None: 80% of the context)
+
+
 class ResponsesRequest(SamplingOptions):
     model: str
     input: str | list[InputItem]
@@ -246,6 +251,7 @@ class ResponsesRequest(SamplingOptions):
     safety_identifier: str | None = None
     prompt: dict[str, Any] | None = None
     conversation: str | ConversationRef | None = None
+    context_management: list[ContextManagement] | None = Field(None, max_length=1)
 
     def unsupported(self) -> list[tuple[str, str]]:
         """(param, why) for every option set to something this server does not do."""
@@ -287,6 +293,12 @@ class ResponsesRequest(SamplingOptions):
         items = history + self.items()
         return [0] + [k for k, item in enumerate(items) if k and isinstance(item, MessageItem) and item.role == "user"]
 
+    def compact_threshold(self, context: int) -> int | None:
+        """The prompt tokens past which this request is compacted first (None: never)."""
+        for entry in self.context_management or []:
+            return entry.compact_threshold or int(0.8 * context)
+        return None
+
     def logprobs_wanted(self) -> bool:
         return self.top_logprobs is not None or "message.output_text.logprobs" in (self.include or [])
 
@@ -301,6 +313,7 @@ class ResponsesRequest(SamplingOptions):
         output); `drop`: how many of the conversation's first items it leaves out (`cuts`; system
         and developer messages stay). Raises OpenAIError (400) for what a chat cannot say."""
         items = [item for k, item in enumerate(history + self.items()) if k >= drop or _standing(item)]
+        items = _window(items)
         body = {"model": self.model, "messages": messages(self.instructions, items),
                 **self.model_dump(include=set(SamplingOptions.model_fields), exclude_unset=True),
                 "max_completion_tokens": self.max_output_tokens, "parallel_tool_calls": self.parallel_tool_calls}
@@ -377,12 +390,19 @@ class CompactRequest(BaseModel):
         return request.items()
 
     def summary_request(self, served_model: str, max_tokens: int) -> ResponsesRequest:
-        """The Responses request whose answer is the summary: the conversation, then the ask; greedy,
-        with as many first turns dropped as it takes to fit (they are being summarised)."""
-        ask = MessageItem(role="user", content=COMPACT_ASK)
-        return ResponsesRequest(model=self.model or served_model, input=self.items() + [ask],
-                                instructions=self.instructions, previous_response_id=self.previous_response_id,
-                                max_output_tokens=max_tokens, temperature=0, truncation="auto", store=False)
+        return summary_request(self.model or served_model, self.items(), self.instructions, max_tokens,
+                               self.previous_response_id)
+
+
+def summary_request(model: str, items: list, instructions: str | None, max_tokens: int,
+                    previous_response_id: str | None = None) -> ResponsesRequest:
+    """The Responses request whose answer is a conversation's summary: its items (after
+    `previous_response_id`'s), then the ask; greedy, with as many first turns dropped as it takes
+    to fit (they are being summarised)."""
+    ask = MessageItem(role="user", content=COMPACT_ASK)
+    return ResponsesRequest(model=model, input=list(items) + [ask], instructions=instructions,
+                            previous_response_id=previous_response_id, max_output_tokens=max_tokens,
+                            temperature=0, truncation="auto", store=False)
 
 
 CHAT_TO_RESPONSES = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text",
@@ -420,6 +440,17 @@ def messages(instructions: str | None, items: list) -> list[dict]:
             else:
                 out.append({"role": item.role, "content": _text(item.content)})
     return out + ([turn] if turn is not None else [])
+
+
+def _window(items: list) -> list:
+    """The items a conversation's prompt renders: before its latest compaction only the user
+    messages (and system and developer ones), since the compaction holds the rest."""
+    last = max((k for k, item in enumerate(items) if isinstance(item, CompactionItem)), default=0)
+    return [item for k, item in enumerate(items) if k >= last or _standing(item) or _said_by_user(item)]
+
+
+def _said_by_user(item) -> bool:
+    return isinstance(item, MessageItem) and item.role == "user"
 
 
 def _standing(item) -> bool:
