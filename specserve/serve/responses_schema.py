@@ -20,8 +20,9 @@ chat does, from tool calls to reasoning and structured output, holds for it unch
 (`cuts`; the ingress finds how many); `background: true` returns at once and generates in the
 background, streamed too where asked, and resumable (serve/background.py); an `item_reference`
 is the stored item it names; `conversation` goes on from a conversation's items and adds the
-response's to it (conversation_store.py); a `compaction` item (`/v1/responses/compact`'s) is the
-summary it holds, as a user message. Images, files and audio, hosted tools, prompt
+response's to it (conversation_store.py); a `compaction` item (`/v1/responses/compact`'s, or
+`context_management`'s) is the summary it holds, as a user message, and stands for every item
+before it but the user's messages. Images, files and audio, hosted tools, prompt
 templates and `conversation` with `previous_response_id` are refused with a 400 naming the
 parameter: this server runs one text model and keeps nothing but its stores' responses and
 conversations.
@@ -119,8 +120,9 @@ class ReasoningItem(_Strict):
 
 
 class CompactionItem(_Strict):
-    """A conversation compacted by `POST /v1/responses/compact`: the model's summary of it, as
-    that route encoded it (not encrypted: opaque to clients, read back by this server only)."""
+    """A conversation compacted (by `POST /v1/responses/compact`, or first in a request with
+    `context_management`): the model's summary of it, encoded (not encrypted: opaque to clients,
+    read back by this server only)."""
 
     type: Literal["compaction"]
     id: str | None = None
@@ -386,8 +388,8 @@ class CompactRequest(BaseModel):
     image: dict[str, Any] | None = None  # (image context options: this model takes no images)
 
     def items(self) -> list:
-        request = ResponsesRequest(model="-", input=[] if self.input is None else self.input)
-        return request.items()
+        """The input as items (a text input: one user message)."""
+        return [MessageItem(role="user", content=self.input)] if isinstance(self.input, str) else list(self.input or [])
 
     def summary_request(self, served_model: str, max_tokens: int) -> ResponsesRequest:
         return summary_request(self.model or served_model, self.items(), self.instructions, max_tokens,
