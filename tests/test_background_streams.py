@@ -227,3 +227,38 @@ def test_events_past_the_byte_bound_stop_the_response_and_a_lost_one_ends_failed
     last = json.loads(found["events"][-1].split("data: ")[1])
     assert last["sequence_number"] == 1 and last["response"]["status"] == "failed"
     assert store.events("r1") == found  # (failed once)
+
+
+def test_a_follower_rides_out_a_store_unavailable_for_a_moment(monkeypatch):
+    import asyncio
+
+    from specserve.serve.background import BackgroundRuns
+    from specserve.serve.front_door import KeyLimits, OpenAIError
+
+    class Flaky:  # (the store's answers: one event, two failures, then the last event and the end)
+        on = True
+
+        def __init__(self) -> None:
+            self.answers = [{"events": ["e0"], "ended": False}, OpenAIError(503, "gone", None),
+                            OpenAIError(503, "gone", None), {"events": ["e1"], "ended": True}]
+            self.asked = []
+
+        async def call(self, method: str, response_id: str, owner: int, after):
+            self.asked.append(after)
+            answer = self.answers.pop(0)
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+
+    monkeypatch.setattr(background, "FOLLOW_S", 0.001)
+
+    async def read(store) -> list[str]:
+        runs = BackgroundRuns(store, KeyLimits(None, None))
+        return [event async for event in await runs.follow("r0", -1, None)]
+
+    store = Flaky()
+    assert asyncio.run(read(store)) == ["e0", "e1"] and store.asked == [None, 0, 0, 0]
+    monkeypatch.setattr(response_store, "LEASE_S", 0.0)  # (unavailable past the lease: the stream ends)
+    store = Flaky()
+    store.answers[2:] = [OpenAIError(503, "gone", None)] * 3
+    assert asyncio.run(read(store)) == ["e0"]

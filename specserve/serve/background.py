@@ -98,16 +98,18 @@ class BackgroundRuns:
         run = self._runs.get(response_id)
         if run is not None and run.owner == owner and run.events is not None:
             return _local(run, after)
-        found = await self.store.stored("events", response_id, owner)  # (404 before any event is sent)
+        found = await self.store.call("events", response_id, owner, after) if self.store.on else None
+        if found is None:  # (before any event is sent)
+            raise OpenAIError(404, f"no stored response {response_id!r}", "response_id", "not_found")
         if found["events"] is None:
             raise OpenAIError(400, f"response {response_id!r} was not created with background: true and "
                                    "stream: true: only those can be streamed again", "stream")
-        return self._stored(response_id, owner, after)
+        return self._stored(response_id, owner, after, found)
 
-    async def _stored(self, response_id: str, owner: int, after: int | None) -> AsyncIterator[str]:
-        """Events as the store holds them, asked every FOLLOW_S until the response has ended."""
+    async def _stored(self, response_id: str, owner: int, after: int | None, found: dict) -> AsyncIterator[str]:
+        """Events as the store holds them (`found`: its first answer), asked every FOLLOW_S until
+        the response has ended."""
         while True:
-            found = await self.store.call("events", response_id, owner, after)
             if found is None:  # (deleted, or dropped, meanwhile)
                 return
             for event in found["events"]:
@@ -115,7 +117,20 @@ class BackgroundRuns:
             after = (-1 if after is None else after) + len(found["events"])
             if found["ended"]:
                 return
+            found = await self._next_events(response_id, owner, after)
+
+    async def _next_events(self, response_id: str, owner: int, after: int) -> dict | None:
+        """The store's next answer, FOLLOW_S on; through a store unavailable for a while, asked
+        again (for at most LEASE_S: then None, and the stream ends)."""
+        deadline = time.monotonic() + response_store.LEASE_S
+        while True:
             await asyncio.sleep(FOLLOW_S)
+            try:
+                return await self.store.call("events", response_id, owner, after)
+            except OpenAIError:
+                if time.monotonic() > deadline:
+                    logger.warning("the response store stayed unavailable: a stream of %s ended", response_id)
+                    return None
 
     async def _run(self, response_id: str, run: _Run, work, shape: ResponseShape,
                    then: Callable[[dict], Awaitable[None]] | None) -> None:

@@ -372,7 +372,7 @@ class StoreClient:
         return dict(zip(item_ids, found))
 
     async def stored(self, method: str, response_id: str, owner: int):
-        """What `method` (get, input_items, delete, cancel, events) gives for a stored response; 404 for another id."""
+        """What `method` (get, input_items, delete, cancel) gives for a stored response; 404 for another id."""
         found = await self.call(method, response_id, owner) if self.on else None
         if found is None or found is False:
             raise OpenAIError(404, f"no stored response {response_id!r}", "response_id", "not_found")
