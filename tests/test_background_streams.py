@@ -121,9 +121,12 @@ def test_a_cancel_ends_every_follower_s_stream(fake, monkeypatch, quick_follow):
     fake.script, fake.step_delay = said(b"z" * 300), 0.05  # (5 s unless cancelled)
     servers, route, client = replicas(fake, monkeypatch)
     with client:
+        import openai
+
         rid = client.post("/v1/responses", json={**BODY, "stream": False}).json()["id"]
-        with pytest.raises(Exception):  # (a stream created without `stream` cannot be followed)
+        with pytest.raises(openai.BadRequestError):  # (a stream created without `stream` cannot be followed)
             oai(client).responses.retrieve(rid, stream=True)
+        assert client.post(f"/v1/responses/{rid}/cancel").status_code == 200
         response = oai(client).responses.create(model=MODEL, input="Tell me", background=True, stream=True)
         first = next(iter(response))
         rid = first.response.id
