@@ -265,3 +265,30 @@ def test_a_follower_rides_out_a_store_unavailable_for_a_moment(monkeypatch):
     store = Flaky()
     store.answers[2:] = [OpenAIError(503, "gone", None)] * 3
     assert asyncio.run(read(store)) == ["e0"]
+
+
+def test_a_replica_s_runs_hand_over_together_in_one_store_call(fake, monkeypatch, quick_follow):
+    """Ten streamed background responses at once: their hand-overs fall on the same ticks and go
+    to the store as one call each tick, not one call per response."""
+    sizes = []
+    hand_over = ResponseStore.hand_over
+
+    def counted(self, batch):
+        sizes.append(len(batch))
+        return hand_over(self, batch)
+
+    monkeypatch.setattr(ResponseStore, "hand_over", counted)
+    fake.script, fake.step_delay = said(b"w" * 60), 0.01
+    servers, route, client = replicas(fake, monkeypatch, n=1)
+    with client:
+        rids = []
+        for _ in range(10):  # (each client goes away after its first event)
+            with client.stream("POST", "/v1/responses", json=BODY) as r:
+                first = next(line for line in r.iter_lines() if line.startswith("data: "))
+                rids.append(json.loads(first[6:])["response"]["id"])
+        for rid in rids:
+            assert read_until(client, rid, lambda r: r["status"] in ENDED)["status"] == "completed"
+        for rid in rids:
+            events = get_events(client, rid)
+            assert events[-1]["type"] == "response.completed" and text_of(events) == "w" * 60
+    assert sum(sizes) >= 10 and sum(sizes) / len(sizes) >= 3, sizes  # (most calls carry several responses)

@@ -61,6 +61,7 @@ class BackgroundRuns:
     def __init__(self, store: StoreClient, limits: KeyLimits) -> None:
         self.store, self.limits = store, limits
         self._runs: dict[str, _Run] = {}  # response id -> its run, while it generates
+        self._batch = HandOvers(store)  # (every run hands over on the same ticks: one store call a tick)
         self._tasks: set[asyncio.Task] = set()  # (held: a task only the loop refers to may be collected)
 
     def __len__(self) -> int:
@@ -140,7 +141,7 @@ class BackgroundRuns:
         tick = response_store.POLL_S if run.events is None else min(FLUSH_S, response_store.POLL_S)
         try:
             kept, asked = 0, time.monotonic()  # events the store holds; when it was last asked
-            while not (await asyncio.wait([work], timeout=tick))[0]:
+            while not (await asyncio.wait([work], timeout=tick - time.monotonic() % tick))[0]:  # (on the tick)
                 new = run.events is not None and len(run.events) > kept
                 if new or time.monotonic() - asked >= response_store.POLL_S:
                     going, kept = await self._hand_over(response_id, run, kept)
@@ -170,9 +171,49 @@ class BackgroundRuns:
         cancelled, deleted or failed), and how many of its events the store now holds."""
         new = [] if run.events is None else run.events[kept:]
         try:
-            return await self.store.call("append", response_id, run.owner, new), kept + len(new)
+            return await self._batch(response_id, run.owner, new), kept + len(new)
         except OpenAIError:  # the store unavailable for a moment: go on (the lease allows LEASE_S)
             return True, kept
+
+
+class HandOvers:
+    """The runs' hand-overs to the store (their new events, and the lease renewal), as one call:
+    all asked for in the same moment (the runs tick together) go in one `hand_over`, and those
+    asked while a call is under way go in the next. Each run waits for its own answer before it
+    asks again, so a run's events stay in order."""
+
+    def __init__(self, store: StoreClient) -> None:
+        self.store = store
+        self.calls = 0  # store calls made
+        self._waiting: dict[str, tuple[int, list[str], asyncio.Future]] = {}  # response id -> (owner, events, answer)
+        self._sending: asyncio.Task | None = None
+
+    async def __call__(self, response_id: str, owner: int, events: list[str]) -> bool:
+        """Whether the response is to go on, once its events are handed over (raises OpenAIError
+        where the store is unavailable)."""
+        answer = asyncio.get_running_loop().create_future()
+        self._waiting[response_id] = (owner, events, answer)
+        if self._sending is None or self._sending.done():
+            self._sending = asyncio.ensure_future(self._send())
+        return await answer
+
+    async def _send(self) -> None:
+        await asyncio.sleep(0)  # (the other runs woken on this tick ask first)
+        while self._waiting:
+            batch, self._waiting = self._waiting, {}
+            self.calls += 1
+            try:
+                going = await self.store.call("hand_over", {rid: (owner, events) for rid, (owner, events, _) in
+                                                            batch.items()})
+            except OpenAIError as err:
+                going = err
+            for rid, (_, _, answer) in batch.items():
+                if answer.done():  # (its run was cancelled meanwhile)
+                    continue
+                if isinstance(going, OpenAIError):
+                    answer.set_exception(going)
+                else:
+                    answer.set_result(going[rid])
 
 
 async def _marked_stored(response: dict) -> None:

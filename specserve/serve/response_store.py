@@ -195,6 +195,11 @@ class ResponseStore:
             self._bound()  # (this one too, where its events alone pass the bound: it stops then)
         return going and link.shown
 
+    def hand_over(self, batch: dict[str, tuple[int, list[str]]]) -> dict[str, bool]:
+        """`append` for many responses at once (response id -> (owner, events)), as one ingress
+        replica's background responses hand over together: whether each is to go on."""
+        return {rid: self.append(rid, owner, events) for rid, (owner, events) in batch.items()}
+
     def events(self, response_id: str, owner: int = -1, after: int | None = None) -> dict | None:
         """A response's events after the `after`-th (None: all; `events` None where it was not a
         streamed background response) and whether it has ended (no more will come)."""
