@@ -169,3 +169,19 @@ def test_under_its_threshold_a_response_is_not_compacted(monkeypatch):
         bad = {"model": MODEL, "input": "hi", "context_management": [{"type": "other"}]}
         assert _error(client.post("/v1/responses", json=bad), 400)
         assert len(fake.requests) == 1
+
+
+def test_a_conversation_compacted_by_a_response_goes_on_from_its_window(monkeypatch):
+    fake = Scripted(b"SUMMARY-TEXT", b"The answer.", b"Next.")
+    with app_client(fake, monkeypatch) as client:
+        cid = client.post("/v1/conversations", json={"items": LONG}).json()["id"]
+        body = {"model": MODEL, "input": "now?", "conversation": cid,
+                "context_management": [{"type": "compaction", "compact_threshold": 200}]}
+        first = client.post("/v1/responses", json=body).json()
+        assert [i["type"] for i in first["output"]] == ["compaction", "message"]
+        items = client.get(f"/v1/conversations/{cid}/items", params={"order": "asc", "limit": 100}).json()["data"]
+        assert [i["type"] for i in items[-3:]] == ["message", "compaction", "message"] and len(items) == 11
+        client.post("/v1/responses", json={"model": MODEL, "input": "and then?", "conversation": cid})
+        assert len(fake.requests) == 3
+        window = sent(fake, 2)
+        assert "SUMMARY-TEXT" in window and "ask 0" in window and "said 0" not in window and "and then?" in window
