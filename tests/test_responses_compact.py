@@ -45,8 +45,17 @@ def test_a_compaction_is_the_user_messages_and_the_model_s_summary(fake, monkeyp
         sent = prompt_text(fake)
         assert SUMMARY_INTRO + "User plans an Oslo trip in June; weather cold; hotel: the Grand." in sent
         assert "Try the Grand." not in sent and "Hotels?" in sent and later.output_text == "Booked."
+        fake.script = said(b"SECOND-SUMMARY")
         again = oai(client).responses.compact(model=MODEL, input=window + [{"role": "user", "content": "More?"}])
-        assert [i.type for i in again.output] == ["message", "message", "message", "compaction"]  # (one summary)
+        assert [i.type for i in again.output] == ["message", "compaction"]  # (the users since the last one)
+        assert "User plans an Oslo trip" in prompt_text(fake)  # (the new summary covers the old one's)
+        fake.script = said(b"ok")
+        appended = window + [{"role": "user", "content": "More?"}] + [
+            item.model_dump(exclude_none=True) for item in again.output if item.type == "compaction"]
+        oai(client).responses.create(model=MODEL, input=appended + [{"role": "user", "content": "Go?"}])
+        sent = prompt_text(fake)  # (before the latest compaction, only the user messages since the one before)
+        assert "SECOND-SUMMARY" in sent and "More?" in sent and "Go?" in sent
+        assert "Hotels?" not in sent and "User plans an Oslo trip" not in sent
 
 
 def test_a_compaction_goes_on_from_a_previous_response_and_fits_the_context(monkeypatch):

@@ -23,7 +23,7 @@ from typing import AsyncIterator, Awaitable, Callable
 
 from .front_door import OpenAIError
 from .responses import ResponseFormat, StreamFailed, sse_event, usage, whole_body
-from .responses_schema import FunctionChoice, ResponsesRequest, compaction_content
+from .responses_schema import FunctionChoice, ResponsesRequest, compaction_content, since_compaction
 
 
 def item_id(prefix: str) -> str:
@@ -177,10 +177,11 @@ async def whole_response(shape: ResponseShape, fmt: ResponseFormat, pieces, fiel
 
 
 def compacted(rid: str, items: list[dict], summary: str, chat_usage: dict) -> dict:
-    """OpenAI's compacted conversation (`/v1/responses/compact`): its user messages, as given
-    back, then one compaction item holding the model's summary of it all (`items`: the
-    conversation's, earlier compactions included: the summary covers what they held)."""
-    users = [as_stored(item) for item in items if item.get("type", "message") == "message" and item["role"] == "user"]
+    """OpenAI's compacted conversation (`/v1/responses/compact`): its user messages (those since
+    its latest compaction, which the new one covers with the rest), as given back, then one
+    compaction item holding the model's summary of it all."""
+    users = [as_stored(item) for item in since_compaction(items)
+             if item.get("type", "message") == "message" and item["role"] == "user"]
     return {"id": rid, "object": "response.compaction", "created_at": int(time.time()),
             "output": users + [compaction_item(summary)], "usage": responses_usage(chat_usage)}
 

@@ -446,9 +446,19 @@ def messages(instructions: str | None, items: list) -> list[dict]:
 
 def _window(items: list) -> list:
     """The items a conversation's prompt renders: before its latest compaction only the user
-    messages (and system and developer ones), since the compaction holds the rest."""
-    last = max((k for k, item in enumerate(items) if isinstance(item, CompactionItem)), default=0)
-    return [item for k, item in enumerate(items) if k >= last or _standing(item) or _said_by_user(item)]
+    messages since the compaction before it (and system and developer messages), since the
+    compactions hold the rest."""
+    marks = [k for k, item in enumerate(items) if isinstance(item, CompactionItem)]
+    last, since = (marks[-1] if marks else 0), (marks[-2] if len(marks) > 1 else -1)
+    return [item for k, item in enumerate(items)
+            if k >= last or _instructing(item) or k > since and _said_by_user(item)]
+
+
+def since_compaction(items: list[dict]) -> list[dict]:
+    """The items after a conversation's latest compaction (all where it has none): what a new
+    compaction of it gives back the user messages of."""
+    marks = [k for k, item in enumerate(items) if item.get("type") == "compaction"]
+    return items[marks[-1] + 1:] if marks else items
 
 
 def _said_by_user(item) -> bool:
@@ -459,7 +469,11 @@ def _standing(item) -> bool:
     """Whether an item stays when truncation drops the conversation's first items: a system or
     developer message, which speaks for the whole conversation, or a compaction, which holds
     what came before it."""
-    return isinstance(item, CompactionItem) or isinstance(item, MessageItem) and item.role in ("system", "developer")
+    return isinstance(item, CompactionItem) or _instructing(item)
+
+
+def _instructing(item) -> bool:
+    return isinstance(item, MessageItem) and item.role in ("system", "developer")
 
 
 def _text(content: str | list) -> str:
