@@ -292,3 +292,27 @@ def test_a_replica_s_runs_hand_over_together_in_one_store_call(fake, monkeypatch
             events = get_events(client, rid)
             assert events[-1]["type"] == "response.completed" and text_of(events) == "w" * 60
     assert sum(sizes) >= 10 and sum(sizes) / len(sizes) >= 3, sizes  # (most calls carry several responses)
+
+
+def test_a_streamed_background_response_counts_once_against_its_key(fake, monkeypatch, quick_follow):
+    """With max_concurrent_requests 2: while its creator streams it, the response takes one slot
+    (the request's), not two; when the creator goes, the generation keeps that one slot until it
+    ends."""
+    fake.script, fake.step_delay = said(b"v" * 120), 0.03  # (about 1.2 s)
+    servers, route, client = replicas(fake, monkeypatch, n=1, api_key=["k"],
+                                      front_door={"per_key": {"max_concurrent_requests": 2}})
+    key = {"authorization": "Bearer k"}
+    limits = servers[0].door.limits
+    with client:
+        with client.stream("POST", "/v1/responses", json=BODY, headers=key) as r:
+            lines = r.iter_lines()  # (held: an iterator let go of would close the stream)
+            first = next(line for line in lines if line.startswith("data: "))
+            rid = json.loads(first[6:])["response"]["id"]
+            assert limits.accounts[0].running == 1  # (the open request only)
+            assert client.get(f"/v1/responses/{rid}", headers=key).status_code == 200  # (a second slot is free)
+            assert limits.accounts[0].running == 1
+        assert eventually(lambda: limits.accounts[0].running == 1)  # (the creator went: the generation holds one)
+        assert not fake.streams[-1].cancelled
+        with client.stream("GET", f"/v1/responses/{rid}?stream=true", headers=key) as r:  # (its second slot)
+            assert r.status_code == 200 and read_events(r)[-1]["type"] == "response.completed"
+        assert eventually(lambda: limits.accounts[0].running == 0)

@@ -39,6 +39,7 @@ class _Run:
     owner: int
     events: list[str] | None
     ended: bool = False
+    held: bool = True  # whether it holds a running request of its key (not while its creator streams it)
     changed: asyncio.Event = field(default_factory=asyncio.Event)  # set (and replaced) at each change
 
     def add(self, event: str) -> None:
@@ -82,8 +83,10 @@ class BackgroundRuns:
                                    "(the store is unavailable, or the conversation is over "
                                    "responses.max_stored_bytes)", "background", "store_unavailable", "server_error",
                               {"Retry-After": "1"})
-        self.limits.hold(owner)  # (released when the task ends)
-        run = self._runs[shape.rid] = _Run(owner, None if events is None else [])
+        # a running request of its key until it ends; a streamed one's creator is one while it streams it
+        run = self._runs[shape.rid] = _Run(owner, None if events is None else [], held=events is None)
+        if run.held:
+            self.limits.hold(owner)
         if events is None:
             work = whole_response(shape, fmt, pieces, field_name, _marked_stored)
         else:
@@ -92,6 +95,25 @@ class BackgroundRuns:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return response
+
+    def opening(self, response_id: str) -> AsyncIterator[str]:
+        """The stream of the request that has just created a streamed background response: each
+        event as it comes. Call creator_gone once that stream has closed."""
+        return _local(self._runs[response_id], None)
+
+    def creator_gone(self, response_id: str) -> None:
+        """The creating request's stream closed (read to its end, or its client gone): where the
+        response still runs, it takes that request's place among its key's running requests."""
+        run = self._runs.get(response_id)
+        if run is not None and not run.held:
+            self.limits.hold(run.owner)
+            run.held = True
+
+    def _let_go(self, run: _Run) -> None:
+        """The run's running request of its key given up, where it holds one."""
+        if run.held:
+            self.limits.leave(run.owner)
+            run.held = False
 
     async def follow(self, response_id: str, owner: int, after: int | None) -> AsyncIterator[str]:
         """A streamed background response's events after the `after`-th (None: all), then the
@@ -164,7 +186,7 @@ class BackgroundRuns:
             work.cancel()
             run.end()
             del self._runs[response_id]
-            self.limits.leave(run.owner)
+            self._let_go(run)
 
     async def _hand_over(self, response_id: str, run: _Run, kept: int) -> tuple[bool, int]:
         """The run's new events to the store (which renews its lease): whether it is to go on (not

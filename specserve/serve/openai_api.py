@@ -39,7 +39,7 @@ may run the routes in process with another coordinator.
 """
 import asyncio
 import time
-from typing import Literal
+from typing import AsyncIterator, Callable, Literal
 
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -62,6 +62,21 @@ from .schema import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest
 
 
 # -- errors --------------------------------------------------------------------------------------
+class ClosingStream(StreamingResponse):
+    """An event stream that calls `closed()` once it has ended, however it ended (read to its end,
+    its client gone, or cancelled), before the front door counts its request as done."""
+
+    def __init__(self, events: AsyncIterator[str], closed: Callable[[], None]) -> None:
+        super().__init__(events, media_type="text/event-stream")
+        self._closed = closed
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._closed()
+
+
 def _error_response(request: Request, err: OpenAIError) -> JSONResponse:
     """OpenAI's error shape; Anthropic's on the Messages API's routes."""
     return err.response(anthropic_route(request.scope))
@@ -282,8 +297,7 @@ class OpenAIServer(Ingress):
             response = await self._background.start(shape, fmt, pieces, field, history, inputs, owner, events, add)
             if events is None:
                 return response
-            return StreamingResponse(await self._background.follow(shape.rid, owner, None),
-                                     media_type="text/event-stream")
+            return ClosingStream(self._background.opening(shape.rid), lambda: self._background.creator_gone(shape.rid))
         if events is None:
             return await whole_response(shape, fmt, pieces, field, keep)
         return StreamingResponse(events.stream(fmt, pieces, keep), media_type="text/event-stream")
