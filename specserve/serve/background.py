@@ -57,7 +57,8 @@ class _Run:
 
 class BackgroundRuns:
     """The background responses this ingress replica is generating; each counts as a running
-    request of its key (`limits`: front_door.per_key) until it ends."""
+    request of its key (`limits`: front_door.per_key) until it ends: a streamed one as its
+    creating request while that streams it, then by itself."""
 
     def __init__(self, store: StoreClient, limits: KeyLimits) -> None:
         self.store, self.limits = store, limits
