@@ -198,7 +198,7 @@ def test_the_store_keeps_a_streamed_response_s_events_in_its_bytes():
     assert store.put(RUNNING, [], streamed=True) == "stored" and store.put({**RUNNING, "id": "r1"}, []) == "stored"
     before = store._bytes
     assert store.append("r0", -1, [_event(0), _event(1)]) and store.append("r0", -1, [_event(2)])
-    assert store._bytes == before + sum(len(_event(k)) for k in range(3))
+    assert store._bytes == before + sum(len(_event(k).encode()) for k in range(3))
     assert store.events("r0", -1, None) == {"events": [_event(k) for k in range(3)], "ended": False}
     assert store.events("r0", -1, 0)["events"] == [_event(1), _event(2)]
     assert store.events("r0", 7) is None and store.events("r1")["events"] is None  # (another key; not streamed)
@@ -214,6 +214,9 @@ def test_the_store_keeps_a_streamed_response_s_events_in_its_bytes():
     store.delete("r2")
     store.delete("r0")
     assert store._bytes == store._links["r1"].size and len(store._links) == 1  # (their events went with them)
+    assert store.put({**RUNNING, "id": "r3"}, [], streamed=True) == "stored"
+    grown = store._bytes
+    assert store.append("r3", -1, ["data: \u00e9t\u00e9\n\n"]) and store._bytes - grown == 13  # (bytes, not characters)
 
 
 def test_events_past_the_byte_bound_stop_the_response_and_a_lost_one_ends_failed(monkeypatch):

@@ -80,7 +80,7 @@ class EventLog:
         packed, before = self._packed is not None, self.size
         self._unpack()
         self._events.extend(events)
-        self.size += sum(len(event) for event in events)
+        self.size += sum(len(event.encode()) for event in events)
         if packed:
             self.pack()
         return self.size - before
