@@ -4,18 +4,9 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from .responses_schema import MAX_METADATA, InputItem, ItemReference, MediaContent, _Strict
+from .responses_schema import InputItem, ItemReference, MediaContent, _Strict, metadata_problems
 
 MAX_ITEMS = 20  # items one request may add
-
-
-def metadata_problems(metadata: dict[str, str] | None) -> list[tuple[str, str]]:
-    """(param, why) where metadata is over OpenAI's limits."""
-    metadata = metadata or {}
-    if len(metadata) > MAX_METADATA or any(len(k) > 64 or len(v) > 512 for k, v in metadata.items()):
-        return [("metadata", f"metadata holds at most {MAX_METADATA} pairs, keys of at most 64 characters "
-                             "and values of at most 512")]
-    return []
 
 
 class _Items(_Strict):

@@ -41,6 +41,15 @@ from .front_door import OpenAIError
 from .schema import FUNCTION_NAME, ChatCompletionRequest, JsonObjectFormat, SamplingOptions, TextFormat
 
 MAX_METADATA = 16  # OpenAI's limits on metadata: pairs, key and value lengths
+
+
+def metadata_problems(metadata: dict[str, str] | None) -> list[tuple[str, str]]:
+    """(param, why) where metadata is over OpenAI's limits (a response's or a conversation's)."""
+    metadata = metadata or {}
+    if len(metadata) > MAX_METADATA or any(len(k) > 64 or len(v) > 512 for k, v in metadata.items()):
+        return [("metadata", f"metadata holds at most {MAX_METADATA} pairs, keys of at most 64 characters "
+                             "and values of at most 512")]
+    return []
 Status = Literal["in_progress", "completed", "incomplete"]
 
 
@@ -269,11 +278,7 @@ class ResponsesRequest(SamplingOptions):
             bad.append(("tools", "only function tools are supported"))
         if self.stream_options is not None and not self.stream:
             bad.append(("stream_options", "stream_options needs stream=true"))
-        metadata = self.metadata or {}
-        if len(metadata) > MAX_METADATA or any(len(k) > 64 or len(v) > 512 for k, v in metadata.items()):
-            bad.append(("metadata", f"metadata holds at most {MAX_METADATA} pairs, keys of at most 64 characters "
-                                    "and values of at most 512"))
-        return bad
+        return bad + metadata_problems(self.metadata)
 
     def conversation_id(self) -> str | None:
         return self.conversation.id if isinstance(self.conversation, ConversationRef) else self.conversation
