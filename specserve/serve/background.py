@@ -207,7 +207,6 @@ class HandOvers:
 
     def __init__(self, store: StoreClient) -> None:
         self.store = store
-        self.calls = 0  # store calls made
         self._waiting: dict[str, tuple[int, list[str], asyncio.Future]] = {}  # response id -> (owner, events, answer)
         self._sending: asyncio.Task | None = None
 
@@ -224,7 +223,6 @@ class HandOvers:
         await asyncio.sleep(0)  # (the other runs woken on this tick ask first)
         while self._waiting:
             batch, self._waiting = self._waiting, {}
-            self.calls += 1
             try:
                 going = await self.store.call("hand_over", {rid: (owner, events) for rid, (owner, events, _) in
                                                             batch.items()})
