@@ -20,6 +20,7 @@ Every field is checked here; nothing downstream re-validates a dict.
 """
 from __future__ import annotations
 
+import os
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -414,7 +415,10 @@ class ResponsesConfig(_Strict):
     (memory; the least recently used dropped beyond either bound), so that a later request's
     `previous_response_id` goes on from it and `GET /v1/responses/{id}` finds it. With `store`,
     too, the Conversations API (`/v1/conversations`) keeps conversations in the app's
-    ConversationStore deployment, within bounds of their own."""
+    ConversationStore deployment, within bounds of their own. With `persist_dir`, both stores
+    keep a journal of their changes in that directory (`responses.jsonl`, `conversations.jsonl`)
+    and read it back when their replica restarts; it must be reachable where the store replicas
+    run (on a cluster, a shared filesystem: Serve may restart a replica on another node)."""
 
     store: bool = True
     max_stored: int = Field(1024, ge=1)  # responses kept
@@ -422,6 +426,15 @@ class ResponsesConfig(_Strict):
     max_conversations: int = Field(1024, ge=1)  # conversations kept
     max_conversation_bytes: int = Field(64 << 20, ge=1 << 16)  # their items' and metadata's JSON, in all
     compaction_max_tokens: int = Field(1024, ge=16)  # a /v1/responses/compact summary's (and a quarter of the context)
+    persist_dir: str | None = Field(None, min_length=1)  # where the stores' journals are (None: memory only)
+
+    def journal(self, store: str) -> str | None:
+        """The journal file of one store ("responses", "conversations"); None where nothing is kept
+        or persist_dir is not set. A relative persist_dir is taken from where this is asked (the
+        app is built), so the replicas, wherever their working directory is, use the same file."""
+        if not self.store or self.persist_dir is None:
+            return None
+        return os.path.join(os.path.abspath(os.path.expanduser(self.persist_dir)), f"{store}.jsonl")
 
 
 # -- the application -----------------------------------------------------------------------------

@@ -54,9 +54,10 @@ def build_from_config(config: AppConfig) -> serve.Application:
     responses = config.responses
     store = conversations = None
     if responses.store:
-        store = ResponseStoreDeployment.bind(responses.max_stored, responses.max_stored_bytes)
-        conversations = ConversationStoreDeployment.bind(responses.max_conversations,
-                                                         responses.max_conversation_bytes)
+        store = ResponseStoreDeployment.bind(responses.max_stored, responses.max_stored_bytes,
+                                             responses.journal("responses"))
+        conversations = ConversationStoreDeployment.bind(responses.max_conversations, responses.max_conversation_bytes,
+                                                         responses.journal("conversations"))
     return OpenAIIngress.options(**_options("ingress", config)).bind(coordinator, config, store, conversations)
 
 

@@ -6,7 +6,8 @@ Kept in memory as JSON bytes, one string per item, so adding n items to a conver
 those n items only; within `responses.max_conversations` conversations and
 `max_conversation_bytes` bytes in all, the least recently used (read or written) go first. In an
 app it is one Serve deployment that every ingress replica asks; in process it is this class
-alone. Its methods answer with sentinels rather than raising, so that an answer crosses a handle
+alone. With `responses.persist_dir` it keeps a journal of its changes there (journal.py), read
+back when its replica restarts (the least recently used order then that of the last changes). Its methods answer with sentinels rather than raising, so that an answer crosses a handle
 as it is; `ConversationClient` turns them into OpenAI's errors.
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ from ray import serve
 from specserve.config import ResponsesConfig
 
 from .front_door import OpenAIError
+from .journal import Journal, Journaled
 from .response_store import store_call
 from .responses_api import as_stored, input_page
 
@@ -44,11 +46,64 @@ class _Conversation:
                 "metadata": json.loads(self.metadata)}
 
 
-class ConversationStore:
-    def __init__(self, max_conversations: int, max_bytes: int) -> None:
+class ConversationStore(Journaled):
+    """With `journal` (a file's path), every change is recorded there first and read back at
+    start (journal.py): `_create`, `_add`, `_set_metadata`, `_drop_item`, `_drop`."""
+
+    def __init__(self, max_conversations: int, max_bytes: int, journal: str | None = None) -> None:
         self.max_conversations, self.max_bytes = max_conversations, max_bytes
         self._conversations: OrderedDict[str, _Conversation] = OrderedDict()  # least recently used first
         self._bytes = 0  # of every conversation
+        if journal is not None:
+            self._open(Journal(journal, "conversations"))
+
+    # -- the journal (journal.py) --------------------------------------------------------------------
+    def _apply(self, record: list) -> None:
+        op, cid, *args = record
+        if op == "create":
+            owner, created_at, metadata = args
+            self._create(cid, _Conversation(owner, created_at, metadata.encode()))
+        elif op == "items":
+            self._add(cid, self._conversations[cid], [(item_id, encoded.encode()) for item_id, encoded in args[0]])
+        elif op == "metadata":
+            self._set_metadata(cid, self._conversations[cid], args[0].encode())
+        elif op == "drop_item":
+            self._drop_item(cid, self._conversations[cid], args[0])
+        elif op == "drop":
+            self._drop(cid)
+        else:
+            raise ValueError(f"conversation store journal: unknown record {op!r}")
+
+    def _snapshot(self):
+        """Records that make the store as it is: each conversation and its items, the least
+        recently used first."""
+        for cid, conversation in self._conversations.items():
+            yield ["create", cid, conversation.owner, conversation.created_at, conversation.metadata.decode()]
+            yield ["items", cid, [[item_id, encoded.decode()] for item_id, encoded in conversation.items.items()]]
+
+    def _create(self, cid: str, conversation: _Conversation) -> None:
+        self._log(["create", cid, conversation.owner, conversation.created_at, conversation.metadata.decode()])
+        conversation.size = len(conversation.metadata)
+        self._conversations[cid] = conversation
+        self._bytes += conversation.size
+
+    def _add(self, cid: str, conversation: _Conversation, items: list[tuple[str, bytes]]) -> None:
+        """Items (id, JSON) added at the end."""
+        self._log(["items", cid, [[item_id, encoded.decode()] for item_id, encoded in items]])
+        for item_id, encoded in items:
+            conversation.items[item_id] = encoded
+        self._resize(conversation, sum(len(encoded) for _, encoded in items))
+
+    def _set_metadata(self, cid: str, conversation: _Conversation, encoded: bytes) -> None:
+        self._log(["metadata", cid, encoded.decode()])
+        self._resize(conversation, len(encoded) - len(conversation.metadata))
+        conversation.metadata = encoded
+
+    def _drop_item(self, cid: str, conversation: _Conversation, item_id: str) -> None:
+        self._log(["drop_item", cid, item_id])
+        self._resize(conversation, -len(conversation.items.pop(item_id)))
+
+    # -- conversations --------------------------------------------------------------------------------
 
     def __len__(self) -> int:
         return len(self._conversations)
@@ -57,9 +112,7 @@ class ConversationStore:
         """A new conversation holding these items: its object, or TOO_LARGE (nothing kept)."""
         cid = f"conv_{uuid.uuid4().hex}"
         conversation = _Conversation(owner, int(time.time()), json.dumps(metadata).encode())
-        conversation.size = len(conversation.metadata)
-        self._conversations[cid] = conversation
-        self._bytes += conversation.size
+        self._create(cid, conversation)
         if self.append(cid, items, owner) == TOO_LARGE:
             self._drop(cid)
             return TOO_LARGE
@@ -74,9 +127,7 @@ class ConversationStore:
         conversation = self._find(cid, owner)
         if conversation is None:
             return NO_CONVERSATION
-        encoded = json.dumps(metadata).encode()
-        self._resize(conversation, len(encoded) - len(conversation.metadata))
-        conversation.metadata = encoded
+        self._set_metadata(cid, conversation, json.dumps(metadata).encode())
         self._bound()
         return conversation.view(cid)
 
@@ -105,9 +156,7 @@ class ConversationStore:
             logger.warning("conversation %s would be over responses.max_conversation_bytes: %d items not added",
                            cid, len(items))
             return TOO_LARGE
-        for item, encoded in stored:
-            conversation.items[item["id"]] = encoded
-        self._resize(conversation, added)
+        self._add(cid, conversation, [(item["id"], encoded) for item, encoded in stored])
         self._bound()  # (never this one: it is the most recently used, and fits alone)
         return [item for item, _ in stored]
 
@@ -143,10 +192,9 @@ class ConversationStore:
         conversation = self._find(cid, owner)
         if conversation is None:
             return NO_CONVERSATION
-        encoded = conversation.items.pop(item_id, None)
-        if encoded is None:
+        if item_id not in conversation.items:
             return NO_ITEM
-        self._resize(conversation, -len(encoded))
+        self._drop_item(cid, conversation, item_id)
         return conversation.view(cid)
 
     def _find(self, cid: str, owner: int) -> _Conversation | None:
@@ -161,6 +209,7 @@ class ConversationStore:
         self._bytes += change
 
     def _drop(self, cid: str) -> None:
+        self._log(["drop", cid])
         self._bytes -= self._conversations.pop(cid).size
 
     def _bound(self) -> None:
@@ -177,8 +226,8 @@ class ConversationClient:
     def __init__(self, handle, config: ResponsesConfig) -> None:
         self.on = config.store
         self._handle = handle
-        self._local = ConversationStore(config.max_conversations, config.max_conversation_bytes) \
-            if handle is None and self.on else None
+        self._local = ConversationStore(config.max_conversations, config.max_conversation_bytes,
+                                        config.journal("conversations")) if handle is None and self.on else None
 
     def require(self, param: str) -> None:
         """A 400 naming `param` with the store off."""

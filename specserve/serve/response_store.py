@@ -4,8 +4,9 @@ conversation (its own input items, its output, and the response it went on from)
 JSON, within `responses.max_stored` responses and `max_stored_bytes` bytes: the least recently
 used go first (a later turn naming one that went is a 400, as for an id never stored). In an app
 it is one Serve deployment that every ingress replica asks, so a conversation may go on through
-any of them; in process it is this class alone. A restart of the store's replica forgets what it
-held.
+any of them; in process it is this class alone. With `responses.persist_dir` it keeps a journal
+of its changes there (journal.py), so that a restart of its replica holds what it held; without,
+a restart forgets it.
 
 A background response (`background: true`) is stored as in progress when it starts and replaced
 by the finished response when it ends (`finish`); its ingress asks every `POLL_S` seconds whether
@@ -21,6 +22,7 @@ bytes still count, and go with the last of them.
 """
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import time
@@ -35,6 +37,7 @@ from ray import serve
 from specserve.config import ResponsesConfig
 
 from .front_door import OpenAIError
+from .journal import Journal, Journaled
 from .responses import sse_event
 from .responses_api import with_id
 
@@ -106,18 +109,79 @@ class EventLog:
         if self._packed is not None:
             self._events, self._packed, self._ends = self.since(0), None, None
 
+    def dump(self) -> list[str] | dict:
+        """As a journal record holds it: the events, or once packed, the packed bytes (base64) and ends."""
+        if self._packed is None:
+            return list(self._events)
+        return {"packed": base64.b64encode(self._packed).decode(), "ends": self._ends.tolist()}
 
-class ResponseStore:
-    """Each response is kept with its owner: asked with another key, it is not there."""
+    @classmethod
+    def restored(cls, dumped: list[str] | dict | None) -> EventLog | None:
+        """The log `dump` gave (None: a response that keeps no events)."""
+        if dumped is None:
+            return None
+        log = cls()
+        if isinstance(dumped, list):
+            log.extend(dumped)
+        else:
+            log._packed, log._ends = base64.b64decode(dumped["packed"]), array("I", dumped["ends"])
+            log.size = len(log._packed) + log._ends.itemsize * len(log._ends)
+        return log
 
-    def __init__(self, max_stored: int, max_stored_bytes: int) -> None:
+
+class ResponseStore(Journaled):
+    """Each response is kept with its owner: asked with another key, it is not there. With
+    `journal` (a file's path), every change is recorded there first (`_log`) and the file read
+    back at start: the changes themselves (`_add`, `_rewrite`, `_extend`, `_hide`), not the calls
+    that made them, so what a time-dependent call decided (a lease that ran out) or which link
+    the bounds dropped reads back as it was. Reads are not recorded: after a restart the least
+    recently used order is that of the last changes."""
+
+    def __init__(self, max_stored: int, max_stored_bytes: int, journal: str | None = None) -> None:
         self.max_stored, self.max_bytes = max_stored, max_stored_bytes
-        self._links: dict[str, _Link] = {}  # id -> link, shown or hidden
+        self._links: dict[str, _Link] = {}  # id -> link, shown or hidden (a link after the one it went on from)
         self._shown: OrderedDict[str, None] = OrderedDict()  # the shown links' ids, least recently used first
         self._bytes = 0  # of every link, hidden ones included
         self._leases: dict[str, float] = {}  # a running background response's id -> when its ingress last asked
         self._index: dict[tuple[int, str], list[str]] = {}  # (owner, item id) -> the shown responses holding it
+        if journal is not None:
+            self._open(Journal(journal, "responses"))
 
+    # -- the journal (journal.py) --------------------------------------------------------------------
+    def _apply(self, record: list) -> None:
+        op, args = record[0], record[1:]
+        if op == "put":
+            rid, owner, previous, response, inputs, events = args
+            link = _Link(owner, previous, response.encode(), inputs.encode(), events=EventLog.restored(events))
+            self._add(rid, link, json.loads(response), json.loads(inputs))
+        elif op == "rewrite":
+            self._rewrite(args[0], json.loads(args[1]))
+        elif op == "events":
+            self._extend(args[0], self._links[args[0]], args[1])
+        elif op == "hide":
+            self._hide(args[0])
+        elif op == "order":
+            for rid in args[0]:
+                self._shown.move_to_end(rid)
+        else:
+            raise ValueError(f"response store journal: unknown record {op!r}")
+
+    def _snapshot(self):
+        """Records that make the store as it is: every link (after the one it went on from), the
+        hidden ones hidden, then the shown ones' order."""
+        for rid, link in self._links.items():
+            yield self._put_record(rid, link)
+        for rid, link in self._links.items():
+            if not link.shown:
+                yield ["hide", rid]
+        yield ["order", list(self._shown)]
+
+    @staticmethod
+    def _put_record(rid: str, link: _Link) -> list:
+        return ["put", rid, link.owner, link.previous, link.response.decode(), link.inputs.decode(),
+                None if link.events is None else link.events.dump()]
+
+    # -- responses ----------------------------------------------------------------------------------
     def put(self, response: dict, inputs: list[dict], owner: int = -1, previous: str | None = None,
             streamed: bool = False) -> str:
         """Keep a response, its own input items (an item without an id gets one) and the response
@@ -137,16 +201,21 @@ class ResponseStore:
             logger.warning("response %s (%d bytes with its earlier turns) is larger than "
                            "responses.max_stored_bytes: not stored", response["id"], size)
             return TOO_LARGE
-        if before is not None:
-            before.later += 1
-        self._links[response["id"]] = link
-        self._shown[response["id"]] = None
-        self._bytes += link.size
-        if response.get("background") and response["status"] in RUNNING:
-            self._leases[response["id"]] = time.monotonic()
-        self._list(response["id"], owner, inputs + response.get("output", []))
+        self._add(response["id"], link, response, inputs)
         self._bound()  # (never this one: its conversation alone fits)
         return STORED
+
+    def _add(self, rid: str, link: _Link, response: dict, inputs: list[dict]) -> None:
+        """A new link kept (`response` and `inputs`: its JSON, decoded)."""
+        self._log(self._put_record(rid, link))
+        if link.previous is not None:
+            self._links[link.previous].later += 1
+        self._links[rid] = link
+        self._shown[rid] = None
+        self._bytes += link.size
+        if response.get("background") and response["status"] in RUNNING:
+            self._leases[rid] = time.monotonic()
+        self._list(rid, link.owner, inputs + response.get("output", []))
 
     def get(self, response_id: str, owner: int = -1) -> dict | None:
         link = self._touch(response_id, owner)
@@ -191,7 +260,7 @@ class ResponseStore:
         if link is None or link.events is None or not link.shown or link.owner != owner:
             return going
         if going or self._response(response_id, link)["status"] == "cancelled":
-            self._bytes += link.events.extend(events)
+            self._extend(response_id, link, events)
             self._bound()  # (this one too, where its events alone pass the bound: it stops then)
         return going and link.shown
 
@@ -218,6 +287,7 @@ class ResponseStore:
         if not self.append(rid, owner, events):
             return False
         self._rewrite(rid, response)
+        self._bound()
         return True
 
     def cancel(self, response_id: str, owner: int = -1) -> dict | None:
@@ -230,6 +300,7 @@ class ResponseStore:
         if response_id in self._leases:
             response["status"] = "cancelled"
             self._rewrite(response_id, response)
+            self._bound()
         return response
 
     def _response(self, response_id: str, link: _Link) -> dict:
@@ -242,19 +313,26 @@ class ResponseStore:
                                                    "lost; create the response again"})
             if link.events is not None:  # (a follower's stream ends with it)
                 data = {"type": "response.failed", "sequence_number": len(link.events), "response": response}
-                self._bytes += link.events.extend([f"event: {data['type']}\n" + sse_event(data)])
+                self._extend(response_id, link, [f"event: {data['type']}\n" + sse_event(data)])
             self._rewrite(response_id, response)
+            self._bound()
         return response
+
+    def _extend(self, response_id: str, link: _Link, events: list[str]) -> None:
+        """A streamed background response's new events kept."""
+        self._log(["events", response_id, list(events)])
+        self._bytes += link.events.extend(events)
 
     def _rewrite(self, response_id: str, response: dict) -> None:
         """A stored link's response replaced (it has ended: no lease any more, its events packed)."""
+        encoded = json.dumps(response)
+        self._log(["rewrite", response_id, encoded])
         link = self._links[response_id]
         self._leases.pop(response_id, None)
         self._bytes -= len(link.response)
-        link.response = json.dumps(response).encode()
+        link.response = encoded.encode()
         self._bytes += len(link.response) + (0 if link.events is None else link.events.pack())
         self._list(response_id, link.owner, response.get("output", []))  # (its inputs are listed already)
-        self._bound()
 
     def _bound(self) -> None:
         """The least recently used links hidden until both bounds hold."""
@@ -306,6 +384,7 @@ class ResponseStore:
 
     def _hide(self, response_id: str) -> None:
         """No longer found; its bytes freed, and any earlier hidden link's that only it kept."""
+        self._log(["hide", response_id])
         hidden = self._links[response_id]
         hidden.shown = False
         self._leases.pop(response_id, None)
@@ -350,7 +429,8 @@ class StoreClient:
 
     def __init__(self, handle, config: ResponsesConfig) -> None:
         self.on = config.store
-        self._local = ResponseStore(config.max_stored, config.max_stored_bytes) if handle is None else None
+        self._local = None if handle is not None else \
+            ResponseStore(config.max_stored, config.max_stored_bytes, config.journal("responses"))
         self._handle = handle
 
     async def call(self, method: str, *args):

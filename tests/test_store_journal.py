@@ -1,0 +1,253 @@
+"""The stores' journals (`responses.persist_dir`): a store opened again on its journal holds
+what the store that wrote it held, through torn lines, rewrites, failed writes and restarts of
+its Serve replica."""
+import json
+
+import pytest
+
+from specserve.config import ResponsesConfig
+from specserve.serve import journal as journal_module
+from specserve.serve import response_store
+from specserve.serve.conversation_store import ConversationStore
+from specserve.serve.journal import Journal
+from specserve.serve.response_store import ResponseStore
+
+
+def _turn(store, k: int, previous: str | None = None, pad: int = 100, owner: int = -1) -> str:
+    said = {"type": "message", "id": f"out{k}", "role": "assistant", "content": "a" * pad}
+    store.put({"id": f"r{k}", "status": "completed", "output": [said]}, [{"role": "user", "content": f"q{k}" * pad}], owner, previous)
+    return f"r{k}"
+
+
+def _background(store, k: int, streamed: bool) -> str:
+    rid = f"bg{k}"
+    store.put({"id": rid, "background": True, "status": "in_progress", "output": []},
+              [{"role": "user", "content": f"go {k}"}], -1, None, streamed)
+    return rid
+
+
+def _responses_view(store: ResponseStore, ids: list[str]) -> dict:
+    """Everything a client can read of these responses, and what the store counts."""
+    owners = {rid: (int(rid[1:]) % 2 if rid[0] == "r" and int(rid[1:]) >= 4 else -1) for rid in ids}  # (_a_busy_store's)
+    view = {rid: (store.get(rid, o), store.conversation(rid, o), store.input_items(rid, o), store.events(rid, o))
+            for rid, o in owners.items()}
+    items = [f"out{k}" for k in range(12)]
+    return {"responses": view, "items": [store.items(items, owner) for owner in (-1, 0, 1)], "len": len(store),
+            "bytes": store._bytes,
+            "links": sorted(store._links), "shown": list(store._shown)}
+
+
+def _a_busy_store(path, **bounds) -> tuple[ResponseStore, list[str]]:
+    """A store that took every kind of change: turns and branches, a deleted turn that stays as
+    history, one dropped by the bound, streamed and plain background responses ended, cancelled
+    and running."""
+    store = ResponseStore(**{"max_stored": 9, "max_stored_bytes": 1 << 20, **bounds}, journal=str(path))
+    first = _turn(store, 0)
+    second = _turn(store, 1, first)
+    _turn(store, 2, second)
+    _turn(store, 3, second)  # (a branch from r1)
+    assert store.delete(second)  # r1 stays, hidden, as r2's and r3's history
+    streamed = _background(store, 0, True)
+    assert store.append(streamed, -1, ["event: a\ndata: {}\n\n", "event: b\ndata: {\"x\": \"\\u00e9\"}\n\n"])
+    assert store.finish({"id": streamed, "background": True, "status": "completed", "output": []}, -1, ["c\n\n"])
+    cancelled = _background(store, 1, False)
+    store.cancel(cancelled)
+    running = _background(store, 2, True)
+    store.append(running, -1, ["event: d\ndata: {}\n\n"])
+    for k in range(4, 8):  # past max_stored: the least recently used (r0) hidden, kept as r2's history
+        _turn(store, k, owner=k % 2)
+    assert store.get("r0") is None
+    assert store.delete("r6", owner=0)  # (a recent one: what the bound would drop next is another)
+    ids = ["r0", "r1", "r2", "r3", streamed, cancelled, running] + [f"r{k}" for k in range(4, 8)]
+    return store, ids
+
+
+def test_a_response_store_reads_back_what_it_held(tmp_path):
+    path = tmp_path / "responses.jsonl"
+    store, ids = _a_busy_store(path)
+    before = _responses_view(store, ids)
+    assert before["responses"]["r2"][1][0]["content"] == "q0" * 100  # (r0's items, through the hidden r1)
+    again = ResponseStore(9, 1 << 20, journal=str(path))
+    assert _responses_view(again, ids) == before
+    once_more = ResponseStore(9, 1 << 20, journal=str(path))  # (from the snapshot the last start wrote)
+    assert _responses_view(once_more, ids) == before
+    # the index that item_reference reads, per owner
+    assert once_more.items(["out5"], owner=1) == store.items(["out5"], owner=1) != [None]
+
+
+def test_a_running_background_response_goes_on_after_a_restart_or_fails_once_its_lease_runs_out(
+        tmp_path, monkeypatch):
+    path = tmp_path / "responses.jsonl"
+    store = ResponseStore(9, 1 << 20, journal=str(path))
+    going, lost = _background(store, 0, True), _background(store, 1, False)
+    store.append(going, -1, ["event: a\n\n"])
+    again = ResponseStore(9, 1 << 20, journal=str(path))
+    assert again.append(going, -1, ["event: b\n\n"])  # its ingress goes on handing over
+    assert again.finish({"id": going, "background": True, "status": "completed", "output": []}, -1, [])
+    now = response_store.time.monotonic()
+    monkeypatch.setattr(response_store.time, "monotonic", lambda: now + response_store.LEASE_S + 1)
+    assert again.get(lost)["status"] == "failed"  # nobody asked after it since the restart
+    monkeypatch.undo()
+    last = ResponseStore(9, 1 << 20, journal=str(path))
+    assert last.get(lost)["status"] == "failed" and not last.poll(lost)
+    assert last.get(going)["status"] == "completed"
+    assert last.events(going)["events"] == ["event: a\n\n", "event: b\n\n"]
+
+
+def test_bounds_smaller_at_a_restart_hold_at_once(tmp_path):
+    path = tmp_path / "responses.jsonl"
+    store, _ = _a_busy_store(path)
+    store.get("r2")  # now the most recently used; a rewrite (as when one is due) keeps that order
+    store._journal.rewrite(store._snapshot())
+    smaller = ResponseStore(3, 1 << 20, journal=str(path))
+    assert len(smaller) == 3 and smaller.get("r7", owner=1) is not None and smaller.get("r2") is not None
+    assert len(ResponseStore(3, 1 << 20, journal=str(path))) == 3
+
+
+def test_the_journal_is_rewritten_once_it_has_grown_past_what_the_store_holds(tmp_path, monkeypatch):
+    monkeypatch.setattr(journal_module, "MIN_REWRITE", 1 << 14)
+    path = tmp_path / "responses.jsonl"
+    store = ResponseStore(4, 1 << 20, journal=str(path))
+    rewrites = []
+    rewrite = Journal.rewrite
+    monkeypatch.setattr(Journal, "rewrite", lambda self, records: rewrites.append(1) or rewrite(self, records))
+    for k in range(300):  # ~300 x 600 bytes written, at most 4 turns held
+        _turn(store, k, pad=200)
+    assert len(rewrites) > 3
+    assert path.stat().st_size < 2 * max(store._bytes, 1 << 14) + 4096
+    ids = [f"r{k}" for k in range(290, 300)]
+    assert _responses_view(ResponseStore(4, 1 << 20, journal=str(path)), ids) == _responses_view(store, ids)
+
+
+def test_a_torn_last_line_is_dropped_and_the_file_made_whole(tmp_path, caplog):
+    path = tmp_path / "responses.jsonl"
+    store, ids = _a_busy_store(path)
+    before = _responses_view(store, ids)
+    with open(path, "ab") as out:
+        out.write(b'["put","r99",-1,null,"{\\"id')  # (the process died in the middle of a write)
+    again = ResponseStore(9, 1 << 20, journal=str(path))
+    assert _responses_view(again, ids) == before and again.get("r99") is None
+    assert all(json.loads(line) for line in path.read_bytes().splitlines())  # written anew, whole
+    _turn(again, 10)
+    assert ResponseStore(9, 1 << 20, journal=str(path)).get("r10") is not None
+
+
+def test_a_change_whose_record_cannot_be_written_is_not_made(tmp_path, monkeypatch):
+    path = tmp_path / "responses.jsonl"
+    store, ids = _a_busy_store(path)
+    before, size = _responses_view(store, ids), path.stat().st_size
+
+    class Full:
+        def __init__(self, file):
+            self.file = file
+
+        def write(self, data):
+            self.file.write(data[:5])  # (a part went out before the disk filled)
+            raise OSError(28, "No space left on device")
+
+        def __getattr__(self, name):
+            return getattr(self.file, name)
+
+    store._journal._file = Full(store._journal._file)
+    with pytest.raises(OSError):
+        _turn(store, 11)
+    assert _responses_view(store, ids) == before and store.get("r11") is None
+    assert path.stat().st_size == size
+    assert _responses_view(ResponseStore(9, 1 << 20, journal=str(path)), ids) == before
+
+
+def test_a_journal_is_read_only_by_its_own_kind_of_store(tmp_path):
+    path = tmp_path / "store.jsonl"
+    ResponseStore(9, 1 << 20, journal=str(path))
+    with pytest.raises(ValueError, match="responses store's journal, not the conversations"):
+        ConversationStore(8, 1 << 20, journal=str(path))
+    other = tmp_path / "other.jsonl"
+    other.write_text("hello\n")
+    with pytest.raises(ValueError, match="not a specserve store journal"):
+        ResponseStore(8, 1 << 20, journal=str(other))
+    newer = tmp_path / "newer.jsonl"
+    newer.write_text('{"specserve_journal": "responses", "version": 99}\n')
+    with pytest.raises(ValueError, match="version 99"):
+        ResponseStore(8, 1 << 20, journal=str(newer))
+
+
+def test_a_conversation_store_reads_back_what_it_held(tmp_path):
+    path = tmp_path / "conversations.jsonl"
+    store = ConversationStore(3, 1 << 20, journal=str(path))
+    said = [{"type": "message", "role": "user", "content": f"hello {k}"} for k in range(3)]
+    ids = [store.create(said[:1], {"k": str(k)}, owner=k % 2)["id"] for k in range(4)]  # the first dropped
+    assert store.get(ids[0], 0) == "no_conversation"
+    added = store.append(ids[1], said[1:], owner=1)
+    store.append(ids[1], [{**added[0]}], owner=1)  # (an id it holds already: a new one given)
+    store.update(ids[2], {"topic": "é"}, owner=0)
+    store.delete_item(ids[1], added[1]["id"], owner=1)
+    store.delete(ids[3], owner=1)
+    owners = {cid: k % 2 for k, cid in enumerate(ids)}
+    views = lambda s: {cid: (s.get(cid, owners[cid]), s.items(cid, owners[cid]),  # noqa: E731
+                             s.page(cid, 2, "desc", None, owners[cid])) for cid in ids}
+    before = (views(store), len(store), store._bytes)
+    again = ConversationStore(3, 1 << 20, journal=str(path))
+    assert (views(again), len(again), again._bytes) == before
+    assert len(again.items(ids[1], 1)) == 3 and again.get(ids[2], 0)["metadata"] == {"topic": "é"}
+    smaller = ConversationStore(1, 1 << 20, journal=str(path))
+    assert len(smaller) == 1 and smaller.get(ids[2], 0) != "no_conversation"  # (the most recently changed)
+
+
+def test_persist_dir_names_each_store_s_journal(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = ResponsesConfig(persist_dir="state")
+    assert config.journal("responses") == str(tmp_path / "state" / "responses.jsonl")
+    assert config.journal("conversations") == str(tmp_path / "state" / "conversations.jsonl")
+    assert ResponsesConfig().journal("responses") is None
+    assert ResponsesConfig(persist_dir="state", store=False).journal("responses") is None
+
+
+def test_over_http_a_restarted_server_goes_on_from_what_it_kept(tmp_path, monkeypatch):
+    from test_responses_api import app_client
+    from test_serve_api import MODEL, FakeCoordinator
+
+    state = {"persist_dir": str(tmp_path / "state")}
+    with app_client(FakeCoordinator(max_model_len=4096), monkeypatch, responses=state) as client:
+        first = client.post("/v1/responses", json={"model": MODEL, "input": "hello", "max_output_tokens": 8}).json()
+        conversation = client.post("/v1/conversations", json={"items": [
+            {"type": "message", "role": "user", "content": "remember me"}], "metadata": {"k": "v"}}).json()
+    fake = FakeCoordinator(max_model_len=4096)
+    with app_client(fake, monkeypatch, responses=state) as client:  # (a new server: new stores, same files)
+        assert client.get(f"/v1/responses/{first['id']}").json() == first
+        r = client.post("/v1/responses", json={"model": MODEL, "input": "again", "max_output_tokens": 8,
+                                                 "previous_response_id": first["id"]})
+        assert r.status_code == 200, r.text
+        assert b"hello" in bytes(t for t in fake.requests[-1].prompt_token_ids if t < 256)
+        assert client.get(f"/v1/conversations/{conversation['id']}").json() == conversation
+        items = client.get(f"/v1/conversations/{conversation['id']}/items").json()["data"]
+        assert [item["content"][0]["text"] for item in items] == ["remember me"]
+    assert sorted(p.name for p in (tmp_path / "state").iterdir()) == ["conversations.jsonl", "responses.jsonl"]
+
+
+def test_a_store_replica_that_serve_restarts_holds_what_it_held(server, tmp_path):
+    import ray
+    from ray import serve
+    from serve_helpers import replica_actors, wait_for
+
+    from specserve.serve.response_store import ResponseStoreDeployment
+
+    app = "journal-test"
+    handle = serve.run(ResponseStoreDeployment.bind(8, 1 << 20, str(tmp_path / "responses.jsonl")), name=app,
+                       route_prefix=None)
+    try:
+        said = [{"role": "user", "content": "hi"}]
+        assert handle.put.remote({"id": "r0", "status": "completed", "output": []}, said).result() == "stored"
+        (victim,) = replica_actors(app, "ResponseStore")
+        ray.kill(victim, no_restart=True)
+
+        def answers() -> bool:
+            try:
+                return handle.get.remote("r0").result(timeout_s=5) is not None
+            except Exception:  # (the replica that died, or the new one starting)
+                return False
+
+        assert wait_for(answers, timeout=120, interval=1)
+        assert victim._actor_id not in {actor._actor_id for actor in replica_actors(app, "ResponseStore")}
+        assert handle.input_items.remote("r0").result()[0]["content"] == "hi"
+    finally:
+        serve.delete(app)
