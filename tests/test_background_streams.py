@@ -316,6 +316,7 @@ def test_a_streamed_background_response_counts_once_against_its_key(fake, monkey
             assert limits.accounts[0].running == 1
         assert eventually(lambda: limits.accounts[0].running == 1)  # (the creator went: the generation holds one)
         assert not fake.streams[-1].cancelled
-        with client.stream("GET", f"/v1/responses/{rid}?stream=true", headers=key) as r:  # (its second slot)
-            assert r.status_code == 200 and read_events(r)[-1]["type"] == "response.completed"
+        with client.stream("GET", f"/v1/responses/{rid}?stream=true", headers=key) as r:  # (no slot: a read)
+            assert r.status_code == 200 and limits.accounts[0].running == 1
+            assert read_events(r)[-1]["type"] == "response.completed"
         assert eventually(lambda: limits.accounts[0].running == 0)

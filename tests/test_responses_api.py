@@ -490,7 +490,8 @@ def test_a_cancel_or_a_delete_stops_a_background_generation(fake, monkeypatch, q
 
 def test_a_background_response_counts_as_a_running_request_of_its_key(fake, monkeypatch, quick_polls):
     """front_door.per_key.max_concurrent_requests holds while a background response generates
-    after its request returned, and frees the slot when it ends."""
+    after its request returned, and frees the slot when it ends; a key at its limit still polls,
+    cancels and deletes what it started (those routes start no work: no slot)."""
     fake.script, fake.step_delay = said(b"x" * 300), 0.05
     with app_client(fake, monkeypatch, api_key=["a-key"],
                     front_door={"per_key": {"max_concurrent_requests": 1}}) as client:
@@ -501,14 +502,21 @@ def test_a_background_response_counts_as_a_running_request_of_its_key(fake, monk
         r = client.post("/v1/responses", json={**body, "background": False}, headers=key)
         assert _error(r, 429)["code"] == "concurrency_limit_exceeded"
         rid = running.json()["id"]
-        assert client.get(f"/v1/responses/{rid}", headers=key).status_code == 429  # (every route takes the slot)
-        fake.step_delay = 0.0  # (the rest at once: the task ends, and with it its hold on the slot)
-        def read():  # (a 429 while the task holds the slot)
-            r = client.get(f"/v1/responses/{rid}", headers=key)
-            return r.json() if r.status_code == 200 else None
+        assert client.get(f"/v1/responses/{rid}", headers=key).json()["status"] == "in_progress"
+        assert client.get(f"/v1/responses/{rid}/input_items", headers=key).status_code == 200
+        assert client.get("/v1/models", headers=key).status_code == 200
+        cancelled = client.post(f"/v1/responses/{rid}/cancel", headers=key)
+        assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
 
-        done = eventually(read)
-        assert done is not None and done["status"] == "completed"
+        def free() -> bool:  # (the task stops at its next poll, and gives its slot up)
+            r = client.post("/v1/responses", json={**body, "background": False, "max_output_tokens": 4}, headers=key)
+            return r.status_code == 200
+
+        assert eventually(free)
+        again = client.post("/v1/responses", json=body, headers=key).json()["id"]
+        fake.step_delay = 0.0  # (the rest at once: the task ends, and with it its hold on the slot)
+        assert eventually(lambda: client.get(f"/v1/responses/{again}", headers=key).json()["status"] == "completed")
+        assert client.delete(f"/v1/responses/{again}", headers=key).status_code == 200
 
 
 def test_a_background_response_whose_engine_failed_reads_failed(fake, monkeypatch, quick_polls):

@@ -3,7 +3,9 @@
     FrontDoor (pure ASGI middleware), in this order, before any byte of the body is read:
       1. /health and /live pass untouched (load balancers, probes)
       2. the API key (401), on every other route, /openapi.json and unknown paths included
-      3. per-key limits (429 + Retry-After): concurrent requests, tokens per minute (KeyLimits)
+      3. per-key limits (429 + Retry-After): concurrent requests, tokens per minute (KeyLimits),
+         on requests that do work (`limited`): not on reads, deletes and cancels, so that a key
+         at its limit can still poll, stream again, stop and delete what it started
       4. the body limit (413): Content-Length, then the bytes of a chunked body as they arrive;
          the body is buffered (at most the limit) and replayed to the app
 
@@ -188,9 +190,11 @@ class FrontDoor:
         door = self.door()
         headers = _headers(scope)
         anthropic = anthropic_route(scope)
+        counted = limited(scope)
         try:
             key = key_index(_credential(headers), door.keys) if door.keys else -1
-            door.limits.enter(key)
+            if counted:
+                door.limits.enter(key)
         except OpenAIError as err:
             await err.response(anthropic)(scope, receive, send)
             return
@@ -204,7 +208,19 @@ class FrontDoor:
             scope[self.KEY_SCOPE] = key
             await self.app(scope, _replay(body, receive), send)
         finally:
-            door.limits.leave(key)
+            if counted:
+                door.limits.leave(key)
+
+
+def limited(scope) -> bool:
+    """Whether a request counts against its key's limits: every one but reads (GET, HEAD), DELETEs
+    and cancels (`POST .../cancel`). Those start no work, and a key whose background responses
+    hold its every slot must still be able to poll them, follow their events, cancel and delete
+    them (a background response counts as a running request until it ends)."""
+    method = scope.get("method", "GET")
+    if method in ("GET", "HEAD", "OPTIONS", "DELETE"):
+        return False
+    return not (method == "POST" and _route_path(scope).rstrip("/").endswith("/cancel"))
 
 
 def _route_path(scope) -> str:
