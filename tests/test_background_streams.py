@@ -249,12 +249,13 @@ def test_a_follower_rides_out_a_store_unavailable_for_a_moment(monkeypatch):
                             OpenAIError(503, "gone", None), {"events": ["e1"], "ended": True}]
             self.asked = []
 
-        async def call(self, method: str, response_id: str, owner: int, after):
-            self.asked.append(after)
+        async def call(self, method: str, *args):
+            asks = {None: args} if method == "events" else args[0]  # (the first ask; then each tick's, batched)
+            self.asked += [after for _, _, after in asks.values()]
             answer = self.answers.pop(0)
             if isinstance(answer, Exception):
                 raise answer
-            return answer
+            return answer if method == "events" else {key: answer for key in asks}
 
     monkeypatch.setattr(background, "FOLLOW_S", 0.001)
 
@@ -268,6 +269,44 @@ def test_a_follower_rides_out_a_store_unavailable_for_a_moment(monkeypatch):
     store = Flaky()
     store.answers[2:] = [OpenAIError(503, "gone", None)] * 3
     assert asyncio.run(read(store)) == ["e0"]
+
+
+def test_a_replica_s_followers_ask_the_store_together_in_one_call_a_tick(monkeypatch):
+    """Eight followers of three responses generating on another replica: each tick's questions
+    go to the store as one call, and followers at the same place of one response share an ask."""
+    import asyncio
+
+    from specserve.serve.background import BackgroundRuns
+    from specserve.serve.front_door import KeyLimits
+
+    class Counting:
+        on = True
+
+        def __init__(self) -> None:
+            self.calls: list[int] = []  # asks per events_many call
+
+        async def call(self, method: str, *args):
+            if method == "events":  # (each follower's first question, its request's own)
+                return {"events": [], "ended": False}
+            self.calls.append(len(args[0]))  # (the next event after each ask's place; five in all)
+            return {key: {"events": [f"e{after + 1}"], "ended": after == 3} for key, (_, _, after) in args[0].items()}
+
+    monkeypatch.setattr(background, "FOLLOW_S", 0.02)
+
+    async def follow_all(store) -> list[list[str]]:
+        runs = BackgroundRuns(store, KeyLimits(None, None))
+
+        async def one(k: int) -> list[str]:
+            return [event async for event in await runs.follow(f"r{k % 3}", -1, None)]
+
+        return await asyncio.gather(*(one(k) for k in range(8)))
+
+    store = Counting()
+    streams = asyncio.run(follow_all(store))
+    assert all(stream == [f"e{n}" for n in range(5)] for stream in streams), streams
+    # 5 ticks, each one call of 3 asks (not 8 calls); a follower that computed its wake-up just past
+    # a tick's start asks on the next, alone, so allow a call or two more
+    assert len(store.calls) <= 7 and max(store.calls) == 3 and sum(store.calls) <= 17, store.calls
 
 
 def test_a_replica_s_runs_hand_over_together_in_one_store_call(fake, monkeypatch, quick_follow):

@@ -10,6 +10,10 @@ are kept too: this replica sends its followers each event as it comes, and hands
 new ones every `FLUSH_S` seconds, so that `GET /v1/responses/{id}?stream=true&starting_after=n`,
 through any replica, streams every event after the n-th and then follows the rest. A client that
 goes away stops nothing: the generation goes on, and the stream can be taken up again.
+
+A replica's runs hand over on the same ticks, and its followers of responses generating
+elsewhere ask on the same ticks: each tick's hand-overs are one store call, and so are its
+followers' questions (`Batched`), however many there are.
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, Hashable
 
 from . import response_store
 from .front_door import KeyLimits, OpenAIError
@@ -63,7 +67,8 @@ class BackgroundRuns:
     def __init__(self, store: StoreClient, limits: KeyLimits) -> None:
         self.store, self.limits = store, limits
         self._runs: dict[str, _Run] = {}  # response id -> its run, while it generates
-        self._batch = HandOvers(store)  # (every run hands over on the same ticks: one store call a tick)
+        self._batch = Batched(store, "hand_over")  # (every run hands over on the same ticks: one store call a tick)
+        self._follows = Batched(store, "events_many")  # (so do the followers of runs on other replicas)
         self._tasks: set[asyncio.Task] = set()  # (held: a task only the loop refers to may be collected)
 
     def __len__(self) -> int:
@@ -144,13 +149,14 @@ class BackgroundRuns:
             found = await self._next_events(response_id, owner, after)
 
     async def _next_events(self, response_id: str, owner: int, after: int) -> dict | None:
-        """The store's next answer, FOLLOW_S on; through a store unavailable for a while, asked
-        again (for at most LEASE_S: then None, and the stream ends)."""
+        """The store's next answer, on the next FOLLOW_S tick (every follower of this replica asks
+        on the same ticks: one call); through a store unavailable for a while, asked again (for at
+        most LEASE_S: then None, and the stream ends)."""
         deadline = time.monotonic() + response_store.LEASE_S
         while True:
-            await asyncio.sleep(FOLLOW_S)
+            await asyncio.sleep(FOLLOW_S - time.monotonic() % FOLLOW_S)
             try:
-                return await self.store.call("events", response_id, owner, after)
+                return await self._follows((response_id, owner, after), (response_id, owner, after))
             except OpenAIError:
                 if time.monotonic() > deadline:
                     logger.warning("the response store stayed unavailable: a stream of %s ended", response_id)
@@ -194,47 +200,47 @@ class BackgroundRuns:
         cancelled, deleted or failed), and how many of its events the store now holds."""
         new = [] if run.events is None else run.events[kept:]
         try:
-            return await self._batch(response_id, run.owner, new), kept + len(new)
+            return await self._batch(response_id, (run.owner, new)), kept + len(new)
         except OpenAIError:  # the store unavailable for a moment: go on (the lease allows LEASE_S)
             return True, kept
 
 
-class HandOvers:
-    """The runs' hand-overs to the store (their new events, and the lease renewal), as one call:
-    all asked for in the same moment (the runs tick together) go in one `hand_over`, and those
-    asked while a call is under way go in the next. Each run waits for its own answer before it
-    asks again, so a run's events stay in order."""
+class Batched:
+    """Calls of one store method from many tasks of this replica, as one: the asks made in the
+    same moment (the tasks tick together) go in one call of `method` with {key: args}, which
+    answers {key: answer}, and those made while a call is under way go in the next. Asks with
+    the same key share one answer (two followers of one response at one place). A task waits for
+    its answer before it asks again, so a run's hand-overs stay in order."""
 
-    def __init__(self, store: StoreClient) -> None:
-        self.store = store
-        self._waiting: dict[str, tuple[int, list[str], asyncio.Future]] = {}  # response id -> (owner, events, answer)
+    def __init__(self, store: StoreClient, method: str) -> None:
+        self.store, self.method = store, method
+        self._waiting: dict[Hashable, tuple[Any, list[asyncio.Future]]] = {}  # key -> (args, its askers' answers)
         self._sending: asyncio.Task | None = None
 
-    async def __call__(self, response_id: str, owner: int, events: list[str]) -> bool:
-        """Whether the response is to go on, once its events are handed over (raises OpenAIError
-        where the store is unavailable)."""
+    async def __call__(self, key: Hashable, args: Any):
+        """The answer to `args` (raises OpenAIError where the store is unavailable)."""
         answer = asyncio.get_running_loop().create_future()
-        self._waiting[response_id] = (owner, events, answer)
+        self._waiting.setdefault(key, (args, []))[1].append(answer)
         if self._sending is None or self._sending.done():
             self._sending = asyncio.ensure_future(self._send())
         return await answer
 
     async def _send(self) -> None:
-        await asyncio.sleep(0)  # (the other runs woken on this tick ask first)
+        await asyncio.sleep(0)  # (the other tasks woken on this tick ask first)
         while self._waiting:
             batch, self._waiting = self._waiting, {}
             try:
-                going = await self.store.call("hand_over", {rid: (owner, events) for rid, (owner, events, _) in
-                                                            batch.items()})
+                answers = await self.store.call(self.method, {key: args for key, (args, _) in batch.items()})
             except OpenAIError as err:
-                going = err
-            for rid, (_, _, answer) in batch.items():
-                if answer.done():  # (its run was cancelled meanwhile)
-                    continue
-                if isinstance(going, OpenAIError):
-                    answer.set_exception(going)
-                else:
-                    answer.set_result(going[rid])
+                answers = err
+            for key, (_, askers) in batch.items():
+                for answer in askers:
+                    if answer.done():  # (its task was cancelled meanwhile)
+                        continue
+                    if isinstance(answers, OpenAIError):
+                        answer.set_exception(answers)
+                    else:
+                        answer.set_result(answers[key])
 
 
 async def _marked_stored(response: dict) -> None:

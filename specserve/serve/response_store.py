@@ -269,6 +269,11 @@ class ResponseStore(Journaled):
         replica's background responses hand over together: whether each is to go on."""
         return {rid: self.append(rid, owner, events) for rid, (owner, events) in batch.items()}
 
+    def events_many(self, asks: dict) -> dict:
+        """`events` for many asks at once (key -> (response id, owner, after)), as one ingress
+        replica's followers ask together: key -> the answer."""
+        return {key: self.events(*ask) for key, ask in asks.items()}
+
     def events(self, response_id: str, owner: int = -1, after: int | None = None) -> dict | None:
         """A response's events after the `after`-th (None: all; `events` None where it was not a
         streamed background response) and whether it has ended (no more will come)."""
