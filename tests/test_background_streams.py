@@ -271,6 +271,34 @@ def test_a_follower_rides_out_a_store_unavailable_for_a_moment(monkeypatch):
     assert asyncio.run(read(store)) == ["e0"]
 
 
+def test_a_response_that_ends_while_the_store_restarts_is_stored_once_it_answers(monkeypatch):
+    import asyncio
+
+    from specserve.serve.background import BackgroundRuns
+    from specserve.serve.front_door import KeyLimits, OpenAIError
+
+    class Restarting:  # (unavailable for two questions, then back)
+        on = True
+
+        def __init__(self, down: int) -> None:
+            self.down, self.finished = down, []
+
+        async def call(self, method: str, response: dict, owner: int, events: list[str]):
+            if self.down:
+                self.down -= 1
+                raise OpenAIError(503, "the response store is unavailable", None)
+            self.finished.append(response["id"])
+            return True
+
+    monkeypatch.setattr(response_store, "POLL_S", 0.001)
+    store = Restarting(2)
+    runs = BackgroundRuns(store, KeyLimits(None, None))
+    assert asyncio.run(runs._finish({"id": "r0"}, -1, [])) and store.finished == ["r0"]
+    monkeypatch.setattr(background, "FINISH_S", 0.0)  # (down past it: the error is raised, and logged)
+    with pytest.raises(OpenAIError):
+        asyncio.run(BackgroundRuns(Restarting(5), KeyLimits(None, None))._finish({"id": "r1"}, -1, []))
+
+
 def test_a_replica_s_followers_ask_the_store_together_in_one_call_a_tick(monkeypatch):
     """Eight followers of three responses generating on another replica: each tick's questions
     go to the store as one call, and followers at the same place of one response share an ask."""

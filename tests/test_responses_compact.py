@@ -169,6 +169,26 @@ def test_past_its_threshold_a_response_is_compacted_first(monkeypatch, stream):
         assert "SUMMARY-TEXT" in window and "The answer." in window and "ask 3" in window and "said 3" not in window
 
 
+def test_a_background_response_past_its_threshold_returns_at_once_and_compacts_in_its_task(monkeypatch):
+    from specserve.serve import response_store
+    from test_responses_api import read_until
+
+    monkeypatch.setattr(response_store, "POLL_S", 0.02)
+    fake = Scripted(b"SUMMARY-TEXT", b"The answer.")
+    fake.step_delay = 0.05  # (the summary alone takes ~0.7 s)
+    with app_client(fake, monkeypatch) as client:
+        body = {"model": MODEL, "input": LONG + [{"role": "user", "content": "now?"}], "background": True,
+                "context_management": [{"type": "compaction", "compact_threshold": 200}]}
+        created = client.post("/v1/responses", json=body).json()
+        assert created["status"] == "in_progress" and created["output"] == []
+        assert len(fake.requests) <= 1  # (the summary not waited for: the answer not yet asked)
+        fake.step_delay = 0.0
+        done = read_until(client, created["id"], lambda r: r["status"] not in ("queued", "in_progress"))
+        assert done["status"] == "completed" and [i["type"] for i in done["output"]] == ["compaction", "message"]
+        assert COMPACT_ASK in sent(fake, 0) and SUMMARY_INTRO + "SUMMARY-TEXT" in sent(fake, 1)
+        assert done["usage"]["output_tokens"] == len(said(b"SUMMARY-TEXT")) + len(said(b"The answer."))
+
+
 def test_under_its_threshold_a_response_is_not_compacted(monkeypatch):
     fake = Scripted(b"Short.")
     with app_client(fake, monkeypatch) as client:

@@ -33,6 +33,7 @@ logger = logging.getLogger("specserve.responses")
 
 FLUSH_S = 0.1  # how often a streamed background response's new events are handed to the store
 FOLLOW_S = 0.1  # how often a follower on another replica asks the store for new events
+FINISH_S = 60.0  # how long a finished response is offered to a store that is unavailable (restarting)
 
 
 @dataclass
@@ -74,17 +75,22 @@ class BackgroundRuns:
     def __len__(self) -> int:
         return len(self._tasks)
 
-    async def start(self, shape: ResponseShape, fmt: ResponseFormat, pieces, field_name: str | None,
+    async def start(self, shape: ResponseShape, fmt: ResponseFormat | None, pieces, field_name: str | None,
                     history: list[dict], inputs: list[dict], owner: int,
                     events: ResponseEvents | None = None,
                     then: Callable[[dict], Awaitable[None]] | None = None) -> dict:
         """Store the response as in progress and generate it in the background (its events kept
-        where `events` is given: streamed); the response as stored now. A 503 (the generation
-        stopped) when it cannot be stored, since nobody could read it then. `then(response)`,
-        where given, once the finished response is stored."""
+        where `events` is given: streamed); the response as stored now. `fmt` None: `pieces` is
+        an awaitable that admits the generation and gives (fmt, pieces), awaited in the task (work
+        that comes first, a compaction's summary; not streamed). A 503 (the generation stopped)
+        when it cannot be stored, since nobody could read it then. `then(response)`, where given,
+        once the finished response is stored."""
         response = shape.envelope("in_progress", [])
         if not await self.store.keep(response, history, inputs, owner, events is not None):
-            fmt.gen.close()
+            if fmt is None:
+                pieces.close()  # (never begun: no summary ran)
+            else:
+                fmt.gen.close()
             raise OpenAIError(503, "background: the response could not be stored, so it could not be read back "
                                    "(the store is unavailable, or the conversation is over "
                                    "responses.max_stored_bytes)", "background", "store_unavailable", "server_error",
@@ -93,7 +99,9 @@ class BackgroundRuns:
         run = self._runs[shape.rid] = _Run(owner, None if events is None else [], held=events is None)
         if run.held:
             self.limits.hold(owner)
-        if events is None:
+        if fmt is None:
+            work = _whole_once_begun(shape, pieces, field_name)
+        elif events is None:
             work = whole_response(shape, fmt, pieces, field_name, _marked_stored)
         else:
             work = _streamed(run, events, fmt, pieces)
@@ -183,7 +191,7 @@ class BackgroundRuns:
             except OpenAIError as err:  # (the engine failed, or was lost beyond every continuation)
                 response = shape.failed([], err.body()["error"])
             new = [] if run.events is None else run.events[kept:]
-            if not await self.store.call("finish", response, run.owner, new):
+            if not await self._finish(response, run.owner, new):
                 logger.info("background response %s ended after it was cancelled or deleted", response_id)
             elif then is not None:
                 await then(response)
@@ -194,6 +202,19 @@ class BackgroundRuns:
             run.end()
             del self._runs[response_id]
             self._let_go(run)
+
+    async def _finish(self, response: dict, owner: int, events: list[str]) -> bool:
+        """The finished response stored (ResponseStore.finish); through a store unavailable for a
+        while (its replica restarting, which with responses.persist_dir keeps what it held),
+        offered again every POLL_S for up to FINISH_S (then the OpenAIError is raised)."""
+        deadline = time.monotonic() + FINISH_S
+        while True:
+            try:
+                return await self.store.call("finish", response, owner, events)
+            except OpenAIError:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(response_store.POLL_S)
 
     async def _hand_over(self, response_id: str, run: _Run, kept: int) -> tuple[bool, int]:
         """The run's new events to the store (which renews its lease): whether it is to go on (not
@@ -246,6 +267,13 @@ class Batched:
 async def _marked_stored(response: dict) -> None:
     """whole_response's keep for a background response: the store is written by its task."""
     response["store"] = True
+
+
+async def _whole_once_begun(shape: ResponseShape, begin: Awaitable, field_name: str | None) -> dict:
+    """The whole response of the generation `begin` admits (an error on the way is raised, and
+    the response stored as failed with it)."""
+    fmt, pieces = await begin
+    return await whole_response(shape, fmt, pieces, field_name, _marked_stored)
 
 
 async def _streamed(run: _Run, events: ResponseEvents, fmt: ResponseFormat, pieces) -> dict:

@@ -275,9 +275,6 @@ class OpenAIServer(Ingress):
         owner = request_key(request)  # (a stored response is found again only with the API key that made it)
         body, history = await self._resolved(body, owner)
         shape = ResponseShape(item_id("resp"), self.config.served_model_name, body, body.store and self._store.on)
-        answering = await self._compacted_first(body, history, shape, owner)
-        chat, prompt = await self._response_prompt(answering, ITEMS.validate_python(history))
-        fmt, pieces = await self._chat_generation(chat, prompt, shape.rid, owner)
         inputs = [with_id(item.model_dump(by_alias=True, exclude_none=True)) for item in body.items()]
         conversation = body.conversation_id()
 
@@ -290,6 +287,11 @@ class OpenAIServer(Ingress):
             await add(response)
 
         field = self.reasoning_field
+        compacting = await self._compaction_due(body, history)
+        if compacting and body.background and not body.stream:  # (returns at once: the summary runs in its task)
+            later = self._generation(body, history, shape, owner, compacting)
+            return await self._background.start(shape, None, later, field, history, inputs, owner, None, add)
+        fmt, pieces = await self._generation(body, history, shape, owner, compacting)
         # (the logprobs of a reasoning model's text are its own tokens': counted once, for usage too)
         count = fmt.thoughts if body.logprobs_wanted() else None
         events = ResponseEvents(shape, field, count) if body.stream else None
@@ -314,16 +316,25 @@ class OpenAIServer(Ingress):
             body = body.resolved(await self._referenced(body.references(), history, owner))
         return body, history
 
-    async def _compacted_first(self, body: ResponsesRequest, history: list[dict], shape: ResponseShape,
-                               owner: int) -> ResponsesRequest:
-        """The request the answer runs from: where its prompt is past its compact_threshold
-        (context_management), the conversation compacted first into a compaction item, which the
-        output begins with (shape.first; its pass's usage: shape.spent)."""
-        context = (await self.info())["max_model_len"]
-        threshold = body.compact_threshold(context)
-        if threshold is None or await self._rendered_tokens(body, ITEMS.validate_python(history)) <= threshold:
-            return body
-        summarise = summary_request(body.model, body.items(), body.instructions, self._summary_room(context))
+    async def _generation(self, body: ResponsesRequest, history: list[dict], shape: ResponseShape, owner: int,
+                          compacting: bool):
+        """The answer's generation admitted (its ResponseFormat and pieces): `compacting`, after
+        the conversation is compacted (`_compacted`)."""
+        answering = await self._compacted(body, history, shape, owner) if compacting else body
+        chat, prompt = await self._response_prompt(answering, ITEMS.validate_python(history))
+        return await self._chat_generation(chat, prompt, shape.rid, owner)
+
+    async def _compaction_due(self, body: ResponsesRequest, history: list[dict]) -> bool:
+        """Whether the request's prompt is past its compact_threshold (context_management)."""
+        threshold = body.compact_threshold((await self.info())["max_model_len"])
+        return threshold is not None and await self._rendered_tokens(body, ITEMS.validate_python(history)) > threshold
+
+    async def _compacted(self, body: ResponsesRequest, history: list[dict], shape: ResponseShape,
+                         owner: int) -> ResponsesRequest:
+        """The request the answer runs from once the conversation is compacted into a compaction
+        item, which the output begins with (shape.first; its pass's usage: shape.spent)."""
+        room = self._summary_room((await self.info())["max_model_len"])
+        summarise = summary_request(body.model, body.items(), body.instructions, room)
         summary, shape.spent = await self._summary(summarise, history, owner)
         item = compaction_item(summary)
         shape.first = [item]
