@@ -251,3 +251,52 @@ def test_a_store_replica_that_serve_restarts_holds_what_it_held(server, tmp_path
         assert handle.input_items.remote("r0").result()[0]["content"] == "hi"
     finally:
         serve.delete(app)
+
+
+def test_calls_from_many_threads_at_once_leave_each_store_whole(tmp_path):
+    """Serve runs a deployment's sync methods on a pool of threads: many calls at once, switching
+    threads as often as the interpreter allows, leave every count true and the journal reading
+    back the same."""
+    import sys
+    import threading
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        path = tmp_path / "responses.jsonl"
+        store = ResponseStore(50, 1 << 17, journal=str(path))
+        conversations = ConversationStore(20, 1 << 16, journal=str(tmp_path / "conversations.jsonl"))
+        failed = []
+
+        def work(t: int) -> None:
+            try:
+                previous = None
+                for k in range(150):
+                    rid = f"t{t}r{k}"
+                    store.put({"id": rid, "status": "completed", "output": []}, [{"role": "user", "content": "x" * 300}],
+                              -1, previous)
+                    previous = rid if k % 4 else None
+                    store.get(f"t{(t + 1) % 6}r{k}")
+                    store.conversation(rid)
+                    if k % 7 == 0:
+                        store.delete(f"t{t}r{k - 3}")
+                    cid = conversations.create([{"type": "message", "role": "user", "content": "hi"}], {})
+                    if isinstance(cid, dict):
+                        conversations.append(cid["id"], [{"type": "message", "role": "user", "content": "y" * 200}])
+            except Exception as err:  # (a race shows as an error, or as counts gone wrong below)
+                failed.append(err)
+
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(6)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not failed, failed[:3]
+    assert store._bytes == sum(link.size for link in store._links.values()) <= 1 << 17
+    assert len(store) == len(store._shown) <= 50 and set(store._shown) <= set(store._links)
+    assert conversations._bytes == sum(c.size for c in conversations._conversations.values())
+    ids = list(store._shown)
+    again = ResponseStore(50, 1 << 17, journal=str(path))
+    assert [again.conversation(rid) for rid in ids] == [store.conversation(rid) for rid in ids]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 import uuid
 from collections import OrderedDict
@@ -25,7 +26,7 @@ from specserve.config import ResponsesConfig
 
 from .front_door import OpenAIError
 from .journal import Journal, Journaled
-from .response_store import store_call
+from .response_store import serialized, store_call
 from .responses_api import as_stored, input_page
 
 logger = logging.getLogger("specserve.responses")
@@ -46,11 +47,13 @@ class _Conversation:
                 "metadata": json.loads(self.metadata)}
 
 
+@serialized
 class ConversationStore(Journaled):
     """With `journal` (a file's path), every change is recorded there first and read back at
     start (journal.py): `_create`, `_add`, `_set_metadata`, `_drop_item`, `_drop`."""
 
     def __init__(self, max_conversations: int, max_bytes: int, journal: str | None = None) -> None:
+        self._lock = threading.RLock()  # (every public method holds it: `serialized`)
         self.max_conversations, self.max_bytes = max_conversations, max_bytes
         self._conversations: OrderedDict[str, _Conversation] = OrderedDict()  # least recently used first
         self._bytes = 0  # of every conversation

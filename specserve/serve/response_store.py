@@ -23,8 +23,10 @@ bytes still count, and go with the last of them.
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import logging
+import threading
 import time
 import zlib
 from array import array
@@ -47,6 +49,24 @@ STORED, TOO_LARGE, NO_PREVIOUS = "stored", "too_large", "no_previous"  # what Re
 RUNNING = ("queued", "in_progress")  # a background response's statuses before it ends
 POLL_S = 1.0  # how often a background response's ingress asks after it (and renews its lease)
 LEASE_S = 15.0  # a background response not asked after for this long: its ingress replica was lost
+
+
+def serialized(cls):
+    """The class with each of its public methods run under the instance's one lock (`_lock`, an
+    RLock: a method may call another). Serve runs a deployment's sync methods on a pool of
+    threads, and a store's methods read and change several structures, and its journal, together."""
+    for name, method in list(vars(cls).items()):
+        if not name.startswith("_") and callable(method):
+            setattr(cls, name, _locked(method))
+    return cls
+
+
+def _locked(method):
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return locked
 
 
 @dataclass
@@ -129,6 +149,7 @@ class EventLog:
         return log
 
 
+@serialized
 class ResponseStore(Journaled):
     """Each response is kept with its owner: asked with another key, it is not there. With
     `journal` (a file's path), every change is recorded there first (`_log`) and the file read
@@ -138,6 +159,7 @@ class ResponseStore(Journaled):
     recently used order is that of the last changes."""
 
     def __init__(self, max_stored: int, max_stored_bytes: int, journal: str | None = None) -> None:
+        self._lock = threading.RLock()  # (every public method holds it: `serialized`)
         self.max_stored, self.max_bytes = max_stored, max_stored_bytes
         self._links: dict[str, _Link] = {}  # id -> link, shown or hidden (a link after the one it went on from)
         self._shown: OrderedDict[str, None] = OrderedDict()  # the shown links' ids, least recently used first
