@@ -26,7 +26,7 @@ from specserve.config import ResponsesConfig
 
 from .front_door import OpenAIError
 from .journal import Journal, Journaled
-from .response_store import serialized, store_call
+from .response_store import STORE_HEALTH, serialized, store_call
 from .responses_api import as_stored, input_page
 
 logger = logging.getLogger("specserve.responses")
@@ -273,5 +273,5 @@ class ConversationClient:
 
 # One replica for the whole app (a second would hold other conversations); every call is a dict
 # lookup, so it asks for a sliver of a CPU (beside the response store's replica on small test clusters).
-ConversationStoreDeployment = serve.deployment(num_replicas=1, max_ongoing_requests=1024,
+ConversationStoreDeployment = serve.deployment(num_replicas=1, max_ongoing_requests=1024, **STORE_HEALTH,
                                                ray_actor_options={"num_cpus": 0.01})(ConversationStore)
