@@ -132,6 +132,41 @@ def test_a_torn_last_line_is_dropped_and_the_file_made_whole(tmp_path, caplog):
     assert ResponseStore(9, 1 << 20, journal=str(path)).get("r10") is not None
 
 
+def test_a_damaged_line_is_left_out_and_the_rest_read_back(tmp_path, caplog):
+    path = tmp_path / "responses.jsonl"
+    store = ResponseStore(9, 1 << 20, journal=str(path))
+    for k in range(3):
+        _turn(store, k)
+    lines = path.read_bytes().split(b"\n")
+    damaged = next(n for n, line in enumerate(lines) if line.startswith(b'["put","r1"'))
+    lines[damaged] = b'["put", "r1", garbage'  # (r1's record, damaged)
+    lines.insert(damaged + 1, b'["events", "nobody", ["e"]]')  # (a record that cannot be applied)
+    path.write_bytes(b"\n".join(lines))
+    with caplog.at_level("WARNING", logger="specserve.responses"):
+        again = ResponseStore(9, 1 << 20, journal=str(path))
+    assert again.get("r0") == store.get("r0") and again.get("r2") == store.get("r2") and again.get("r1") is None
+    assert f"line {damaged + 1} is not a whole record" in caplog.text and "could not be applied" in caplog.text
+
+
+def test_a_rewrite_that_cannot_be_written_leaves_the_journal_in_use(tmp_path, monkeypatch):
+    path = tmp_path / "responses.jsonl"
+    store = ResponseStore(9, 1 << 20, journal=str(path))
+    _turn(store, 0)
+    real_fsync = journal_module.os.fsync
+
+    def full(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(journal_module.os, "fsync", full)
+    with pytest.raises(OSError):
+        store._journal.rewrite(store._snapshot())
+    monkeypatch.setattr(journal_module.os, "fsync", real_fsync)
+    assert not (tmp_path / "responses.jsonl.new").exists()
+    _turn(store, 1)  # (the old file, still open, takes the next change)
+    again = ResponseStore(9, 1 << 20, journal=str(path))
+    assert again.get("r0") is not None and again.get("r1") is not None
+
+
 def test_a_change_whose_record_cannot_be_written_is_not_made(tmp_path, monkeypatch):
     path = tmp_path / "responses.jsonl"
     store, ids = _a_busy_store(path)

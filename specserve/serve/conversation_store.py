@@ -7,8 +7,9 @@ those n items only; within `responses.max_conversations` conversations and
 `max_conversation_bytes` bytes in all, the least recently used (read or written) go first. In an
 app it is one Serve deployment that every ingress replica asks; in process it is this class
 alone. With `responses.persist_dir` it keeps a journal of its changes there (journal.py), read
-back when its replica restarts (the least recently used order then that of the last changes). Its methods answer with sentinels rather than raising, so that an answer crosses a handle
-as it is; `ConversationClient` turns them into OpenAI's errors.
+back when its replica restarts (the least recently used order then that of the last changes).
+Its methods answer with sentinels rather than raising, so that an answer crosses a handle as it
+is; `ConversationClient` turns them into OpenAI's errors.
 """
 from __future__ import annotations
 

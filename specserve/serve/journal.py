@@ -6,7 +6,8 @@ written; one under way when the process died is at most a torn last line, which 
 When the file has grown to twice what the store holds (and at least `MIN_REWRITE` bytes), and
 once at each start, it is written anew as the records that make the store as it is now (a
 snapshot): into a file beside it, synced, then renamed over it, so a crash at any moment leaves
-either the old file or the new one whole. The lines are flushed to the operating system, not
+either the old file or the new one whole. A line that cannot be read or applied (a torn last
+line, a damaged one) is left out with a warning: the store starts with the rest. The lines are flushed to the operating system, not
 synced one by one: a killed process loses nothing, a machine that loses power may lose the last
 lines it had not yet written to disk.
 
@@ -34,8 +35,9 @@ class Journal:
         self._file = None
 
     def load(self) -> list[list]:
-        """The file's records, oldest first ([] where there is no file yet); reading stops at the
-        first line that is not a whole record (a torn last line), with a warning where more followed."""
+        """The file's records, oldest first ([] where there is no file yet). A line that is not a
+        whole record is left out: a torn last line (the process died writing it) quietly, any
+        other with a warning."""
         if not self.path.exists():
             return []
         lines = self.path.read_bytes().split(b"\n")
@@ -47,25 +49,30 @@ class Journal:
             try:
                 records.append(json.loads(line))
             except ValueError:
-                rest = sum(1 for later in lines[number:] if later)
-                (logger.warning if rest else logger.info)(
-                    "%s: line %d is not a whole record (%d more after it): read up to it", self.path, number, rest)
-                break
+                last = not any(lines[number:])
+                (logger.info if last else logger.warning)("%s: line %d is not a whole record: left out",
+                                                          self.path, number)
         return records
 
     def rewrite(self, records: Iterable[list]) -> None:
-        """The file replaced, whole, by these records (a snapshot); later writes go on from them."""
-        self.close()
+        """The file replaced, whole, by these records (a snapshot); later writes go on from them.
+        Where the new file cannot be written (a full disk), the old one stays as it was, in use,
+        and the OSError is raised."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fresh = self.path.with_name(self.path.name + ".new")
-        with open(fresh, "wb") as out:
-            out.write(self._line({"specserve_journal": self.kind, "version": VERSION}))
-            for record in records:
-                out.write(self._line(record))
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(fresh, self.path)
+        try:
+            with open(fresh, "wb") as out:
+                out.write(self._line({"specserve_journal": self.kind, "version": VERSION}))
+                for record in records:
+                    out.write(self._line(record))
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(fresh, self.path)
+        except OSError:
+            fresh.unlink(missing_ok=True)
+            raise
         _sync_dir(self.path.parent)
+        self.close()
         self._file = open(self.path, "ab")
         self.size = self._file.tell()
 
@@ -142,8 +149,11 @@ class Journaled:
         than when it was written), then the file written anew from it."""
         self._replaying = True
         try:
-            for record in journal.load():
-                self._apply(record)
+            for number, record in enumerate(journal.load(), start=1):
+                try:
+                    self._apply(record)
+                except (KeyError, IndexError, TypeError, ValueError, AttributeError) as err:
+                    logger.warning("%s: record %d could not be applied (%r): left out", journal.path, number, err)
         finally:
             self._replaying = False
         self._bound()
