@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from ray import serve
 
 from specserve.serve.responses_schema import COMPACT_ASK, SUMMARY_INTRO
 from test_reasoning import said
@@ -192,9 +193,14 @@ def test_a_background_response_past_its_threshold_returns_at_once_and_compacts_i
 def test_under_its_threshold_a_response_is_not_compacted(monkeypatch):
     fake = Scripted(b"Short.")
     with app_client(fake, monkeypatch) as client:
+        server = serve.get_replica_context().servable_object  # (the routes' `self`)
+        renders = []
+        render = server._chat.render
+        monkeypatch.setattr(server._chat, "render", lambda *a: renders.append(1) or render(*a))
         r = client.post("/v1/responses", json={"model": MODEL, "input": "hi",
                                                "context_management": [{"type": "compaction"}]})  # (80% of 4096)
         assert [i["type"] for i in r.json()["output"]] == ["message"] and len(fake.requests) == 1
+        assert len(renders) == 1  # (rendered and tokenized once: to tell, and then to answer)
         bad = {"model": MODEL, "input": "hi", "context_management": [{"type": "other"}]}
         assert _error(client.post("/v1/responses", json=bad), 400)
         assert len(fake.requests) == 1

@@ -53,6 +53,14 @@ def unavailable(message: str) -> OpenAIError:
     return OpenAIError(503, message, None, "engine_unavailable", "server_error", {"Retry-After": str(RETRY_AFTER_S)})
 
 
+class Rendered(NamedTuple):
+    """A chat as its template renders it, its tool plan, and its text's token ids."""
+
+    text: str
+    plan: ToolPlan | None
+    ids: list[int]
+
+
 class ChatPrompt(NamedTuple):
     ids: list[int]
     max_tokens: int
@@ -146,21 +154,30 @@ class Ingress:
             raise unavailable(f"the engine is unavailable: {type(err).__name__}") from err
         return Echo(text, ids, scored)
 
-    async def _chat_prompt(self, body: ChatCompletionRequest, length_param: str = "max_tokens") -> "ChatPrompt":
+    async def _chat_prompt(self, body: ChatCompletionRequest, length_param: str = "max_tokens",
+                           rendered: "Rendered | None" = None) -> "ChatPrompt":
         """A chat request checked and rendered: its prompt's ids, its max_tokens (by default all
-        that fits), its tool plan and its reasoning."""
+        that fits), its tool plan and its reasoning. `rendered`: this very chat as `_rendered`
+        gave it (not rendered and tokenized again)."""
         self._check(body)
-        text, plan = await self._render(body)
+        text, plan = (rendered.text, rendered.plan) if rendered is not None else await self._render(body)
         sent = body.max_completion_tokens or body.max_tokens
         keep = kept_tokens(body, (await self.info())["max_model_len"])
         if keep is None:
             await self._precheck(text, None, sent or 1, "messages", length_param)
-        ids = await self._offload(self._encode, text, "messages", False)
+        ids = rendered.ids if rendered is not None else await self._offload(self._encode, text, "messages", False)
         ids = ids if keep is None else ids[-keep:]
         max_tokens = sent if sent is not None else await self._room(len(ids))
         self._check_choices(body.n)
         return ChatPrompt(ids, max_tokens, length_param if sent is not None else "messages", plan,
                           ReasoningSpec.of(self.config.reasoning, text, body.include_reasoning))
+
+    async def _rendered(self, body: ChatCompletionRequest, param: str = "messages") -> "Rendered":
+        """A chat checked, rendered and tokenized, whether or not it fits the context (`param`:
+        what a text that cannot be tokenized is a 400 about)."""
+        self._check(body)
+        text, plan = await self._render(body)
+        return Rendered(text, plan, await self._offload(self._encode, text, param, False))
 
     async def _render(self, body: Conversation) -> tuple[str, ToolPlan | None]:
         """A conversation as the chat template renders it, within the ingress's limits, and its tool plan."""

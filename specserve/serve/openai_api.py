@@ -50,7 +50,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .checks import fill_in_the_middle, kept_tokens, refuse, token_ids
 from .conversations_schema import ConversationCreate, ConversationUpdate, ItemsCreate
 from .front_door import FrontDoor, OpenAIError, anthropic_route
-from .ingress import RETRY_AFTER_S, ChatPrompt, Ingress, request_key
+from .ingress import RETRY_AFTER_S, ChatPrompt, Ingress, Rendered, request_key
 from .messages_api import MessageEvents, MessageShape, message_id, whole_message
 from .messages_schema import CountTokensRequest, MessagesRequest
 from .responses import whole_body
@@ -287,11 +287,11 @@ class OpenAIServer(Ingress):
             await add(response)
 
         field = self.reasoning_field
-        compacting = await self._compaction_due(body, history)
+        compacting, rendered = await self._compaction_due(body, history)
         if compacting and body.background and not body.stream:  # (returns at once: the summary runs in its task)
             later = self._generation(body, history, shape, owner, compacting)
             return await self._background.start(shape, None, later, field, history, inputs, owner, None, add)
-        fmt, pieces = await self._generation(body, history, shape, owner, compacting)
+        fmt, pieces = await self._generation(body, history, shape, owner, compacting, rendered)
         # (the logprobs of a reasoning model's text are its own tokens': counted once, for usage too)
         count = fmt.thoughts if body.logprobs_wanted() else None
         events = ResponseEvents(shape, field, count) if body.stream else None
@@ -317,17 +317,23 @@ class OpenAIServer(Ingress):
         return body, history
 
     async def _generation(self, body: ResponsesRequest, history: list[dict], shape: ResponseShape, owner: int,
-                          compacting: bool):
+                          compacting: bool, rendered: Rendered | None = None):
         """The answer's generation admitted (its ResponseFormat and pieces): `compacting`, after
-        the conversation is compacted (`_compacted`)."""
+        the conversation is compacted (`_compacted`); else from the whole conversation as
+        `rendered` already (where `_compaction_due` rendered it)."""
         answering = await self._compacted(body, history, shape, owner) if compacting else body
-        chat, prompt = await self._response_prompt(answering, ITEMS.validate_python(history))
+        chat, prompt = await self._response_prompt(answering, ITEMS.validate_python(history),
+                                                   None if compacting else rendered)
         return await self._chat_generation(chat, prompt, shape.rid, owner)
 
-    async def _compaction_due(self, body: ResponsesRequest, history: list[dict]) -> bool:
-        """Whether the request's prompt is past its compact_threshold (context_management)."""
+    async def _compaction_due(self, body: ResponsesRequest, history: list[dict]) -> tuple[bool, Rendered | None]:
+        """Whether the request's prompt is past its compact_threshold (context_management), and
+        the whole conversation rendered, where it had to be to tell."""
         threshold = body.compact_threshold((await self.info())["max_model_len"])
-        return threshold is not None and await self._rendered_tokens(body, ITEMS.validate_python(history)) > threshold
+        if threshold is None:
+            return False, None
+        rendered = await self._rendered(body.chat(ITEMS.validate_python(history)), "input")
+        return len(rendered.ids) > threshold, rendered
 
     async def _compacted(self, body: ResponsesRequest, history: list[dict], shape: ResponseShape,
                          owner: int) -> ResponsesRequest:
@@ -353,10 +359,7 @@ class OpenAIServer(Ingress):
 
     async def _rendered_tokens(self, body: ResponsesRequest, history: list) -> int:
         """How many tokens a Responses request's prompt renders to, whether or not it fits."""
-        chat = body.chat(history)
-        self._check(chat)
-        text, _ = await self._render(chat)
-        return len(await self._offload(self._encode, text, "input", False))
+        return len((await self._rendered(body.chat(history), "input")).ids)
 
     async def _referenced(self, item_ids: list[str], history: list[dict], owner: int) -> dict[str, dict]:
         """The items these `item_reference` inputs name: the conversation's, else a stored response's."""
@@ -364,18 +367,20 @@ class OpenAIServer(Ingress):
         rest = [i for i in item_ids if i not in own]
         return {**own, **(await self._store.referenced(rest, owner) if rest else {})}
 
-    async def _response_prompt(self, body: ResponsesRequest, history: list) -> tuple[ChatCompletionRequest, ChatPrompt]:
+    async def _response_prompt(self, body: ResponsesRequest, history: list,
+                               rendered: Rendered | None = None) -> tuple[ChatCompletionRequest, ChatPrompt]:
         """The chat a Responses request is, and its prompt. With truncation "auto", where the
         whole conversation does not fit the context with max_output_tokens (or one token) after
         it, the fewest first turns dropped that let it fit (`cuts`; found in O(log turns)
-        renders); where even the latest turn alone does not fit, its own 400."""
+        renders); where even the latest turn alone does not fit, its own 400. `rendered`: the
+        whole conversation rendered already (`_compaction_due`)."""
         cuts = body.cuts(history) if body.truncation == "auto" else [0]
         context = (await self.info())["max_model_len"]
 
         async def fitting(drop: int, last: bool) -> tuple[ChatCompletionRequest, ChatPrompt] | None:
             chat = body.chat(history, drop)
             try:
-                prompt = await self._chat_prompt(chat, "max_output_tokens")
+                prompt = await self._chat_prompt(chat, "max_output_tokens", rendered if drop == 0 else None)
             except OpenAIError as err:
                 if last or err.code != "context_length_exceeded":
                     raise
