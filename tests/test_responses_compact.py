@@ -190,6 +190,53 @@ def test_a_background_response_past_its_threshold_returns_at_once_and_compacts_i
         assert done["usage"]["output_tokens"] == len(said(b"SUMMARY-TEXT")) + len(said(b"The answer."))
 
 
+@pytest.mark.parametrize("background", [False, True])
+def test_a_streamed_response_past_its_threshold_sends_its_id_before_the_summary(monkeypatch, background):
+    """Its first events (which carry the id a client resumes with) come at once; the summary,
+    then the answer, after them."""
+    from specserve.serve import background as background_runs, response_store
+
+    monkeypatch.setattr(response_store, "POLL_S", 0.02)
+    monkeypatch.setattr(background_runs, "FLUSH_S", 0.02)
+    fake = Scripted(b"SUMMARY-TEXT", b"The answer.")
+    fake.step_delay = 0.05  # (the summary alone takes ~0.7 s)
+    body = {"model": MODEL, "input": LONG + [{"role": "user", "content": "now?"}], "stream": True,
+            "background": background, "context_management": [{"type": "compaction", "compact_threshold": 200}]}
+    with app_client(fake, monkeypatch) as client:
+        with client.stream("POST", "/v1/responses", json=body) as r:
+            lines = r.iter_lines()
+            first = json.loads(next(line for line in lines if line.startswith("data: "))[6:])
+            assert first["type"] == "response.created" and len(fake.requests) <= 1  # (the answer not asked yet)
+            rest = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+    assert rest[-1]["type"] == "response.completed" and rest[-1]["response"]["id"] == first["response"]["id"]
+    assert [i["type"] for i in rest[-1]["response"]["output"]] == ["compaction", "message"]
+    assert len(fake.requests) == 2 and COMPACT_ASK in sent(fake, 0)
+
+
+class RefusesTheAnswer(Scripted):
+    """The summary is generated; the answer after it is refused, as by a full queue."""
+
+    async def _generate(self, request):
+        if self.requests:
+            self.mode = "queue_full"
+        async for out in super()._generate(request):
+            yield out
+
+
+def test_an_answer_refused_after_its_summary_ends_the_stream_in_response_failed(monkeypatch):
+    fake = RefusesTheAnswer(b"SUMMARY-TEXT", b"The answer.")
+    body = {"model": MODEL, "input": LONG + [{"role": "user", "content": "now?"}], "stream": True,
+            "context_management": [{"type": "compaction", "compact_threshold": 200}]}
+    with app_client(fake, monkeypatch) as client:
+        with client.stream("POST", "/v1/responses", json=body) as r:
+            assert r.status_code == 200  # (the stream had begun)
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+        assert [e["type"] for e in events] == ["response.created", "response.in_progress", "response.failed"]
+        failed = events[-1]["response"]
+        assert failed["status"] == "failed" and failed["error"]["code"] == "queue_full"
+        assert client.get(f"/v1/responses/{failed['id']}").json()["status"] == "failed"  # (kept as it ended)
+
+
 def test_under_its_threshold_a_response_is_not_compacted(monkeypatch):
     fake = Scripted(b"Short.")
     with app_client(fake, monkeypatch) as client:

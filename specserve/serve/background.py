@@ -26,8 +26,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Hashable
 from . import response_store
 from .front_door import KeyLimits, OpenAIError
 from .response_store import StoreClient
-from .responses import ResponseFormat
-from .responses_api import ResponseEvents, ResponseShape, whole_response
+from .responses_api import Generation, ResponseEvents, ResponseShape, abandon, whole_response
 
 logger = logging.getLogger("specserve.responses")
 
@@ -75,22 +74,18 @@ class BackgroundRuns:
     def __len__(self) -> int:
         return len(self._tasks)
 
-    async def start(self, shape: ResponseShape, fmt: ResponseFormat | None, pieces, field_name: str | None,
+    async def start(self, shape: ResponseShape, generation: Generation, field_name: str | None,
                     history: list[dict], inputs: list[dict], owner: int,
                     events: ResponseEvents | None = None,
                     then: Callable[[dict], Awaitable[None]] | None = None) -> dict:
         """Store the response as in progress and generate it in the background (its events kept
-        where `events` is given: streamed); the response as stored now. `fmt` None: `pieces` is
-        an awaitable that admits the generation and gives (fmt, pieces), awaited in the task (work
-        that comes first, a compaction's summary; not streamed). A 503 (the generation stopped)
+        where `events` is given: streamed); the response as stored now. A generation still to
+        begin (a compaction's summary first) begins in the task. A 503 (the generation stopped)
         when it cannot be stored, since nobody could read it then. `then(response)`, where given,
         once the finished response is stored."""
         response = shape.envelope("in_progress", [])
         if not await self.store.keep(response, history, inputs, owner, events is not None):
-            if fmt is None:
-                pieces.close()  # (never begun: no summary ran)
-            else:
-                fmt.gen.close()
+            abandon(generation)
             raise OpenAIError(503, "background: the response could not be stored, so it could not be read back "
                                    "(the store is unavailable, or the conversation is over "
                                    "responses.max_stored_bytes)", "background", "store_unavailable", "server_error",
@@ -99,12 +94,10 @@ class BackgroundRuns:
         run = self._runs[shape.rid] = _Run(owner, None if events is None else [], held=events is None)
         if run.held:
             self.limits.hold(owner)
-        if fmt is None:
-            work = _whole_once_begun(shape, pieces, field_name)
-        elif events is None:
-            work = whole_response(shape, fmt, pieces, field_name, _marked_stored)
+        if events is None:
+            work = whole_response(shape, generation, field_name, _marked_stored)
         else:
-            work = _streamed(run, events, fmt, pieces)
+            work = _streamed(run, events, generation)
         task = asyncio.ensure_future(self._run(shape.rid, run, work, shape, then))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -269,14 +262,7 @@ async def _marked_stored(response: dict) -> None:
     response["store"] = True
 
 
-async def _whole_once_begun(shape: ResponseShape, begin: Awaitable, field_name: str | None) -> dict:
-    """The whole response of the generation `begin` admits (an error on the way is raised, and
-    the response stored as failed with it)."""
-    fmt, pieces = await begin
-    return await whole_response(shape, fmt, pieces, field_name, _marked_stored)
-
-
-async def _streamed(run: _Run, events: ResponseEvents, fmt: ResponseFormat, pieces) -> dict:
+async def _streamed(run: _Run, events: ResponseEvents, generation: Generation) -> dict:
     """Every event of the generation into the run; the finished response."""
     done: list[dict] = []
 
@@ -285,7 +271,7 @@ async def _streamed(run: _Run, events: ResponseEvents, fmt: ResponseFormat, piec
         done.append(response)
 
     try:
-        async for event in events.stream(fmt, pieces, ended):
+        async for event in events.stream(generation, ended):
             run.add(event)
     except OpenAIError as err:  # (raised, not streamed: a StreamFailed ends in its own response.failed)
         done.append(events.shape.failed(events.output, err.body()["error"]))

@@ -288,21 +288,20 @@ class OpenAIServer(Ingress):
 
         field = self.reasoning_field
         compacting, rendered = await self._compaction_due(body, history)
-        if compacting and body.background and not body.stream:  # (returns at once: the summary runs in its task)
-            later = self._generation(body, history, shape, owner, compacting)
-            return await self._background.start(shape, None, later, field, history, inputs, owner, None, add)
-        fmt, pieces = await self._generation(body, history, shape, owner, compacting, rendered)
+        generation = self._generation(body, history, shape, owner, compacting, rendered)
+        if not (compacting and (body.background or body.stream)):
+            generation = await generation  # (admitted now: its errors are this request's own)
+        # else its summary runs once the response has begun: after its first events, or in its task
         # (the logprobs of a reasoning model's text are its own tokens': counted once, for usage too)
-        count = fmt.thoughts if body.logprobs_wanted() else None
-        events = ResponseEvents(shape, field, count) if body.stream else None
-        if body.background:  # (its errors before the generation began were this request's own)
-            response = await self._background.start(shape, fmt, pieces, field, history, inputs, owner, events, add)
+        events = ResponseEvents(shape, field, body.logprobs_wanted()) if body.stream else None
+        if body.background:
+            response = await self._background.start(shape, generation, field, history, inputs, owner, events, add)
             if events is None:
                 return response
             return ClosingStream(self._background.opening(shape.rid), lambda: self._background.creator_gone(shape.rid))
         if events is None:
-            return await whole_response(shape, fmt, pieces, field, keep)
-        return StreamingResponse(events.stream(fmt, pieces, keep), media_type="text/event-stream")
+            return await whole_response(shape, generation, field, keep)
+        return StreamingResponse(events.stream(generation, keep), media_type="text/event-stream")
 
     async def _resolved(self, body: ResponsesRequest, owner: int) -> tuple[ResponsesRequest, list[dict]]:
         """The request with its `item_reference` items resolved (a stored response's or the

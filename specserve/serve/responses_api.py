@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, Union
 
 from .front_door import OpenAIError
 from .responses import ResponseFormat, StreamFailed, sse_event, usage, whole_body
@@ -163,10 +163,30 @@ def call_item(fid: str, call_id: str, name: str, arguments: str, status: str) ->
             "status": status}
 
 
-async def whole_response(shape: ResponseShape, fmt: ResponseFormat, pieces, field_name: str | None,
+# A response's generation: admitted, (its ResponseFormat, its pieces); or work still to do first
+# (a compaction's summary) that admits it and gives those, an awaitable run once the response has
+# begun (streamed: after its first events; in the background: in its task).
+Generation = Union[tuple[ResponseFormat, Any], Awaitable[tuple[ResponseFormat, Any]]]
+
+
+async def begun(generation: Generation) -> tuple[ResponseFormat, Any]:
+    """A generation admitted (awaited where it is still to begin; its errors raised)."""
+    return generation if isinstance(generation, tuple) else await generation
+
+
+def abandon(generation: Generation) -> None:
+    """A generation that will not be read: stopped where it was admitted, never begun where not."""
+    if isinstance(generation, tuple):
+        generation[0].gen.close()
+    else:
+        generation.close()
+
+
+async def whole_response(shape: ResponseShape, generation: Generation, field_name: str | None,
                          keep: Callable[[dict], Awaitable[None]]) -> dict:
-    """The whole response of one generation (an engine failure is its error, raised); `keep` as
-    ResponseEvents.stream's `on_done`."""
+    """The whole response of one generation (an engine failure, or one of what comes before the
+    generation begins, is its error, raised); `keep` as ResponseEvents.stream's `on_done`."""
+    fmt, pieces = await begun(generation)
     whole = await whole_body([(fmt, pieces)])
     (choice,), details = whole["choices"], whole["usage"].get("completion_tokens_details") or {}
     output = shape.first + output_items(choice["message"], choice["finish_reason"], field_name,
@@ -206,15 +226,15 @@ def input_page(items: list[dict], limit: int, order: str, after: str | None) -> 
 
 # -- streamed -------------------------------------------------------------------------------------
 class ResponseEvents:
-    """One generation's chat chunks -> the Responses API's events. `count_reasoning(token_ids)`
-    (only where logprobs are asked of a reasoning model): how many of those tokens are reasoning,
-    to give the text only its own tokens' logprobs."""
+    """One generation's chat chunks -> the Responses API's events. With `logprobs`, a reasoning
+    model's text gets only its own tokens' logprobs (`count_reasoning(token_ids)`: how many of
+    those tokens are reasoning, its ResponseFormat's)."""
 
-    def __init__(self, shape: ResponseShape, field_name: str | None,
-                 count_reasoning: Callable[[list[int]], Awaitable[int]] | None = None) -> None:
-        self.shape, self.field, self.count_reasoning = shape, field_name, count_reasoning
+    def __init__(self, shape: ResponseShape, field_name: str | None, logprobs: bool = False) -> None:
+        self.shape, self.field, self.logprobs = shape, field_name, logprobs
+        self.count_reasoning: Callable[[list[int]], Awaitable[int]] | None = None
         self.sequence = 0
-        self.output: list[dict] = list(shape.first)  # items done
+        self.output: list[dict] = []  # items done (the ones the output begins with, once begun)
         self.open: dict | None = None  # the item being streamed
         self.text = ""  # its text (reasoning or output text) or arguments so far
         self.token_ids: list[int] = []
@@ -227,11 +247,22 @@ class ResponseEvents:
         self.sequence += 1
         return f"event: {kind}\n" + sse_event(data)
 
-    async def stream(self, fmt: ResponseFormat, pieces,
+    async def stream(self, generation: Generation,
                      on_done: Callable[[dict], Awaitable[None]]) -> AsyncIterator[str]:
-        """Every event of the response; `on_done(response)` once it ended (stored, where asked)."""
+        """Every event of the response; `on_done(response)` once it ended (stored, where asked).
+        A generation still to begin begins after the first two events (which carry the id), and
+        where that fails, the response ends in response.failed with its error."""
         yield self.event("response.created", response=self.shape.envelope("in_progress", []))
         yield self.event("response.in_progress", response=self.shape.envelope("in_progress", []))
+        try:
+            fmt, pieces = await begun(generation)
+        except OpenAIError as err:
+            response = self.shape.failed([], err.body()["error"])
+            await on_done(response)
+            yield self.event("response.failed", response=response)
+            return
+        self.count_reasoning = fmt.thoughts if self.logprobs else None
+        self.output = list(self.shape.first)
         for index, item in enumerate(self.shape.first):  # (done before the answer began)
             yield self.event("response.output_item.added", output_index=index, item=item)
             yield self.event("response.output_item.done", output_index=index, item=item)
