@@ -2,6 +2,7 @@
 what the store that wrote it held, through torn lines, rewrites, failed writes and restarts of
 its Serve replica."""
 import json
+import os
 
 import pytest
 
@@ -24,6 +25,12 @@ def _background(store, k: int, streamed: bool) -> str:
     store.put({"id": rid, "background": True, "status": "in_progress", "output": []},
               [{"role": "user", "content": f"go {k}"}], -1, None, streamed)
     return rid
+
+
+def _stop(store):
+    """A store's replica stopped as Serve stops one: its `__del__` lets go of the journal, so the
+    next store on it reads it back at once (until then it would wait for it)."""
+    store.__del__()
 
 
 def _responses_view(store: ResponseStore, ids: list[str]) -> dict:
@@ -67,8 +74,10 @@ def test_a_response_store_reads_back_what_it_held(tmp_path):
     store, ids = _a_busy_store(path)
     before = _responses_view(store, ids)
     assert before["responses"]["r2"][1][0]["content"] == "q0" * 100  # (r0's items, through the hidden r1)
+    _stop(store)
     again = ResponseStore(9, 1 << 20, journal=str(path))
     assert _responses_view(again, ids) == before
+    _stop(again)
     once_more = ResponseStore(9, 1 << 20, journal=str(path))  # (from the snapshot the last start wrote)
     assert _responses_view(once_more, ids) == before
     # the index that item_reference reads, per owner
@@ -81,6 +90,7 @@ def test_a_running_background_response_goes_on_after_a_restart_or_fails_once_its
     store = ResponseStore(9, 1 << 20, journal=str(path))
     going, lost = _background(store, 0, True), _background(store, 1, False)
     store.append(going, -1, ["event: a\n\n"])
+    _stop(store)
     again = ResponseStore(9, 1 << 20, journal=str(path))
     assert again.append(going, -1, ["event: b\n\n"])  # its ingress goes on handing over
     assert again.finish({"id": going, "background": True, "status": "completed", "output": []}, -1, [])
@@ -88,6 +98,7 @@ def test_a_running_background_response_goes_on_after_a_restart_or_fails_once_its
     monkeypatch.setattr(response_store.time, "monotonic", lambda: now + response_store.LEASE_S + 1)
     assert again.get(lost)["status"] == "failed"  # nobody asked after it since the restart
     monkeypatch.undo()
+    _stop(again)
     last = ResponseStore(9, 1 << 20, journal=str(path))
     assert last.get(lost)["status"] == "failed" and not last.poll(lost)
     assert last.get(going)["status"] == "completed"
@@ -99,8 +110,10 @@ def test_bounds_smaller_at_a_restart_hold_at_once(tmp_path):
     store, _ = _a_busy_store(path)
     store.get("r2")  # now the most recently used; a rewrite (as when one is due) keeps that order
     store._journal.rewrite(store._snapshot())
+    _stop(store)
     smaller = ResponseStore(3, 1 << 20, journal=str(path))
     assert len(smaller) == 3 and smaller.get("r7", owner=1) is not None and smaller.get("r2") is not None
+    _stop(smaller)
     assert len(ResponseStore(3, 1 << 20, journal=str(path))) == 3
 
 
@@ -116,6 +129,7 @@ def test_the_journal_is_rewritten_once_it_has_grown_past_what_the_store_holds(tm
     assert len(rewrites) > 3
     assert path.stat().st_size < 2 * max(store._bytes, 1 << 14) + 4096
     ids = [f"r{k}" for k in range(290, 300)]
+    _stop(store)
     assert _responses_view(ResponseStore(4, 1 << 20, journal=str(path)), ids) == _responses_view(store, ids)
 
 
@@ -125,10 +139,12 @@ def test_a_torn_last_line_is_dropped_and_the_file_made_whole(tmp_path, caplog):
     before = _responses_view(store, ids)
     with open(path, "ab") as out:
         out.write(b'["put","r99",-1,null,"{\\"id')  # (the process died in the middle of a write)
+    _stop(store)
     again = ResponseStore(9, 1 << 20, journal=str(path))
     assert _responses_view(again, ids) == before and again.get("r99") is None
     assert all(json.loads(line) for line in path.read_bytes().splitlines())  # written anew, whole
     _turn(again, 10)
+    _stop(again)
     assert ResponseStore(9, 1 << 20, journal=str(path)).get("r10") is not None
 
 
@@ -142,6 +158,7 @@ def test_a_damaged_line_is_left_out_and_the_rest_read_back(tmp_path, caplog):
     lines[damaged] = b'["put", "r1", garbage'  # (r1's record, damaged)
     lines.insert(damaged + 1, b'["events", "nobody", ["e"]]')  # (a record that cannot be applied)
     path.write_bytes(b"\n".join(lines))
+    _stop(store)
     with caplog.at_level("WARNING", logger="specserve.responses"):
         again = ResponseStore(9, 1 << 20, journal=str(path))
     assert again.get("r0") == store.get("r0") and again.get("r2") == store.get("r2") and again.get("r1") is None
@@ -163,6 +180,7 @@ def test_a_rewrite_that_cannot_be_written_leaves_the_journal_in_use(tmp_path, mo
     monkeypatch.setattr(journal_module.os, "fsync", real_fsync)
     assert not (tmp_path / "responses.jsonl.new").exists()
     _turn(store, 1)  # (the old file, still open, takes the next change)
+    _stop(store)
     again = ResponseStore(9, 1 << 20, journal=str(path))
     assert again.get("r0") is not None and again.get("r1") is not None
 
@@ -188,6 +206,7 @@ def test_a_change_whose_record_cannot_be_written_is_not_made(tmp_path, monkeypat
         _turn(store, 11)
     assert _responses_view(store, ids) == before and store.get("r11") is None
     assert path.stat().st_size == size
+    _stop(store)
     assert _responses_view(ResponseStore(9, 1 << 20, journal=str(path)), ids) == before
 
 
@@ -221,11 +240,86 @@ def test_a_conversation_store_reads_back_what_it_held(tmp_path):
     views = lambda s: {cid: (s.get(cid, owners[cid]), s.items(cid, owners[cid]),  # noqa: E731
                              s.page(cid, 2, "desc", None, owners[cid])) for cid in ids}
     before = (views(store), len(store), store._bytes)
+    _stop(store)
     again = ConversationStore(3, 1 << 20, journal=str(path))
     assert (views(again), len(again), again._bytes) == before
     assert len(again.items(ids[1], 1)) == 3 and again.get(ids[2], 0)["metadata"] == {"topic": "é"}
+    _stop(again)
     smaller = ConversationStore(1, 1 << 20, journal=str(path))
     assert len(smaller) == 1 and smaller.get(ids[2], 0) != "no_conversation"  # (the most recently changed)
+
+
+def test_a_store_waits_for_the_one_holding_its_journal_and_reads_what_it_wrote_last(tmp_path):
+    """A redeploy's new replica starts while the old one drains: it waits for the old one to let
+    go, then holds everything, the changes made while it waited too; the old one changes
+    nothing after."""
+    import threading
+
+    path = tmp_path / "responses.jsonl"
+    old = ResponseStore(9, 1 << 20, journal=str(path))
+    _turn(old, 0)
+    opened = []
+    starting = threading.Thread(target=lambda: opened.append(ResponseStore(9, 1 << 20, journal=str(path))))
+    starting.start()
+    starting.join(0.5)
+    assert not opened  # (waiting for the old one)
+    _turn(old, 1, "r0")  # (a call the old one was still answering)
+    _stop(old)
+    starting.join(10)
+    (new,) = opened
+    assert new._journal.waited_s >= 0.5
+    assert [item["content"] for item in new.conversation("r1")[:1]] == ["q0" * 100]
+    with pytest.raises(OSError, match="closed"):
+        _turn(old, 2)
+    assert old.get("r2") is None and new.get("r2") is None
+    _turn(new, 3, "r1")
+    _stop(new)
+    assert ResponseStore(9, 1 << 20, journal=str(path)).get("r3") is not None
+
+
+def test_a_store_gives_up_on_a_journal_another_keeps_holding_and_leaves_it_as_it_was(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(journal_module, "HANDOVER_S", 0.3)
+    path = tmp_path / "conversations.jsonl"
+    first = ConversationStore(8, 1 << 20, journal=str(path))
+    made = first.create([{"type": "message", "role": "user", "content": "hi"}], {})
+    written = path.read_bytes()
+    with caplog.at_level("WARNING", logger="specserve.responses"):
+        with pytest.raises(journal_module.JournalHeld, match=rf"held by another running conversations store \(pid {os.getpid()} on "):
+            ConversationStore(8, 1 << 20, journal=str(path))
+    assert "waiting up to 0.3 s for it to stop" in caplog.text
+    assert path.read_bytes() == written  # (not read into a second store, not rewritten)
+    first.append(made["id"], [{"type": "message", "role": "user", "content": "still mine"}])
+    assert len(first.items(made["id"])) == 2
+
+
+def test_a_killed_store_process_lets_go_of_its_journal(tmp_path, monkeypatch):
+    """The lock is the process's: another process waits on it, and a process killed mid-run (as
+    Serve kills a replica past its graceful stop, or it crashes) lets go at once."""
+    import signal
+    import subprocess
+    import sys
+
+    path = tmp_path / "responses.jsonl"
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time\n"
+        "from specserve.serve.response_store import ResponseStore\n"
+        f"store = ResponseStore(9, 1 << 20, journal={str(path)!r})\n"
+        "store.put({'id': 'r0', 'status': 'completed', 'output': []}, [{'role': 'user', 'content': 'hi'}])\n"
+        "print('held', flush=True)\n"
+        "time.sleep(600)\n")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "held"
+        monkeypatch.setattr(journal_module, "HANDOVER_S", 0.2)
+        with pytest.raises(journal_module.JournalHeld, match=f"pid {child.pid} on"):
+            ResponseStore(9, 1 << 20, journal=str(path))
+        child.send_signal(signal.SIGKILL)
+        child.wait(30)
+        monkeypatch.setattr(journal_module, "HANDOVER_S", 10.0)
+        again = ResponseStore(9, 1 << 20, journal=str(path))
+        assert again._journal.waited_s < 1.0 and again.input_items("r0")[0]["content"] == "hi"
+    finally:
+        child.kill()
+        child.wait(30)
 
 
 def test_persist_dir_names_each_store_s_journal(tmp_path, monkeypatch):
@@ -246,6 +340,11 @@ def test_over_http_a_restarted_server_goes_on_from_what_it_kept(tmp_path, monkey
         first = client.post("/v1/responses", json={"model": MODEL, "input": "hello", "max_output_tokens": 8}).json()
         conversation = client.post("/v1/conversations", json={"items": [
             {"type": "message", "role": "user", "content": "remember me"}], "metadata": {"k": "v"}}).json()
+    from ray import serve
+
+    stopped = serve.get_replica_context().servable_object  # (the routes' server: its stores let go, as at a stop)
+    _stop(stopped._store._local)
+    _stop(stopped._conversations._local)
     fake = FakeCoordinator(max_model_len=4096)
     with app_client(fake, monkeypatch, responses=state) as client:  # (a new server: new stores, same files)
         assert client.get(f"/v1/responses/{first['id']}").json() == first
@@ -256,7 +355,8 @@ def test_over_http_a_restarted_server_goes_on_from_what_it_kept(tmp_path, monkey
         assert client.get(f"/v1/conversations/{conversation['id']}").json() == conversation
         items = client.get(f"/v1/conversations/{conversation['id']}/items").json()["data"]
         assert [item["content"][0]["text"] for item in items] == ["remember me"]
-    assert sorted(p.name for p in (tmp_path / "state").iterdir()) == ["conversations.jsonl", "responses.jsonl"]
+    assert sorted(p.name for p in (tmp_path / "state").iterdir()) == ["conversations.jsonl", "conversations.jsonl.lock",
+                                                                 "responses.jsonl", "responses.jsonl.lock"]
 
 
 def test_a_store_replica_that_serve_restarts_holds_what_it_held(server, tmp_path):
@@ -284,6 +384,15 @@ def test_a_store_replica_that_serve_restarts_holds_what_it_held(server, tmp_path
         assert wait_for(answers, timeout=120, interval=1)
         assert victim._actor_id not in {actor._actor_id for actor in replica_actors(app, "ResponseStore")}
         assert handle.input_items.remote("r0").result()[0]["content"] == "hi"
+
+        # a redeploy (other arguments: a new version) stops the old replica, then starts one
+        # that waits for it to let go of the journal; it must neither wait forever nor miss a turn
+        assert handle.put.remote({"id": "r1", "status": "completed", "output": []}, said, -1, "r0").result() == "stored"
+        (old,) = replica_actors(app, "ResponseStore")
+        handle = serve.run(ResponseStoreDeployment.bind(9, 1 << 20, str(tmp_path / "responses.jsonl")), name=app,
+                           route_prefix=None)
+        assert old._actor_id not in {actor._actor_id for actor in replica_actors(app, "ResponseStore")}
+        assert [item["content"] for item in handle.conversation.remote("r1").result()] == ["hi", "hi"]
     finally:
         serve.delete(app)
 
@@ -333,5 +442,6 @@ def test_calls_from_many_threads_at_once_leave_each_store_whole(tmp_path):
     assert len(store) == len(store._shown) <= 50 and set(store._shown) <= set(store._links)
     assert conversations._bytes == sum(c.size for c in conversations._conversations.values())
     ids = list(store._shown)
+    _stop(store)
     again = ResponseStore(50, 1 << 17, journal=str(path))
     assert [again.conversation(rid) for rid in ids] == [store.conversation(rid) for rid in ids]

@@ -64,7 +64,9 @@ def workload(responses: ResponseStore, conversations: ConversationStore, args: a
 
 
 def restart(path: Path, args: argparse.Namespace, written: ResponseStore) -> dict:
-    """A store opened on the journal `written` wrote: how long, what it holds, whether it reads back the same."""
+    """A store opened on the journal `written` wrote, once that one has stopped (let go of it, as
+    at a replica's stop): how long, what it holds, whether it reads back the same."""
+    written.__del__()
     began = time.perf_counter()
     again = ResponseStore(args.turns * 2, 1 << 30, journal=str(path))
     ms = 1e3 * (time.perf_counter() - began)

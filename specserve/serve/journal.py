@@ -13,12 +13,23 @@ lines it had not yet written to disk.
 
 The first line names the store (`kind`) and the format's version; a file of another kind or a
 newer version is an error at start, not something to read as this one.
+
+One store writes a journal at a time: it holds a lock on a file beside it (`<name>.lock`, flock)
+from before it reads the journal until it closes it (Serve calls the store's `__del__` at a
+replica's graceful stop) or its process ends. A store starting while another holds it (a
+redeploy's new replica while the old one drains, or a second app given the same directory) waits
+for it, up to `HANDOVER_S`, then fails naming the holder: two stores on one file would each write
+changes the other does not hold, and the first one's rewrite would leave the other writing to a
+file no longer there.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
+import socket
+import time
 from pathlib import Path
 from typing import Iterable
 
@@ -26,6 +37,14 @@ logger = logging.getLogger("specserve.responses")
 
 VERSION = 1
 MIN_REWRITE = 1 << 20  # a journal smaller than this is never rewritten for its size
+# how long a store waits at start for the one holding its journal to stop: more than Serve's
+# graceful stop of a store replica (its 2 s drain, then at most its 20 s timeout before the kill)
+HANDOVER_S = 60.0
+HANDOVER_POLL_S = 0.05
+
+
+class JournalHeld(RuntimeError):
+    """The journal is another running store's (it did not let go within `HANDOVER_S`)."""
 
 
 class Journal:
@@ -33,6 +52,48 @@ class Journal:
         self.path, self.kind = Path(path), kind
         self.size = 0  # bytes in the file
         self._file = None
+        self._held = None  # the lock file, open while this store holds the journal (`hold`)
+        self._closed = False  # (by `close`: nothing is written any more)
+        self.waited_s = 0.0  # how long `hold` waited for another store to let go
+
+    def hold(self, wait_s: float | None = None) -> None:
+        """The journal's lock taken, waiting up to `wait_s` (HANDOVER_S) for the store that holds
+        it to let go (JournalHeld, naming it, if it does not); held until `close` or this process
+        ends. Where the filesystem cannot lock (some network mounts): a warning, and used unheld."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(self.path.with_name(self.path.name + ".lock"), "a+b")
+        start = time.monotonic()
+        try:
+            self._wait_for(lock, HANDOVER_S if wait_s is None else wait_s)
+        except BaseException:
+            lock.close()
+            raise
+        self.waited_s = time.monotonic() - start
+        lock.truncate(0)  # (who holds it now, for a store that waits on it to name)
+        lock.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                               "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}).encode())
+        lock.flush()
+        self._held = lock
+
+    def _wait_for(self, lock, wait_s: float) -> None:
+        deadline, told = time.monotonic() + wait_s, False
+        while True:
+            try:
+                fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise JournalHeld(f"{self.path} is held by another running {self.kind} store ({_holder(lock)}): "
+                                      "one store per journal; give each app its own responses.persist_dir") from None
+                if not told:
+                    logger.warning("%s is held by another %s store (%s): waiting up to %g s for it to stop",
+                                   self.path, self.kind, _holder(lock), wait_s)
+                    told = True
+                time.sleep(HANDOVER_POLL_S)
+            except OSError as err:
+                logger.warning("%s cannot be locked (%s): used without a lock; give no two apps this "
+                               "responses.persist_dir", self.path, err)
+                return
 
     def load(self) -> list[list]:
         """The file's records, oldest first ([] where there is no file yet). A line that is not a
@@ -58,6 +119,7 @@ class Journal:
         """The file replaced, whole, by these records (a snapshot); later writes go on from them.
         Where the new file cannot be written (a full disk), the old one stays as it was, in use,
         and the OSError is raised."""
+        self._check_open()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fresh = self.path.with_name(self.path.name + ".new")
         try:
@@ -72,13 +134,15 @@ class Journal:
             fresh.unlink(missing_ok=True)
             raise
         _sync_dir(self.path.parent)
-        self.close()
+        if self._file is not None:
+            self._file.close()
         self._file = open(self.path, "ab")
         self.size = self._file.tell()
 
     def write(self, record: list) -> None:
         """One record appended and flushed; where that fails (a full disk), the file is cut back
         to where it was and the OSError raised: the change it records is then not made."""
+        self._check_open()
         line = self._line(record)
         try:
             self._file.write(line)
@@ -96,9 +160,19 @@ class Journal:
         return self.size > max(2 * held, MIN_REWRITE)
 
     def close(self) -> None:
+        """The file closed and the lock let go: a store starting on it now goes on at once. Nothing
+        is written after it (a write is an OSError)."""
+        self._closed = True
         if self._file is not None:
             self._file.close()
             self._file = None
+        if self._held is not None:
+            self._held.close()  # (closing the file lets go of its lock)
+            self._held = None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise OSError(f"{self.path} is closed: its store has stopped")
 
     def _check_header(self, line: bytes) -> None:
         try:
@@ -115,6 +189,16 @@ class Journal:
     @staticmethod
     def _line(record) -> bytes:
         return (json.dumps(record, separators=(",", ":")) + "\n").encode()
+
+
+def _holder(lock) -> str:
+    """Who holds a journal's lock, as its lock file says."""
+    lock.seek(0)
+    try:
+        said = json.loads(lock.read() or b"{}")
+        return f"pid {said['pid']} on {said['host']}, since {said['since']}"
+    except (ValueError, KeyError, TypeError):
+        return "a process that has not said who it is"
 
 
 def _sync_dir(directory: Path) -> None:
@@ -146,7 +230,20 @@ class Journaled:
 
     def _open(self, journal: Journal) -> None:
         """What the journal holds read back, the store's bounds enforced (they may be smaller
-        than when it was written), then the file written anew from it."""
+        than when it was written), then the file written anew from it; first its lock taken
+        (waiting for a store that holds it to stop)."""
+        journal.hold()
+        try:
+            self._read_back(journal)
+            self._bound()
+            journal.rewrite(self._snapshot())
+        except BaseException:
+            journal.close()  # (a journal it could not read or write is not kept held)
+            raise
+        self._journal = journal
+        logger.info("%s store: %d bytes read back from %s", journal.kind, self._bytes, journal.path)
+
+    def _read_back(self, journal: Journal) -> None:
         self._replaying = True
         try:
             for number, record in enumerate(journal.load(), start=1):
@@ -156,10 +253,13 @@ class Journaled:
                     logger.warning("%s: record %d could not be applied (%r): left out", journal.path, number, err)
         finally:
             self._replaying = False
-        self._bound()
-        journal.rewrite(self._snapshot())
-        self._journal = journal
-        logger.info("%s store: %d bytes read back from %s", journal.kind, self._bytes, journal.path)
+
+    def __del__(self) -> None:
+        """The journal let go (Serve calls this at a replica's graceful stop, once its calls are
+        done): the next replica reads it back at once. A change after it is refused, not lost."""
+        if self._journal is not None:  # (a store whose journal was read back: its `_lock` is set)
+            with self._lock:
+                self._journal.close()
 
     def _log(self, record: list) -> None:
         """A change recorded before it is made (the journal rewritten first where it is due)."""

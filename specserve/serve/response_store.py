@@ -515,5 +515,7 @@ class StoreClient:
 STORE_HEALTH = {"health_check_period_s": 1.0, "health_check_timeout_s": 30.0}
 
 # One replica for the whole app (a second would hold other responses); every call is a dict lookup.
+# A redeploy stops the old replica before it starts the new one (Serve's max_surge_percent 0): the
+# new one waits for the old one's journal (journal.py, `hold`), which the old lets go at its stop.
 ResponseStoreDeployment = serve.deployment(num_replicas=1, max_ongoing_requests=1024, **STORE_HEALTH,
                                            ray_actor_options={"num_cpus": 0.05})(ResponseStore)
