@@ -354,3 +354,46 @@ def test_a_store_deployment_that_cannot_be_reached_is_a_503():
             asyncio.run(client.call(method, "x", -1))
         assert err.value.status == 503 and err.value.code == "store_unavailable"
         assert err.value.headers == {"Retry-After": "1"}
+
+
+def test_a_read_that_meets_a_lost_store_replica_waits_for_the_new_one_and_a_change_does_not(monkeypatch):
+    """While Serve replaces a store replica, a read (safe to ask twice) is asked again until the
+    new one answers, within STORE_RETRY_S; a change is a 503 at once (the lost replica may have
+    made it); a read still unanswered at the bound is a 503 too."""
+    import asyncio
+
+    from ray.exceptions import ActorDiedError
+
+    from specserve.config import ResponsesConfig
+    from specserve.serve import response_store
+    from specserve.serve.conversation_store import ConversationClient
+    from specserve.serve.front_door import OpenAIError
+    from specserve.serve.response_store import StoreClient
+
+    monkeypatch.setattr(response_store, "STORE_RETRY_POLL_S", 0.01)
+
+    class Replaced:  # (the first `lost` calls meet the lost replica, the rest the new one)
+        def __init__(self, lost: int):
+            self.lost, self.calls = lost, []
+
+        def __getattr__(self, method):
+            async def remote(*args):
+                self.calls.append(method)
+                if len(self.calls) <= self.lost:
+                    raise ActorDiedError()
+                return {"asked": method}
+            return SimpleNamespace(remote=remote)
+
+    for client, read, change in ((StoreClient, "conversation", "put"), (ConversationClient, "items", "append")):
+        handle = Replaced(lost=3)
+        assert asyncio.run(client(handle, ResponsesConfig()).call(read, "x", -1)) == {"asked": read}
+        assert handle.calls == [read] * 4
+        handle = Replaced(lost=1)
+        with pytest.raises(OpenAIError) as err:
+            asyncio.run(client(handle, ResponsesConfig()).call(change, "x", -1))
+        assert err.value.status == 503 and handle.calls == [change]
+    monkeypatch.setattr(response_store, "STORE_RETRY_S", 0.05)
+    handle = Replaced(lost=10 ** 6)
+    with pytest.raises(OpenAIError) as err:
+        asyncio.run(StoreClient(handle, ResponsesConfig()).call("get", "x", -1))
+    assert err.value.status == 503 and "ActorDiedError" in err.value.message and 2 <= len(handle.calls) < 100

@@ -28,17 +28,13 @@ import logging
 import time
 from typing import AsyncIterator, Callable
 
-from ray.exceptions import NodeDiedError, ObjectLostError, RayActorError, WorkerCrashedError
-from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
+from ray.serve.exceptions import BackPressureError
 
 from .coordinator import Accepted, Delta, Failed, GenerateRequest, Lost, Rejected, Resume
+from .lost import LOST
 
 logger = logging.getLogger("specserve.ingress")
 
-# What a handle stream raises when the replica behind it is gone (died, killed, its node lost, or
-# stopped by a redeploy past its graceful shutdown) rather than when the request itself failed.
-LOST = (RayActorError, ReplicaUnavailableError, DeploymentUnavailableError, WorkerCrashedError, NodeDiedError,
-        ObjectLostError)
 BACKOFF_S = (0.05, 0.2, 0.5, 1.0)  # before each continuation: the router learns the replica is gone
 LEAVING_RETRY_S = 0.1  # before asking again after a leaving replica's Lost
 

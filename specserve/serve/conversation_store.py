@@ -33,6 +33,7 @@ from .responses_api import as_stored, input_page
 logger = logging.getLogger("specserve.responses")
 
 NO_CONVERSATION, NO_ITEM, NO_AFTER, TOO_LARGE = "no_conversation", "no_item", "no_after", "too_large"  # (not done)
+CONVERSATION_READS = frozenset({"get", "items", "page", "item"})  # (safe to ask again: `store_call`)
 
 
 @dataclass
@@ -243,7 +244,8 @@ class ConversationClient:
         """What the store's `method` answers; a 400 naming `param` with the store off, a 503 when
         the store is unavailable."""
         self.require(param)
-        return await store_call(self._local, self._handle, "conversation store", method, *args)
+        return await store_call(self._local, self._handle, "conversation store", method, *args,
+                                reads=CONVERSATION_READS)
 
     async def found(self, method: str, cid: str, *args, param: str = "conversation_id"):
         """What `method` gives for a conversation; a 404 for one not there (or an item not in it),

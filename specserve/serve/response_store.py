@@ -22,6 +22,7 @@ bytes still count, and go with the last of them.
 """
 from __future__ import annotations
 
+import asyncio
 import base64
 import functools
 import json
@@ -40,6 +41,7 @@ from specserve.config import ResponsesConfig
 
 from .front_door import OpenAIError
 from .journal import Journal, Journaled
+from .lost import LOST
 from .responses import sse_event
 from .responses_api import with_id
 
@@ -49,6 +51,12 @@ STORED, TOO_LARGE, NO_PREVIOUS = "stored", "too_large", "no_previous"  # what Re
 RUNNING = ("queued", "in_progress")  # a background response's statuses before it ends
 POLL_S = 1.0  # how often a background response's ingress asks after it (and renews its lease)
 LEASE_S = 15.0  # a background response not asked after for this long: its ingress replica was lost
+# a read that met a lost store replica is asked again for this long: a killed replica answered
+# again after 13-19 s on the 2-core machine (docs/serving.md)
+STORE_RETRY_S, STORE_RETRY_POLL_S = 20.0, 0.5
+# what the Responses API reads of the store (safe to ask again); the background machinery's own
+# calls (poll, append, hand_over, events, events_many, finish) keep their own loops
+RESPONSE_READS = frozenset({"get", "conversation", "items", "input_items"})
 
 
 def serialized(cls):
@@ -438,16 +446,31 @@ def _own_items(link: _Link) -> list[dict]:
     return json.loads(link.inputs) + json.loads(link.response).get("output", [])
 
 
-async def store_call(local, handle, name: str, method: str, *args):
+async def store_call(local, handle, name: str, method: str, *args, reads: frozenset = frozenset()):
     """What a store's `method` answers: the local store's (in process), else its deployment's
-    through `handle`; a 503 when the deployment is unavailable."""
+    through `handle`; a 503 when the deployment is unavailable. One of `reads` (it changes
+    nothing, so asking twice is safe) that met a lost replica is asked again, every
+    `STORE_RETRY_POLL_S`, for up to `STORE_RETRY_S`: while Serve replaces the replica, the caller
+    waits rather than getting the 503 (a change is not asked twice: the lost replica may have
+    made it)."""
     if local is not None:
         return getattr(local, method)(*args)
-    try:
-        return await getattr(handle, method).remote(*args)
-    except Exception as err:
-        raise OpenAIError(503, f"the {name} is unavailable: {type(err).__name__}", None,
-                          "store_unavailable", "server_error", {"Retry-After": "1"}) from err
+    deadline = time.monotonic() + STORE_RETRY_S
+    while True:
+        try:
+            return await getattr(handle, method).remote(*args)
+        except LOST as err:
+            if method not in reads or time.monotonic() >= deadline:
+                raise _unavailable(name, err) from err
+            logger.info("the %s's replica was lost (%s): asking %s again", name, type(err).__name__, method)
+        except Exception as err:
+            raise _unavailable(name, err) from err
+        await asyncio.sleep(STORE_RETRY_POLL_S)
+
+
+def _unavailable(name: str, err: BaseException) -> OpenAIError:
+    return OpenAIError(503, f"the {name} is unavailable: {type(err).__name__}", None,
+                       "store_unavailable", "server_error", {"Retry-After": "1"})
 
 
 class StoreClient:
@@ -461,7 +484,7 @@ class StoreClient:
         self._handle = handle
 
     async def call(self, method: str, *args):
-        return await store_call(self._local, self._handle, "response store", method, *args)
+        return await store_call(self._local, self._handle, "response store", method, *args, reads=RESPONSE_READS)
 
     async def history(self, previous_id: str | None, owner: int) -> list[dict]:
         """The items a previous response leaves (its input, then its output); 400 for one not kept."""
