@@ -17,10 +17,11 @@ newer version is an error at start, not something to read as this one.
 One store writes a journal at a time: it holds a lock on a file beside it (`<name>.lock`, flock)
 from before it reads the journal until it closes it (Serve calls the store's `__del__` at a
 replica's graceful stop) or its process ends. A store starting while another holds it (a
-redeploy's new replica while the old one drains, or a second app given the same directory) waits
-for it, up to `HANDOVER_S`, then fails naming the holder: two stores on one file would each write
-changes the other does not hold, and the first one's rewrite would leave the other writing to a
-file no longer there.
+redeploy's new replica while the old one drains) waits for it to let go, up to `HANDOVER_S`.
+One that still holds it then (another app or cluster on the same directory, as a RayService
+upgrade runs the new cluster beside the old one) is taken over: the new store reads the journal
+and writes it anew, and the old one, finding the file it appends to no longer the journal,
+refuses every change from then on instead of writing where nobody reads.
 """
 from __future__ import annotations
 
@@ -43,10 +44,6 @@ HANDOVER_S = 60.0
 HANDOVER_POLL_S = 0.05
 
 
-class JournalHeld(RuntimeError):
-    """The journal is another running store's (it did not let go within `HANDOVER_S`)."""
-
-
 class Journal:
     def __init__(self, path: str | os.PathLike, kind: str) -> None:
         self.path, self.kind = Path(path), kind
@@ -58,8 +55,9 @@ class Journal:
 
     def hold(self, wait_s: float | None = None) -> None:
         """The journal's lock taken, waiting up to `wait_s` (HANDOVER_S) for the store that holds
-        it to let go (JournalHeld, naming it, if it does not); held until `close` or this process
-        ends. Where the filesystem cannot lock (some network mounts): a warning, and used unheld."""
+        it to let go; held until `close` or this process ends. A holder that does not let go is
+        taken over (a warning naming it; its changes are refused from this store's rewrite on, see
+        `write`). Where the filesystem cannot lock (some network mounts): a warning, used unheld."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         lock = open(self.path.with_name(self.path.name + ".lock"), "a+b")
         start = time.monotonic()
@@ -83,8 +81,9 @@ class Journal:
                 return
             except BlockingIOError:
                 if time.monotonic() >= deadline:
-                    raise JournalHeld(f"{self.path} is held by another running {self.kind} store ({_holder(lock)}): "
-                                      "one store per journal; give each app its own responses.persist_dir") from None
+                    logger.warning("%s is still held by another %s store (%s) after %g s: taken over; that store "
+                                   "refuses every change from now on", self.path, self.kind, _holder(lock), wait_s)
+                    return
                 if not told:
                     logger.warning("%s is held by another %s store (%s): waiting up to %g s for it to stop",
                                    self.path, self.kind, _holder(lock), wait_s)
@@ -120,6 +119,8 @@ class Journal:
         Where the new file cannot be written (a full disk), the old one stays as it was, in use,
         and the OSError is raised."""
         self._check_open()
+        if self._file is not None:  # (a rewrite when due: not over a store that took the journal over)
+            self._check_current()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fresh = self.path.with_name(self.path.name + ".new")
         try:
@@ -141,8 +142,10 @@ class Journal:
 
     def write(self, record: list) -> None:
         """One record appended and flushed; where that fails (a full disk), the file is cut back
-        to where it was and the OSError raised: the change it records is then not made."""
+        to where it was and the OSError raised: the change it records is then not made. So too
+        where the file appended to is no longer the journal (another store took it over)."""
         self._check_open()
+        self._check_current()
         line = self._line(record)
         try:
             self._file.write(line)
@@ -173,6 +176,16 @@ class Journal:
     def _check_open(self) -> None:
         if self._closed:
             raise OSError(f"{self.path} is closed: its store has stopped")
+
+    def _check_current(self) -> None:
+        """An OSError where the file open is no longer the journal: another store, taking it over,
+        wrote it anew (or it was removed)."""
+        try:
+            current = os.stat(self.path).st_ino == os.fstat(self._file.fileno()).st_ino
+        except FileNotFoundError:
+            current = False
+        if not current:
+            raise OSError(f"{self.path} was taken over by another store: this one makes no more changes")
 
     def _check_header(self, line: bytes) -> None:
         try:
