@@ -181,7 +181,8 @@ class Journal:
         """An OSError where the file open is no longer the journal: another store, taking it over,
         wrote it anew (or it was removed)."""
         try:
-            current = os.stat(self.path).st_ino == os.fstat(self._file.fileno()).st_ino
+            named, held = os.stat(self.path), os.fstat(self._file.fileno())
+            current = (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
         except FileNotFoundError:
             current = False
         if not current:
