@@ -53,8 +53,8 @@ class Journal:
         self._closed = False  # (by `close`: nothing is written any more)
         self.waited_s = 0.0  # how long `hold` waited for another store to let go
 
-    def hold(self, wait_s: float | None = None) -> None:
-        """The journal's lock taken, waiting up to `wait_s` (HANDOVER_S) for the store that holds
+    def hold(self) -> None:
+        """The journal's lock taken, waiting up to HANDOVER_S for the store that holds
         it to let go; held until `close` or this process ends. A holder that does not let go is
         taken over (a warning naming it; its changes are refused from this store's rewrite on, see
         `write`). Where the filesystem cannot lock (some network mounts): a warning, used unheld."""
@@ -62,7 +62,7 @@ class Journal:
         lock = open(self.path.with_name(self.path.name + ".lock"), "a+b")
         start = time.monotonic()
         try:
-            self._wait_for(lock, HANDOVER_S if wait_s is None else wait_s)
+            self._wait_for(lock, HANDOVER_S)
         except BaseException:
             lock.close()
             raise
