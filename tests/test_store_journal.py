@@ -3,6 +3,7 @@ what the store that wrote it held, through torn lines, rewrites, failed writes a
 its Serve replica."""
 import json
 import os
+import time
 
 import pytest
 
@@ -302,6 +303,49 @@ def test_a_journal_held_past_the_handover_is_taken_over_and_its_old_store_change
     assert [item["content"][0]["text"] for item in again.items(made["id"])] == ["hi", "kept"]
 
 
+def test_a_change_while_a_store_takes_the_journal_over_is_read_by_it_or_refused(tmp_path, monkeypatch):
+    """The old store's change made while the new one reads the journal back (between its read and
+    its rewrite): it waits for the rewrite and is then refused. Without the changes' lock it was
+    appended to the file the rewrite replaced: answered as made, and lost."""
+    import threading
+
+    monkeypatch.setattr(journal_module, "HANDOVER_S", 0.1)
+    path = tmp_path / "conversations.jsonl"
+    old = ConversationStore(8, 1 << 20, journal=str(path))
+    made = old.create([{"type": "message", "role": "user", "content": "hi"}], {})
+    outcome = []
+
+    def old_change():
+        try:
+            old.append(made["id"], [{"type": "message", "role": "user", "content": "meanwhile"}])
+            outcome.append("made")
+        except OSError as err:
+            outcome.append(str(err))
+
+    load = Journal.load
+
+    def load_then_change(journal):
+        records = load(journal)
+        if journal is not old._journal:  # (the new store, between its read and its rewrite)
+            changing = threading.Thread(target=old_change)
+            changing.start()
+            changing.join(0.3)
+            assert changing.is_alive()  # (waiting for the rewrite)
+        return records
+
+    monkeypatch.setattr(Journal, "load", load_then_change)
+    new = ConversationStore(8, 1 << 20, journal=str(path))
+    for _ in range(200):
+        if outcome:
+            break
+        time.sleep(0.05)
+    assert len(outcome) == 1 and "taken over" in outcome[0], outcome
+    assert [item["content"][0]["text"] for item in new.items(made["id"])] == ["hi"]
+    assert len(old.items(made["id"])) == 1  # (refused before it was made)
+    _stop(new)
+    _stop(old)
+
+
 def test_a_killed_store_process_lets_go_of_its_journal(tmp_path, monkeypatch, caplog):
     """The lock is the process's: a store in another process waits on it (here, past a short
     handover, then takes it over), and a process killed mid-run (as Serve kills a replica past
@@ -368,8 +412,8 @@ def test_over_http_a_restarted_server_goes_on_from_what_it_kept(tmp_path, monkey
         assert client.get(f"/v1/conversations/{conversation['id']}").json() == conversation
         items = client.get(f"/v1/conversations/{conversation['id']}/items").json()["data"]
         assert [item["content"][0]["text"] for item in items] == ["remember me"]
-    assert sorted(p.name for p in (tmp_path / "state").iterdir()) == ["conversations.jsonl", "conversations.jsonl.lock",
-                                                                 "responses.jsonl", "responses.jsonl.lock"]
+    assert sorted(p.name for p in (tmp_path / "state").iterdir()) == [
+        f"{store}.jsonl{lock}" for store in ("conversations", "responses") for lock in ("", ".changes", ".lock")]
 
 
 def test_a_store_replica_that_serve_restarts_holds_what_it_held(server, tmp_path, monkeypatch):

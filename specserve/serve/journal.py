@@ -21,10 +21,13 @@ redeploy's new replica while the old one drains) waits for it to let go, up to `
 One that still holds it then (another app or cluster on the same directory, as a RayService
 upgrade runs the new cluster beside the old one) is taken over: the new store reads the journal
 and writes it anew, and the old one, finding the file it appends to no longer the journal,
-refuses every change from then on instead of writing where nobody reads.
+refuses every change from then on instead of writing where nobody reads. A second lock
+(`<name>.changes`) keeps the two apart meanwhile: the old store holds it from each change's check
+to its append, the new one from its read to its rewrite, so no change falls between the two.
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
@@ -42,6 +45,10 @@ MIN_REWRITE = 1 << 20  # a journal smaller than this is never rewritten for its 
 # graceful stop of a store replica (its 2 s drain, then at most its 20 s timeout before the kill)
 HANDOVER_S = 60.0
 HANDOVER_POLL_S = 0.05
+# how long a change waits for a store that is taking the journal over to have read and rewritten it
+# (a read back: ~0.1 s for 6 MB), and that store for a change under way (microseconds)
+CHANGES_WAIT_S = 10.0
+CHANGES_POLL_S = 0.001
 
 
 class Journal:
@@ -50,6 +57,8 @@ class Journal:
         self.size = 0  # bytes in the file
         self._file = None
         self._held = None  # the lock file, open while this store holds the journal (`hold`)
+        self._changes = None  # the changes' lock file (`exclusive`), open from `hold` to `close`
+        self._depth = 0  # (`exclusive` calls under way: only the outermost takes the lock)
         self._closed = False  # (by `close`: nothing is written any more)
         self.waited_s = 0.0  # how long `hold` waited for another store to let go
 
@@ -57,12 +66,15 @@ class Journal:
         """The journal's lock taken, waiting up to HANDOVER_S for the store that holds
         it to let go; held until `close` or this process ends. A holder that does not let go is
         taken over (a warning naming it; its changes are refused from this store's rewrite on, see
-        `write`). Where the filesystem cannot lock (some network mounts): a warning, used unheld."""
+        `write` and `exclusive`). Where the filesystem cannot lock (some network mounts): a warning,
+        used unheld."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         lock = open(self.path.with_name(self.path.name + ".lock"), "a+b")
         start = time.monotonic()
         try:
-            self._wait_for(lock, HANDOVER_S)
+            locking = self._wait_for(lock, HANDOVER_S)
+            if locking:
+                self._changes = open(self.path.with_name(self.path.name + ".changes"), "a+b")
         except BaseException:
             lock.close()
             raise
@@ -73,17 +85,18 @@ class Journal:
         lock.flush()
         self._held = lock
 
-    def _wait_for(self, lock, wait_s: float) -> None:
+    def _wait_for(self, lock, wait_s: float) -> bool:
+        """The lock taken, or taken over after wait_s; False where the filesystem cannot lock."""
         deadline, told = time.monotonic() + wait_s, False
         while True:
             try:
                 fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return
+                return True
             except BlockingIOError:
                 if time.monotonic() >= deadline:
                     logger.warning("%s is still held by another %s store (%s) after %g s: taken over; that store "
                                    "refuses every change from now on", self.path, self.kind, _holder(lock), wait_s)
-                    return
+                    return True
                 if not told:
                     logger.warning("%s is held by another %s store (%s): waiting up to %g s for it to stop",
                                    self.path, self.kind, _holder(lock), wait_s)
@@ -92,7 +105,36 @@ class Journal:
             except OSError as err:
                 logger.warning("%s cannot be locked (%s): used without a lock; give no two apps this "
                                "responses.persist_dir", self.path, err)
-                return
+                return False
+
+    @contextlib.contextmanager
+    def exclusive(self):
+        """No other store reads or changes the file meanwhile: held by each change from its check to
+        its append, and by a store reading the journal back until it has written it anew, so a
+        change by a store being taken over is either in what the new one read or refused. An
+        OSError where a store holds it past CHANGES_WAIT_S (a change is then not made)."""
+        if self._depth or self._changes is None:  # (inside one already, or no locks here)
+            self._depth += 1
+            try:
+                yield
+            finally:
+                self._depth -= 1
+            return
+        deadline = time.monotonic() + CHANGES_WAIT_S
+        while True:
+            try:
+                fcntl.flock(self._changes.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise OSError(f"{self.path} was kept by another store for {CHANGES_WAIT_S:g} s") from None
+                time.sleep(CHANGES_POLL_S)
+        self._depth = 1
+        try:
+            yield
+        finally:
+            self._depth = 0
+            fcntl.flock(self._changes.fileno(), fcntl.LOCK_UN)
 
     def load(self) -> list[list]:
         """The file's records, oldest first ([] where there is no file yet). A line that is not a
@@ -119,6 +161,10 @@ class Journal:
         Where the new file cannot be written (a full disk), the old one stays as it was, in use,
         and the OSError is raised."""
         self._check_open()
+        with self.exclusive():
+            self._rewrite(records)
+
+    def _rewrite(self, records: Iterable[list]) -> None:
         if self._file is not None:  # (a rewrite when due: not over a store that took the journal over)
             self._check_current()
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -145,8 +191,11 @@ class Journal:
         to where it was and the OSError raised: the change it records is then not made. So too
         where the file appended to is no longer the journal (another store took it over)."""
         self._check_open()
+        with self.exclusive():
+            self._append(self._line(record))
+
+    def _append(self, line: bytes) -> None:
         self._check_current()
-        line = self._line(record)
         try:
             self._file.write(line)
             self._file.flush()
@@ -169,9 +218,10 @@ class Journal:
         if self._file is not None:
             self._file.close()
             self._file = None
-        if self._held is not None:
-            self._held.close()  # (closing the file lets go of its lock)
-            self._held = None
+        for lock in (self._changes, self._held):  # (closing a file lets go of its lock)
+            if lock is not None:
+                lock.close()
+        self._changes = self._held = None
 
     def _check_open(self) -> None:
         if self._closed:
@@ -248,9 +298,10 @@ class Journaled:
         (waiting for a store that holds it to stop)."""
         journal.hold()
         try:
-            self._read_back(journal)
-            self._bound()
-            journal.rewrite(self._snapshot())
+            with journal.exclusive():  # (no change of a store taken over falls between read and rewrite)
+                self._read_back(journal)
+                self._bound()
+                journal.rewrite(self._snapshot())
         except BaseException:
             journal.close()  # (a journal it could not read or write is not kept held)
             raise
