@@ -107,6 +107,38 @@ def test_a_conversation_with_tool_results_and_thinking_is_the_chat_it_says(clien
     assert chat.messages[1].thinking() == "I should call it." and chat.messages[2].role == "tool"
 
 
+def test_a_last_assistant_turn_is_a_prefill_the_answer_continues(client, fake):
+    """Anthropic's prefill: the last turn the assistant's text is left open, and the answer is what
+    follows it (it was rendered as a closed turn, and the model began a new one)."""
+    fake.script = said(b'Mara"}')
+    turns = [{"role": "user", "content": "A JSON object with a name."},
+             {"role": "assistant", "content": [{"type": "text", "text": '{"name": "'}]}]
+    message = claude(client).messages.create(model=MODEL, max_tokens=20, messages=turns)
+    assert message.content[0].text == 'Mara"}'
+    prefilled = prompt_text(fake)
+    assert prefilled.endswith('{"name": "')
+    chat = {"model": MODEL, "max_tokens": 20, "add_generation_prompt": False, "continue_final_message": True,
+            "messages": [turns[0], {"role": "assistant", "content": '{"name": "'}]}
+    assert client.post("/v1/chat/completions", json=chat).status_code == 200
+    assert prompt_text(fake) == prefilled
+    counted = client.post("/v1/messages/count_tokens", json={"model": MODEL, "messages": turns}).json()
+    assert counted["input_tokens"] == len(fake.requests[-1].prompt_token_ids)
+    spaced = [turns[0], {"role": "assistant", "content": '{"name": '}]
+    r = client.post("/v1/messages", json={"model": MODEL, "max_tokens": 5, "messages": spaced})
+    assert "trailing whitespace" in anthropic_error(r, 400)["message"]
+
+
+def test_a_null_optional_parameter_is_its_default(client, fake):
+    body = {"model": MODEL, "max_tokens": 5, "messages": [USER]}
+    assert client.post("/v1/messages", json=body).status_code == 200
+    plain = fake.requests[-1]
+    nulls = dict.fromkeys(["temperature", "top_p", "top_k", "stream", "stop_sequences", "system", "tools",
+                           "tool_choice", "thinking", "metadata"])
+    r = client.post("/v1/messages", json={**body, **nulls})
+    assert r.status_code == 200, r.text
+    assert fake.requests[-1].params == plain.params and fake.requests[-1].prompt_token_ids == plain.prompt_token_ids
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_reasoning_model_gives_a_thinking_block(fake, monkeypatch, stream):
     fake.script = said(b"<think>Oslo is north.</think>Cold.")

@@ -95,6 +95,39 @@ def test_a_cut_answer_is_incomplete(client, fake):
     assert events[-1]["response"]["output"][-1]["status"] == "incomplete"
 
 
+def test_a_call_cut_by_max_output_tokens_is_incomplete(client, fake):
+    """The function call max_output_tokens cut is `incomplete`, its arguments as far as they went
+    (it was `completed`, with arguments that do not parse)."""
+    fake.script = said(b'{"city": "Rome", "detail": "every hour of the day"}')
+    body = {"model": MODEL, "input": "Weather in Rome?", "tools": [WEATHER], "max_output_tokens": 12,
+            "tool_choice": {"type": "function", "name": "get_weather"}}
+    whole = client.post("/v1/responses", json=body).json()
+    events = events_of(client, body)
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    for response in (whole, events[-1]["response"]):
+        assert response["status"] == "incomplete"
+        (call,) = response["output"]
+        assert call["type"] == "function_call" and call["status"] == "incomplete"
+        assert '{"city": "Rome", "detail": "every hour of the day"}'.startswith(call["arguments"])
+    assert done[-1]["status"] == "incomplete"
+    fake.script = said(b'{"city": "Rome"}')
+    assert client.post("/v1/responses", json={**body, "max_output_tokens": 64}).json()["output"][0]["status"] == \
+        "completed"
+
+
+def test_a_null_optional_parameter_is_its_default(client, fake):
+    body = {"model": MODEL, "input": "Hi", "max_output_tokens": 4}
+    first = client.post("/v1/responses", json=body).json()
+    plain = fake.requests[-1]
+    nulls = dict.fromkeys(["temperature", "top_p", "stream", "store", "parallel_tool_calls", "tools", "tool_choice",
+                           "text", "reasoning", "instructions", "metadata", "truncation", "background", "include"])
+    r = client.post("/v1/responses", json={**body, **nulls})
+    assert r.status_code == 200, r.text
+    assert fake.requests[-1].params == plain.params and fake.requests[-1].prompt_token_ids == plain.prompt_token_ids
+    assert r.json()["store"] is True and client.get(f"/v1/responses/{r.json()['id']}").status_code == 200
+    assert first["store"] is True
+
+
 def test_items_in_are_the_conversation_the_chat_template_renders(client, fake):
     fake.script = said(b"It is sunny.")
     items = [{"role": "developer", "content": "Answer from the tool."},

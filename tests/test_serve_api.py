@@ -526,6 +526,28 @@ def test_null_max_tokens_means_the_default(client):
     assert r.json()["usage"]["completion_tokens"] <= 16
 
 
+@pytest.mark.parametrize("path,body,nulls", [
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 4},
+     ["temperature", "top_p", "n", "echo", "stream", "presence_penalty", "frequency_penalty", "logprobs", "seed",
+      "stop", "best_of", "suffix", "user", "logit_bias", "top_k", "min_tokens", "ignore_eos", "stream_options"]),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+     ["temperature", "top_p", "n", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "stream",
+      "stream_options", "parallel_tool_calls", "tools", "tool_choice", "response_format", "seed", "stop",
+      "max_completion_tokens", "reasoning_effort", "add_generation_prompt"]),
+])
+def test_a_null_optional_parameter_is_its_default(client, fake, path, body, nulls):
+    """OpenAI's optional parameters are nullable, and clients send `"temperature": null` for "not
+    given": each is its default (it was a 400 where the field's type had no null)."""
+    r = _post(client, body, path)
+    assert r.status_code == 200, r.text
+    plain = fake.requests[-1]
+    r = _post(client, {**body, **dict.fromkeys(nulls)}, path)
+    assert r.status_code == 200, r.text
+    assert fake.requests[-1].params == plain.params
+    assert fake.requests[-1].prompt_token_ids == plain.prompt_token_ids
+    _error(_post(client, {**body, "model": None}, path), 400)  # (a required field stays required)
+
+
 # -- the front door: body limit, key before body, pre-check, limits, edge inputs -------------------------
 def _client(fake, monkeypatch, **overrides):
     from starlette.testclient import TestClient

@@ -6,6 +6,7 @@ so speculation, tool calls, reasoning and the sampling options hold for it uncha
     system (text or text blocks)                a system message first
     user: text, tool_result blocks              tool messages (one per result), then the user's text
     assistant: thinking, text, tool_use         one assistant message: reasoning, content, tool_calls
+    the last turn the assistant's text          continue_final_message: the answer continues it
     tools [{name, description, input_schema}]   tools [{type: function, function: {..., parameters}}]
     tool_choice auto / any / tool / none        auto / required / a named function / none
                 (disable_parallel_tool_use)     (parallel_tool_calls: false)
@@ -25,11 +26,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .checks import as_chat
 from .front_door import OpenAIError
-from .schema import FUNCTION_NAME, ChatCompletionRequest, SamplingOptions
+from .schema import FUNCTION_NAME, ChatCompletionRequest, SamplingOptions, Strict
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+_Strict = Strict  # (a request object: unknown fields refused, a null as not given)
 
 
 # -- content blocks --------------------------------------------------------------------------------
@@ -144,7 +144,8 @@ class MessagesRequest(SamplingOptions):
 
     def chat(self) -> ChatCompletionRequest:
         """The chat request this is. Raises OpenAIError (400) for what a chat cannot say."""
-        body = {"model": self.model, "messages": messages(self.system, self.messages),
+        turns = messages(self.system, self.messages)
+        body = {"model": self.model, "messages": turns, **prefill(turns),
                 **self.model_dump(include=set(SamplingOptions.model_fields), exclude_unset=True),
                 "max_completion_tokens": self.max_tokens}
         if self.stop_sequences:
@@ -196,6 +197,19 @@ def messages(system: str | list[TextBlock] | None, turns: list[Message]) -> list
         else:
             out.append(_assistant(turn.content))
     return out
+
+
+def prefill(turns: list[dict]) -> dict:
+    """How the chat template renders a conversation whose last turn is the assistant's text (a
+    prefill): left open, so that the answer continues it (and gives only what follows). Raises
+    OpenAIError (400) where that text ends in whitespace, as Anthropic's API does."""
+    last = turns[-1]
+    if last["role"] != "assistant" or last.get("tool_calls"):
+        return {}
+    if last["content"] != last["content"].rstrip():
+        raise OpenAIError(400, "messages: final assistant content cannot end with trailing whitespace",
+                          "messages", "invalid_prefill")
+    return {"add_generation_prompt": False, "continue_final_message": True}
 
 
 def _user(blocks: list) -> list[dict]:

@@ -136,7 +136,7 @@ def output_items(message: dict, finish: str | None, field_name: str | None, logp
         out.append(message_item(item_id("msg"), message.get("content") or "", entries, "completed"))
     out.extend(call_item(item_id("fc"), c["id"], c["function"]["name"], c["function"]["arguments"], "completed")
                for c in calls)
-    if finish == "length" and out[-1]["type"] != "function_call":  # the item max_output_tokens cut
+    if finish == "length":  # the item max_output_tokens cut (a call's arguments then end where it cut them)
         out[-1]["status"] = "incomplete"
     return out
 
@@ -363,7 +363,7 @@ class ResponseEvents:
             part = done["content"][0]
             events.append(self._part_event("response.output_text.done", text=self.text, logprobs=own or []))
         else:
-            done, part = call_item(item["id"], item["call_id"], item["name"], self.text, "completed"), None
+            done, part = call_item(item["id"], item["call_id"], item["name"], self.text, status), None
             events.append(self.event("response.function_call_arguments.done", item_id=item["id"],
                                      output_index=len(self.output), arguments=self.text))
         if part is not None:

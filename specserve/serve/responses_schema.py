@@ -38,7 +38,7 @@ from specserve.engine.sampling import MAX_LOGPROBS
 
 from .checks import as_chat
 from .front_door import OpenAIError
-from .schema import FUNCTION_NAME, ChatCompletionRequest, JsonObjectFormat, SamplingOptions, TextFormat
+from .schema import FUNCTION_NAME, ChatCompletionRequest, JsonObjectFormat, SamplingOptions, Strict, TextFormat
 
 MAX_METADATA = 16  # OpenAI's limits on metadata: pairs, key and value lengths
 
@@ -53,8 +53,7 @@ def metadata_problems(metadata: dict[str, str] | None) -> list[tuple[str, str]]:
 Status = Literal["in_progress", "completed", "incomplete"]
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+_Strict = Strict  # (a request object: unknown fields refused, a null as not given)
 
 
 # -- input items -----------------------------------------------------------------------------------
@@ -345,11 +344,10 @@ class ResponsesRequest(SamplingOptions):
         return as_chat(body, CHAT_TO_RESPONSES, "input")
 
 
-class InputTokensRequest(BaseModel):
+class InputTokensRequest(Strict):
     """`POST /v1/responses/input_tokens`: the input a Responses request with these fields would
     give the model, counted (what it would generate from does not change the count)."""
 
-    model_config = ConfigDict(extra="forbid")
     model: str | None = None
     input: str | list[InputItem] | None = None
     instructions: str | None = None
@@ -377,11 +375,10 @@ COMPACT_ASK = ("Write a summary of our conversation so far for whoever continues
                "Be complete and concise; answer with the summary only.")
 
 
-class CompactRequest(BaseModel):
+class CompactRequest(Strict):
     """`POST /v1/responses/compact`: a conversation (`input`, after `previous_response_id`'s) to
     compact: its user messages, then the model's summary of it as one compaction item."""
 
-    model_config = ConfigDict(extra="forbid")
     model: str | None = None
     input: str | list[InputItem] | None = None
     instructions: str | None = None

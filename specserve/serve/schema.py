@@ -3,6 +3,8 @@ extensions of docs/serving.md ("API"), and what each refuses with a 400 naming t
 from __future__ import annotations
 
 import json
+import types
+import typing
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -13,13 +15,52 @@ from specserve.engine.sampling import MAX_LOGPROBS
 from .text import TextRules
 
 # -- request schemas -----------------------------------------------------------------------------
-class StreamOptions(BaseModel):
+class Strict(BaseModel):
+    """A request object: unknown fields refused, and a null given for an optional field whose
+    type has no null taken as not given (its default), as OpenAI's nullable parameters are
+    (`"temperature": null`). A required field stays required."""
+
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        defaulted = _defaulted_without_null(cls)
+        if any(value is None and key in defaulted for key, value in data.items()):
+            data = {key: value for key, value in data.items() if value is not None or key not in defaulted}
+        return data
+
+
+_DEFAULTED: dict[type, frozenset[str]] = {}
+
+
+def _defaulted_without_null(model: type[BaseModel]) -> frozenset[str]:
+    """The names (and aliases) of a model's fields that have a default and whose type admits no None."""
+    if model not in _DEFAULTED:
+        _DEFAULTED[model] = frozenset(
+            name for field_name, field in model.model_fields.items()
+            if not field.is_required() and not _admits_none(field.annotation)
+            for name in (field_name, field.alias) if name)
+    return _DEFAULTED[model]
+
+
+def _admits_none(annotation: Any) -> bool:
+    if annotation in (None, type(None), Any):
+        return True
+    origin = typing.get_origin(annotation)
+    if origin in (Union, types.UnionType, Annotated):
+        return any(_admits_none(arg) for arg in typing.get_args(annotation))
+    return False
+
+
+class StreamOptions(Strict):
     include_usage: bool = False  # a last chunk with the usage
     continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
 
 
-class JsonSchemaSpec(BaseModel):
+class JsonSchemaSpec(Strict):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
     name: str = Field("response", max_length=64)
     description: str | None = None
@@ -61,7 +102,7 @@ OutputFormat = Annotated[Union[TextFormat, JsonObjectFormat, JsonSchemaFormat, R
 MAX_CHOICES = 1024  # structured_outputs.choice: the most alternatives
 
 
-class StructuredOutputs(BaseModel):
+class StructuredOutputs(Strict):
     """vLLM's `structured_outputs` (its successor to `guided_json` and friends): exactly one of
     a JSON schema (or its text), a regex, a list of choices, a Lark grammar, or any JSON object."""
 
@@ -114,10 +155,8 @@ def format_grammar(fmt: BaseModel | None) -> Grammar | None:
     return Grammar("lark", fmt.lark)
 
 
-class SamplingOptions(BaseModel):
+class SamplingOptions(Strict):
     """The sampling and scheduling options every generating route takes (chat, completions, responses)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
@@ -227,8 +266,7 @@ class TextPart(BaseModel):
 FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+_Strict = Strict
 
 
 class FunctionDef(_Strict):
@@ -321,7 +359,7 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
     "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs"})
 
 
-class Conversation(BaseModel):
+class Conversation(Strict):
     """A chat: the messages, the tools offered, and how the chat template renders them (shared by
     chat completions and /tokenize)."""
 
