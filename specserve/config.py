@@ -559,9 +559,10 @@ class AppConfig(_Strict):
         if self.prefix_caching and not self.kv_block_size:
             raise ValueError("prefix_caching needs a paged cache: set kv_block_size (e.g. 16)")
         if self.max_cached_tokens is not None and self.max_model_len is not None:
-            from specserve.engine.admission import allocation
+            from specserve.engine.admission import allocation, worst_positions
 
-            one = allocation([self.max_model_len + self.speculation.num_speculative_tokens], self.kv_block_size)
+            worst = worst_positions(self.max_model_len, self.speculation.num_speculative_tokens, self.kv_block_size)
+            one = allocation([worst], self.kv_block_size)
             if one > self.max_cached_tokens:
                 raise ValueError(f"max_cached_tokens ({self.max_cached_tokens}) cannot hold one request of "
                                  f"max_model_len ({self.max_model_len}): it and the scratch "

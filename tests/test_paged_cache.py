@@ -370,6 +370,50 @@ def test_requests_that_outgrow_the_budget_are_preempted_and_lose_nothing():
     assert_pool_full(engine)
 
 
+def test_a_request_accepted_alone_always_fits_even_below_a_step_s_headroom():
+    """Paged admission counts a step's headroom past a request's tokens (2γ + 2), which a request
+    whose max_tokens is below it still needs: the worst case checked at `add_request` counts it
+    too, so a request either is refused at once or is admitted (found by the random scenarios:
+    a 40-token prompt with max_tokens 1 under a 64-position budget was accepted and then never
+    fit, and every request behind it waited for ever)."""
+    from specserve.engine.step import ContextLengthExceeded
+
+    engine = SpeculativeEngine(target(), tiny_llama(0, layers=4), num_speculative_tokens=4, adaptive=False,
+                               kv_block_size=16, max_cached_tokens=64)
+    with pytest.raises(ContextLengthExceeded, match="budget of 64"):
+        engine.add_request("a", list(range(1, 41)), SamplingParams(max_tokens=1, temperature=0.0))
+    admission = Admission(1, None, 4, 16)
+    for max_tokens in (1, 2, 5, 30):
+        seq = new_sequence("s", list(range(1, 41)), SamplingParams(max_tokens=max_tokens), vocab_size=96,
+                           max_model_len=256, eos_token_ids=frozenset())
+        for _ in range(max_tokens):  # its need as it grows never passes what add_request checked
+            assert admission.need(seq) <= admission.worst(seq)
+            seq.output.append(5)
+    engine = SpeculativeEngine(target(), tiny_llama(0, layers=4), num_speculative_tokens=4, adaptive=False,
+                               kv_block_size=16, max_cached_tokens=80)
+    engine.add_request("a", list(range(1, 41)), SamplingParams(max_tokens=1, temperature=0.0))
+    engine.add_request("b", [5, 6], SamplingParams(max_tokens=3, temperature=0.0))
+    done = {}
+    for _ in range(50):
+        done.update({out.request_id: out.finish_reason for out in engine.step() if out.finish_reason})
+    assert done == {"a": "length", "b": "length"}
+
+
+def test_calibration_times_only_what_a_small_fixed_pool_holds():
+    """An adaptive engine times forwards of up to 64 tokens after a 16-token context before its
+    first step: in a fixed pool smaller than that it raised MemoryError (found by the random
+    scenarios). It times the sizes that fit, and decodes the target's tokens."""
+    prompt = [5, 6, 7]
+    for gamma in (1, 3):
+        engine = SpeculativeEngine(target(), tiny_llama(0, layers=4), num_speculative_tokens=gamma, adaptive=True,
+                                   kv_block_size=16, max_cached_tokens=64)
+        out = engine.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0))[0]
+        assert out.token_ids == hf_greedy(target(), prompt, 4)
+        timed = set(engine.policy.target_cost._calibrated)  # the sizes calibration timed
+        assert timed == {1, 2, 3, 4, 5, 6, 7, 8, 16}, timed  # (16 + 32 + 1 positions: more than 3 free blocks)
+        assert_pool_full(engine)
+
+
 def test_short_rows_attend_over_their_own_length_not_the_longest(monkeypatch):
     """One long row among short ones: the paged runner splits the batch into a short forward and a
     long one where that saves more key positions than a second pass over the weights costs (the

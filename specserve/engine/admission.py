@@ -27,8 +27,10 @@ whole context). As requests grow the sum may pass the budget: then running reque
 (`preempt`), the highest priority value first and the newest of it first, until it fits again:
 their caches are freed, and they wait at the head of the queue with every token they have, to be
 prefilled again (prompt + output, chunked; prefix caching may take part of it) when they fit.
-Nothing is lost, the stream just pauses; a seeded request's random stream is untouched. A request that could not fit alone at its worst
-(prompt + max_tokens + γ) is refused at once, so a request alone always fits.
+Nothing is lost, the stream just pauses; a seeded request's random stream is untouched. A request
+that could not fit alone at its worst is refused at once, so a request alone always fits: dense,
+prompt + max_tokens + γ; paged, its need when it holds prompt + max_tokens tokens (never less than
+its need at any step, so it also holds for a request whose max_tokens is below that headroom).
 """
 from __future__ import annotations
 
@@ -43,6 +45,14 @@ def positions_needed(seq: Sequence, max_gamma: int) -> int:
     """Cache positions a request's slot may come to hold: prompt + max_tokens (capped at the
     context) + γ draft positions written past its last real token."""
     return min(len(seq.prompt) + seq.params.max_tokens, seq.max_model_len) + max_gamma
+
+
+def worst_positions(tokens: int, max_gamma: int, block_size: int | None = None) -> int:
+    """The most positions the budget counts for a request that may come to hold `tokens` tokens:
+    dense, its slot's (γ drafts past them); paged, its `Admission.need` then (a step's headroom
+    past them, 2γ + 2, which a request near its end still writes: its verify row is as wide as
+    the batch's)."""
+    return tokens + (2 * max_gamma + 2 if block_size else max_gamma)
 
 
 def allocation(needs: list[int], block_size: int | None = None) -> int:
@@ -97,10 +107,15 @@ class Admission:
             return seq.num_tokens + 2 * self.max_gamma + 2
         return positions_needed(seq, self.max_gamma)
 
+    def worst(self, seq: Sequence) -> int:
+        """The most positions the budget may count for a request (`worst_positions`): never less
+        than its `need` at any step."""
+        tokens = min(len(seq.prompt) + seq.params.max_tokens, seq.max_model_len)
+        return worst_positions(tokens, self.max_gamma, self.block_size)
+
     def too_big(self, seq: Sequence) -> bool:
         """Whether the request could not fit the budget even alone, at its longest."""
-        return self.budget is not None and allocation([positions_needed(seq, self.max_gamma)],
-                                                     self.block_size) > self.budget
+        return self.budget is not None and allocation([self.worst(seq)], self.block_size) > self.budget
 
     def allocated(self) -> int:
         """Token positions the running batch may allocate on each worker (what the budget bounds)."""

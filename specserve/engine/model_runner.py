@@ -37,7 +37,7 @@ import torch
 from . import attention, cpu_attention, cpu_linear
 from .fusion import BlockFusion, repeated_blocks
 from .kv_cache import CAPACITY_STEP, SlotKVCache, capacity_for
-from .paged_cache import SCRATCH, PagedKVCache
+from .paged_cache import SCRATCH, PagedKVCache, blocks_for
 from .sharding import head_dim, kv_cache_bytes_per_token, kv_shape
 
 # Batch sizes a forward is padded up to: every power of two up to 8 (small batches are weight-bound
@@ -998,10 +998,12 @@ class ModelRunner:
 
     def time_forwards(self, sizes: tuple[int, ...] = CALIBRATION_SIZES) -> list[ForwardTiming]:
         """One forward of each size (tokens) after a short context, twice, keeping the faster:
-        seeds a cost model. Sizes 1..8 cover the verify widths where a CPU's cost jumps most."""
+        seeds a cost model. Sizes 1..8 cover the verify widths where a CPU's cost jumps most. A
+        fixed paged pool times only the sizes its free blocks hold (a small budget: the policy
+        extrapolates the rest, as it does past the largest size)."""
         context = [0] * CALIBRATION_CONTEXT
         timings = []
-        for n in sizes:
+        for n in self._sizes_that_fit(sizes, len(context)):
             best = float("inf")
             for _ in range(2):
                 self.forward([RowInput("__calibrate__", 0, context)], logits="none")
@@ -1011,6 +1013,14 @@ class ModelRunner:
         self.free("__calibrate__")
         self.take_forward_log()
         return timings
+
+    def _sizes_that_fit(self, sizes: tuple[int, ...], context: int) -> list[int]:
+        """The sizes whose forward after `context` tokens the cache can place now (+ 1: the
+        padding position a forward writes past a row's end, see `stage`)."""
+        if not (self.paged and self.cache.fixed):
+            return list(sizes)
+        room = self.cache.num_free_blocks
+        return [n for n in sizes if blocks_for(context + n + 1, self.cache.block_size) <= room]
 
     def map_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         """Ids in the model's output space -> target vocabulary ids."""

@@ -1,0 +1,355 @@
+"""Seeded random scenarios: many engine features mixed at once, greedy output checked against the
+target alone.
+
+Each seed draws an engine configuration (γ 0-6, adaptive or fixed, a drafter of every kind the
+tests build in process, dense or paged KV with blocks of 1-16, prefix caching, prefill chunks,
+a small batch and/or KV budget so requests queue and get preempted, max_model_len, EOS ids) and a
+schedule (3-10 requests, some sharing long prefixes, some near max_model_len, arriving at random
+steps, a few aborted at random steps, each with its own greedy SamplingParams: max_tokens down to
+1, stop ids, min_tokens, ignore_eos, logit bias, allowed ids, bad words, penalties, logprobs).
+
+Every finished request's tokens and finish reason must equal those of the same request run alone
+through a plain target-only engine (γ 0, dense, no prefix caching, batch of one), and, where its
+params do not process the logits, those of HF `generate` cut at its first stop token. An aborted
+request's tokens so far must be a prefix of its reference; at the end every cache is empty
+(paged pools back to their scratch block only).
+
+By default a few seeds run (CI); SPECSERVE_SCENARIO_SEEDS="0-499" (or "3,17,40-60") runs others.
+A failing test's id names its seed: `pytest tests/test_engine_scenarios.py -k "seed_17"`.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import random
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from models import ShiftedDraft, hf_greedy, perturbed
+from specserve import SamplingParams, SpeculativeEngine
+from specserve.engine.admission import Admission, allocation
+from specserve.engine.feature_drafter import FeatureDrafterProposer, FeatureDrafterSpec
+from specserve.engine.model_runner import ModelRunner
+from specserve.engine.proposers import DraftModelSpec, LayerSkipSpec, PromptLookupSpec
+from specserve.engine.step import new_sequence
+from test_feature_drafter import LAYERS, target  # tiny_llama(0, layers=4): the feature head's target
+
+torch.set_num_threads(1)
+
+VOCAB = 96
+MODEL_LEN = 256  # the tiny models' max_position_embeddings
+DEFAULT_SEEDS = "0-39"
+DRAFTERS = ("none", "draft-ordinary", "draft-equal", "draft-wrong", "layer-skip", "prompt-lookup",
+            "feature-head")
+
+
+def seeds_from_env() -> list[int]:
+    """SPECSERVE_SCENARIO_SEEDS: "a-b" ranges and single seeds, comma separated."""
+    spec = os.environ.get("SPECSERVE_SCENARIO_SEEDS", DEFAULT_SEEDS)
+    seeds = []
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        lo, _, hi = part.partition("-")
+        seeds += list(range(int(lo), int(hi or lo) + 1))
+    return seeds
+
+
+# -- the scenario ------------------------------------------------------------------------------------
+@dataclass
+class Request:
+    rid: str
+    prompt: list[int]
+    params: SamplingParams
+    arrive: int  # the step number before which it is added
+    abort: int | None = None  # the step number before which it is aborted (None: never)
+    priority: int = 0  # add_request's: lower is admitted first, preempted last
+
+
+@dataclass
+class Scenario:
+    seed: int
+    gamma: int
+    adaptive: bool
+    drafter: str
+    drafter_args: dict
+    block_size: int | None
+    prefix_caching: bool
+    chunk: int | None
+    max_batch_size: int
+    max_model_len: int | None
+    eos: list[int]
+    budget: int | None = None
+    requests: list[Request] = field(default_factory=list)
+
+    def engine_kwargs(self) -> dict:
+        return dict(num_speculative_tokens=self.gamma, adaptive=self.adaptive, kv_block_size=self.block_size,
+                    prefix_caching=self.prefix_caching, prefill_chunk_tokens=self.chunk,
+                    max_batch_size=self.max_batch_size, max_model_len=self.max_model_len,
+                    max_cached_tokens=self.budget, eos_token_ids=self.eos)
+
+
+def draw_config(rng: random.Random, seed: int) -> Scenario:
+    gamma = rng.choice([0, 1, 2, 3, 4, 5, 6])
+    drafter = "none" if gamma == 0 else rng.choice(DRAFTERS[1:])
+    args = {}
+    if drafter == "layer-skip":
+        args["skip"] = tuple(rng.sample(range(LAYERS), rng.randint(1, LAYERS - 1)))
+    elif drafter == "prompt-lookup":
+        lo = rng.randint(1, 3)
+        args.update(min_n=lo, max_n=rng.randint(lo, 4))
+    elif drafter == "feature-head":
+        args.update(min_confidence=rng.choice([None, None, 0.35]), lookup_min_n=rng.choice([None, None, 3]))
+    block = rng.choice([None, None, 1, 3, 7, 16])
+    return Scenario(
+        seed=seed, gamma=gamma, adaptive=rng.random() < 0.4, drafter=drafter, drafter_args=args,
+        block_size=block, prefix_caching=bool(block) and rng.random() < 0.6,
+        chunk=rng.choice([None, 0, 1, 5, 13, 32, 512]), max_batch_size=rng.choice([1, 2, 3, 4, 64]),
+        max_model_len=rng.choice([None, None, 64, 100, 160]), eos=rng.choice([[], [], [rng.randrange(VOCAB)],
+                                                                            rng.sample(range(VOCAB), 2)]),
+    )
+
+
+def draw_params(rng: random.Random, room: int) -> SamplingParams:
+    """Greedy params with a random mix of stops and logit processing; max_tokens <= room."""
+    max_tokens = min(room, rng.choice([1, rng.randint(2, 12), rng.randint(8, 40), rng.randint(20, 48)]))
+    kw: dict = dict(max_tokens=max_tokens, temperature=0.0, ignore_eos=rng.random() < 0.3)
+    if rng.random() < 0.3:
+        kw["stop_token_ids"] = tuple(rng.sample(range(VOCAB), rng.randint(1, 3)))
+    if rng.random() < 0.25:
+        kw["min_tokens"] = rng.randint(0, max_tokens)
+    if rng.random() < 0.15:
+        kw["logprobs"] = rng.choice([0, 2])
+    if rng.random() < 0.5:  # plain: no logit processing (HF generate checks the reference too)
+        return SamplingParams(**kw)
+    if rng.random() < 0.3:
+        kw["presence_penalty"] = rng.choice([-1.0, 0.5, 1.5])
+    if rng.random() < 0.3:
+        kw["frequency_penalty"] = rng.choice([-0.5, 0.3, 1.0])
+    if rng.random() < 0.3:
+        kw["repetition_penalty"] = rng.choice([0.8, 1.3, 1.8])
+    if rng.random() < 0.3:
+        kw["logit_bias"] = {rng.randrange(VOCAB): rng.choice([-100.0, -3.0, 2.5, 8.0]) for _ in range(3)}
+    if rng.random() < 0.2:
+        kw["allowed_token_ids"] = tuple(rng.sample(range(VOCAB), rng.randint(2, 30)))
+    if rng.random() < 0.15:
+        kw["bad_words_ids"] = tuple(tuple(rng.sample(range(VOCAB), rng.randint(1, 2))) for _ in range(2))
+    return SamplingParams(**kw)
+
+
+def valid(prompt: list[int], params: SamplingParams, eos: list[int]) -> bool:
+    """Whether new_sequence accepts it (allowed ids with min_tokens must leave a non-stop token)."""
+    try:
+        new_sequence("x", prompt, params, vocab_size=VOCAB, max_model_len=MODEL_LEN, eos_token_ids=frozenset(eos))
+    except ValueError:
+        return False
+    return True
+
+
+def draw_prompt(rng: random.Random, prefixes: list[list[int]], limit: int) -> list[int]:
+    """A prompt of at most `limit` tokens: a shared prefix (whole or cut) or not, then its own
+    tokens (random, or a repeated pattern that prompt lookup can follow)."""
+    head = []
+    if prefixes and rng.random() < 0.6:
+        head = rng.choice(prefixes)
+        head = head[: rng.choice([len(head), rng.randint(1, len(head))])]
+    if rng.random() < 0.2:
+        pattern = [rng.randrange(VOCAB) for _ in range(rng.randint(2, 5))]
+        tail = (pattern * 20)[: rng.randint(4, 40)]
+    else:
+        tail = [rng.randrange(VOCAB) for _ in range(rng.choice([1, 2, rng.randint(3, 20), rng.randint(20, 90)]))]
+    return (head + tail)[-limit:]
+
+
+def draw_requests(rng: random.Random, sc: Scenario) -> list[Request]:
+    model_len = sc.max_model_len or MODEL_LEN
+    prefixes = [[rng.randrange(VOCAB) for _ in range(rng.randint(16, 60))] for _ in range(rng.randint(0, 2))]
+    requests: list[Request] = []
+    while len(requests) < rng.randint(3, 10):
+        if rng.random() < 0.15:  # near max_model_len
+            params = draw_params(rng, rng.randint(1, 12))
+            prompt = draw_prompt(rng, prefixes, model_len)
+            prompt = (prompt * model_len)[: model_len - params.max_tokens - rng.randint(0, 2)]
+        else:
+            prompt = draw_prompt(rng, prefixes, model_len - 2)
+            params = draw_params(rng, model_len - len(prompt))
+        if not prompt or not valid(prompt, params, sc.eos):
+            continue
+        arrive = rng.choice([0, 0, rng.randint(0, 6), rng.randint(0, 30)])
+        abort = arrive + rng.randint(0, 12) if rng.random() < 0.15 else None
+        priority = rng.choice([0, 0, 0, 1, 2])
+        requests.append(Request(f"s{sc.seed}-r{len(requests)}", prompt, params, arrive, abort, priority))
+    return requests
+
+
+def draw_budget(rng: random.Random, sc: Scenario) -> int | None:
+    """A KV budget between what the largest request alone needs and a little more (so requests
+    queue, and paged ones get preempted as they grow), or none."""
+    if rng.random() > (0.7 if sc.block_size else 0.4):
+        return None
+    model_len = sc.max_model_len or MODEL_LEN
+    worst = Admission(sc.max_batch_size, None, sc.gamma, sc.block_size).worst
+    alone = max(allocation([worst(seq_of(r, model_len))], sc.block_size) for r in sc.requests)
+    return int(alone * rng.uniform(1.0, 1.4 if sc.block_size else 2.5))
+
+
+def seq_of(r: Request, model_len: int):
+    return new_sequence(r.rid, r.prompt, r.params, vocab_size=VOCAB, max_model_len=model_len,
+                        eos_token_ids=frozenset())
+
+
+def draw_scenario(seed: int) -> Scenario:
+    rng = random.Random(seed)
+    sc = draw_config(rng, seed)
+    sc.requests = draw_requests(rng, sc)
+    sc.budget = draw_budget(rng, sc)
+    return sc
+
+
+# -- engines ---------------------------------------------------------------------------------------
+@functools.lru_cache(None)
+def draft_model(kind: str) -> torch.nn.Module:
+    model = target()
+    if kind == "draft-ordinary":
+        return perturbed(model, 0.6, seed=1)
+    if kind == "draft-wrong":
+        return ShiftedDraft(model)
+    return perturbed(model, 0.0, seed=0)  # "draft-equal": an exact copy
+
+
+def drafter_spec(sc: Scenario, head_dir):
+    args = sc.drafter_args
+    if sc.drafter == "none":
+        return None
+    if sc.drafter.startswith("draft-"):
+        return DraftModelSpec(draft_model(sc.drafter))
+    if sc.drafter == "layer-skip":
+        return LayerSkipSpec(args["skip"])
+    if sc.drafter == "prompt-lookup":
+        return PromptLookupSpec(args["min_n"], args["max_n"])
+    return FeatureDrafterSpec(str(head_dir), args["min_confidence"], args["lookup_min_n"])
+
+
+@functools.lru_cache(None)
+def reference_engine(eos: tuple[int, ...]) -> SpeculativeEngine:
+    return SpeculativeEngine(target(), None, num_speculative_tokens=0, max_batch_size=1, prefill_chunk_tokens=None,
+                             eos_token_ids=list(eos))
+
+
+@functools.lru_cache(maxsize=4096)
+def reference(prompt: tuple[int, ...], params: SamplingParams, eos: tuple[int, ...]):
+    """(tokens, finish_reason, logprobs) of the request alone through the plain target-only engine."""
+    out = reference_engine(eos).generate([list(prompt)], params)[0]
+    return out.token_ids, out.finish_reason, out.logprobs
+
+
+@functools.lru_cache(maxsize=4096)
+def hf_reference(prompt: tuple[int, ...], params: SamplingParams, eos: tuple[int, ...]):
+    """HF generate's greedy tokens, cut after the first stop id: (tokens, finish_reason)."""
+    stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos))
+    tokens = hf_greedy(target(), list(prompt), params.max_tokens)
+    for i, t in enumerate(tokens):
+        if t in stops:
+            return tokens[: i + 1], "stop"
+    return tokens, "length"
+
+
+def plain(params: SamplingParams, eos: list[int]) -> bool:
+    """No logit processing at all (so HF generate is a reference too)."""
+    stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos))
+    return not params.processed and not (params.min_tokens and stops)
+
+
+# -- running a scenario ------------------------------------------------------------------------------
+@dataclass
+class Result:
+    tokens: list[int] = field(default_factory=list)
+    finish: str | None = None
+    logprobs: list[float] = field(default_factory=list)
+    aborted: bool = False
+
+
+def run_schedule(engine: SpeculativeEngine, sc: Scenario, max_steps: int = 5000) -> dict[str, Result]:
+    """Add, abort and step as the schedule says until every request is done."""
+    results = {r.rid: Result() for r in sc.requests}
+    last = max(max(r.arrive, r.abort or 0) for r in sc.requests)
+    for n in range(max_steps):
+        for r in sc.requests:
+            if r.arrive == n:
+                engine.add_request(r.rid, r.prompt, r.params, priority=r.priority)
+            if r.abort == n and results[r.rid].finish is None:
+                engine.abort(r.rid)
+                results[r.rid].aborted = True
+        for out in engine.step():
+            res = results[out.request_id]
+            assert not res.aborted and res.finish is None, f"tokens after abort / finish for {out.request_id}"
+            res.tokens += out.new_token_ids
+            res.logprobs += out.logprobs or []
+            res.finish = out.finish_reason
+        if n >= last and not engine.has_unfinished():
+            return results
+    waiting = [q.request_id for q in engine.admission.waiting]
+    raise AssertionError(f"seed {sc.seed}: the engine did not finish in {max_steps} steps; still waiting: {waiting}, "
+                         f"running: {list(engine.admission.running)}")
+
+
+def assert_resources_free(engine: SpeculativeEngine) -> None:
+    """No request holds anything: admission empty, no cache slot, paged pools at their scratch block."""
+    assert not engine.admission.running and not engine.admission.waiting
+    assert all(n == 0 for n in engine.num_cached().values()), engine.num_cached()
+    proposer = engine.proposer
+    if proposer is not None:
+        assert proposer.num_cached() == 0
+    if isinstance(proposer, FeatureDrafterProposer):
+        assert not proposer.features._held, list(proposer.features._held)
+    for runner in (engine.verifier.runner, getattr(proposer, "runner", None)):
+        if isinstance(runner, ModelRunner) and runner.paged:
+            assert runner.cache.allocated()[0] == 1, runner.cache.allocated()
+
+
+def check_request(sc: Scenario, r: Request, res: Result) -> None:
+    eos = tuple(sc.eos)
+    tokens, finish, logprobs = reference(tuple(r.prompt), r.params, eos)
+    where = f"seed {sc.seed} {r.rid} prompt_len={len(r.prompt)} {r.params}"
+    if res.aborted:
+        assert res.tokens == tokens[: len(res.tokens)], f"{where}: aborted stream not a prefix of the reference"
+        return
+    assert (res.tokens, res.finish) == (tokens, finish), f"{where}: engine {res.tokens} {res.finish}"
+    if r.params.logprobs is not None:
+        # [n] float32 each: the chosen tokens' log-probabilities (batch shapes move the last bits)
+        assert torch.allclose(torch.tensor(res.logprobs), torch.tensor(logprobs), atol=1e-3), where
+    if plain(r.params, sc.eos):
+        assert (tokens, finish) == hf_reference(tuple(r.prompt), r.params, eos), f"{where}: reference != HF"
+
+
+def run_scenario(sc: Scenario, head_dir) -> None:
+    engine = SpeculativeEngine(target(), drafter=drafter_spec(sc, head_dir), **sc.engine_kwargs())
+    results = run_schedule(engine, sc)
+    for r in sc.requests:
+        check_request(sc, r, results[r.rid])
+    assert_resources_free(engine)
+
+
+def describe(sc: Scenario) -> str:
+    reqs = "\n".join(f"  {r.rid} len={len(r.prompt)} arrive={r.arrive} abort={r.abort} priority={r.priority} {r.params}"
+                     for r in sc.requests)
+    return f"{sc}\n{reqs}"
+
+
+@pytest.mark.parametrize("seed", seeds_from_env(), ids=lambda s: f"seed_{s}")
+def test_random_scenario_is_the_target_alone(seed, request):
+    sc = draw_scenario(seed)
+    head_dir = request.getfixturevalue("head_dir") if sc.drafter == "feature-head" else None
+    try:
+        run_scenario(sc, head_dir)
+    except AssertionError as e:
+        raise AssertionError(f"{e}\nscenario:\n{describe(sc)}") from e
+
+
+def test_the_generator_covers_the_features():
+    """Over the default seeds' neighbourhood the draws reach every drafter and most options."""
+    scs = [draw_scenario(s) for s in range(200)]
+    assert {sc.drafter for sc in scs} == set(DRAFTERS)
+    assert any(sc.prefix_caching for sc in scs) and any(sc.budget and sc.block_size for sc in scs)
+    assert any(r.abort is not None for sc in scs for r in sc.requests)
+    assert any(r.params.max_tokens == 1 for sc in scs for r in sc.requests)
