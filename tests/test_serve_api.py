@@ -548,6 +548,25 @@ def test_a_null_optional_parameter_is_its_default(client, fake, path, body, null
     _error(_post(client, {**body, "model": None}, path), 400)  # (a required field stays required)
 
 
+def test_openai_s_other_chat_parameters_are_taken_or_refused_by_name(client, fake):
+    """OpenAI's chat parameters that change no token here (tags, hints, store false) are taken as
+    they are; those that ask for what this server does not do are a 400 naming them (they were
+    all `extra_forbidden`)."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    assert _post(client, body, "/v1/chat/completions").status_code == 200
+    plain = fake.requests[-1]
+    taken = {"store": False, "metadata": {"team": "search"}, "service_tier": "auto", "prompt_cache_key": "u1",
+             "prompt_cache_retention": "24h", "safety_identifier": "h4sh", "modalities": ["text"]}
+    r = _post(client, {**body, **taken}, "/v1/chat/completions")
+    assert r.status_code == 200, r.text
+    assert fake.requests[-1].params == plain.params and fake.requests[-1].prompt_token_ids == plain.prompt_token_ids
+    for extra, param in [({"store": True}, "store"), ({"modalities": ["text", "audio"]}, "modalities"),
+                         ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+                         ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+                         ({"service_tier": "fastest"}, "service_tier")]:
+        assert _error(_post(client, {**body, **extra}, "/v1/chat/completions"), 400)["param"] == param, extra
+
+
 # -- the front door: body limit, key before body, pre-check, limits, edge inputs -------------------------
 def _client(fake, monkeypatch, **overrides):
     from starlette.testclient import TestClient
@@ -1020,8 +1039,11 @@ def test_tokenize_counts_what_a_request_would_send(client, fake):
 
 @pytest.mark.parametrize("path,body,status,param", [
     ("/tokenize", {"model": "gpt-9", "prompt": "x"}, 404, "model"),
-    ("/tokenize", {"prompt": 5}, 400, None),
-    ("/tokenize", {"prompt": "x", "junk": 1}, 400, None),
+    ("/tokenize", {"prompt": 5}, 400, "prompt"),
+    ("/tokenize", {"prompt": "x", "junk": 1}, 400, "junk"),
+    ("/tokenize", {"messages": []}, 400, "messages"),  # (the chat's error, not the text's "prompt: Field required")
+    ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "prompt": "x"}, 400, "prompt"),
+    ("/tokenize", {}, 400, "prompt"),
     ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True}, 400,
      "continue_final_message"),
     ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, 400, "tool_choice"),
@@ -1033,6 +1055,7 @@ def test_bad_tokenize_and_detokenize_bodies(client, path, body, status, param):
     err = _error(client.post(path, json=body), status)
     if param is not None:
         assert err["param"] == param, err
+    assert "Request" not in err["message"], err  # (no schema class named to the client)
 
 
 def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(client):

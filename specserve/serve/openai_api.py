@@ -57,8 +57,7 @@ from .responses import whole_body
 from .responses_api import (ResponseEvents, ResponseShape, compacted, compaction_item, input_page, item_id,
                             whole_response, with_id)
 from .responses_schema import ITEM, ITEMS, CompactRequest, InputTokensRequest, ResponsesRequest, summary_request
-from .schema import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
-                     TokenizeTextRequest)
+from .schema import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest, TokenizeRequest
 
 
 # -- errors --------------------------------------------------------------------------------------
@@ -101,6 +100,8 @@ async def _openai_error(request: Request, err: OpenAIError) -> JSONResponse:
 async def _validation_error(request: Request, err: RequestValidationError) -> JSONResponse:
     first = err.errors()[0] if err.errors() else {}
     loc = [str(x) for x in first.get("loc", ())][1:]  # drop "body" / "query"
+    while loc and loc[0].endswith("Request"):  # (which kind of a body that may be one of several)
+        loc = loc[1:]
     if first.get("type") == "json_invalid":
         return _error_response(request, OpenAIError(400, f"malformed JSON body: {first.get('msg', '')}", None,
                                                     "json_invalid"))
@@ -238,7 +239,7 @@ class OpenAIServer(Ingress):
                                    length_param=prompt.length_param, tools=prompt.tools, reasoning=prompt.reasoning)
 
     @app.post("/tokenize")
-    async def tokenize(self, body: TokenizeTextRequest | TokenizeChatRequest) -> dict:
+    async def tokenize(self, body: TokenizeRequest) -> dict:
         """vLLM's route: a prompt's or a chat's token ids (the chat through the template, as chat
         completions render it), their count and the context they must fit in."""
         self._check_model(body.model)

@@ -38,18 +38,9 @@ from specserve.engine.sampling import MAX_LOGPROBS
 
 from .checks import as_chat
 from .front_door import OpenAIError
-from .schema import FUNCTION_NAME, ChatCompletionRequest, JsonObjectFormat, SamplingOptions, Strict, TextFormat
+from .schema import (FUNCTION_NAME, ChatCompletionRequest, JsonObjectFormat, SamplingOptions, Strict, TextFormat,
+                     metadata_problems)
 
-MAX_METADATA = 16  # OpenAI's limits on metadata: pairs, key and value lengths
-
-
-def metadata_problems(metadata: dict[str, str] | None) -> list[tuple[str, str]]:
-    """(param, why) where metadata is over OpenAI's limits (a response's or a conversation's)."""
-    metadata = metadata or {}
-    if len(metadata) > MAX_METADATA or any(len(k) > 64 or len(v) > 512 for k, v in metadata.items()):
-        return [("metadata", f"metadata holds at most {MAX_METADATA} pairs, keys of at most 64 characters "
-                             "and values of at most 512")]
-    return []
 Status = Literal["in_progress", "completed", "incomplete"]
 
 

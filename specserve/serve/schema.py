@@ -7,7 +7,7 @@ import types
 import typing
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from specserve.engine.grammar import Grammar
 from specserve.engine.sampling import MAX_LOGPROBS
@@ -417,16 +417,44 @@ class Conversation(Strict):
         return []
 
 
+MAX_METADATA = 16  # OpenAI's limits on metadata: pairs, key and value lengths
+
+
+def metadata_problems(metadata: dict[str, str] | None) -> list[tuple[str, str]]:
+    """(param, why) where metadata is over OpenAI's limits (a request's, a response's or a conversation's)."""
+    metadata = metadata or {}
+    if len(metadata) > MAX_METADATA or any(len(k) > 64 or len(v) > 512 for k, v in metadata.items()):
+        return [("metadata", f"metadata holds at most {MAX_METADATA} pairs, keys of at most 64 characters "
+                             "and values of at most 512")]
+    return []
+
+
 class ChatCompletionRequest(SamplingRequest, Conversation):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     include_reasoning: bool = True  # vLLM's: false leaves a reasoning model's thinking out of the answer
+    # OpenAI's, taken as they are: tags and hints that change no token here
+    metadata: dict[str, str] | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    prompt_cache_key: str | None = None  # (prefix caching needs no key)
+    prompt_cache_retention: Literal["in-memory", "24h"] | None = None
+    safety_identifier: str | None = None
+    # OpenAI's, refused where they ask for what this server does not do
+    store: bool | None = None  # (stored chat completions: true is refused; the Responses API stores)
+    modalities: list[Literal["text", "audio"]] | None = None
+    audio: dict[str, Any] | None = None
 
     def unsupported(self) -> list[tuple[str, str]]:
         bad = super().unsupported()
         if self.top_logprobs is not None and not self.logprobs:
             bad.append(("top_logprobs", "top_logprobs needs logprobs: true"))
+        if self.store:
+            bad.append(("store", "stored chat completions are not supported: leave store false, or use "
+                                 "/v1/responses, which stores responses"))
+        if "audio" in (self.modalities or []) or self.audio is not None:
+            bad.append(("modalities" if self.audio is None else "audio", "this model outputs text only"))
+        bad.extend(metadata_problems(self.metadata))
         bad.extend(self.conversation_problems())
         fmt, param = self.output_format()
         if self.tool_mode() != "none" and fmt is not None and not isinstance(fmt, TextFormat):
@@ -445,6 +473,16 @@ class TokenizeTextRequest(_Strict):
 class TokenizeChatRequest(Conversation, _Strict):
     model: str | None = None
     return_token_strs: bool = False
+
+
+def _tokenize_kind(body: Any) -> str:
+    return "TokenizeChatRequest" if isinstance(body, dict) and "messages" in body else "TokenizeTextRequest"
+
+
+# /tokenize's body: a chat where it has messages, else a text (so that an error is the one kind's)
+TokenizeRequest = Annotated[Union[Annotated[TokenizeTextRequest, Tag("TokenizeTextRequest")],
+                                  Annotated[TokenizeChatRequest, Tag("TokenizeChatRequest")]],
+                            Discriminator(_tokenize_kind)]
 
 
 class DetokenizeRequest(_Strict):
