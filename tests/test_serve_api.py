@@ -475,6 +475,34 @@ def test_utf8_character_split_by_a_lost_replica_is_whole(client, fake):
     assert text == "abcdeéxy"
 
 
+def test_models_answer_at_once_while_the_engine_starts(fake, monkeypatch):
+    """/v1/models does not wait for the engine: while no coordinator answers (its models still
+    loading), the card comes without the engine's context, or with the configured one (it was
+    held until the engine was up: minutes for a large model)."""
+    from starlette.testclient import TestClient
+
+    from specserve.serve import ingress
+    from specserve.serve.openai_api import app
+
+    async def starting() -> dict:
+        await asyncio.sleep(30)
+
+    monkeypatch.setattr(ingress, "MODEL_CARD_WAIT_S", 0.2)
+    monkeypatch.setattr(fake, "info", _Call(starting))
+    for overrides, card in [({"max_model_len": None}, {"id": MODEL}), ({"max_model_len": 300}, {"id": MODEL, "max_model_len": 300})]:
+        _server(fake, monkeypatch, **overrides)
+        with TestClient(app, raise_server_exceptions=False) as client:
+            began = time.monotonic()
+            r = client.get("/v1/models")
+            assert r.status_code == 200 and time.monotonic() - began < 5, r.text
+            (got,) = r.json()["data"]
+            assert {k: got.get(k) for k in card} == card and ("max_model_len" in got) == ("max_model_len" in card)
+    monkeypatch.undo()
+    _server(fake, monkeypatch)
+    with TestClient(app, raise_server_exceptions=False) as client:
+        assert client.get("/v1/models").json()["data"][0]["max_model_len"] == fake.max_model_len
+
+
 def test_health_is_readiness_and_live_is_liveness(fake, monkeypatch):
     """/health answers 200 only while a coordinator replica answers in time (503 `not_ready`
     otherwise); /live never asks the engine. Neither needs the API key."""

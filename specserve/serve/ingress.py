@@ -69,6 +69,9 @@ class ChatPrompt(NamedTuple):
     reasoning: ReasoningSpec | None
 
 
+MODEL_CARD_WAIT_S = 2.0  # /v1/models: how long the engine's context is asked for before the card goes without it
+
+
 class Ingress:
     """One ingress replica's state (tokenizer, pools, limits, the store's client) and the steps
     its routes share; the routes themselves are OpenAIServer's (openai_api.py)."""
@@ -137,9 +140,16 @@ class Ingress:
             raise
 
     async def _model_card(self) -> dict:
-        info = await self.info()
-        return {"id": self.config.served_model_name, "object": "model", "created": 0, "owned_by": "specserve",
-                "max_model_len": info["max_model_len"]}
+        """The served model, at once: its context as the engine said it (asked for up to
+        MODEL_CARD_WAIT_S; while no engine replica answers, as configured, or left out), so that
+        a client listing models while the engine starts is not held until it is ready."""
+        card = {"id": self.config.served_model_name, "object": "model", "created": 0, "owned_by": "specserve"}
+        try:
+            info = await asyncio.wait_for(self.info(), MODEL_CARD_WAIT_S)
+            return {**card, "max_model_len": info["max_model_len"]}
+        except (asyncio.TimeoutError, OpenAIError):
+            known = self.config.max_model_len
+            return card if known is None else {**card, "max_model_len": known}
 
     async def _echo(self, prompt: str | list[int], ids: list[int], logprobs: int | None) -> Echo:
         """A prompt as `echo` shows it, scored by the target when logprobs are asked."""
