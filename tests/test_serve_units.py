@@ -469,3 +469,30 @@ def test_served_caches_without_a_stated_length_grow_as_requests_join_not_mid_dec
     assert len(steps) > 10
     assert not any(moved for _, joined, moved in steps if not joined)  # contexts passed 256: nothing moved
     assert [r.cache.allocated()[1] for r in runners] == [512, 512]
+
+
+def test_a_receive_serve_cancelled_is_a_disconnect():
+    """A client gone mid-stream: Serve cancels the request and its receive raises
+    TaskCancelledError, which the front door's receive hands on as the disconnect it is (Serve
+    logged each as a future whose exception was never retrieved); other errors still raise."""
+    import asyncio
+
+    from ray.exceptions import TaskCancelledError
+
+    from specserve.serve.front_door import _replay
+
+    async def cancelled():
+        raise TaskCancelledError()
+
+    async def broken():
+        raise RuntimeError("the proxy is gone")
+
+    async def run(receive):
+        replay = _replay(b"{}", receive)
+        return await replay(), await replay()
+
+    first, then = asyncio.run(run(cancelled))
+    assert first == {"type": "http.request", "body": b"{}", "more_body": False}
+    assert then == {"type": "http.disconnect"}
+    with pytest.raises(RuntimeError, match="proxy"):
+        asyncio.run(run(broken))

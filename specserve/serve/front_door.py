@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
+from ray.exceptions import TaskCancelledError
 from starlette.responses import JSONResponse
 
 
@@ -258,7 +259,11 @@ async def _read_body(receive, content_length: str | None, limit: int) -> bytes:
 
 
 def _replay(body: bytes, receive) -> Callable[[], Awaitable[dict]]:
-    """A receive() that hands the buffered body over once, then the real receive (disconnects)."""
+    """A receive() that hands the buffered body over once, then the real receive (disconnects).
+    A client that went away mid-stream makes Serve cancel the request, and its receive then
+    raises TaskCancelledError: that is the disconnect it is (the response stops as for any
+    other), not an error out of the app, which Serve logged once per disconnect as a future
+    whose exception nobody retrieved."""
     sent = False
 
     async def replay() -> dict:
@@ -266,7 +271,10 @@ def _replay(body: bytes, receive) -> Callable[[], Awaitable[dict]]:
         if not sent:
             sent = True
             return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
+        try:
+            return await receive()
+        except TaskCancelledError:
+            return {"type": "http.disconnect"}
 
     return replay
 
