@@ -57,6 +57,10 @@ def unauthenticated_public(spec: dict, allow: bool = False) -> list[str]:
 
 def _serve(args: argparse.Namespace) -> int:
     """Start (or join) Ray, deploy each application of the config, block until Ctrl-C."""
+    # Ray's token auth (the default) stays on; later `ray`/`serve` CLI calls need the same mode
+    # exported (RAY_AUTH_MODE=token): see README, "Serving". Set before anything imports Ray,
+    # which reads it once.
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
     import yaml
 
     spec = yaml.safe_load(args.config.read_text())
@@ -67,9 +71,6 @@ def _serve(args: argparse.Namespace) -> int:
               "(or set front_door.allow_unauthenticated_public) if something in front authenticates",
               file=sys.stderr)
         return 2
-    # Ray's token auth (the default) stays on; later `ray`/`serve` CLI calls need the same mode
-    # exported (RAY_AUTH_MODE=token): see README, "Serving".
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
     import ray
     from ray import serve
 

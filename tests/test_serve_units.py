@@ -496,3 +496,15 @@ def test_a_receive_serve_cancelled_is_a_disconnect():
     assert then == {"type": "http.disconnect"}
     with pytest.raises(RuntimeError, match="proxy"):
         asyncio.run(run(broken))
+
+
+def test_the_cli_s_imports_before_ray_s_auth_mode_leave_ray_unimported():
+    """`specserve serve` sets Ray's auth mode (RAY_AUTH_MODE, token) and then imports Ray, which
+    reads it once: what it imports before (the front door's loopback check) must not import Ray,
+    or the driver starts without the token its own cluster then asks for."""
+    import subprocess
+    import sys
+
+    code = "import sys, specserve.cli, specserve.serve.front_door; print('ray' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.strip() == "False"

@@ -27,7 +27,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
-from ray.exceptions import TaskCancelledError
 from starlette.responses import JSONResponse
 
 
@@ -273,8 +272,14 @@ def _replay(body: bytes, receive) -> Callable[[], Awaitable[dict]]:
             return {"type": "http.request", "body": body, "more_body": False}
         try:
             return await receive()
-        except TaskCancelledError:
-            return {"type": "http.disconnect"}
+        except Exception as err:
+            # (imported here: the CLI imports this module before it sets Ray's auth mode, which
+            # importing Ray fixes; in a replica Ray is imported already)
+            from ray.exceptions import TaskCancelledError
+
+            if isinstance(err, TaskCancelledError):
+                return {"type": "http.disconnect"}
+            raise
 
     return replay
 
