@@ -40,7 +40,9 @@ torch.set_num_threads(1)
 
 VOCAB = 96
 MODEL_LEN = 256  # the tiny models' max_position_embeddings
-DEFAULT_SEEDS = "0-39"
+# 0-39, and seeds that found bugs (with the generator as it is): 125 (calibration in a small fixed
+# pool), 290 (a request accepted under a paged budget that could never fit alone)
+DEFAULT_SEEDS = "0-39,125,290"
 DRAFTERS = ("none", "draft-ordinary", "draft-equal", "draft-wrong", "layer-skip", "prompt-lookup",
             "feature-head")
 

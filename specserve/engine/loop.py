@@ -27,10 +27,12 @@ class StepLoop:
         self.prefill_chunk_tokens = prefill_chunk_tokens or None
         self._reserved = (0, 0)  # the sizing (`Admission.sizing`) the executor last sized caches for
 
-    def admit(self) -> list[Sequence]:
+    def admit(self, preempt: bool = True) -> list[Sequence]:
         """Preempt what the budget no longer holds (paged caches), admit waiting requests, have
-        the caches sized for them (`reserve`); -> the running batch."""
-        preempted = self.admission.preempt()
+        the caches sized for them (`reserve`); -> the running batch. preempt=False: admit only
+        (between steps is the only time a running request may be preempted: one in a step under
+        way would have its caches freed under it and come back as a result for no one)."""
+        preempted = self.admission.preempt() if preempt else []
         if preempted:
             self.executor.free([s.request_id for s in preempted])
         self.admission.admit()

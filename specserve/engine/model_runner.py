@@ -1019,8 +1019,11 @@ class ModelRunner:
         padding position a forward writes past a row's end, see `stage`)."""
         if not (self.paged and self.cache.fixed):
             return list(sizes)
-        room = self.cache.num_free_blocks
-        return [n for n in sizes if blocks_for(context + n + 1, self.cache.block_size) <= room]
+        room, size = self.cache.num_free_blocks, self.cache.block_size
+        # with prefix caching the context's blocks are registered, and its second forward copies
+        # them before it writes them again
+        copies = blocks_for(context, size) if self.cache.prefix_caching else 0
+        return [n for n in sizes if blocks_for(context + n + 1, size) + copies <= room]
 
     def map_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         """Ids in the model's output space -> target vocabulary ids."""

@@ -322,6 +322,10 @@ def apply_verdict(plan: StepPlan, proposal: Proposal, verdict: Verdict) -> list[
     drafts = verdict.draft_tokens if verdict.draft_tokens is not None else proposal.tokens.tolist()
     plan.verified = verified_counts(plan.num_draft, proposal)
     verified = plan.verified.tolist()
+    over = [b for b, (a, g) in enumerate(zip(verdict.num_accepted, verified)) if a > g]
+    if over:  # (before any row changes: a step retried after this must find every row as it was)
+        raise ValueError(f"rows {over} accepted more drafts than were verified ({verdict.num_accepted} > {verified}): "
+                         "the target verified other counts than the proposal's")
     if verdict.cached_tokens:  # the prompt's last chunk went with this step (prefix caching's share)
         for s in plan.seqs:
             s.cached_tokens = verdict.cached_tokens.get(s.request_id, s.cached_tokens)

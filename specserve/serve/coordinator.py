@@ -291,7 +291,8 @@ class Coordinator:
             return Rejected(f"prompt ({len(seq.prompt)} tokens) + max_tokens ({seq.params.max_tokens}) needs more "
                             f"KV cache than the budget of {self.admission.budget} token positions",
                             "context_length_exceeded")
-        self._admit()  # (so that `waiting` counts only requests that really must wait)
+        self._admit(preempt=False)  # (so that `waiting` counts only requests that really must wait; a step
+        # may be under way: only the loop preempts, between steps)
         waiting = len(self.admission.waiting)
         if waiting >= self.config.max_queued_requests and request.resume is None and not self.admission.fits_now(seq):
             self._totals["rejected_queue_full"] += 1
@@ -457,9 +458,10 @@ class Coordinator:
                 self._fail([seq], row_err)
         return outputs
 
-    def _admit(self) -> None:
-        """FIFO into the running batch while it has room and the KV-cache budget allows."""
-        self.loop.admit()
+    def _admit(self, preempt: bool = True) -> None:
+        """FIFO into the running batch while it has room and the KV-cache budget allows (first,
+        with preempt, what the budget no longer holds out of it: `StepLoop.admit`)."""
+        self.loop.admit(preempt)
         totals = self._totals
         totals["running_peak"] = max(totals["running_peak"], len(self.admission.running))
         totals["reserved_tokens_peak"] = max(totals["reserved_tokens_peak"], self.admission.allocated())

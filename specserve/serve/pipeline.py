@@ -80,6 +80,7 @@ from specserve.engine.policy import OverlappedPolicy
 from specserve.engine.sampling import BatchSampling
 from specserve.engine.step import (
     Sequence, StepOutput, StepPlan, apply_verdict, empty_proposal, observe_verified, plan_step, step_sampling,
+    verified_counts,
 )
 from specserve.engine.verifier import Verdict
 
@@ -172,11 +173,12 @@ class Pipeline:
             host.totals["pipelined_hits"] += len(seqs) - len(fresh_rows)
             tokens, probs = combine_drafts(used, plan.gamma, (prepared.tokens, prepared.probs),
                                            (fresh_proposal.tokens, fresh_proposal.probs))
-            proposal = Proposal(tokens, probs)
+            proposal = Proposal(tokens, probs, num_draft=_combined_counts(used, plan, fresh_proposal))
         ahead = self._launch(plan, proposal, widths)
+        verified = verified_counts(plan.num_draft, proposal)  # (what `apply_verdict` counts too)
         try:
             reply = await host.calls.call("target", host.target.verify, seqs, "target_len", lambda: (
-                plan.target_rows(), proposal.tokens, proposal.probs, plan.num_draft, plan.sampling,
+                plan.target_rows(), proposal.tokens, proposal.probs, verified, plan.sampling,
                 plan.accept_uniforms, plan.final_uniforms))
         except BaseException:
             self._abandon(ahead)
@@ -479,6 +481,19 @@ def branch_points(num_draft: list[int], branches: int) -> list[tuple[int, int]]:
 def _held_rows(prepared: Prepared, used: list[int | None]) -> list[int | None]:
     """Block.rows: per row of the step, its row among the ahead call's rows the draft side holds."""
     return [None if u is None else prepared.sources[u] for u in used]
+
+
+def _combined_counts(used: list[int | None], plan: StepPlan, fresh: Proposal) -> torch.Tensor | None:
+    """[B] drafts worth verifying per row of a combined block: a fresh row's as its drafter said
+    (a confidence floor may have stopped it early), a prepared row's as planned (None: all as
+    planned)."""
+    if fresh.num_draft is None:
+        return None
+    counts = plan.num_draft.clone()
+    for b, (part, row) in enumerate(_sources(used)):
+        if part == 1:
+            counts[b] = fresh.num_draft[row]
+    return counts
 
 
 def _sources(used: list[int | None]) -> list[tuple[int, int]]:
