@@ -47,9 +47,10 @@ DRAFTERS = ("none", "draft-ordinary", "draft-equal", "draft-wrong", "layer-skip"
             "feature-head")
 
 
-def seeds_from_env() -> list[int]:
-    """SPECSERVE_SCENARIO_SEEDS: "a-b" ranges and single seeds, comma separated."""
-    spec = os.environ.get("SPECSERVE_SCENARIO_SEEDS", DEFAULT_SEEDS)
+def seeds_from_env(var: str = "SPECSERVE_SCENARIO_SEEDS", default: str = DEFAULT_SEEDS) -> list[int]:
+    """The seeds the environment variable `var` names ("a-b" ranges and single seeds, comma
+    separated), else `default`'s."""
+    spec = os.environ.get(var, default)
     seeds = []
     for part in filter(None, (p.strip() for p in spec.split(","))):
         lo, _, hi = part.partition("-")
@@ -112,12 +113,12 @@ def draw_config(rng: random.Random, seed: int) -> Scenario:
     )
 
 
-def draw_params(rng: random.Random, room: int) -> SamplingParams:
+def draw_params(rng: random.Random, room: int, vocab: int = VOCAB) -> SamplingParams:
     """Greedy params with a random mix of stops and logit processing; max_tokens <= room."""
-    max_tokens = min(room, rng.choice([1, rng.randint(2, 12), rng.randint(8, 40), rng.randint(20, 48)]))
+    max_tokens = max(1, min(room, rng.choice([1, rng.randint(2, 12), rng.randint(8, 40), rng.randint(20, 48)])))
     kw: dict = dict(max_tokens=max_tokens, temperature=0.0, ignore_eos=rng.random() < 0.3)
     if rng.random() < 0.3:
-        kw["stop_token_ids"] = tuple(rng.sample(range(VOCAB), rng.randint(1, 3)))
+        kw["stop_token_ids"] = tuple(rng.sample(range(vocab), rng.randint(1, 3)))
     if rng.random() < 0.25:
         kw["min_tokens"] = rng.randint(0, max_tokens)
     if rng.random() < 0.15:
@@ -131,11 +132,11 @@ def draw_params(rng: random.Random, room: int) -> SamplingParams:
     if rng.random() < 0.3:
         kw["repetition_penalty"] = rng.choice([0.8, 1.3, 1.8])
     if rng.random() < 0.3:
-        kw["logit_bias"] = {rng.randrange(VOCAB): rng.choice([-100.0, -3.0, 2.5, 8.0]) for _ in range(3)}
+        kw["logit_bias"] = {rng.randrange(vocab): rng.choice([-100.0, -3.0, 2.5, 8.0]) for _ in range(3)}
     if rng.random() < 0.2:
-        kw["allowed_token_ids"] = tuple(rng.sample(range(VOCAB), rng.randint(2, 30)))
+        kw["allowed_token_ids"] = tuple(rng.sample(range(vocab), rng.randint(2, 30)))
     if rng.random() < 0.15:
-        kw["bad_words_ids"] = tuple(tuple(rng.sample(range(VOCAB), rng.randint(1, 2))) for _ in range(2))
+        kw["bad_words_ids"] = tuple(tuple(rng.sample(range(vocab), rng.randint(1, 2))) for _ in range(2))
     return SamplingParams(**kw)
 
 
@@ -248,8 +249,12 @@ def reference(prompt: tuple[int, ...], params: SamplingParams, eos: tuple[int, .
 @functools.lru_cache(maxsize=4096)
 def hf_reference(prompt: tuple[int, ...], params: SamplingParams, eos: tuple[int, ...]):
     """HF generate's greedy tokens, cut after the first stop id: (tokens, finish_reason)."""
+    return cut_at_stop(hf_greedy(target(), list(prompt), params.max_tokens), params, eos)
+
+
+def cut_at_stop(tokens: list[int], params: SamplingParams, eos) -> tuple[list[int], str]:
+    """Tokens generated past the request's end (HF's) cut after its first stop id -> (tokens, finish_reason)."""
     stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos))
-    tokens = hf_greedy(target(), list(prompt), params.max_tokens)
     for i, t in enumerate(tokens):
         if t in stops:
             return tokens[: i + 1], "stop"

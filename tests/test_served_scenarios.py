@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import os
 import random
 from dataclasses import dataclass, field
 
 import pytest
 import torch
 
+import test_engine_scenarios as engine_scenarios
 from models import hf_greedy
 from specserve.config import AppConfig, TinySource
 from specserve.engine import SamplingParams, SpeculativeEngine
@@ -58,16 +58,6 @@ DEFAULT_SEEDS = "0-49,205,998,1177,1602"
 DRAFTERS = ("none", "draft-ordinary", "draft-equal", "draft-wrong", "eagle-draft", "eagle-target", "layer-skip",
             "prompt-lookup")
 DRAFT_NOISE = {"draft-ordinary": 0.15, "draft-equal": 0.0, "draft-wrong": 2.0}
-
-
-def seeds_from_env() -> list[int]:
-    """SPECSERVE_SERVED_SCENARIO_SEEDS: "a-b" ranges and single seeds, comma separated."""
-    spec = os.environ.get("SPECSERVE_SERVED_SCENARIO_SEEDS", DEFAULT_SEEDS)
-    seeds = []
-    for part in filter(None, (p.strip() for p in spec.split(","))):
-        lo, _, hi = part.partition("-")
-        seeds += list(range(int(lo), int(hi or lo) + 1))
-    return seeds
 
 
 # -- the scenario ------------------------------------------------------------------------------------
@@ -149,30 +139,9 @@ def draw_config(rng: random.Random, seed: int) -> Scenario:
 
 
 def draw_params(rng: random.Random, room: int) -> SamplingParams:
-    """Greedy params with a random mix of stops and logit processing; max_tokens <= room."""
-    max_tokens = max(1, min(room, rng.choice([1, rng.randint(2, 12), rng.randint(8, 40), rng.randint(20, 48)])))
-    kw: dict = dict(max_tokens=max_tokens, temperature=0.0, ignore_eos=rng.random() < 0.3)
-    if rng.random() < 0.3:
-        kw["stop_token_ids"] = tuple(rng.sample(range(VOCAB), rng.randint(1, 3)))
-    if rng.random() < 0.25:
-        kw["min_tokens"] = rng.randint(0, max_tokens)
-    if rng.random() < 0.15:
-        kw["logprobs"] = rng.choice([0, 2])
-    if rng.random() < 0.5:  # plain: no logit processing (HF generate checks the reference too)
-        return SamplingParams(**kw)
-    if rng.random() < 0.3:
-        kw["presence_penalty"] = rng.choice([-1.0, 0.5, 1.5])
-    if rng.random() < 0.3:
-        kw["frequency_penalty"] = rng.choice([-0.5, 0.3, 1.0])
-    if rng.random() < 0.3:
-        kw["repetition_penalty"] = rng.choice([0.8, 1.3, 1.8])
-    if rng.random() < 0.3:
-        kw["logit_bias"] = {rng.randrange(VOCAB): rng.choice([-100.0, -3.0, 2.5, 8.0]) for _ in range(3)}
-    if rng.random() < 0.2:
-        kw["allowed_token_ids"] = tuple(rng.sample(range(VOCAB), rng.randint(2, 30)))
-    if rng.random() < 0.15:
-        kw["bad_words_ids"] = tuple(tuple(rng.sample(range(VOCAB), rng.randint(1, 2))) for _ in range(2))
-    return SamplingParams(**kw)
+    """Greedy params with a random mix of stops and logit processing (the engine scenarios' draw,
+    over the tiny models' vocabulary); max_tokens <= room."""
+    return engine_scenarios.draw_params(rng, room, VOCAB)
 
 
 def seq_of(prompt: list[int], params: SamplingParams, model_len: int):
@@ -286,17 +255,11 @@ def hf_model() -> torch.nn.Module:
 
 @functools.lru_cache(maxsize=4096)
 def hf_reference(prompt: tuple[int, ...], params: SamplingParams):
-    stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(EOS))
-    tokens = hf_greedy(hf_model(), list(prompt), params.max_tokens)
-    for i, t in enumerate(tokens):
-        if t in stops:
-            return tokens[: i + 1], "stop"
-    return tokens, "length"
+    return engine_scenarios.cut_at_stop(hf_greedy(hf_model(), list(prompt), params.max_tokens), params, EOS)
 
 
 def plain(params: SamplingParams) -> bool:
-    stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(EOS))
-    return not params.processed and not (params.min_tokens and stops)
+    return engine_scenarios.plain(params, EOS)
 
 
 # -- running a scenario ----------------------------------------------------------------------------
@@ -454,7 +417,10 @@ def served_head_dir(tmp_path_factory):
     return train_tiny_head(target_model(), tmp_path_factory.mktemp("served_head"))
 
 
-@pytest.mark.parametrize("seed", seeds_from_env(), ids=lambda s: f"seed_{s}")
+SEEDS = engine_scenarios.seeds_from_env("SPECSERVE_SERVED_SCENARIO_SEEDS", DEFAULT_SEEDS)
+
+
+@pytest.mark.parametrize("seed", SEEDS, ids=lambda s: f"seed_{s}")
 def test_random_served_scenario_is_the_target_alone(seed, local_coordinator, request):
     sc = draw_scenario(seed)
     head_dir = request.getfixturevalue("served_head_dir") if sc.drafter.startswith("eagle-") else None
