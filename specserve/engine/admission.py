@@ -41,10 +41,15 @@ from .paged_cache import blocks_for
 from .step import Sequence
 
 
+def final_tokens(seq: Sequence) -> int:
+    """The most tokens a request may come to hold: prompt + max_tokens, capped at the context."""
+    return min(len(seq.prompt) + seq.params.max_tokens, seq.max_model_len)
+
+
 def positions_needed(seq: Sequence, max_gamma: int) -> int:
-    """Cache positions a request's slot may come to hold: prompt + max_tokens (capped at the
-    context) + γ draft positions written past its last real token."""
-    return min(len(seq.prompt) + seq.params.max_tokens, seq.max_model_len) + max_gamma
+    """Cache positions a request's slot may come to hold: its `final_tokens` + γ draft positions
+    written past its last real token."""
+    return final_tokens(seq) + max_gamma
 
 
 def worst_positions(tokens: int, max_gamma: int, block_size: int | None = None) -> int:
@@ -110,8 +115,7 @@ class Admission:
     def worst(self, seq: Sequence) -> int:
         """The most positions the budget may count for a request (`worst_positions`): never less
         than its `need` at any step."""
-        tokens = min(len(seq.prompt) + seq.params.max_tokens, seq.max_model_len)
-        return worst_positions(tokens, self.max_gamma, self.block_size)
+        return worst_positions(final_tokens(seq), self.max_gamma, self.block_size)
 
     def too_big(self, seq: Sequence) -> bool:
         """Whether the request could not fit the budget even alone, at its longest."""

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from .responses_schema import InputItem, ItemReference, MediaContent, _Strict, metadata_problems
+from .responses_schema import InputItem, ItemReference, MediaContent
+from .schema import Strict, metadata_problems
 
 MAX_ITEMS = 20  # items one request may add
 
 
-class _Items(_Strict):
+class _Items(Strict):
     def problems(self) -> list[tuple[str, str]]:
         """(param, why) for what a conversation cannot hold: media (this server's model reads text)."""
         for item in getattr(self, "items", None) or []:

@@ -29,11 +29,8 @@ from .front_door import OpenAIError
 from .schema import FUNCTION_NAME, ChatCompletionRequest, SamplingOptions, Strict
 
 
-_Strict = Strict  # (a request object: unknown fields refused, a null as not given)
-
-
 # -- content blocks --------------------------------------------------------------------------------
-class TextBlock(_Strict):
+class TextBlock(Strict):
     type: Literal["text"]
     text: str
     cache_control: dict[str, Any] | None = None  # (prefix caching is automatic here)
@@ -48,7 +45,7 @@ class MediaBlock(BaseModel):
                   "web_search_tool_result"]
 
 
-class ToolUseBlock(_Strict):
+class ToolUseBlock(Strict):
     type: Literal["tool_use"]
     id: str = Field(min_length=1)
     name: str
@@ -56,7 +53,7 @@ class ToolUseBlock(_Strict):
     cache_control: dict[str, Any] | None = None
 
 
-class ToolResultBlock(_Strict):
+class ToolResultBlock(Strict):
     type: Literal["tool_result"]
     tool_use_id: str = Field(min_length=1)
     content: str | list[Annotated[Union[TextBlock, MediaBlock], Field(discriminator="type")]] | None = None
@@ -64,13 +61,13 @@ class ToolResultBlock(_Strict):
     cache_control: dict[str, Any] | None = None
 
 
-class ThinkingBlock(_Strict):
+class ThinkingBlock(Strict):
     type: Literal["thinking"]
     thinking: str
     signature: str | None = None  # (another server's; not checked here)
 
 
-class RedactedThinkingBlock(_Strict):
+class RedactedThinkingBlock(Strict):
     type: Literal["redacted_thinking"]
     data: str  # (unreadable here: dropped)
 
@@ -79,13 +76,13 @@ Block = Annotated[Union[TextBlock, MediaBlock, ToolUseBlock, ToolResultBlock, Th
                   Field(discriminator="type")]
 
 
-class Message(_Strict):
+class Message(Strict):
     role: Literal["user", "assistant"]
     content: str | list[Block]
 
 
 # -- tools and options -------------------------------------------------------------------------------
-class CustomTool(_Strict):
+class CustomTool(Strict):
     type: Literal["custom"] | None = None
     name: str = Field(pattern=FUNCTION_NAME)
     description: str | None = None
@@ -100,18 +97,18 @@ class ServerTool(BaseModel):
     type: str
 
 
-class ToolChoice(_Strict):
+class ToolChoice(Strict):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool | None = None
 
 
-class Thinking(_Strict):
+class Thinking(Strict):
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: int | None = Field(None, ge=1)  # (the model thinks as long as it does; max_tokens bounds it)
 
 
-class Metadata(_Strict):
+class Metadata(Strict):
     user_id: str | None = None
 
 
@@ -169,7 +166,7 @@ class MessagesRequest(SamplingOptions):
 CHAT_TO_MESSAGES = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences", "chat_template_kwargs": "thinking"}
 
 
-class CountTokensRequest(_Strict):
+class CountTokensRequest(Strict):
     """`POST /v1/messages/count_tokens`: the prompt a request would render to, counted."""
 
     model: str

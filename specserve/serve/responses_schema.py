@@ -44,18 +44,15 @@ from .schema import (FUNCTION_NAME, ChatCompletionRequest, JsonObjectFormat, Sam
 Status = Literal["in_progress", "completed", "incomplete"]
 
 
-_Strict = Strict  # (a request object: unknown fields refused, a null as not given)
-
-
 # -- input items -----------------------------------------------------------------------------------
-class TextContent(_Strict):
+class TextContent(Strict):
     type: Literal["input_text", "output_text"]
     text: str
     annotations: list[Any] | None = None  # (an earlier output's; not rendered)
     logprobs: list[Any] | None = None
 
 
-class RefusalContent(_Strict):
+class RefusalContent(Strict):
     type: Literal["refusal"]
     refusal: str
 
@@ -70,7 +67,7 @@ class MediaContent(BaseModel):
 Content = Annotated[Union[TextContent, RefusalContent, MediaContent], Field(discriminator="type")]
 
 
-class MessageItem(_Strict):
+class MessageItem(Strict):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: str | list[Content]
@@ -78,7 +75,7 @@ class MessageItem(_Strict):
     status: Status | None = None
 
 
-class FunctionCallItem(_Strict):
+class FunctionCallItem(Strict):
     type: Literal["function_call"]
     call_id: str = Field(min_length=1)
     name: str
@@ -87,7 +84,7 @@ class FunctionCallItem(_Strict):
     status: Status | None = None
 
 
-class FunctionCallOutputItem(_Strict):
+class FunctionCallOutputItem(Strict):
     type: Literal["function_call_output"]
     call_id: str = Field(min_length=1)
     output: str | list[Content]
@@ -95,17 +92,17 @@ class FunctionCallOutputItem(_Strict):
     status: Status | None = None
 
 
-class SummaryText(_Strict):
+class SummaryText(Strict):
     type: Literal["summary_text"]
     text: str
 
 
-class ReasoningText(_Strict):
+class ReasoningText(Strict):
     type: Literal["reasoning_text"]
     text: str
 
 
-class ReasoningItem(_Strict):
+class ReasoningItem(Strict):
     type: Literal["reasoning"]
     id: str | None = None
     summary: list[SummaryText] = []
@@ -118,7 +115,7 @@ class ReasoningItem(_Strict):
         return "".join(p.text for p in parts)
 
 
-class CompactionItem(_Strict):
+class CompactionItem(Strict):
     """A conversation compacted (by `POST /v1/responses/compact`, or first in a request with
     `context_management`): the model's summary of it, encoded (not encrypted: opaque to clients,
     read back by this server only)."""
@@ -148,11 +145,11 @@ def compaction_content(summary: str) -> str:
     return f"{COMPACTION_HEAD}:{base64.b64encode(summary.encode()).decode()}"
 
 
-class ConversationRef(_Strict):
+class ConversationRef(Strict):
     id: str
 
 
-class ItemReference(_Strict):
+class ItemReference(Strict):
     type: Literal["item_reference"]
     id: str
 
@@ -173,7 +170,7 @@ ITEM = TypeAdapter(InputItem)
 
 
 # -- tools, formats, options -----------------------------------------------------------------------
-class FunctionTool(_Strict):
+class FunctionTool(Strict):
     type: Literal["function"]
     name: str = Field(pattern=FUNCTION_NAME)
     description: str | None = None
@@ -188,12 +185,12 @@ class HostedTool(BaseModel):
     type: str
 
 
-class FunctionChoice(_Strict):
+class FunctionChoice(Strict):
     type: Literal["function"]
     name: str
 
 
-class JsonSchemaText(_Strict):
+class JsonSchemaText(Strict):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
     type: Literal["json_schema"]
     name: str = Field("response", max_length=64)
@@ -202,18 +199,18 @@ class JsonSchemaText(_Strict):
     strict: bool | None = None  # (the schema is always enforced)
 
 
-class TextOptions(_Strict):
+class TextOptions(Strict):
     format: Annotated[Union[TextFormat, JsonObjectFormat, JsonSchemaText], Field(discriminator="type")] | None = None
     verbosity: Literal["low", "medium", "high"] | None = None  # (for models that read it; not rendered)
 
 
-class ReasoningOptions(_Strict):
+class ReasoningOptions(Strict):
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None  # (the reasoning comes whole, not summarised)
     generate_summary: Literal["auto", "concise", "detailed"] | None = None  # (the older name)
 
 
-class ResponsesStreamOptions(_Strict):
+class ResponsesStreamOptions(Strict):
     include_obfuscation: bool = True  # (no obfuscation padding is sent: the server is not a browser's peer)
 
 
@@ -222,7 +219,7 @@ INCLUDABLE = Literal["message.output_text.logprobs", "reasoning.encrypted_conten
                      "web_search_call.action.sources", "web_search_call.results", "code_interpreter_call.outputs"]
 
 
-class ContextManagement(_Strict):
+class ContextManagement(Strict):
     type: Literal["compaction"]
     compact_threshold: int | None = Field(None, ge=1)  # (None: 80% of the context)
 

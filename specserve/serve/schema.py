@@ -2,6 +2,7 @@
 extensions of docs/serving.md ("API"), and what each refuses with a 400 naming the parameter."""
 from __future__ import annotations
 
+import functools
 import json
 import types
 import typing
@@ -33,17 +34,12 @@ class Strict(BaseModel):
         return data
 
 
-_DEFAULTED: dict[type, frozenset[str]] = {}
-
-
+@functools.cache
 def _defaulted_without_null(model: type[BaseModel]) -> frozenset[str]:
     """The names (and aliases) of a model's fields that have a default and whose type admits no None."""
-    if model not in _DEFAULTED:
-        _DEFAULTED[model] = frozenset(
-            name for field_name, field in model.model_fields.items()
-            if not field.is_required() and not _admits_none(field.annotation)
-            for name in (field_name, field.alias) if name)
-    return _DEFAULTED[model]
+    return frozenset(name for field_name, field in model.model_fields.items()
+                     if not field.is_required() and not _admits_none(field.annotation)
+                     for name in (field_name, field.alias) if name)
 
 
 def _admits_none(annotation: Any) -> bool:
@@ -266,42 +262,39 @@ class TextPart(BaseModel):
 FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
 
 
-_Strict = Strict
-
-
-class FunctionDef(_Strict):
+class FunctionDef(Strict):
     name: str = Field(pattern=FUNCTION_NAME)
     description: str | None = None
     parameters: dict | None = None  # a JSON schema of the arguments object (None: any object)
     strict: bool | None = None  # (the schema is always enforced where the output is constrained)
 
 
-class Tool(_Strict):
+class Tool(Strict):
     type: Literal["function"]
     function: FunctionDef
 
 
-class FunctionName(_Strict):
+class FunctionName(Strict):
     name: str
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(Strict):
     type: Literal["function"]
     function: FunctionName
 
 
-class CalledFunction(_Strict):
+class CalledFunction(Strict):
     name: str
     arguments: str  # JSON text, as OpenAI's API sends it
 
 
-class ToolCall(_Strict):  # a call an earlier assistant message made
+class ToolCall(Strict):  # a call an earlier assistant message made
     id: str
     type: Literal["function"] = "function"
     function: CalledFunction
 
 
-class _Message(_Strict):
+class _Message(Strict):
     content: str | list[TextPart]
     name: str | None = None
 
@@ -463,14 +456,14 @@ class ChatCompletionRequest(SamplingRequest, Conversation):
 
 
 # -- /tokenize and /detokenize (vLLM's routes) -----------------------------------------------------
-class TokenizeTextRequest(_Strict):
+class TokenizeTextRequest(Strict):
     model: str | None = None  # (None: the served model)
     prompt: str
     add_special_tokens: bool = True  # as a completion's prompt is tokenized
     return_token_strs: bool = False
 
 
-class TokenizeChatRequest(Conversation, _Strict):
+class TokenizeChatRequest(Conversation):
     model: str | None = None
     return_token_strs: bool = False
 
@@ -485,6 +478,6 @@ TokenizeRequest = Annotated[Union[Annotated[TokenizeTextRequest, Tag("TokenizeTe
                             Discriminator(_tokenize_kind)]
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(Strict):
     model: str | None = None
     tokens: list[Annotated[int, Field(ge=0)]]
