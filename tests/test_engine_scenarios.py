@@ -6,7 +6,8 @@ tests build in process, dense or paged KV with blocks of 1-16, prefix caching, p
 a small batch and/or KV budget so requests queue and get preempted, max_model_len, EOS ids) and a
 schedule (3-10 requests, some sharing long prefixes, some near max_model_len, arriving at random
 steps, a few aborted at random steps, each with its own greedy SamplingParams: max_tokens down to
-1, stop ids, min_tokens, ignore_eos, logit bias, allowed ids, bad words, penalties, logprobs).
+1, stop ids, min_tokens, ignore_eos, logit bias, allowed ids, bad words, penalties, logprobs, and
+a predicted output made from its reference: exact, edited, cut, extended, doubled or unrelated).
 
 Every finished request's tokens and finish reason must equal those of the same request run alone
 through a plain target-only engine (γ 0, dense, no prefix caching, batch of one), and, where its
@@ -19,6 +20,7 @@ A failing test's id names its seed: `pytest tests/test_engine_scenarios.py -k "s
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import random
@@ -67,6 +69,7 @@ class Request:
     arrive: int  # the step number before which it is added
     abort: int | None = None  # the step number before which it is aborted (None: never)
     priority: int = 0  # add_request's: lower is admitted first, preempted last
+    prediction: str | None = None  # a predicted output of this kind, made from its reference (`predicted`)
 
 
 @dataclass
@@ -181,8 +184,51 @@ def draw_requests(rng: random.Random, sc: Scenario) -> list[Request]:
         arrive = rng.choice([0, 0, rng.randint(0, 6), rng.randint(0, 30)])
         abort = arrive + rng.randint(0, 12) if rng.random() < 0.15 else None
         priority = rng.choice([0, 0, 0, 1, 2])
-        requests.append(Request(f"s{sc.seed}-r{len(requests)}", prompt, params, arrive, abort, priority))
+        requests.append(Request(f"s{sc.seed}-r{len(requests)}", prompt, params, arrive, abort, priority,
+                                draw_prediction(sc.seed, len(requests))))
     return requests
+
+
+PREDICTIONS = ("exact", "substituted", "inserted", "deleted", "first-half", "longer", "unrelated", "repeated")
+
+
+def draw_prediction(seed: int, index: int) -> str | None:
+    """Whether request `index` of scenario `seed` sends a prediction, and of which kind (its own
+    random stream: the scenarios' other draws stay what they were before predictions existed)."""
+    rng = random.Random(seed * 1009 + index)
+    return rng.choice(PREDICTIONS) if rng.random() < 0.3 else None
+
+
+def predicted(kind: str, output: list[int], seed: int, vocab: int = VOCAB) -> tuple[int, ...]:
+    """A prediction of `output` (the request's reference): itself, with edits, cut, extended, or
+    unrelated tokens."""
+    rng = random.Random(seed)
+    out = list(output)
+    where = rng.randint(0, len(out))
+    if kind == "substituted":
+        for i in rng.sample(range(len(out)), min(len(out), rng.randint(1, 3))):
+            out[i] = (out[i] + rng.randint(1, vocab - 1)) % vocab
+    elif kind == "inserted":
+        out[where:where] = [rng.randrange(vocab) for _ in range(rng.randint(1, 4))]
+    elif kind == "deleted":
+        del out[where : where + rng.randint(1, 4)]
+    elif kind == "first-half":
+        out = out[: len(out) // 2]
+    elif kind == "longer":
+        out += [rng.randrange(vocab) for _ in range(rng.randint(1, 20))]
+    elif kind == "unrelated":
+        out = [rng.randrange(vocab) for _ in range(rng.randint(1, 40))]
+    elif kind == "repeated":  # the output twice: the second copy must not pull the alignment back
+        out = out + out
+    return tuple(out) or (0,)
+
+
+def with_predictions(sc: Scenario) -> None:
+    """Each request that draws a prediction gets it, made from its reference output."""
+    for i, r in enumerate(sc.requests):
+        if r.prediction is not None:
+            tokens = reference(tuple(r.prompt), r.params, tuple(sc.eos))[0]
+            r.params = dataclasses.replace(r.params, prediction=predicted(r.prediction, tokens, sc.seed * 31 + i))
 
 
 def draw_budget(rng: random.Random, sc: Scenario) -> int | None:
@@ -316,7 +362,7 @@ def assert_resources_free(engine: SpeculativeEngine) -> None:
 
 def check_request(sc: Scenario, r: Request, res: Result) -> None:
     eos = tuple(sc.eos)
-    tokens, finish, logprobs = reference(tuple(r.prompt), r.params, eos)
+    tokens, finish, logprobs = reference(tuple(r.prompt), dataclasses.replace(r.params, prediction=None), eos)
     where = f"seed {sc.seed} {r.rid} prompt_len={len(r.prompt)} {r.params}"
     if res.aborted:
         assert res.tokens == tokens[: len(res.tokens)], f"{where}: aborted stream not a prefix of the reference"
@@ -330,6 +376,7 @@ def check_request(sc: Scenario, r: Request, res: Result) -> None:
 
 
 def run_scenario(sc: Scenario, head_dir) -> None:
+    with_predictions(sc)
     engine = SpeculativeEngine(target(), drafter=drafter_spec(sc, head_dir), **sc.engine_kwargs())
     results = run_schedule(engine, sc)
     for r in sc.requests:
@@ -338,7 +385,8 @@ def run_scenario(sc: Scenario, head_dir) -> None:
 
 
 def describe(sc: Scenario) -> str:
-    reqs = "\n".join(f"  {r.rid} len={len(r.prompt)} arrive={r.arrive} abort={r.abort} priority={r.priority} {r.params}"
+    reqs = "\n".join(f"  {r.rid} len={len(r.prompt)} arrive={r.arrive} abort={r.abort} priority={r.priority} "
+                     f"prediction={r.prediction} {r.params}"
                      for r in sc.requests)
     return f"{sc}\n{reqs}"
 
@@ -360,3 +408,4 @@ def test_the_generator_covers_the_features():
     assert any(sc.prefix_caching for sc in scs) and any(sc.budget and sc.block_size for sc in scs)
     assert any(r.abort is not None for sc in scs for r in sc.requests)
     assert any(r.params.max_tokens == 1 for sc in scs for r in sc.requests)
+    assert {r.prediction for sc in scs if sc.drafter != "none" for r in sc.requests} == {None, *PREDICTIONS}

@@ -10,7 +10,8 @@ of 1-16; prefix caching; prefill chunks; a small batch and/or a KV budget so tha
 and, paged, get preempted; max_model_len) and a schedule (3-8 requests, some sharing prefixes,
 some near max_model_len, arriving after random numbers of event-loop turns, with priorities and
 per-request γ caps, each with its own greedy SamplingParams: max_tokens down to 1, stop ids,
-min_tokens, ignore_eos, penalties, logit bias, allowed ids, bad words, logprobs). Some requests
+min_tokens, ignore_eos, penalties, logit bias, allowed ids, bad words, logprobs, a predicted
+output made from its reference). Some requests
 are cancelled mid-stream (their consumer task cancelled, or their stream closed after k tokens,
 as a client that disconnects), and some continued: the stream closed after k tokens and those k
 tokens sent back as `GenerateRequest.resume` under a new request id, as the ingress does after a
@@ -29,6 +30,7 @@ A failing test's id names its seed: `pytest tests/test_served_scenarios.py -k "s
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import random
 from dataclasses import dataclass, field
@@ -72,6 +74,7 @@ class Request:
     cancel_turns: int | None = None  # its consumer task is cancelled this many turns after it is sent
     close_after: int | None = None  # its stream is closed once it delivered at least this many tokens
     continues: list[int] = field(default_factory=list)  # closed after k tokens, then resumed (k per loss)
+    prediction: str | None = None  # a predicted output of this kind (engine_scenarios.predicted)
 
 
 @dataclass
@@ -197,8 +200,18 @@ def draw_requests(rng: random.Random, sc: Scenario) -> list[Request]:
         elif fate < 0.4 and params.max_tokens > 1:
             r.continues = sorted(rng.sample(range(params.max_tokens), rng.choice([1, 1, 2]) if params.max_tokens > 2
                                             else 1))
+        r.prediction = engine_scenarios.draw_prediction(sc.seed, len(requests))
         requests.append(r)
     return requests
+
+
+def with_predictions(sc: Scenario) -> None:
+    """Each request that draws a prediction gets it, made from its reference output."""
+    for i, r in enumerate(sc.requests):
+        if r.prediction is not None:
+            tokens = reference(tuple(r.prompt), r.params, sc.model_len)[0]
+            prediction = engine_scenarios.predicted(r.prediction, tokens, sc.seed * 31 + i, VOCAB)
+            r.params = dataclasses.replace(r.params, prediction=prediction)
 
 
 def draw_budget(rng: random.Random, sc: Scenario) -> int | None:
@@ -370,7 +383,7 @@ def assert_pools_free(coordinator) -> None:
 def check_request(sc: Scenario, r: Request, res: Result) -> None:
     where = f"seed {sc.seed} {r.rid} prompt_len={len(r.prompt)} {r.params}"
     assert not res.errors, f"{where}: {res.errors}"
-    tokens, finish, logprobs = reference(tuple(r.prompt), r.params, sc.model_len)
+    tokens, finish, logprobs = reference(tuple(r.prompt), dataclasses.replace(r.params, prediction=None), sc.model_len)
     if res.cancelled and res.finish is None:
         assert res.tokens == tokens[: len(res.tokens)], (
             f"{where}: cancelled stream {res.tokens} not a prefix of {tokens}")
@@ -385,6 +398,7 @@ def check_request(sc: Scenario, r: Request, res: Result) -> None:
 
 
 def run_scenario(make, sc: Scenario, head_dir) -> None:
+    with_predictions(sc)
     coordinator = make(sc.app_config(head_dir))
     assert coordinator.max_model_len == sc.model_len and coordinator.eos_token_ids == EOS
     served = coordinator.target._obj.model.runner.model.state_dict()
@@ -403,7 +417,8 @@ def run_scenario(make, sc: Scenario, head_dir) -> None:
 
 def describe(sc: Scenario) -> str:
     reqs = "\n".join(f"  {r.rid} len={len(r.prompt)} arrive={r.arrive} priority={r.priority} cap={r.gamma_cap} "
-                     f"cancel_turns={r.cancel_turns} close_after={r.close_after} continues={r.continues} {r.params}"
+                     f"cancel_turns={r.cancel_turns} close_after={r.close_after} continues={r.continues} "
+                     f"prediction={r.prediction} {r.params}"
                      for r in sc.requests)
     head = {k: v for k, v in sc.__dict__.items() if k != "requests"}
     return f"{head}\n{reqs}"
@@ -439,5 +454,7 @@ def test_the_generator_covers_the_features():
     reqs = [r for sc in scs for r in sc.requests]
     assert any(r.cancel_turns is not None for r in reqs) and any(r.close_after is not None for r in reqs)
     assert any(len(r.continues) == 2 for r in reqs) and any(r.params.max_tokens == 1 for r in reqs)
+    assert all(any(r.prediction for sc in scs if pick(sc) for r in sc.requests)
+               for pick in (lambda sc: sc.pipelined, lambda sc: sc.graph, lambda sc: sc.drafter == "eagle-target"))
     for sc in scs[:50]:
         sc.app_config("head")  # every draw is a valid AppConfig

@@ -36,6 +36,7 @@ from torch import nn
 
 from .grammar import DraftMasks
 from .model_runner import ForwardTiming, ModelRunner, RowInput, regroup
+from .prediction import forced_runs, pad_run
 from .lookup import TokenStore, continue_match
 from .proposers import DraftModelProposer, Proposal, decoder_layers
 from .sampling import BatchSampling, one_hot, rows_over_one_hot
@@ -650,6 +651,8 @@ class FeatureDrafterProposer(DraftModelProposer):
             seqs.append(self._tokens.rewrite(row.request_id, row.start, row.tokens))
             self._exact[row.request_id] = min(self._exact.get(row.request_id, 0), row.start - 1)
         looked = self._look_up(rows, seqs, num_tokens)  # row -> its G drafts by prompt lookup
+        runs = forced_runs(sampling.forced)  # row -> its predicted run: drafted as a lookup row's are
+        looked.update((b, pad_run(run, num_tokens)) for b, run in runs.items())
         ready = [b for b, (row, seq) in enumerate(zip(rows, seqs)) if b not in looked
                  and self.features.written(row.request_id) >= len(seq) - 1 and len(seq) >= 2]
         tokens = torch.tensor([looked.get(b, seq[-1:] * num_tokens) for b, seq in enumerate(seqs)],
@@ -657,6 +660,8 @@ class FeatureDrafterProposer(DraftModelProposer):
         probs = None
         counts = torch.zeros(len(rows), dtype=torch.long)  # [B] drafts worth verifying (none without features)
         counts[list(looked)] = num_tokens
+        for b, run in runs.items():
+            counts[b] = min(len(run), num_tokens)
         if ready and num_tokens > 0:
             drafted, probs, kept = self._draft([rows[b] for b in ready], [seqs[b] for b in ready], num_tokens,
                                                sampling.select(ready) if len(ready) < len(rows) else sampling,
@@ -669,7 +674,8 @@ class FeatureDrafterProposer(DraftModelProposer):
         for row, seq, row_tokens in zip(rows, seqs, tokens.tolist()):
             self._tokens.rewrite(row.request_id, len(seq), row_tokens[: num_tokens - 1])
         forwards = self.runner.take_forward_log() or (ForwardTiming(0, time.perf_counter() - began),)
-        return Proposal(tokens, self._sent(probs), forwards, num_draft=None if self.min_confidence is None else counts)
+        counted = self.min_confidence is not None or bool(runs)
+        return Proposal(tokens, self._sent(probs), forwards, num_draft=counts if counted else None)
 
     def _look_up(self, rows: list[RowInput], seqs: list[list[int]], num_tokens: int) -> dict[int, list[int]]:
         """Rows whose suffix repeats an earlier n-gram of at least `lookup_min_n` tokens -> their

@@ -33,6 +33,7 @@ import torch
 from .grammar import WIDE_SHARE, DraftMasks, GrammarBook
 from .lookup import TokenStore, continue_match
 from .model_runner import DRAFT_ROW_TOKENS, ForwardTiming, ModelRunner, RowInput, catch_up
+from .prediction import apply_forced, forced_runs, pad_run
 from .sampling import BatchSampling, SamplingParams, logits_to_probs, q_to_send, sample_with_uniforms
 
 
@@ -229,21 +230,22 @@ class DraftModelProposer:
         masks = self._draft_masks(sampling, lambda: staged.sorted_to_caller.tolist()[: len(rows)], staged.padded)
         alternates = alternates and masks is None
         static = runner.execution == "graph" and runner.fixed_shape(staged)
+        forcing = sampling.forced is not None  # (rows with a prediction: their runs' drafts are set)
         if masks is not None:
             try:
-                tokens, probs, ups = self._loop(staged, num_tokens, flags, inputs, False, masks=masks)
+                tokens, probs, ups = self._loop(staged, num_tokens, flags, inputs, False, masks=masks, forcing=forcing)
             finally:
                 masks.close()
         elif static:
             if flags is not None:
                 inputs["probs"] = self._q_buffer(staged.padded, num_tokens)
-            key = ("draft", *staged.static_key, num_tokens, flags, alternates, runner.cache.generation)
+            key = ("draft", *staged.static_key, num_tokens, flags, alternates, forcing, runner.cache.generation)
             written = (staged.block, runner.advance_block(staged))  # the loop writes the single-token block
-            out = runner.graphs.run(key, lambda: self._loop(staged, num_tokens, flags, inputs, True, alternates),
-                                    written)
+            out = runner.graphs.run(key, lambda: self._loop(staged, num_tokens, flags, inputs, True, alternates,
+                                                            forcing=forcing), written)
             tokens, probs, ups = (None if t is None else t.clone() for t in out)
         else:
-            tokens, probs, ups = self._loop(staged, num_tokens, flags, inputs, False, alternates)
+            tokens, probs, ups = self._loop(staged, num_tokens, flags, inputs, False, alternates, forcing=forcing)
         runner.record(staged.rows, began, forwards=num_tokens)
         runner.commit(staged, advanced=num_tokens - 1)
         return Proposal(runner.unsort(staged, tokens), self._sent(runner.unsort(staged, probs)),
@@ -283,8 +285,11 @@ class DraftModelProposer:
             self._inputs[key] = dict(
                 temperature=torch.zeros(b, device=device), top_k=torch.zeros(b, dtype=torch.long, device=device),
                 top_p=torch.ones(b, device=device), min_p=torch.zeros(b, device=device),
-                uniforms=torch.zeros(b, num_tokens, device=device))
+                uniforms=torch.zeros(b, num_tokens, device=device),
+                forced=torch.full((b, num_tokens), -1, dtype=torch.long, device=device))
         buffers = self._inputs[key]
+        if sampling.forced is not None:  # [B, G] -> [B', G] in sorted order (a padding row copies its source's)
+            buffers["forced"].copy_(sampling.forced.to(device, non_blocking=True).index_select(0, staged.sorted_to_caller))
         if flags is not None:
             order = staged.sorted_to_caller  # [B'] caller row of each sorted row
             for name, values in (("temperature", sampling.temperature), ("top_k", sampling.top_k),
@@ -294,11 +299,12 @@ class DraftModelProposer:
         return buffers
 
     def _loop(self, staged, num_tokens: int, flags, inputs, captured: bool, alternates: bool = False,
-              masks: DraftMasks | None = None):
+              masks: DraftMasks | None = None, forcing: bool = False):
         """The G draft forwards, device only, sorted row order -> (tokens [B', G], q [B', G, V] or
         None, runner-up tokens [B', G] or None). captured: inside a graph capture (run the forward
         itself, not the runner's dispatch); alternates: every row is greedy and the runner-ups are
-        wanted; masks: the grammar rows' masks (then one host read per position)."""
+        wanted; masks: the grammar rows' masks (then one host read per position); forcing: rows
+        take the tokens `inputs["forced"]` sets (predicted runs) where it sets them."""
         runner = self.runner
 
         def forward(s):
@@ -309,6 +315,8 @@ class DraftModelProposer:
         tokens, probs, ups = [], [], []
         for j in range(num_tokens):
             token, q = self._choose(logits, sampling, flags, inputs, j, masks)
+            if forcing:
+                token, q = apply_forced(token, q, inputs["forced"][:, j])
             if masks is not None:
                 masks.advance(token)
             tokens.append(token)
@@ -500,16 +508,21 @@ class PromptLookupProposer:
         """rows: B rows; uniforms unused (the proposal is deterministic) -> Proposal with G = num_tokens."""
         began = time.perf_counter()
         self._tokens.check(rows)  # every row before touching any
+        runs = forced_runs(sampling.forced)  # row -> its predicted run, drafted first
         drafts = []
-        for row in rows:  # rolled back to what the caller says is still valid
+        for b, row in enumerate(rows):  # rolled back to what the caller says is still valid
             seq = self._tokens.rewrite(row.request_id, row.start, row.tokens)
-            draft = self.continuation(row.request_id, num_tokens)
+            draft = pad_run(runs[b], num_tokens) if b in runs else self.continuation(row.request_id, num_tokens)
             # held like a draft model's cache: tokens + G-1 drafts
             self._tokens.rewrite(row.request_id, len(seq), draft[: num_tokens - 1])
             drafts.append(draft)
         tokens = torch.tensor(drafts, dtype=torch.long).view(len(rows), num_tokens)  # [B, G]
+        counts = None  # [B]: a predicted run shorter than G is verified up to its end
+        if runs:
+            counts = torch.tensor([min(len(runs[b]), num_tokens) if b in runs else num_tokens for b in range(len(rows))])
         # One entry so the policy's draft cost becomes known (and near zero): no model, no tokens.
-        return Proposal(tokens, None, (ForwardTiming(0, time.perf_counter() - began),), deterministic=True)
+        return Proposal(tokens, None, (ForwardTiming(0, time.perf_counter() - began),), deterministic=True,
+                        num_draft=counts)
 
     def continuation(self, request_id: str, num_tokens: int) -> list[int]:
         """num_tokens drafts following the request's tokens (its last token repeated when nothing

@@ -7,6 +7,7 @@ draft really drew from; the same filters make q close to p, which is what accept
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
 
 
 GREEDY_BELOW = 1e-5  # a temperature below this decodes greedily (see SamplingParams)
+MAX_PREDICTION_TOKENS = 32768  # the longest prediction a request may send (its index costs ~100 bytes a token)
 MAX_LOGPROBS = 20  # the most alternatives a token's log-probabilities may list (OpenAI's top_logprobs limit)
 
 
@@ -56,6 +58,9 @@ class SamplingParams:
     logprobs: int | None = None
     # structured output: the grammar every generated token must follow (specserve.engine.grammar)
     grammar: Grammar | None = None
+    # predicted output (OpenAI's `prediction`): tokens the output is expected to repeat, drafted
+    # where it does (specserve.engine.prediction); never changes a token
+    prediction: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
@@ -101,6 +106,13 @@ class SamplingParams:
             raise ValueError("min_tokens cannot be combined with a grammar (structured output decides where it ends)")
         if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.prediction is not None:
+            prediction = tuple(int(t) for t in self.prediction)
+            if prediction and min(prediction) < 0:
+                raise ValueError("prediction token ids must be >= 0")
+            if len(prediction) > MAX_PREDICTION_TOKENS:
+                raise ValueError(f"a prediction holds at most {MAX_PREDICTION_TOKENS} tokens, got {len(prediction)}")
+            object.__setattr__(self, "prediction", prediction or None)
 
     @property
     def greedy(self) -> bool:
@@ -128,6 +140,9 @@ class BatchSampling:
     # proposals); None when no row has one
     grammar: GrammarRows | None = None
     min_p: torch.Tensor | None = None  # [B] float32; 0 = off (None: off in every row)
+    # [B, G] int64 on the host: the token a row's draft position j must be (its prediction's,
+    # engine/prediction.py), -1 where the drafter chooses; None where no row has one. Drafters only.
+    forced: torch.Tensor | None = None
 
     @staticmethod
     def from_params(params: list[SamplingParams], device: torch.device | str = "cpu",
@@ -186,7 +201,7 @@ class BatchSampling:
     def to(self, device: torch.device | str) -> "BatchSampling":
         moved = BatchSampling(self.temperature.to(device), self.top_k.to(device), self.top_p.to(device),
                               self.processing, self.logprobs, self.grammar,
-                              None if self.min_p is None else self.min_p.to(device))
+                              None if self.min_p is None else self.min_p.to(device), self.forced)
         known = self.__dict__.get("_flags")
         return moved if known is None else moved._known(*known)
 
@@ -197,7 +212,14 @@ class BatchSampling:
         return BatchSampling(pick(self.temperature), pick(self.top_k), pick(self.top_p),
                              None if self.processing is None else self.processing.select(rows), self.logprobs,
                              None if self.grammar is None else self.grammar.select(rows),
-                             None if self.min_p is None else pick(self.min_p))
+                             None if self.min_p is None else pick(self.min_p),
+                             None if self.forced is None else self.forced.index_select(0, index))
+
+    def with_forced(self, forced: torch.Tensor | None) -> "BatchSampling":
+        """The same rows with these forced drafts ([B, G] int64 or None), its flags kept."""
+        out = dataclasses.replace(self, forced=forced)
+        known = self.__dict__.get("_flags")
+        return out if known is None else out._known(*known)
 
     def repeat_rows(self, n: int) -> "BatchSampling":
         """Each row repeated n times in place: [B] -> [B * n] (row b's copies are adjacent)."""

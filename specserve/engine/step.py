@@ -19,6 +19,7 @@ from .grammar import GrammarRows
 from .processing import LogitsProcessing
 from .sampling import BatchSampling, SamplingParams, make_generator
 from .policy import AcceptanceEstimate, SpeculationPolicy
+from .prediction import Prediction, forced_drafts
 from .verifier import Verdict
 
 
@@ -30,6 +31,10 @@ class RequestMetrics:
     accepted_per_position: list[int] = field(default_factory=list)  # [j]: steps whose draft j was accepted
     num_draft_steps: int = 0  # steps that drafted at least one token
     num_full_accept_steps: int = 0  # ... and accepted every draft
+    # predicted outputs (engine/prediction.py): the predicted drafts the target verified, and of
+    # those the ones it accepted (and the output kept)
+    num_prediction_drafts: int = 0
+    num_prediction_accepted: int = 0
 
     def record(self, num_draft: int, num_accepted: int) -> None:
         self.num_steps += 1
@@ -83,10 +88,13 @@ class Sequence:
     cached_tokens: int = 0  # prompt tokens the target's cache took from shared blocks (prefix caching)
     preempted: bool = False  # its caches were given back (paged budget): prefilled again before it steps
     priority: int = 0  # lower goes first: admitted before, preempted after, requests of a higher value
+    prediction: Prediction | None = None  # params.prediction, indexed (made here when not given)
 
     def __post_init__(self) -> None:
         if self.generator is None:
             self.generator = make_generator(self.params.seed)
+        if self.prediction is None and self.params.prediction:
+            self.prediction = Prediction(self.params.prediction)
 
     @property
     def tokens(self) -> list[int]:
@@ -144,6 +152,8 @@ def new_sequence(
         raise InvalidPrompt("the prompt must hold at least one token")
     if min(prompt) < 0 or max(prompt) >= vocab_size:
         raise InvalidPrompt(f"prompt token ids must lie in [0, {vocab_size})")
+    if params.prediction and max(params.prediction) >= vocab_size:
+        raise InvalidPrompt(f"prediction token ids must lie in [0, {vocab_size})")
     if len(prompt) + params.max_tokens > max_model_len:
         raise ContextLengthExceeded(
             f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
@@ -168,6 +178,8 @@ class StepPlan:
     final_uniforms: torch.Tensor | None  # [B]
     backlog: int = 0  # tokens the drafter catches up on before drafting (steps it skipped)
     verified: torch.Tensor | None = None  # [B] the drafts verified (`apply_verdict` sets it), for accounting
+    # [B] how many of each row's first drafts are its prediction's (`sampling.forced`); None: no row's
+    predicted: list[int] | None = None
 
     @property
     def num_verified(self) -> torch.Tensor:
@@ -263,8 +275,10 @@ class StepOutput:
     top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
-def plan_step(seqs: list[Sequence], policy: SpeculationPolicy) -> StepPlan:
-    """Pick γ for the batch (and per row), and draw every random number the step needs."""
+def plan_step(seqs: list[Sequence], policy: SpeculationPolicy, predict: bool = True) -> StepPlan:
+    """Pick γ for the batch (and per row), and draw every random number the step needs.
+    predict: rows with a prediction draft its run first (`predicted_runs`); False for a block
+    planned ahead of the verdict it follows (serve/pipeline.py drafts it from the drafter alone)."""
     alphas = [policy.alpha(s.acceptance) for s in seqs]
     # what the drafter catches up on first (the policy's estimate: tokens past a drafting row's own)
     backlog = sum(max(s.num_tokens - s.draft_len - DRAFT_ROW_TOKENS, 0) for s in seqs)
@@ -273,6 +287,8 @@ def plan_step(seqs: list[Sequence], policy: SpeculationPolicy) -> StepPlan:
     # its tokens, depend on nothing but its seed and its own tokens (and float rounding, which the
     # batch's shapes set: docs/engine.md, "Seeds and batch shapes").
     own = [policy.max_gamma if s.reproducible else batch_gamma for s in seqs]
+    runs = predicted_runs(seqs, policy.max_gamma) if predict else [[] for _ in seqs]
+    own = [max(g, len(run)) for g, run in zip(own, runs)]  # a predicted run is drafted whole
     own = [g if s.max_gamma is None else min(g, s.max_gamma) for g, s in zip(own, seqs)]
     # g_b <= remaining - 1 keeps every real position of a row below its limit minus one; drafts a
     # row will not use (when another row asks for more) go to clamped junk positions. A row whose
@@ -284,6 +300,10 @@ def plan_step(seqs: list[Sequence], policy: SpeculationPolicy) -> StepPlan:
     for s, g in zip(seqs, num_draft):
         s.drafted_for = s.drafted_for or g > 0
     sampling = step_sampling(seqs)
+    runs = [run[:g] for run, g in zip(runs, num_draft)]
+    forced = forced_drafts(runs, positions)  # [B, G] or None
+    if forced is not None:
+        sampling = sampling.with_forced(forced)
     draft_u = accept_u = final_u = None
     if not all(s.params.greedy for s in seqs):  # (from the params: no tensor read on the host)
         draft_u = torch.full((len(seqs), positions), 0.5)
@@ -295,7 +315,15 @@ def plan_step(seqs: list[Sequence], policy: SpeculationPolicy) -> StepPlan:
             draws = torch.rand(2 * g + 1, generator=s.generator)  # this row's stream only
             draft_u[b, :g], accept_u[b, :g], final_u[b] = draws[:g], draws[g : 2 * g], draws[2 * g]
     return StepPlan(seqs, positions, torch.tensor(num_draft, dtype=torch.long), sampling, draft_u, accept_u, final_u,
-                    backlog=backlog)
+                    backlog=backlog, predicted=None if forced is None else [len(run) for run in runs])
+
+
+def predicted_runs(seqs: list[Sequence], limit: int) -> list[list[int]]:
+    """Per row, the predicted tokens that follow its output (at most `limit`; [] for a row with
+    no prediction, or whose output is not found in it: `Prediction.continuation`)."""
+    if limit <= 0:
+        return [[] for _ in seqs]
+    return [[] if s.prediction is None else s.prediction.continuation(s.output, limit) for s in seqs]
 
 
 def step_sampling(seqs: list[Sequence]) -> BatchSampling:
@@ -338,8 +366,17 @@ def apply_verdict(plan: StepPlan, proposal: Proposal, verdict: Verdict) -> list[
             s.draft_len = n + min(accepted, plan.gamma - 1)
         new = _cut(s, drafts[b][:accepted] + [verdict.next_token[b]])
         s.output.extend(new)
+        if plan.predicted is not None and plan.predicted[b]:
+            _count_prediction(s.metrics, min(plan.predicted[b], g), min(accepted, len(new)))
         outputs.append(StepOutput(s.request_id, new, s.finish_reason, *_logprobs(s, verdict, b, len(new))))
     return outputs
+
+
+def _count_prediction(metrics: RequestMetrics, verified: int, kept: int) -> None:
+    """A row's predicted drafts: `verified` of them were verified, the first `kept` drafts accepted
+    and kept (a stop or the length limit may cut the accepted ones)."""
+    metrics.num_prediction_drafts += verified
+    metrics.num_prediction_accepted += min(kept, verified)
 
 
 def _logprobs(seq: Sequence, verdict: Verdict, row: int, count: int) -> tuple[list | None, list | None]:

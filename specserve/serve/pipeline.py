@@ -295,7 +295,7 @@ class Pipeline:
             last = gained[-1] if g else s.span(s.num_tokens - 1)[0]  # the row's last token if all of block k is accepted
             rows.append(RowInput(s.request_id, s.num_tokens + g - 1, [last]))
         states = {b: s.generator.get_state() for b, s in enumerate(seqs) if not s.params.greedy}
-        ahead_plan = plan_step(optimistic, self.policy)
+        ahead_plan = plan_step(optimistic, self.policy, predict=False)  # (drafted by the drafter alone)
         if ahead_plan.gamma == 0:
             _restore(seqs, states)
             return None
@@ -440,15 +440,17 @@ def _combine_plan(seqs: list[Sequence], used: list[int | None], prepared: Prepar
     num_draft = torch.zeros(batch, dtype=torch.long)  # [B]
     accept = None if sampling.all_greedy else torch.zeros(batch, width)  # [B, G]
     final = None if sampling.all_greedy else torch.zeros(batch)  # [B]
-    widths = []
+    widths, predicted = [], []  # (a prepared row's block is the drafter's own: never a predicted run)
     for b, (part, row) in enumerate(_sources(used)):
         plan = parts[part]
         g = plan.gamma
         widths.append(g)
         num_draft[b] = plan.num_draft[row]
+        predicted.append(plan.predicted[row] if part == 1 and plan.predicted is not None else 0)
         if accept is not None and plan.accept_uniforms is not None:
             accept[b, :g], final[b] = plan.accept_uniforms[row], plan.final_uniforms[row]
-    return StepPlan(list(seqs), width, num_draft, sampling, None, accept, final), widths
+    return (StepPlan(list(seqs), width, num_draft, sampling, None, accept, final,
+                     predicted=predicted if any(predicted) else None), widths)
 
 
 def combine_drafts(used: list[int | None], width: int, prepared: tuple, fresh: tuple):

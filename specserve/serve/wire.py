@@ -421,12 +421,13 @@ def _unrows(rows: list[tuple]) -> list[RowInput]:
 def _sampling(s: BatchSampling | None):
     # (processing, grammar: small dataclasses of host lists, pickled as they are; None for most steps)
     return None if s is None else (_tensor(s.temperature), _tensor(s.top_k), _tensor(s.top_p), s.processing,
-                                   s.logprobs, s.grammar, None if s.min_p is None else _tensor(s.min_p))
+                                   s.logprobs, s.grammar, None if s.min_p is None else _tensor(s.min_p),
+                                   None if s.forced is None else _tensor(s.forced))
 
 
 def _unsampling(s) -> BatchSampling | None:
     return None if s is None else BatchSampling(*(_untensor(t) for t in s[:3]), s[3], s[4], s[5],
-                                                None if s[6] is None else _untensor(s[6]))
+                                                *(None if t is None else _untensor(t) for t in s[6:8]))
 
 
 def _probs(p):
