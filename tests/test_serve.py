@@ -314,6 +314,52 @@ def test_the_messages_api_over_the_app(server):
         assert stream.get_final_message().content[0].text == message.content[0].text
 
 
+def test_a_prediction_is_drafted_and_changes_no_token(server, http):
+    """OpenAI's Predicted Outputs over the app: an exact prediction is accepted (usage counts its
+    tokens) and an edited or unrelated one leaves the answer as it is, whole, streamed, as text, as
+    text parts and as token ids (an extension), on chat and on /v1/completions (an extension); a
+    malformed one is a 400 naming `prediction`. (The tiny models' answers are arbitrary bytes, not
+    valid UTF-8: their text does not encode back to their tokens, their token ids do.)"""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+    ask = dict(model=MODEL, messages=[{"role": "user", "content": "Rewrite: the quick brown fox"}], max_tokens=40,
+               temperature=0, ignore_eos=True, return_token_ids=True)
+    first = http.post("/v1/chat/completions", json=ask).json()["choices"][0]
+    answer, ids = first["message"]["content"], first["token_ids"]
+    assert len(ids) == 40
+    exact = {"type": "token_ids", "token_ids": ids}
+    body = speculated(http, {**ask, "prediction": exact}, "/v1/chat/completions",
+                      counter="num_accepted_prediction_tokens")
+    details = body["usage"]["completion_tokens_details"]
+    assert body["choices"][0]["token_ids"] == ids
+    assert details["accepted_prediction_tokens"] > 10 and details["rejected_prediction_tokens"] >= 0
+    edited = {"type": "token_ids", "token_ids": ids[:8] + [65, 66, 67] + ids[12:]}
+    for prediction in (edited, {"type": "content", "content": [{"type": "text", "text": answer[:10]},
+                                                                {"type": "text", "text": answer[10:]}]},
+                       {"type": "content", "content": "no relation at all to the answer"}):
+        got = http.post("/v1/chat/completions", json={**ask, "prediction": prediction}).json()
+        assert got["choices"][0]["token_ids"] == ids, prediction
+        assert got["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] >= 0
+    stream = client.chat.completions.create(**{k: v for k, v in ask.items() if k not in ("ignore_eos", "return_token_ids")},
+                                            extra_body={"ignore_eos": True}, prediction={"type": "content", "content": answer},
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == answer
+    assert chunks[-1].usage.completion_tokens_details.accepted_prediction_tokens >= 0
+    plain = complete(http, "Hello")
+    predicted = speculated(http, completion("Hello", prediction={"type": "token_ids",
+                                                                 "token_ids": plain["choices"][0]["token_ids"]}),
+                           counter="num_accepted_prediction_tokens")
+    assert predicted["choices"][0]["token_ids"] == plain["choices"][0]["token_ids"]
+    assert "completion_tokens_details" not in plain["usage"]  # (no prediction, no details)
+    for bad in ({"type": "text", "content": "x"}, {"type": "content"}, {"type": "content", "content": 3},
+                {"type": "content", "content": "x" * 600}, {"type": "token_ids", "token_ids": [1, 999]}):
+        r = http.post("/v1/chat/completions", json={**ask, "prediction": bad})  # (600 bytes: over the context of 512)
+        assert r.status_code == 400, (bad, r.text)
+        assert r.json()["error"]["param"].startswith("prediction"), r.text
+
+
 def test_logprobs_are_the_same_with_and_without_speculation(http):
     """A greedy answer's log-probabilities (accepted drafts, recovered and bonus tokens alike) equal
     those of the same app's target-only decoding within 1e-4, alternatives included."""

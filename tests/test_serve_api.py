@@ -595,6 +595,35 @@ def test_openai_s_other_chat_parameters_are_taken_or_refused_by_name(client, fak
         assert _error(_post(client, {**body, **extra}, "/v1/chat/completions"), 400)["param"] == param, extra
 
 
+def test_a_prediction_reaches_the_engine_as_token_ids_and_usage_reports_it(client, fake):
+    """`prediction` (text, or text parts) is tokenized without special tokens into the request's
+    params; usage then carries completion_tokens_details with the prediction's counts (here 0: this
+    coordinator drafts nothing); a malformed one, or one longer than the context, is a 400 naming it."""
+    from specserve.models.tiny import byte_tokenizer
+
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    for content in ("def f(x):\n    return x", [{"type": "text", "text": "def f(x):"},
+                                                 {"type": "text", "text": "\n    return x"}]):
+        r = _post(client, {**body, "prediction": {"type": "content", "content": content}}, "/v1/chat/completions")
+        assert r.status_code == 200, r.text
+        expected = tuple(byte_tokenizer()("def f(x):\n    return x", add_special_tokens=False).input_ids)
+        assert fake.requests[-1].params.prediction == expected
+        assert r.json()["usage"]["completion_tokens_details"] == {"accepted_prediction_tokens": 0,
+                                                                  "rejected_prediction_tokens": 0}
+    r = _post(client, {"model": MODEL, "prompt": "x", "max_tokens": 4, "prediction": {"type": "content", "content": "ab"}})
+    assert r.status_code == 200 and fake.requests[-1].params.prediction == (97, 98)
+    assert "completion_tokens_details" not in _post(client, body, "/v1/chat/completions").json()["usage"]
+    r = _post(client, {**body, "prediction": {"type": "token_ids", "token_ids": [3, 258, 0]}}, "/v1/chat/completions")
+    assert r.status_code == 200 and fake.requests[-1].params.prediction == (3, 258, 0)
+    for bad in ({"type": "text", "content": "x"}, {"content": "x"}, {"type": "content", "content": [{"text": "x"}]},
+                {"type": "content", "content": "x" * 600}, {"type": "token_ids", "token_ids": [259]},
+                {"type": "token_ids", "token_ids": [-1]}, {"type": "token_ids", "token_ids": [1] * 513}):
+        assert _error(_post(client, {**body, "prediction": bad}, "/v1/chat/completions"), 400)["param"] \
+            .startswith("prediction"), bad
+    r = _post(client, {**body, "prediction": {"type": "content", "content": ""}}, "/v1/chat/completions")
+    assert r.status_code == 200 and fake.requests[-1].params.prediction is None  # (an empty one: none)
+
+
 # -- the front door: body limit, key before body, pre-check, limits, edge inputs -------------------------
 def _client(fake, monkeypatch, **overrides):
     from starlette.testclient import TestClient
@@ -729,6 +758,8 @@ def test_chars_per_token_bound_holds_and_unbounded_pipelines_are_detected():
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\ud83d"}]}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]},
      "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "prediction": {"type": "content", "content": "a\ud800"}}, "prediction"),
 ])
 def test_lone_surrogates_are_400(client, path, body, param):
     r = client.post(path, content=json.dumps({"model": MODEL, "max_tokens": 2, **body}).encode(),

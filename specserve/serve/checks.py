@@ -8,7 +8,7 @@ from pydantic import ValidationError
 
 from specserve.config import FimConfig, FrontDoorConfig
 from specserve.engine.grammar import Grammar
-from specserve.engine.sampling import SamplingParams
+from specserve.engine.sampling import MAX_PREDICTION_TOKENS, SamplingParams
 
 from .front_door import OpenAIError, check_unicode
 from .schema import ChatCompletionRequest, SamplingRequest
@@ -75,9 +75,10 @@ def kept_tokens(body: SamplingRequest, context: int) -> int | None:
 
 
 def sampling_params(body: SamplingRequest, max_tokens: int, vocab: int, grammar: Grammar | None,
-                    bad_words: tuple[tuple[int, ...], ...]) -> SamplingParams:
+                    bad_words: tuple[tuple[int, ...], ...],
+                    prediction: tuple[int, ...] | None = None) -> SamplingParams:
     """The engine's parameters for one generation of `body` (its ids checked against the vocabulary;
-    `bad_words` already tokenized)."""
+    `bad_words` and `prediction` already tokenized)."""
     try:
         return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_k=max(body.top_k, 0),
                               top_p=body.top_p, min_p=body.min_p, seed=body.seed, ignore_eos=body.ignore_eos,
@@ -86,10 +87,30 @@ def sampling_params(body: SamplingRequest, max_tokens: int, vocab: int, grammar:
                               logprobs=body.logprobs_wanted(), grammar=grammar, min_tokens=body.min_tokens,
                               stop_token_ids=token_ids(body.stop_token_ids, "stop_token_ids", vocab) or (),
                               allowed_token_ids=token_ids(body.allowed_token_ids, "allowed_token_ids", vocab),
-                              bad_words_ids=bad_words)
+                              bad_words_ids=bad_words, prediction=prediction)
     except ValueError as err:  # the engine's own checks: a client error, never a 500
         named = str(err).split(maxsplit=1)[0]  # (the engine's messages start with the field's name)
         raise OpenAIError(400, str(err), named if named in type(body).model_fields else None) from err
+
+
+def prediction_ids(tokenizer, body: SamplingRequest, context: int, vocab: int) -> tuple[int, ...] | None:
+    """`prediction` as token ids (its text tokenized without special tokens, or its ids checked
+    against the vocabulary; None for none or an empty one); one longer than the model's context
+    could never be followed to its end, and is refused."""
+    if body.prediction is None:
+        return None
+    if body.prediction.type == "token_ids":
+        ids = token_ids(body.prediction.token_ids, "prediction.token_ids", vocab) or ()
+    else:
+        text = body.prediction.text()
+        check_unicode(text, "prediction")
+        if len(text) > 64 * context:  # (no tokenizer packs 64 characters into one token)
+            raise OpenAIError(400, f"prediction is longer than the model's context of {context} tokens", "prediction")
+        ids = tuple(tokenizer(text, add_special_tokens=False).input_ids)
+    if len(ids) > min(context, MAX_PREDICTION_TOKENS):
+        raise OpenAIError(400, f"prediction holds {len(ids)} tokens, more than the model's context of "
+                               f"{min(context, MAX_PREDICTION_TOKENS)}", "prediction")
+    return ids or None
 
 
 def fill_in_the_middle(fim: FimConfig | None, prompts: list, suffix: str) -> list[str]:

@@ -30,7 +30,7 @@ from typing import AsyncIterator, Callable
 
 from ray.serve.exceptions import BackPressureError
 
-from .coordinator import Accepted, Delta, Failed, GenerateRequest, Lost, Rejected, Resume
+from .coordinator import TOTALS, Accepted, Delta, Failed, GenerateRequest, Lost, Rejected, Resume
 from .lost import LOST
 
 logger = logging.getLogger("specserve.ingress")
@@ -65,8 +65,8 @@ class Continuation:
         self.losses = 0
         self.token_ids: list[int] = []  # generated and handed to the caller, in order
         self._rng_state: bytes | None = None
-        self._base = (0, 0, 0)  # speculation totals of the replicas before the current one
-        self._totals = (0, 0, 0)  # ... and including it, as last delivered
+        self._base = (0,) * len(TOTALS)  # speculation totals of the replicas before the current one
+        self._totals = self._base  # ... and including it, as last delivered
         self.stream = None
         self.finished = False  # the live stream ran to its end (or was cancelled): nothing to cancel
 
@@ -178,12 +178,10 @@ class Continuation:
         self.token_ids.extend(delta.token_ids)
         if delta.rng_state is not None:
             self._rng_state = delta.rng_state
-        d, a, s = self._base
-        self._totals = (d + delta.num_draft_tokens, a + delta.num_accepted_tokens, s + delta.num_steps)
-        if self._base == (0, 0, 0):
+        self._totals = tuple(b + getattr(delta, name) for b, name in zip(self._base, TOTALS))
+        if not any(self._base):
             return delta
-        return dataclasses.replace(delta, num_draft_tokens=self._totals[0], num_accepted_tokens=self._totals[1],
-                                   num_steps=self._totals[2])
+        return dataclasses.replace(delta, **dict(zip(TOTALS, self._totals)))
 
     def _cancel_quietly(self) -> None:
         try:

@@ -43,6 +43,7 @@ import statistics
 import time
 import uuid
 from collections import deque
+import dataclasses
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -116,6 +117,14 @@ class Delta:
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     cached_tokens: int = 0  # prompt tokens the target's cache took from shared blocks (prefix caching)
+    # predicted outputs (running totals): predicted drafts the target verified, and those it accepted
+    num_prediction_tokens: int = 0
+    num_accepted_prediction_tokens: int = 0
+
+
+# A Delta's running totals (a continuation on another replica adds its own to the ones before)
+TOTALS = ("num_draft_tokens", "num_accepted_tokens", "num_steps", "num_prediction_tokens",
+          "num_accepted_prediction_tokens")
 
 
 @dataclass(frozen=True)
@@ -505,7 +514,7 @@ class Coordinator:
                 rng = seq.generator.get_state().numpy().tobytes() if seq.reproducible else None
                 queue.put_nowait(Delta(out.new_token_ids, out.finish_reason, m.num_draft_tokens,
                                        m.num_accepted_tokens, m.num_steps, rng, out.logprobs, out.top_logprobs,
-                                       seq.cached_tokens))
+                                       seq.cached_tokens, m.num_prediction_drafts, m.num_prediction_accepted))
             if out.finish_reason is not None:
                 done.append(out.request_id)
         self._release(done)
@@ -547,8 +556,7 @@ def _merge(items: list) -> Delta | Failed | Lost:
     tokens = [t for d in items for t in d.token_ids]
     logprobs = None if last.logprobs is None else [v for d in items for v in d.logprobs or ()]
     tops = None if last.top_logprobs is None else [t for d in items for t in d.top_logprobs or ()]
-    return Delta(tokens, last.finish_reason, last.num_draft_tokens, last.num_accepted_tokens, last.num_steps,
-                 last.rng_state, logprobs, tops, last.cached_tokens)
+    return dataclasses.replace(last, token_ids=tokens, logprobs=logprobs, top_logprobs=tops)
 
 
 def _continue(seq: Sequence, resume: Resume, vocab_size: int) -> None:

@@ -24,7 +24,7 @@ from specserve.config import AppConfig
 from specserve.engine.grammar import Grammar, check_grammar, tokenizer_view
 
 from .background import BackgroundRuns
-from .checks import check_limits, kept_tokens, refuse, sampling_params
+from .checks import check_limits, kept_tokens, prediction_ids, refuse, sampling_params
 from .continuation import Continuation, EngineLost
 from .conversation_store import ConversationClient
 from .coordinator import Accepted, Delta, Failed, GenerateRequest, Rejected
@@ -301,7 +301,10 @@ class Ingress:
         """Start one generation per (prompt index, prompt) of `runs`; seeded ones draw from seed + k."""
         grammar = await self._grammar(body, tools, reasoning)
         bad_words = await self._offload(self._bad_words, body.bad_words or [])
-        params = sampling_params(body, max_tokens, (await self.info())["vocab_size"], grammar, bad_words)
+        info = await self.info()
+        prediction = None if body.prediction is None else \
+            await self._offload(prediction_ids, self.tokenizer, body, info["max_model_len"], info["vocab_size"])
+        params = sampling_params(body, max_tokens, info["vocab_size"], grammar, bad_words, prediction)
         if time.monotonic() < self._shed_until:  # a burst: the surplus gets its 429 without a round trip
             raise overloaded("the server is overloaded; retry later")
         choices: list = []
@@ -316,7 +319,8 @@ class Ingress:
                 fmt = ResponseFormat(rid, self.config.served_model_name, chat, first.num_prompt_tokens, gen,
                                      self.tokenizer, params.logprobs, k, i, echoes[i] if echoes else None, tools,
                                      reasoning, thoughts)
-                choices.append((fmt, self._pieces(gen, prompt, body.text_rules(), key, thoughts)))
+                choices.append((fmt, self._pieces(gen, prompt, body.text_rules(), key, thoughts,
+                                                  body.prediction is not None)))
         except BaseException:
             for fmt, _ in choices:
                 fmt.gen.close()
@@ -397,7 +401,7 @@ class Ingress:
         return self.coordinator.options(stream=True).generate.remote(request)
 
     async def _pieces(self, gen: Continuation, prompt_ids: list[int], rules: TextRules,
-                      key: int, thoughts: ThoughtCount | None = None) -> AsyncIterator[Piece]:
+                      key: int, thoughts: ThoughtCount | None = None, predicted: bool = False) -> AsyncIterator[Piece]:
         """Coordinator Deltas -> text pieces. Cancels the coordinator stream if it ends early
         (stop string, client gone), which aborts the request and frees its caches. The detokenizer
         decodes a window of a few tokens per delta (text.py), cheap enough for the event loop; it
@@ -434,6 +438,9 @@ class Ingress:
                 out, stopped = stopper.feed(text, final)
                 spec = {"num_draft_tokens": item.num_draft_tokens, "num_accepted_tokens": item.num_accepted_tokens,
                         "num_steps": item.num_steps}
+                if predicted:  # (usage's accepted / rejected prediction tokens)
+                    spec.update(num_prediction_tokens=item.num_prediction_tokens,
+                                num_accepted_prediction_tokens=item.num_accepted_prediction_tokens)
                 if stopped or final:
                     gen.finished = final
                     thought = None if thoughts is None else await thoughts(token_ids)

@@ -10,7 +10,8 @@ the API key, the per-key limits and the body size (413) without reading or parsi
 text that cannot fit the context by its character count alone is refused before it is tokenized;
 every list a client controls has a limit (`front_door.*`).
 
-Besides OpenAI's own fields (penalties, logit_bias, logprobs, n, batched prompts: docs/serving.md),
+Besides OpenAI's own fields (penalties, logit_bias, logprobs, n, batched prompts, prediction:
+docs/serving.md),
 extensions: `repetition_penalty`, `top_k` (0 or -1 = off), vLLM's `min_p`, `min_tokens`,
 `stop_token_ids`, `allowed_token_ids`, `bad_words`, `truncate_prompt_tokens`,
 `include_stop_str_in_output`, `skip_special_tokens`, `priority` and chat template options,

@@ -243,9 +243,16 @@ def usage(formats: list[ResponseFormat]) -> tuple[dict, dict]:
     out = {"prompt_tokens": sum(prompts.values()), "completion_tokens": completion,
            "total_tokens": sum(prompts.values()) + completion,
            "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
+    details = {}
     if any(f.reasoning is not None for f in formats) and len(done) == len(formats) and \
             all(p.reasoning_tokens is not None for p in done):  # (known once every choice has finished)
-        out["completion_tokens_details"] = {"reasoning_tokens": sum(p.reasoning_tokens for p in done)}
+        details["reasoning_tokens"] = sum(p.reasoning_tokens for p in done)
+    if "num_prediction_tokens" in speculation:  # a prediction was sent: what became of its drafts
+        accepted = speculation["num_accepted_prediction_tokens"]
+        details.update(accepted_prediction_tokens=accepted,
+                       rejected_prediction_tokens=speculation["num_prediction_tokens"] - accepted)
+    if details:
+        out["completion_tokens_details"] = details
     return out, speculation
 
 

@@ -151,6 +151,32 @@ def format_grammar(fmt: BaseModel | None) -> Grammar | None:
     return Grammar("lark", fmt.lark)
 
 
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class PredictedOutput(Strict):
+    """OpenAI's Predicted Outputs: text the answer is expected to mostly repeat (a file with a few
+    edits). It is drafted where the output follows it (specserve.engine.prediction) and changes no
+    token: the target verifies every draft."""
+
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
+class PredictedTokens(Strict):
+    """Extension: a prediction as token ids (a client that works in ids, such as one sending back
+    an earlier answer's `return_token_ids`: no text round trip to split or merge tokens)."""
+
+    type: Literal["token_ids"]
+    token_ids: list[Annotated[int, Field(ge=0)]]
+
+
 class SamplingOptions(Strict):
     """The sampling and scheduling options every generating route takes (chat, completions, responses)."""
 
@@ -191,6 +217,8 @@ class SamplingRequest(SamplingOptions):
     # extensions regex / lark; every generated token follows it (specserve.engine.grammar)
     response_format: OutputFormat | None = None
     structured_outputs: StructuredOutputs | None = None  # vLLM's extension, the same engine path
+    # OpenAI's (chat; completions as an extension), or token ids (an extension)
+    prediction: Annotated[PredictedOutput | PredictedTokens, Field(discriminator="type")] | None = None
 
     def unsupported(self) -> list[tuple[str, str]]:
         """(param, why) for every option set to something this server does not do."""
@@ -250,12 +278,6 @@ class CompletionRequest(SamplingRequest):
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             return list(prompt)
         return [prompt]
-
-
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    type: Literal["text"]
-    text: str
 
 
 # -- tool calling (chat): the functions offered, the choice among them, the calls made -----------
