@@ -11,6 +11,7 @@
     specserve bench cpu / drafters [...]                             CPU kernels; drafters side by side (specserve.bench.cpu, .drafters)
     specserve bench memory [--tiny]                                  dense vs paged KV at one budget (specserve.bench.memory)
     specserve bench policy [--costs FILE]                            the γ policy replayed on measured costs (specserve.bench.policy)
+    specserve bench prediction [--model tiny]                        code edits with / without a predicted output (specserve.bench.prediction)
 
 A subcommand is one entry in COMMANDS (name -> help, add_arguments, run); a benchmark is one entry
 in BENCHES (name -> module with `main(argv)`).
@@ -131,6 +132,7 @@ BENCHES = {  # name -> module with `main(argv: list[str]) -> int`; its own argpa
     "qwire": "specserve.bench.qwire",
     "draws": "specserve.bench.draws",
     "grammar": "specserve.bench.grammar",
+    "prediction": "specserve.bench.prediction",
 }
 
 

@@ -1,0 +1,17 @@
+"""`specserve bench prediction --model tiny` runs end to end on CPU: every method, outputs equal to
+the target alone's, and a JSON report whose rows say what the table says."""
+import json
+
+from specserve.bench import prediction
+
+
+def test_tiny_run_reports_every_method(tmp_path, capsys):
+    out = tmp_path / "prediction.json"
+    code = prediction.main(["--model", "tiny", "--max-tokens", "24", "--gamma", "4", "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert code == 0
+    methods = [r["method"] for r in report["rows"]]
+    assert methods == ["target only", "prompt lookup", "prompt lookup + prediction"]
+    assert all(r["identical"] and r["tokens"] > 0 for r in report["rows"])
+    assert report["rows"][1]["predicted"] == 0 and report["rows"][0]["speedup"] == 1.0
+    assert "prompt lookup + prediction" in capsys.readouterr().out
