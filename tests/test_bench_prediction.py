@@ -11,7 +11,9 @@ def test_tiny_run_reports_every_method(tmp_path, capsys):
     report = json.loads(out.read_text())
     assert code == 0
     methods = [r["method"] for r in report["rows"]]
-    assert methods == ["target only", "prompt lookup", "prompt lookup + prediction"]
+    assert methods == ["target only", "prompt lookup", "prompt lookup + original", "prompt lookup + near answer"]
     assert all(r["identical"] and r["tokens"] > 0 for r in report["rows"])
     assert report["rows"][1]["predicted"] == 0 and report["rows"][0]["speedup"] == 1.0
-    assert "prompt lookup + prediction" in capsys.readouterr().out
+    near = report["rows"][3]
+    assert near["predicted_accepted"] > 0.5 * near["predicted"] and near["steps"] < report["rows"][0]["steps"]
+    assert "prompt lookup + near answer" in capsys.readouterr().out

@@ -36,6 +36,9 @@ class Prediction:
     def __init__(self, tokens: tuple[int, ...]) -> None:
         self.tokens = tokens
         self.at = 0  # the prediction position the output's end was last aligned to
+        # the last predicted run had a draft rejected: the next one drafts no more than the
+        # batch's γ (a long run is worth its verify cost only while the output keeps following)
+        self.missed = False
         self._length = 0  # the output's length then
         self._pairs: dict[tuple[int, int], list[int]] = {}  # bigram -> its ends j (tokens[j-2:j]), ascending
         self._singles: dict[int, list[int]] = {}  # token -> its ends j (tokens[j-1] == token), ascending

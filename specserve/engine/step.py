@@ -287,7 +287,7 @@ def plan_step(seqs: list[Sequence], policy: SpeculationPolicy, predict: bool = T
     # its tokens, depend on nothing but its seed and its own tokens (and float rounding, which the
     # batch's shapes set: docs/engine.md, "Seeds and batch shapes").
     own = [policy.max_gamma if s.reproducible else batch_gamma for s in seqs]
-    runs = predicted_runs(seqs, policy.max_gamma) if predict else [[] for _ in seqs]
+    runs = predicted_runs(seqs, own, policy.max_gamma) if predict else [[] for _ in seqs]
     own = [max(g, len(run)) for g, run in zip(own, runs)]  # a predicted run is drafted whole
     own = [g if s.max_gamma is None else min(g, s.max_gamma) for g, s in zip(own, seqs)]
     # g_b <= remaining - 1 keeps every real position of a row below its limit minus one; drafts a
@@ -318,12 +318,14 @@ def plan_step(seqs: list[Sequence], policy: SpeculationPolicy, predict: bool = T
                     backlog=backlog, predicted=None if forced is None else [len(run) for run in runs])
 
 
-def predicted_runs(seqs: list[Sequence], limit: int) -> list[list[int]]:
-    """Per row, the predicted tokens that follow its output (at most `limit`; [] for a row with
-    no prediction, or whose output is not found in it: `Prediction.continuation`)."""
+def predicted_runs(seqs: list[Sequence], own: list[int], limit: int) -> list[list[int]]:
+    """Per row, the predicted tokens that follow its output ([] for a row with no prediction, or
+    whose output is not found in it: `Prediction.continuation`): up to `limit` (the most drafts a
+    step takes), or up to the row's own γ after a run of its had a draft rejected."""
     if limit <= 0:
         return [[] for _ in seqs]
-    return [[] if s.prediction is None else s.prediction.continuation(s.output, limit) for s in seqs]
+    return [[] if s.prediction is None else s.prediction.continuation(s.output, g if s.prediction.missed else limit)
+            for s, g in zip(seqs, own)]
 
 
 def step_sampling(seqs: list[Sequence]) -> BatchSampling:
@@ -367,16 +369,17 @@ def apply_verdict(plan: StepPlan, proposal: Proposal, verdict: Verdict) -> list[
         new = _cut(s, drafts[b][:accepted] + [verdict.next_token[b]])
         s.output.extend(new)
         if plan.predicted is not None and plan.predicted[b]:
-            _count_prediction(s.metrics, min(plan.predicted[b], g), min(accepted, len(new)))
+            _count_prediction(s, min(plan.predicted[b], g), min(accepted, len(new)))
         outputs.append(StepOutput(s.request_id, new, s.finish_reason, *_logprobs(s, verdict, b, len(new))))
     return outputs
 
 
-def _count_prediction(metrics: RequestMetrics, verified: int, kept: int) -> None:
+def _count_prediction(seq: Sequence, verified: int, kept: int) -> None:
     """A row's predicted drafts: `verified` of them were verified, the first `kept` drafts accepted
     and kept (a stop or the length limit may cut the accepted ones)."""
-    metrics.num_prediction_drafts += verified
-    metrics.num_prediction_accepted += min(kept, verified)
+    seq.metrics.num_prediction_drafts += verified
+    seq.metrics.num_prediction_accepted += min(kept, verified)
+    seq.prediction.missed = kept < verified
 
 
 def _logprobs(seq: Sequence, verdict: Verdict, row: int, count: int) -> tuple[list | None, list | None]:
