@@ -595,6 +595,22 @@ def test_openai_s_other_chat_parameters_are_taken_or_refused_by_name(client, fak
         assert _error(_post(client, {**body, **extra}, "/v1/chat/completions"), 400)["param"] == param, extra
 
 
+@pytest.mark.parametrize("path,body,field", [
+    ("/v1/completions", {"prompt": "x"}, "stream"), ("/v1/completions", {"prompt": "x"}, "echo"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "ignore_eos"),
+    ("/v1/responses", {"input": "hi"}, "store"), ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}],
+                                                                    "max_tokens": 4}, "stream"),
+])
+@pytest.mark.parametrize("value", ["yes", "true", 1, 0])
+def test_a_boolean_must_be_a_json_boolean(client, path, body, field, value):
+    """OpenAI's rule: "stream": "yes" (or 1) is a 400 naming the field, not a stream."""
+    r = _post(client, {"model": MODEL, **body, field: value}, path)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert field in (error.get("param") or error.get("message", "")), r.text
+
+
 def test_a_prediction_reaches_the_engine_as_token_ids_and_usage_reports_it(client, fake):
     """`prediction` (text, or text parts) is tokenized without special tokens into the request's
     params; usage then carries completion_tokens_details with the prediction's counts (here 0: this

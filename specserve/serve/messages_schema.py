@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from .checks import as_chat
 from .front_door import OpenAIError
@@ -57,7 +57,7 @@ class ToolResultBlock(Strict):
     type: Literal["tool_result"]
     tool_use_id: str = Field(min_length=1)
     content: str | list[Annotated[Union[TextBlock, MediaBlock], Field(discriminator="type")]] | None = None
-    is_error: bool | None = None
+    is_error: StrictBool | None = None
     cache_control: dict[str, Any] | None = None
 
 
@@ -100,7 +100,7 @@ class ServerTool(BaseModel):
 class ToolChoice(Strict):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
-    disable_parallel_tool_use: bool | None = None
+    disable_parallel_tool_use: StrictBool | None = None
 
 
 class Thinking(Strict):
@@ -118,7 +118,7 @@ class MessagesRequest(SamplingOptions):
     messages: list[Message] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
     stop_sequences: list[str] | None = None
-    stream: bool = False
+    stream: StrictBool = False
     tools: list[CustomTool | ServerTool] | None = None
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None

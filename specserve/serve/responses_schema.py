@@ -32,7 +32,7 @@ from __future__ import annotations
 import base64
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, StrictBool, TypeAdapter
 
 from specserve.engine.sampling import MAX_LOGPROBS
 
@@ -175,7 +175,7 @@ class FunctionTool(Strict):
     name: str = Field(pattern=FUNCTION_NAME)
     description: str | None = None
     parameters: dict | None = None  # a JSON schema of the arguments (None: any object)
-    strict: bool | None = None  # (the schema is always enforced where the output is constrained)
+    strict: StrictBool | None = None  # (the schema is always enforced where the output is constrained)
 
 
 class HostedTool(BaseModel):
@@ -196,7 +196,7 @@ class JsonSchemaText(Strict):
     name: str = Field("response", max_length=64)
     schema_: dict | bool = Field(alias="schema")
     description: str | None = None
-    strict: bool | None = None  # (the schema is always enforced)
+    strict: StrictBool | None = None  # (the schema is always enforced)
 
 
 class TextOptions(Strict):
@@ -211,7 +211,7 @@ class ReasoningOptions(Strict):
 
 
 class ResponsesStreamOptions(Strict):
-    include_obfuscation: bool = True  # (no obfuscation padding is sent: the server is not a browser's peer)
+    include_obfuscation: StrictBool = True  # (no obfuscation padding is sent: the server is not a browser's peer)
 
 
 INCLUDABLE = Literal["message.output_text.logprobs", "reasoning.encrypted_content", "message.input_image.image_url",
@@ -232,18 +232,18 @@ class ResponsesRequest(SamplingOptions):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[FunctionTool | HostedTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: StrictBool = True
     text: TextOptions | None = None
     reasoning: ReasoningOptions | None = None
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: ResponsesStreamOptions | None = None
-    store: bool = True
+    store: StrictBool = True
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     include: list[INCLUDABLE] | None = None
     truncation: Literal["disabled", "auto"] | None = None
     service_tier: str | None = None
-    background: bool | None = None
+    background: StrictBool | None = None
     max_tool_calls: int | None = Field(None, ge=1)  # (built-in tool calls: there are none here)
     prompt_cache_key: str | None = None  # (prefix caching needs no key)
     safety_identifier: str | None = None
@@ -341,7 +341,7 @@ class InputTokensRequest(Strict):
     instructions: str | None = None
     tools: list[FunctionTool | HostedTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: StrictBool | None = None
     text: TextOptions | None = None
     reasoning: ReasoningOptions | None = None
     previous_response_id: str | None = None

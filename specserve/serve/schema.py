@@ -8,7 +8,7 @@ import types
 import typing
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, StrictBool, model_validator
 
 from specserve.engine.grammar import Grammar
 from specserve.engine.sampling import MAX_LOGPROBS
@@ -52,8 +52,8 @@ def _admits_none(annotation: Any) -> bool:
 
 
 class StreamOptions(Strict):
-    include_usage: bool = False  # a last chunk with the usage
-    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
+    include_usage: StrictBool = False  # a last chunk with the usage
+    continuous_usage_stats: StrictBool = False  # vLLM's: every chunk carries the usage so far
 
 
 class JsonSchemaSpec(Strict):
@@ -61,7 +61,7 @@ class JsonSchemaSpec(Strict):
     name: str = Field("response", max_length=64)
     description: str | None = None
     schema_: dict | bool | None = Field(None, alias="schema")  # None: any JSON object
-    strict: bool | None = None  # (the schema is always enforced)
+    strict: StrictBool | None = None  # (the schema is always enforced)
 
 
 class TextFormat(BaseModel):
@@ -107,7 +107,7 @@ class StructuredOutputs(Strict):
     regex: str | None = Field(None, min_length=1)
     choice: list[Annotated[str, Field(min_length=1)]] | None = Field(None, min_length=1, max_length=MAX_CHOICES)
     grammar: str | None = Field(None, min_length=1)  # Lark (llguidance's dialect)
-    json_object: bool | None = None
+    json_object: StrictBool | None = None
 
     def chosen(self) -> list[str]:
         """The constraints set (valid: exactly one)."""
@@ -192,12 +192,12 @@ class SamplingOptions(Strict):
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]] | None = None
     # extensions
     repetition_penalty: float = Field(1.0, gt=0.0, le=100.0, allow_inf_nan=False)  # HF's / vLLM's
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False
     min_tokens: int = Field(0, ge=0)  # vLLM's: no EOS, stop_token_ids or stop string before this many tokens
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None  # vLLM's: ids that end the output (text not shown)
     allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, min_length=1)  # vLLM's: only these
     bad_words: list[str] | None = None  # vLLM's: words never generated (at the start of the text or after a space)
-    skip_special_tokens: bool = True  # vLLM's: false shows special tokens' text
+    skip_special_tokens: StrictBool = True  # vLLM's: false shows special tokens' text
     num_speculative_tokens: int | None = Field(None, ge=0)
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1)  # vLLM's: a lower value is admitted first
 
@@ -206,13 +206,13 @@ class SamplingRequest(SamplingOptions):
     model: str
     max_tokens: int | None = Field(None, ge=1)
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1)  # choices per prompt, each its own generation (seeded: seed + its index)
-    include_stop_str_in_output: bool = False  # vLLM's: the stop string, or the ending stop token's text, stays in
+    include_stop_str_in_output: StrictBool = False  # vLLM's: the stop string, or the ending stop token's text, stays in
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # vLLM's: keep the prompt's last k tokens (-1: context)
     # the generated token ids ride along in the choice (streaming: the ids new since the last chunk)
-    return_token_ids: bool = False
+    return_token_ids: StrictBool = False
     # structured output (chat, and completions as an extension): json_object / json_schema, or the
     # extensions regex / lark; every generated token follows it (specserve.engine.grammar)
     response_format: OutputFormat | None = None
@@ -258,7 +258,7 @@ class CompletionRequest(SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(16, ge=0)  # 0: only with echo (the prompt, scored, nothing generated)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # alternatives per token (0: the token's own)
-    echo: bool = False
+    echo: StrictBool = False
     best_of: int | None = None
     suffix: str | None = None  # fill in the middle (a code model's, config `fim`): the text after the cursor
 
@@ -288,7 +288,7 @@ class FunctionDef(Strict):
     name: str = Field(pattern=FUNCTION_NAME)
     description: str | None = None
     parameters: dict | None = None  # a JSON schema of the arguments object (None: any object)
-    strict: bool | None = None  # (the schema is always enforced where the output is constrained)
+    strict: StrictBool | None = None  # (the schema is always enforced where the output is constrained)
 
 
 class Tool(Strict):
@@ -381,10 +381,10 @@ class Conversation(Strict):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: StrictBool = True
     # extensions (vLLM's): how the chat template renders the conversation
-    add_generation_prompt: bool = True  # open an assistant turn after the messages
-    continue_final_message: bool = False  # leave the last (assistant) message open: the output continues it
+    add_generation_prompt: StrictBool = True  # open an assistant turn after the messages
+    continue_final_message: StrictBool = False  # leave the last (assistant) message open: the output continues it
     chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template (say, enable_thinking)
     # OpenAI's: how hard a reasoning model thinks; the chat template gets it as `reasoning_effort`
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
@@ -446,9 +446,9 @@ def metadata_problems(metadata: dict[str, str] | None) -> list[tuple[str, str]]:
 
 class ChatCompletionRequest(SamplingRequest, Conversation):
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
+    logprobs: StrictBool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    include_reasoning: bool = True  # vLLM's: false leaves a reasoning model's thinking out of the answer
+    include_reasoning: StrictBool = True  # vLLM's: false leaves a reasoning model's thinking out of the answer
     # OpenAI's, taken as they are: tags and hints that change no token here
     metadata: dict[str, str] | None = None
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
@@ -456,7 +456,7 @@ class ChatCompletionRequest(SamplingRequest, Conversation):
     prompt_cache_retention: Literal["in-memory", "24h"] | None = None
     safety_identifier: str | None = None
     # OpenAI's, refused where they ask for what this server does not do
-    store: bool | None = None  # (stored chat completions: true is refused; the Responses API stores)
+    store: StrictBool | None = None  # (stored chat completions: true is refused; the Responses API stores)
     modalities: list[Literal["text", "audio"]] | None = None
     audio: dict[str, Any] | None = None
 
@@ -481,13 +481,13 @@ class ChatCompletionRequest(SamplingRequest, Conversation):
 class TokenizeTextRequest(Strict):
     model: str | None = None  # (None: the served model)
     prompt: str
-    add_special_tokens: bool = True  # as a completion's prompt is tokenized
-    return_token_strs: bool = False
+    add_special_tokens: StrictBool = True  # as a completion's prompt is tokenized
+    return_token_strs: StrictBool = False
 
 
 class TokenizeChatRequest(Conversation):
     model: str | None = None
-    return_token_strs: bool = False
+    return_token_strs: StrictBool = False
 
 
 def _tokenize_kind(body: Any) -> str:
