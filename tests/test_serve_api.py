@@ -595,6 +595,23 @@ def test_openai_s_other_chat_parameters_are_taken_or_refused_by_name(client, fak
         assert _error(_post(client, {**body, **extra}, "/v1/chat/completions"), 400)["param"] == param, extra
 
 
+def test_a_tool_result_must_answer_a_call_before_it(client):
+    """A `tool` message answers a call of the assistant message its run of results follows; one
+    with no call before it, or naming another call's id, is a 400 naming the message."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    user, result = {"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": "c1", "content": "42"}
+    called = {"role": "assistant", "content": None, "tool_calls": [call, {**call, "id": "c2"}]}
+    good = [user, called, result, {**result, "tool_call_id": "c2"}]
+    body = {"model": MODEL, "max_tokens": 2}  # (no tools offered: a history may hold calls of earlier ones)
+    r = _post(client, {**body, "messages": good}, "/v1/chat/completions")
+    assert r.status_code == 200, r.text
+    for messages, param in [([user, result], "messages.1"),
+                            ([user, called, {**result, "tool_call_id": "c9"}], "messages.2.tool_call_id"),
+                            ([user, called, result, user, result], "messages.4"),
+                            ([user, {"role": "assistant", "content": "no calls"}, result], "messages.2")]:
+        assert _error(_post(client, {**body, "messages": messages}, "/v1/chat/completions"), 400)["param"] == param
+
+
 @pytest.mark.parametrize("path,body,field", [
     ("/v1/completions", {"prompt": "x"}, "stream"), ("/v1/completions", {"prompt": "x"}, "echo"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "logprobs"),

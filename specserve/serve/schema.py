@@ -404,7 +404,24 @@ class Conversation(Strict):
                 "continue_final_message": self.continue_final_message}
 
     def conversation_problems(self) -> list[tuple[str, str]]:
-        return self._tool_problems() + self._template_problems()
+        return self._tool_problems() + self._result_problems() + self._template_problems()
+
+    def _result_problems(self) -> list[tuple[str, str]]:
+        """A tool message must answer a call of the assistant message its run of tool messages
+        follows (OpenAI's rule: a result without its call would render as a turn the model
+        never took)."""
+        calls: set[str] | None = None  # ids the tool messages since the last assistant message may answer
+        for i, message in enumerate(self.messages):
+            if message.role == "tool":
+                if calls is None:
+                    return [(f"messages.{i}", "a message with role 'tool' must follow an assistant message "
+                                              "with tool_calls (it answers one of them)")]
+                if message.tool_call_id not in calls:
+                    return [(f"messages.{i}.tool_call_id", f"tool_call_id {message.tool_call_id[:64]!r} names no "
+                                                           "call of the assistant message before it")]
+            else:
+                calls = {c.id for c in message.tool_calls or ()} or None if message.role == "assistant" else None
+        return []
 
     def _tool_problems(self) -> list[tuple[str, str]]:
         names = [t.function.name for t in self.tools or []]
