@@ -36,8 +36,8 @@ from torch import nn
 
 from .grammar import DraftMasks
 from .model_runner import ForwardTiming, ModelRunner, RowInput, regroup
-from .prediction import forced_runs, pad_run
 from .lookup import TokenStore, continue_match
+from .prediction import forced_runs, pad_run
 from .proposers import DraftModelProposer, Proposal, decoder_layers
 from .sampling import BatchSampling, one_hot, rows_over_one_hot
 

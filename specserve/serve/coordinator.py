@@ -36,6 +36,7 @@ stream, from `Delta.rng_state`); `_continue` makes them the new Sequence's outpu
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import os
@@ -43,7 +44,6 @@ import statistics
 import time
 import uuid
 from collections import deque
-import dataclasses
 from dataclasses import dataclass
 from typing import AsyncIterator
 
