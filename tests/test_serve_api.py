@@ -1020,8 +1020,27 @@ def test_the_stop_token_that_ends_the_output_has_no_text(client, fake, stream):
                         ({"stop": "ll"}, "he"), ({"stop": "ll", "include_stop_str_in_output": True}, "hell")):
         text, ids, usage = _text_and_ids(client, {**base, **extra}, stream)
         assert text == want, extra
-        assert ids == list(b"hello!"[: len(ids)]) and usage["completion_tokens"] == len(ids)
-    assert len(_text_and_ids(client, base, stream)[1]) == 6
+        # a stop string ends the tokens at the one that completes it ("hel" + "lo!" came in 2 deltas)
+        assert ids == list(b"hell" if "stop" in extra else b"hello!"), extra
+        assert usage["completion_tokens"] == len(ids)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_inside_a_step_scores_no_token_after_it(client, fake, stream):
+    """The fake sends 3 tokens a delta, as a speculative step does: "aXb" then "cde". The stop
+    string "X" is completed by token 1; logprobs, token ids and usage end there, as they would
+    where the target alone makes one token a step."""
+    fake.script = list(b"aXbcde!")
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 16, "stop": "X", "logprobs": 1, "return_token_ids": True}
+    if stream:
+        text, chunks = _stream_text(client, "/v1/completions", body)
+        scored = [t for c in chunks if c["choices"] and c["choices"][0].get("logprobs")
+                  for t in c["choices"][0]["logprobs"]["tokens"]]
+        usage = chunks[-1]["usage"]
+    else:
+        choice, usage = (r := client.post("/v1/completions", json=body).json())["choices"][0], r["usage"]
+        text, scored = choice["text"], choice["logprobs"]["tokens"]
+    assert text == "a" and scored == ["a", "X"] and usage["completion_tokens"] == 2
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -424,35 +424,53 @@ class Ingress:
                     status = 504 if item.code == "request_timeout" else 500
                     raise StreamFailed(OpenAIError(status, item.message, None, item.code, "server_error"))
                 assert isinstance(item, Delta)
-                token_ids.extend(item.token_ids)
-                if item.logprobs is not None:
-                    logprobs, tops = (logprobs, tops) if logprobs is not None else ([], [])
-                    logprobs.extend(item.logprobs)
-                    tops.extend(item.top_logprobs or [[] for _ in item.logprobs])
-                final = item.finish_reason is not None
-                shown = item.token_ids if rules.include_stop else shown_ids(item.token_ids, item.finish_reason)
-                shielded = max(min(rules.min_tokens - 1 - (len(token_ids) - len(item.token_ids)), len(shown)), 0)
-                if shielded:
-                    stopper.shield(detok.push(shown[:shielded]))
-                text = detok.push(shown[shielded:]) + (detok.flush() if final else "")
-                out, stopped = stopper.feed(text, final)
                 spec = {"num_draft_tokens": item.num_draft_tokens, "num_accepted_tokens": item.num_accepted_tokens,
                         "num_steps": item.num_steps}
                 if predicted:  # (usage's accepted / rejected prediction tokens)
                     spec.update(num_prediction_tokens=item.num_prediction_tokens,
                                 num_accepted_prediction_tokens=item.num_accepted_prediction_tokens)
-                if stopped or final:
-                    gen.finished = final
-                    thought = None if thoughts is None else await thoughts(token_ids)
-                    yield Piece(out, "stop" if stopped else item.finish_reason, len(token_ids), spec, token_ids,
-                                logprobs, tops, item.cached_tokens, thought, stopper.hit)
-                    return
+                out = ""
+                for part in by_token(item) if stopper.stops else (item,):
+                    token_ids.extend(part.token_ids)
+                    if part.logprobs is not None:
+                        logprobs, tops = (logprobs, tops) if logprobs is not None else ([], [])
+                        logprobs.extend(part.logprobs)
+                        tops.extend(part.top_logprobs or [[] for _ in part.logprobs])
+                    final = part.finish_reason is not None
+                    shown = part.token_ids if rules.include_stop else shown_ids(part.token_ids, part.finish_reason)
+                    shielded = max(min(rules.min_tokens - 1 - (len(token_ids) - len(part.token_ids)), len(shown)), 0)
+                    if shielded:
+                        stopper.shield(detok.push(shown[:shielded]))
+                    text = detok.push(shown[shielded:]) + (detok.flush() if final else "")
+                    piece, stopped = stopper.feed(text, final)
+                    out += piece
+                    if stopped or final:
+                        gen.finished = final
+                        thought = None if thoughts is None else await thoughts(token_ids)
+                        yield Piece(out, "stop" if stopped else part.finish_reason, len(token_ids), spec, token_ids,
+                                    logprobs, tops, item.cached_tokens, thought, stopper.hit)
+                        return
                 if out or item.token_ids:  # tokens whose text is held back still show as token_ids
                     yield Piece(out, None, len(token_ids), spec, token_ids, logprobs, tops, item.cached_tokens)
         finally:
             self.door.limits.charge(key, len(token_ids))
             await stream.aclose()
             gen.close()
+
+
+def by_token(delta: Delta) -> list[Delta]:
+    """A Delta of several tokens as one Delta per token (the last one ends it where it ends), so
+    that a stop string ends the output at the token that completes it, as it would where the
+    target alone makes one token a step: the tokens a speculative step made past it are neither
+    shown, counted nor scored."""
+    if len(delta.token_ids) <= 1:
+        return [delta]
+    last = len(delta.token_ids) - 1
+    return [dataclasses.replace(
+        delta, token_ids=[token], finish_reason=delta.finish_reason if j == last else None,
+        logprobs=None if delta.logprobs is None else delta.logprobs[j : j + 1],
+        top_logprobs=None if delta.top_logprobs is None else delta.top_logprobs[j : j + 1])
+        for j, token in enumerate(delta.token_ids)]
 
 
 def request_key(request: Request) -> int:
