@@ -347,3 +347,21 @@ def test_a_complete_grammar_allows_only_its_end_through_the_drafts(wide):
     engine = SpeculativeEngine(model, proposer=proposer, num_speculative_tokens=4, adaptive=False,
                                tokenizer=byte_tokenizer())
     assert [o.token_ids for o in engine.generate(batch, rows)] == [o.token_ids for o in alone]
+
+
+@pytest.mark.parametrize("name", DRAFTERS)
+def test_a_prediction_under_a_grammar_changes_no_token(name, head_dir):
+    """Predicted drafts are forced past the drafter's masks: a prediction equal to the constrained
+    answer is accepted, and one of tokens its grammar forbids (the unconstrained answer) is
+    rejected where it stands; either way every row is the constrained target's."""
+    batch = prompts(len(GRAMMARS), seed=11)
+    right = [reference(tuple(p), g) for p, g in zip(batch, GRAMMARS)]
+    wrong = [reference(tuple(p), None) for p in batch]
+    for predictions, accepted in ((right, True), (wrong, False)):
+        engine = engine_for(name, 4, head_dir)
+        outs = engine.generate(batch, [params(g, prediction=tuple(pred)) for g, pred in zip(GRAMMARS, predictions)])
+        for out, want in zip(outs, right):
+            assert out.token_ids == want, (name, accepted)
+        kept, drafted = (sum(getattr(o.metrics, f"num_prediction_{k}") for o in outs) for k in ("accepted", "drafts"))
+        assert drafted > 0 and (kept == drafted if accepted else kept < drafted), (name, kept, drafted)
+        assert len(engine.grammar) == 0
