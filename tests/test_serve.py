@@ -329,11 +329,17 @@ def test_a_prediction_is_drafted_and_changes_no_token(server, http):
     answer, ids = first["message"]["content"], first["token_ids"]
     assert len(ids) == 40
     exact = {"type": "token_ids", "token_ids": ids}
+    before = http.get("/v1/stats").json()
     body = speculated(http, {**ask, "prediction": exact}, "/v1/chat/completions",
                       counter="num_accepted_prediction_tokens")
     details = body["usage"]["completion_tokens_details"]
     assert body["choices"][0]["token_ids"] == ids
     assert details["accepted_prediction_tokens"] > 10 and details["rejected_prediction_tokens"] >= 0
+    after = http.get("/v1/stats").json()  # (the replica's totals: at least this answer's, more if it was asked again)
+    grew = {k: after[f"spec_decode_num_{k}"] - before[f"spec_decode_num_{k}"]
+            for k in ("prediction_tokens", "accepted_prediction_tokens")}
+    assert grew["accepted_prediction_tokens"] >= details["accepted_prediction_tokens"]
+    assert grew["prediction_tokens"] >= details["accepted_prediction_tokens"] + details["rejected_prediction_tokens"]
     edited = {"type": "token_ids", "token_ids": ids[:8] + [65, 66, 67] + ids[12:]}
     for prediction in (edited, {"type": "content", "content": [{"type": "text", "text": answer[:10]},
                                                                 {"type": "text", "text": answer[10:]}]},

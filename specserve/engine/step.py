@@ -180,6 +180,7 @@ class StepPlan:
     verified: torch.Tensor | None = None  # [B] the drafts verified (`apply_verdict` sets it), for accounting
     # [B] how many of each row's first drafts are its prediction's (`sampling.forced`); None: no row's
     predicted: list[int] | None = None
+    predicted_kept: tuple[int, int] = (0, 0)  # predicted drafts verified, and accepted and kept (`apply_verdict`)
 
     @property
     def num_verified(self) -> torch.Tensor:
@@ -369,17 +370,20 @@ def apply_verdict(plan: StepPlan, proposal: Proposal, verdict: Verdict) -> list[
         new = _cut(s, drafts[b][:accepted] + [verdict.next_token[b]])
         s.output.extend(new)
         if plan.predicted is not None and plan.predicted[b]:
-            _count_prediction(s, min(plan.predicted[b], g), min(accepted, len(new)))
+            counts = _count_prediction(s, min(plan.predicted[b], g), min(accepted, len(new)))
+            plan.predicted_kept = (plan.predicted_kept[0] + counts[0], plan.predicted_kept[1] + counts[1])
         outputs.append(StepOutput(s.request_id, new, s.finish_reason, *_logprobs(s, verdict, b, len(new))))
     return outputs
 
 
-def _count_prediction(seq: Sequence, verified: int, kept: int) -> None:
+def _count_prediction(seq: Sequence, verified: int, kept: int) -> tuple[int, int]:
     """A row's predicted drafts: `verified` of them were verified, the first `kept` drafts accepted
-    and kept (a stop or the length limit may cut the accepted ones)."""
+    and kept (a stop or the length limit may cut the accepted ones). -> (verified, kept) counted."""
+    kept = min(kept, verified)
     seq.metrics.num_prediction_drafts += verified
-    seq.metrics.num_prediction_accepted += min(kept, verified)
+    seq.metrics.num_prediction_accepted += kept
     seq.prediction.missed = kept < verified
+    return verified, kept
 
 
 def _logprobs(seq: Sequence, verdict: Verdict, row: int, count: int) -> tuple[list | None, list | None]:

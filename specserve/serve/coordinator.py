@@ -206,7 +206,9 @@ class Coordinator:
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self._records: deque[StepRecord] = deque(maxlen=4096)
-        self._totals = {"spec_decode_num_draft_tokens": 0, "spec_decode_num_accepted_tokens": 0, "steps": 0,
+        self._totals = {"spec_decode_num_draft_tokens": 0, "spec_decode_num_accepted_tokens": 0,
+                        "spec_decode_num_prediction_tokens": 0, "spec_decode_num_accepted_prediction_tokens": 0,
+                        "steps": 0,
                         "target_only_steps": 0, "rejected_queue_full": 0, "running_peak": 0,
                         "reserved_tokens_peak": 0, "worker_restarts": 0, "requests_failed": 0,
                         "requests_timed_out": 0, "prefill_tokens": 0, "graph_steps": 0,

@@ -254,6 +254,11 @@ class RemoteExecutor:
                 per_pos[j] += 1
         for j, count in enumerate(per_pos):
             m.inc(m.accepted_per_pos, count, position=str(j))
+        predicted, kept = plan.predicted_kept  # (predicted outputs: the requests' own predictions)
+        self.totals["spec_decode_num_prediction_tokens"] += predicted
+        self.totals["spec_decode_num_accepted_prediction_tokens"] += kept
+        m.inc(m.num_prediction_tokens, predicted)
+        m.inc(m.num_accepted_prediction_tokens, kept)
         if drafted:
             total = self.totals["spec_decode_num_draft_tokens"]
             m.set(m.acceptance_rate, self.totals["spec_decode_num_accepted_tokens"] / total)

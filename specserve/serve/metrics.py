@@ -7,7 +7,8 @@ series carries `model_name` (the served model) and Ray's own `WorkerId` / `Sessi
 sum over `WorkerId` for a deployment's total (a restarted replica starts fresh series).
 
     counters   spec_decode_num_drafts, spec_decode_num_draft_tokens, spec_decode_num_accepted_tokens,
-               spec_decode_num_accepted_tokens_per_pos{position}, prompt_tokens, generation_tokens,
+               spec_decode_num_accepted_tokens_per_pos{position}, spec_decode_num_prediction_tokens,
+               spec_decode_num_accepted_prediction_tokens, prompt_tokens, generation_tokens,
                request_success{finished_reason}, request_rejected{reason}, target_only_steps
     gauges     num_requests_running, num_requests_waiting, spec_decode_acceptance_rate,
                kv_cache_usage_tokens{worker}, kv_cache_reserved_tokens, kv_cache_usage_perc,
@@ -41,6 +42,10 @@ class CoordinatorMetrics:
         self.num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
         self.accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
                                         "Draft tokens accepted at each draft position (0 = first).", ("position",))
+        self.num_prediction_tokens = counter("spec_decode_num_prediction_tokens",
+                                             "Drafts taken from the requests' predictions (prediction), verified.")
+        self.num_accepted_prediction_tokens = counter("spec_decode_num_accepted_prediction_tokens",
+                                                      "Drafts taken from the requests' predictions, accepted.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.request_success = counter("request_success", "Requests finished, by finish reason.",
