@@ -35,8 +35,11 @@ from specserve.engine.admission import Admission, allocation
 from specserve.engine.feature_drafter import FeatureDrafterProposer, FeatureDrafterSpec
 from specserve.engine.model_runner import ModelRunner
 from specserve.engine.proposers import DraftModelSpec, LayerSkipSpec, PromptLookupSpec
+from specserve.engine.grammar import Grammar
 from specserve.engine.step import new_sequence
+from specserve.models.tiny import byte_tokenizer
 from test_feature_drafter import LAYERS, target  # tiny_llama(0, layers=4): the feature head's target
+from test_grammar import GRAMMARS  # constrained requests draw from these
 
 torch.set_num_threads(1)
 
@@ -184,9 +187,21 @@ def draw_requests(rng: random.Random, sc: Scenario) -> list[Request]:
         arrive = rng.choice([0, 0, rng.randint(0, 6), rng.randint(0, 30)])
         abort = arrive + rng.randint(0, 12) if rng.random() < 0.15 else None
         priority = rng.choice([0, 0, 0, 1, 2])
+        grammar = draw_grammar(sc.seed, len(requests))
+        if grammar is not None:  # (SamplingParams refuses a grammar beside these: it decides the tokens)
+            params = dataclasses.replace(params, grammar=grammar, allowed_token_ids=None, bad_words_ids=(),
+                                         min_tokens=0)
         requests.append(Request(f"s{sc.seed}-r{len(requests)}", prompt, params, arrive, abort, priority,
                                 draw_prediction(sc.seed, len(requests))))
     return requests
+
+
+def draw_grammar(seed: int, index: int) -> Grammar | None:
+    """Whether request `index` of scenario `seed` is constrained, and by which of test_grammar's
+    grammars (JSON schemas, a regex, a lark grammar over the test models' byte ids); a stream of
+    its own, as the predictions'."""
+    rng = random.Random(seed * 2003 + index + 7)
+    return rng.choice([g for g in GRAMMARS if g is not None]) if rng.random() < 0.2 else None
 
 
 PREDICTIONS = ("exact", "substituted", "inserted", "deleted", "first-half", "longer", "unrelated", "repeated")
@@ -282,7 +297,7 @@ def drafter_spec(sc: Scenario, head_dir):
 @functools.lru_cache(None)
 def reference_engine(eos: tuple[int, ...]) -> SpeculativeEngine:
     return SpeculativeEngine(target(), None, num_speculative_tokens=0, max_batch_size=1, prefill_chunk_tokens=None,
-                             eos_token_ids=list(eos))
+                             eos_token_ids=list(eos), tokenizer=byte_tokenizer)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -310,7 +325,7 @@ def cut_at_stop(tokens: list[int], params: SamplingParams, eos) -> tuple[list[in
 def plain(params: SamplingParams, eos: list[int]) -> bool:
     """No logit processing at all (so HF generate is a reference too)."""
     stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos))
-    return not params.processed and not (params.min_tokens and stops)
+    return not params.processed and not (params.min_tokens and stops) and params.grammar is None
 
 
 # -- running a scenario ------------------------------------------------------------------------------
@@ -377,7 +392,8 @@ def check_request(sc: Scenario, r: Request, res: Result) -> None:
 
 def run_scenario(sc: Scenario, head_dir) -> None:
     with_predictions(sc)
-    engine = SpeculativeEngine(target(), drafter=drafter_spec(sc, head_dir), **sc.engine_kwargs())
+    engine = SpeculativeEngine(target(), drafter=drafter_spec(sc, head_dir), tokenizer=byte_tokenizer,
+                               **sc.engine_kwargs())
     results = run_schedule(engine, sc)
     for r in sc.requests:
         check_request(sc, r, results[r.rid])
@@ -409,3 +425,6 @@ def test_the_generator_covers_the_features():
     assert any(r.abort is not None for sc in scs for r in sc.requests)
     assert any(r.params.max_tokens == 1 for sc in scs for r in sc.requests)
     assert {r.prediction for sc in scs if sc.drafter != "none" for r in sc.requests} == {None, *PREDICTIONS}
+    constrained = [sc for sc in scs if any(r.params.grammar for r in sc.requests)]
+    assert {sc.drafter for sc in constrained} == set(DRAFTERS) and any(sc.block_size for sc in constrained)
+    assert any(r.params.grammar and r.prediction for sc in scs for r in sc.requests)

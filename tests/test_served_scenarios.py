@@ -94,6 +94,9 @@ class Scenario:
     max_model_len: int | None
     budget: int | None = None
     requests: list[Request] = field(default_factory=list)
+    # draft-side failures: (the draft call that fails, probes the draft then leaves unanswered,
+    # whether it comes back with its caches lost, as a restarted worker does); `draw_faults`
+    faults: list[tuple[int, int, bool]] = field(default_factory=list)
 
     @property
     def model_len(self) -> int:
@@ -201,6 +204,10 @@ def draw_requests(rng: random.Random, sc: Scenario) -> list[Request]:
             r.continues = sorted(rng.sample(range(params.max_tokens), rng.choice([1, 1, 2]) if params.max_tokens > 2
                                             else 1))
         r.prediction = engine_scenarios.draw_prediction(sc.seed, len(requests))
+        grammar = engine_scenarios.draw_grammar(sc.seed, len(requests))
+        if grammar is not None:  # (SamplingParams refuses a grammar beside these: it decides the tokens)
+            r.params = dataclasses.replace(r.params, grammar=grammar, allowed_token_ids=None, bad_words_ids=(),
+                                           min_tokens=0)
         requests.append(r)
     return requests
 
@@ -226,11 +233,22 @@ def draw_budget(rng: random.Random, sc: Scenario) -> int | None:
     return int(alone * rng.uniform(1.0, 1.4 if sc.block_size else 2.5))
 
 
+def draw_faults(seed: int, sc: Scenario) -> list[tuple[int, int, bool]]:
+    """Where a drafter drafts, a third of the scenarios have its side fail 1-3 times (drawn from a
+    stream of their own: the configs and schedules of earlier seeds stay what they were)."""
+    rng = random.Random(seed * 7919 + 11)
+    if sc.drafter == "none" or rng.random() > 1 / 3:
+        return []
+    calls = sorted(rng.sample(range(1, 40), rng.randint(1, 3)))
+    return [(call, rng.choice([0, 0, 1, 2]), rng.random() < 0.5) for call in calls]
+
+
 def draw_scenario(seed: int) -> Scenario:
     rng = random.Random(seed)
     sc = draw_config(rng, seed)
     sc.requests = draw_requests(rng, sc)
     sc.budget = draw_budget(rng, sc)
+    sc.faults = draw_faults(seed, sc)
     return sc
 
 
@@ -244,8 +262,11 @@ def target_model() -> torch.nn.Module:
 
 @functools.lru_cache(None)
 def reference_engine(model_len: int) -> SpeculativeEngine:
+    from specserve.models.tiny import byte_tokenizer
+
     return SpeculativeEngine(target_model(), None, num_speculative_tokens=0, max_batch_size=1,
-                             prefill_chunk_tokens=None, max_model_len=model_len, eos_token_ids=sorted(EOS))
+                             prefill_chunk_tokens=None, max_model_len=model_len, eos_token_ids=sorted(EOS),
+                             tokenizer=byte_tokenizer)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -397,6 +418,63 @@ def check_request(sc: Scenario, r: Request, res: Result) -> None:
         assert (tokens, finish) == hf_reference(tuple(r.prompt), r.params), f"{where}: reference != HF"
 
 
+class FaultyDraft:
+    """The draft side's calls (propose and prefill, on plain calls and in the fused step), failing
+    at the scheduled ones (`Scenario.faults`): the call raises, the draft then leaves some `ready`
+    probes unanswered (as a worker that is down), and it may come back with its caches lost (a
+    restarted worker: what it held of every request is freed). Lossless all the same: the failed
+    step is run again without drafts, steps are target-only while the draft is out, and the
+    cache-miss protocol sends a restarted draft what it lost."""
+
+    def __init__(self, coordinator, faults: list[tuple[int, int, bool]]) -> None:
+        from specserve.serve.calls import ProposerSide
+
+        self.coordinator, self.faults, self.calls, self.down = coordinator, dict((c, (d, r)) for c, d, r in faults), 0, 0
+        self.fired: list[int] = []
+        executor = coordinator.executor
+        executor.probe_delay_s = 0.001  # (an outage of a few probes, not of the whole scenario)
+        side = executor.draft
+        executor.draft = ProposerSide(**{**side.__dict__, "propose": self.wrap(side.propose),
+                                         "prefill": self.wrap(side.prefill), "ready": self.probe(side.ready)})
+        if executor.fused:  # a drafter inside the target worker: its fused step fails as its propose would
+            executor.target.fused_step = self.wrap(executor.target.fused_step)
+
+    def wrap(self, method):
+        from local_actors import _Done
+
+        def call(*args, **kwargs):
+            self.calls += 1
+            if self.calls in self.faults:
+                self.fail(*self.faults[self.calls])
+                return _Done(self._raise, (), {})
+            return method.remote(*args, **kwargs)
+
+        return type("Faulty", (), {"remote": staticmethod(call)})()
+
+    def probe(self, method):
+        from ray.exceptions import RayActorError
+
+        def call():
+            if self.down > 0:
+                self.down -= 1
+                raise RayActorError()
+            return method.remote()
+
+        return type("Probe", (), {"remote": staticmethod(call)})()
+
+    def fail(self, down: int, restarts: bool) -> None:
+        self.fired.append(self.calls)
+        self.down = down
+        if restarts:  # every request the draft side may hold, forgotten
+            c = self.coordinator
+            held = list(c.admission.running) + [s.request_id for s in c.admission.waiting]
+            c.executor.draft.free.remote(held)
+
+    @staticmethod
+    def _raise():
+        raise RuntimeError("injected draft failure")
+
+
 def run_scenario(make, sc: Scenario, head_dir) -> None:
     with_predictions(sc)
     coordinator = make(sc.app_config(head_dir))
@@ -409,6 +487,8 @@ def run_scenario(make, sc: Scenario, head_dir) -> None:
         from test_graph import on_graph
 
         on_graph(coordinator)
+    if sc.faults:
+        FaultyDraft(coordinator, sc.faults)
     results = asyncio.run(run_schedule(coordinator, sc))
     for r in sc.requests:
         check_request(sc, r, results[r.rid])
@@ -456,5 +536,10 @@ def test_the_generator_covers_the_features():
     assert any(len(r.continues) == 2 for r in reqs) and any(r.params.max_tokens == 1 for r in reqs)
     assert all(any(r.prediction for sc in scs if pick(sc) for r in sc.requests)
                for pick in (lambda sc: sc.pipelined, lambda sc: sc.graph, lambda sc: sc.drafter == "eagle-target"))
+    constrained = [sc for sc in scs if any(r.params.grammar for r in sc.requests)]
+    assert {sc.drafter for sc in constrained} == set(DRAFTERS) and any(sc.pipelined for sc in constrained)
+    faulted = [sc for sc in scs if sc.faults]
+    assert {sc.drafter for sc in faulted} == set(DRAFTERS[1:]) and any(sc.pipelined for sc in faulted)
+    assert any(restarts for sc in faulted for _, _, restarts in sc.faults)
     for sc in scs[:50]:
         sc.app_config("head")  # every draw is a valid AppConfig

@@ -77,6 +77,7 @@ class RemoteExecutor:
         self.draft_ok = draft is not None
         self.target_only = SpeculationPolicy(0, adaptive=False)
         self._draft_watch: asyncio.Task | None = None
+        self.probe_delay_s = 0.2  # the draft's first probes after a failure are this far apart (then doubling to 5 s)
         metrics.set(metrics.draft_available, float(self.draft_ok))
         # draft block k+1 while the target verifies block k (speculation.pipelined; needs a DraftWorker)
         self.pipeline = Pipeline(self) if config.speculation.pipelined and draft_worker is not None else None
@@ -300,7 +301,7 @@ class RemoteExecutor:
     async def _watch_draft(self) -> None:
         """Probe the draft until it answers; a separate draft worker that stays silent for
         health_misses probes is hung and is killed for Ray to restart it (once per outage)."""
-        delay, misses, killed = 0.2, 0, False
+        delay, misses, killed = self.probe_delay_s, 0, False
         while True:
             if await answers(self.draft, self.deadlines.health_probe_s):
                 break
