@@ -156,6 +156,19 @@ class PromptLookupDrafter(_Strict):
         return PromptLookupSpec(self.min_n, self.max_n)
 
 
+class PredictionDrafter(_Strict):
+    """The requests' own predictions (OpenAI's `prediction`) drafted alone, with no draft model:
+    a request with one drafts up to γ of its predicted tokens a step where its output follows
+    them; any other request decodes as the target alone does (docs/drafters.md, "Predicted outputs")."""
+
+    kind: Literal["prediction"] = "prediction"
+
+    def engine_spec(self):
+        from specserve.engine.proposers import PredictionSpec
+
+        return PredictionSpec()
+
+
 class FeatureDrafter(_Strict):
     """A feature head (EAGLE-style) drafting from the target's hidden states: `path` is a
     directory with config.json + safetensors (written by `specserve distill`, or a public EAGLE-3
@@ -182,7 +195,7 @@ class FeatureDrafter(_Strict):
 
 
 ColocatedDrafter = Annotated[
-    Union[LayerSkipDrafter, PromptLookupDrafter, FeatureDrafter], Field(discriminator="kind")
+    Union[LayerSkipDrafter, PromptLookupDrafter, PredictionDrafter, FeatureDrafter], Field(discriminator="kind")
 ]
 
 
@@ -507,6 +520,9 @@ class AppConfig(_Strict):
                              "worker: draft): a drafter inside the target worker cannot run while the target verifies")
         if self.speculation.planted is not None and self.draft is None:
             raise ValueError("speculation.planted needs a draft model (draft:) whose proposals it plants")
+        if getattr(self.drafter, "kind", None) == "prediction" and self.speculation.num_speculative_tokens == 0:
+            raise ValueError("drafter kind prediction drafts up to speculation.num_speculative_tokens predicted tokens "
+                             "a step: set it above 0")
         if self.draft is None and self.drafter is None and self.speculation.num_speculative_tokens > 0:
             raise ValueError("speculation.num_speculative_tokens > 0 needs a draft model or a drafter (or set it to 0)")
         if self.draft is not None and self.draft.kind != self.target.kind and "tiny" in (self.draft.kind, self.target.kind):

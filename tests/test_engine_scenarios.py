@@ -34,7 +34,7 @@ from specserve import SamplingParams, SpeculativeEngine
 from specserve.engine.admission import Admission, allocation
 from specserve.engine.feature_drafter import FeatureDrafterProposer, FeatureDrafterSpec
 from specserve.engine.model_runner import ModelRunner
-from specserve.engine.proposers import DraftModelSpec, LayerSkipSpec, PromptLookupSpec
+from specserve.engine.proposers import DraftModelSpec, LayerSkipSpec, PredictionSpec, PromptLookupSpec
 from specserve.engine.grammar import Grammar
 from specserve.engine.step import new_sequence
 from specserve.models.tiny import byte_tokenizer
@@ -50,6 +50,9 @@ MODEL_LEN = 256  # the tiny models' max_position_embeddings
 DEFAULT_SEEDS = "0-39,125,290"
 DRAFTERS = ("none", "draft-ordinary", "draft-equal", "draft-wrong", "layer-skip", "prompt-lookup",
             "feature-head")
+# "prediction" (the requests' predictions alone) takes over an eighth of the scenarios with a
+# drafter, from a stream of its own (`draw_prediction_drafter`): the other seeds draw as before
+ALL_DRAFTERS = DRAFTERS + ("prediction",)
 
 
 def seeds_from_env(var: str = "SPECSERVE_SCENARIO_SEEDS", default: str = DEFAULT_SEEDS) -> list[int]:
@@ -98,9 +101,16 @@ class Scenario:
                     max_cached_tokens=self.budget, eos_token_ids=self.eos)
 
 
+def draw_prediction_drafter(seed: int) -> bool:
+    """Whether scenario `seed` drafts with the requests' predictions alone (a stream of its own)."""
+    return random.Random(seed * 4099 + 1).random() < 1 / 8
+
+
 def draw_config(rng: random.Random, seed: int) -> Scenario:
     gamma = rng.choice([0, 1, 2, 3, 4, 5, 6])
     drafter = "none" if gamma == 0 else rng.choice(DRAFTERS[1:])
+    if drafter != "none" and draw_prediction_drafter(seed):
+        drafter = "prediction"
     args = {}
     if drafter == "layer-skip":
         args["skip"] = tuple(rng.sample(range(LAYERS), rng.randint(1, LAYERS - 1)))
@@ -192,7 +202,7 @@ def draw_requests(rng: random.Random, sc: Scenario) -> list[Request]:
             params = dataclasses.replace(params, grammar=grammar, allowed_token_ids=None, bad_words_ids=(),
                                          min_tokens=0)
         requests.append(Request(f"s{sc.seed}-r{len(requests)}", prompt, params, arrive, abort, priority,
-                                draw_prediction(sc.seed, len(requests))))
+                                draw_prediction(sc.seed, len(requests), often=sc.drafter == "prediction")))
     return requests
 
 
@@ -207,11 +217,12 @@ def draw_grammar(seed: int, index: int) -> Grammar | None:
 PREDICTIONS = ("exact", "substituted", "inserted", "deleted", "first-half", "longer", "unrelated", "repeated")
 
 
-def draw_prediction(seed: int, index: int) -> str | None:
-    """Whether request `index` of scenario `seed` sends a prediction, and of which kind (its own
-    random stream: the scenarios' other draws stay what they were before predictions existed)."""
+def draw_prediction(seed: int, index: int, often: bool = False) -> str | None:
+    """Whether request `index` of scenario `seed` sends a prediction (30% of them; 80% `often`,
+    where the drafter drafts nothing else), and of which kind (its own random stream: the
+    scenarios' other draws stay what they were before predictions existed)."""
     rng = random.Random(seed * 1009 + index)
-    return rng.choice(PREDICTIONS) if rng.random() < 0.3 else None
+    return rng.choice(PREDICTIONS) if rng.random() < (0.8 if often else 0.3) else None
 
 
 def predicted(kind: str, output: list[int], seed: int, vocab: int = VOCAB) -> tuple[int, ...]:
@@ -291,6 +302,8 @@ def drafter_spec(sc: Scenario, head_dir):
         return LayerSkipSpec(args["skip"])
     if sc.drafter == "prompt-lookup":
         return PromptLookupSpec(args["min_n"], args["max_n"])
+    if sc.drafter == "prediction":
+        return PredictionSpec()
     return FeatureDrafterSpec(str(head_dir), args["min_confidence"], args["lookup_min_n"])
 
 
@@ -420,11 +433,11 @@ def test_random_scenario_is_the_target_alone(seed, request):
 def test_the_generator_covers_the_features():
     """Over the default seeds' neighbourhood the draws reach every drafter and most options."""
     scs = [draw_scenario(s) for s in range(200)]
-    assert {sc.drafter for sc in scs} == set(DRAFTERS)
+    assert {sc.drafter for sc in scs} == set(ALL_DRAFTERS)
     assert any(sc.prefix_caching for sc in scs) and any(sc.budget and sc.block_size for sc in scs)
     assert any(r.abort is not None for sc in scs for r in sc.requests)
     assert any(r.params.max_tokens == 1 for sc in scs for r in sc.requests)
     assert {r.prediction for sc in scs if sc.drafter != "none" for r in sc.requests} == {None, *PREDICTIONS}
     constrained = [sc for sc in scs if any(r.params.grammar for r in sc.requests)]
-    assert {sc.drafter for sc in constrained} == set(DRAFTERS) and any(sc.block_size for sc in constrained)
+    assert {sc.drafter for sc in constrained} == set(ALL_DRAFTERS) and any(sc.block_size for sc in constrained)
     assert any(r.params.grammar and r.prediction for sc in scs for r in sc.requests)

@@ -131,3 +131,22 @@ def test_a_feature_head_with_a_confidence_floor_verifies_fewer_in_one_call(local
     planned = sum(r.gamma * r.batch for r in coordinator._records)
     assert 0 < totals["spec_decode_num_draft_tokens"] < planned, (totals, planned)
     assert totals["fused_steps"] == drafting_steps(coordinator)
+
+
+def test_the_prediction_drafter_drafts_only_predictions_in_one_call(local_coordinator):
+    """`drafter: {kind: prediction}` inside the target worker: a request with a prediction drafts
+    it (fused calls), one without decodes as the target alone, each with the target's greedy
+    tokens; the replica's prediction totals count what was drafted; γ 0 is refused at start."""
+    coordinator = local_coordinator(colocated({"kind": "prediction"}, gamma=6))
+    assert not coordinator.policy.own_drafts
+    target = coordinator.target._obj.model.runner.model
+    refs = [hf_greedy(target, PROMPT, 30), hf_greedy(target, PROMPT[4:], 30)]
+    params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, prediction=tuple(refs[0])),
+              SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)]
+    assert generate(coordinator, [PROMPT, PROMPT[4:]], params) == refs
+    totals = coordinator._totals
+    assert totals["spec_decode_num_prediction_tokens"] == totals["spec_decode_num_accepted_prediction_tokens"]
+    assert totals["spec_decode_num_draft_tokens"] == totals["spec_decode_num_prediction_tokens"] >= 24
+    assert totals["fused_steps"] == drafting_steps(coordinator) > 0
+    with pytest.raises(ValueError, match="prediction drafts up to"):
+        colocated({"kind": "prediction"}, gamma=0)

@@ -17,7 +17,7 @@ import torch
 from models import ShiftedDraft, hf_greedy, perturbed, tiny_llama
 from specserve import SamplingParams, SpeculativeEngine
 from specserve.engine.prediction import MAX_MATCH, NEAR, Prediction, apply_forced, forced_drafts, forced_runs
-from specserve.engine.proposers import LayerSkipSpec, PromptLookupSpec
+from specserve.engine.proposers import LayerSkipSpec, PredictionSpec, PromptLookupSpec
 
 MAX_NEW = 40
 
@@ -98,6 +98,7 @@ DRAFTERS = {
     "ordinary": lambda t: dict(draft=perturbed(t, 0.6, seed=1)),
     "layer-skip": lambda t: dict(drafter=LayerSkipSpec((0,))),
     "prompt-lookup": lambda t: dict(drafter=PromptLookupSpec(2, 3)),
+    "prediction-alone": lambda t: dict(drafter=PredictionSpec()),
 }
 
 
@@ -190,6 +191,33 @@ def test_without_a_drafter_or_with_gamma_0_a_prediction_is_unused(target):
     alone = SpeculativeEngine(target, None, num_speculative_tokens=0)
     outs = alone.generate(batch, params)
     assert [o.token_ids for o in outs] == refs and all(o.metrics.num_prediction_drafts == 0 for o in outs)
+
+
+def test_the_prediction_drafter_drafts_predictions_and_nothing_else(target):
+    """`drafter: {kind: prediction}`: a row without a prediction decodes a token a step with no
+    draft (beside one whose prediction is drafted), a seeded one too; after a rejected run a row
+    tries one predicted token a step until one is accepted, then whole runs again."""
+    batch = prompts(4)
+    refs = [hf_greedy(target, p, MAX_NEW) for p in batch]
+    edited = list(refs[2])
+    edited[12:14] = [(t + 1) % 96 for t in edited[12:14]]
+    params = [SamplingParams(max_tokens=MAX_NEW, temperature=0.0, prediction=tuple(refs[0])),
+              SamplingParams(max_tokens=MAX_NEW, temperature=0.0),
+              SamplingParams(max_tokens=MAX_NEW, temperature=0.0, prediction=tuple(edited)),
+              SamplingParams(max_tokens=MAX_NEW, temperature=0.8, seed=3)]
+    engine = engine_for(target, "prediction-alone", 6)
+    assert not engine.policy.own_drafts and not engine.policy.adaptive
+    outs = engine.generate(batch, params)
+    assert [o.token_ids for o in outs[:3]] == refs[:3]
+    exact, plain, edit, seeded = (o.metrics for o in outs)
+    assert exact.num_prediction_accepted == exact.num_prediction_drafts == exact.num_draft_tokens > 0
+    assert exact.num_steps <= -(-MAX_NEW // 7) + 1
+    for m in (plain, seeded):
+        assert m.num_draft_tokens == 0 and m.num_steps == MAX_NEW
+    assert edit.num_prediction_accepted > 2 * 6 and edit.num_prediction_drafts > edit.num_prediction_accepted
+    assert edit.num_steps < MAX_NEW // 2  # back to whole runs past the edit
+    alone = SpeculativeEngine(target, None, num_speculative_tokens=0)
+    assert outs[3].token_ids == alone.generate([batch[3]], params[3])[0].token_ids  # (no draft drew a number)
 
 
 # -- sampled: the target's distribution -----------------------------------------------------------------

@@ -59,6 +59,7 @@ PROMPT_CAP = 160  # prompts stay short (CPU time) where max_model_len is not set
 DEFAULT_SEEDS = "0-49,205,998,1177,1602"
 DRAFTERS = ("none", "draft-ordinary", "draft-equal", "draft-wrong", "eagle-draft", "eagle-target", "layer-skip",
             "prompt-lookup")
+ALL_DRAFTERS = DRAFTERS + ("prediction",)  # (as the engine scenarios: `draw_prediction_drafter`)
 DRAFT_NOISE = {"draft-ordinary": 0.15, "draft-equal": 0.0, "draft-wrong": 2.0}
 
 
@@ -119,12 +120,16 @@ class Scenario:
             args["drafter"] = {"kind": "layer_skip", "skip_layers": list(a["skip"])}
         elif self.drafter == "prompt-lookup":
             args["drafter"] = {"kind": "prompt_lookup", "min_n": a["min_n"], "max_n": a["max_n"]}
+        elif self.drafter == "prediction":
+            args["drafter"] = {"kind": "prediction"}
         return AppConfig.model_validate(args)
 
 
 def draw_config(rng: random.Random, seed: int) -> Scenario:
     gamma = rng.choice([0, 1, 2, 3, 4, 5, 6])
     drafter = "none" if gamma == 0 else rng.choice(DRAFTERS[1:])
+    if drafter != "none" and engine_scenarios.draw_prediction_drafter(seed):
+        drafter = "prediction"
     args: dict = {}
     if drafter == "layer-skip":
         args["skip"] = (rng.randrange(TINY["layers"]),)
@@ -134,7 +139,7 @@ def draw_config(rng: random.Random, seed: int) -> Scenario:
     elif drafter.startswith("eagle-"):
         args.update(min_confidence=rng.choice([None, None, 0.35]), lookup_min_n=rng.choice([None, None, 2, 3]))
     worker = drafter.startswith("draft-") or drafter == "eagle-draft"
-    colocated = drafter in ("eagle-target", "layer-skip", "prompt-lookup")
+    colocated = drafter in ("eagle-target", "layer-skip", "prompt-lookup", "prediction")
     block = rng.choice([None, None, 1, 3, 16, 16])
     return Scenario(
         seed=seed, gamma=gamma, adaptive=rng.random() < 0.4, drafter=drafter, drafter_args=args,
@@ -203,7 +208,7 @@ def draw_requests(rng: random.Random, sc: Scenario) -> list[Request]:
         elif fate < 0.4 and params.max_tokens > 1:
             r.continues = sorted(rng.sample(range(params.max_tokens), rng.choice([1, 1, 2]) if params.max_tokens > 2
                                             else 1))
-        r.prediction = engine_scenarios.draw_prediction(sc.seed, len(requests))
+        r.prediction = engine_scenarios.draw_prediction(sc.seed, len(requests), often=sc.drafter == "prediction")
         grammar = engine_scenarios.draw_grammar(sc.seed, len(requests))
         if grammar is not None:  # (SamplingParams refuses a grammar beside these: it decides the tokens)
             r.params = dataclasses.replace(r.params, grammar=grammar, allowed_token_ids=None, bad_words_ids=(),
@@ -528,7 +533,7 @@ def test_random_served_scenario_is_the_target_alone(seed, local_coordinator, req
 def test_the_generator_covers_the_features():
     """Over the seeds' neighbourhood the draws reach every drafter and most options."""
     scs = [draw_scenario(s) for s in range(200)]
-    assert {sc.drafter for sc in scs} == set(DRAFTERS)
+    assert {sc.drafter for sc in scs} == set(ALL_DRAFTERS)
     assert any(sc.pipelined for sc in scs) and any(sc.graph for sc in scs) and any(not sc.fused for sc in scs)
     assert any(sc.prefix_caching for sc in scs) and any(sc.budget and sc.block_size for sc in scs)
     reqs = [r for sc in scs for r in sc.requests]
@@ -537,9 +542,9 @@ def test_the_generator_covers_the_features():
     assert all(any(r.prediction for sc in scs if pick(sc) for r in sc.requests)
                for pick in (lambda sc: sc.pipelined, lambda sc: sc.graph, lambda sc: sc.drafter == "eagle-target"))
     constrained = [sc for sc in scs if any(r.params.grammar for r in sc.requests)]
-    assert {sc.drafter for sc in constrained} == set(DRAFTERS) and any(sc.pipelined for sc in constrained)
+    assert {sc.drafter for sc in constrained} == set(ALL_DRAFTERS) and any(sc.pipelined for sc in constrained)
     faulted = [sc for sc in scs if sc.faults]
-    assert {sc.drafter for sc in faulted} == set(DRAFTERS[1:]) and any(sc.pipelined for sc in faulted)
+    assert {sc.drafter for sc in faulted} == set(ALL_DRAFTERS[1:]) and any(sc.pipelined for sc in faulted)
     assert any(restarts for sc in faulted for _, _, restarts in sc.faults)
     for sc in scs[:50]:
         sc.app_config("head")  # every draw is a valid AppConfig

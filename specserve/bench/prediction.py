@@ -7,7 +7,8 @@ variable, change a constant). Two predictions: the function as it stood (what Op
 for such edits; a small model rewrites more than it edits, so its answer follows it only in
 stretches), and the target-only answer itself with one token in every `--edit-every` changed (a
 client that knows most of the answer: the mechanism's reach). For each drafter (the shipped feature
-head, prompt lookup) greedy batch-1 generation without and with each, against target-only decoding
+head, prompt lookup, and the predictions alone with no draft model: `drafter: {kind: prediction}`)
+greedy batch-1 generation without and with each, against target-only decoding
 on the same prompts, in one run: tok/s, tokens per step, the prediction's drafted and accepted
 tokens and the speedup over target-only. Every output is checked against the target-only output (a prediction never changes a
 token). Prints a table, writes JSON.
@@ -24,7 +25,7 @@ from pathlib import Path
 from specserve.bench.rows import SpeedAndAcceptance
 from specserve.engine import SamplingParams, SpeculativeEngine
 from specserve.engine.feature_drafter import FeatureDrafterSpec
-from specserve.engine.proposers import PromptLookupSpec
+from specserve.engine.proposers import PredictionSpec, PromptLookupSpec
 
 SNIPPETS = [
     ("rename `x` to `value`", '''def clamp(x, low, high):
@@ -135,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     predictions = [tuple(tokenizer(code, add_special_tokens=False)["input_ids"]) for _, code in SNIPPETS]
     plain = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     with_prediction = [dataclasses.replace(plain, prediction=p) for p in predictions]
-    drafters = {"prompt lookup": PromptLookupSpec(2, 4)}
+    drafters = {"prompt lookup": PromptLookupSpec(2, 4), "predictions alone": PredictionSpec()}
     if head is not None:
         drafters = {"feature head": head, **drafters}
     alone = SpeculativeEngine(target, None, num_speculative_tokens=0)

@@ -3,8 +3,8 @@ from .engine import CompletionOutput, SpeculativeEngine
 from .feature_drafter import FeatureDrafterProposer, FeatureDrafterSpec
 from .model_runner import CacheMiss, ModelRunner, RowInput
 from .proposers import (
-    DrafterSpec, DraftModelProposer, DraftModelSpec, LayerSkipProposer, LayerSkipSpec, PromptLookupProposer,
-    PromptLookupSpec, Proposal, Proposer,
+    DrafterSpec, DraftModelProposer, DraftModelSpec, LayerSkipProposer, LayerSkipSpec, PredictionProposer,
+    PredictionSpec, PromptLookupProposer, PromptLookupSpec, Proposal, Proposer,
 )
 from .sampling import SamplingParams
 from .step import RequestMetrics, StepOutput
@@ -12,6 +12,6 @@ from .verifier import TargetVerifier, Verdict
 
 __all__ = [
     "CacheMiss", "CompletionOutput", "DrafterSpec", "FeatureDrafterProposer", "FeatureDrafterSpec", "DraftModelProposer", "DraftModelSpec", "LayerSkipProposer",
-    "LayerSkipSpec", "ModelRunner", "PromptLookupProposer", "PromptLookupSpec", "Proposal", "Proposer",
+    "LayerSkipSpec", "ModelRunner", "PredictionProposer", "PredictionSpec", "PromptLookupProposer", "PromptLookupSpec", "Proposal", "Proposer",
     "RequestMetrics", "RowInput", "SamplingParams", "SpeculativeEngine", "StepOutput", "TargetVerifier", "Verdict",
 ]

@@ -103,7 +103,8 @@ class SpeculativeEngine:
         limits = [self.verifier.runner.max_model_len, getattr(proposer, "max_model_len", None)]
         self.proposer = proposer
         self.max_model_len = min(x for x in limits if x) if any(limits) else 1 << 30
-        self.policy = SpeculationPolicy(num_speculative_tokens, adaptive=adaptive)
+        self.policy = SpeculationPolicy(num_speculative_tokens, adaptive=adaptive,
+                                        own_drafts=getattr(proposer, "own_drafts", True))
         self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None else model_eos_ids(target_model))
         self.grammar = None if tokenizer is None else attach_grammar(
             _loader(tokenizer), self.verifier, proposer, self.eos_token_ids)
@@ -113,7 +114,7 @@ class SpeculativeEngine:
         self.loop = StepLoop(self.admission, InProcessExecutor(proposer, self.verifier), self.policy,
                              prefill_chunk_tokens)
         self._ids = itertools.count()
-        self._calibrated = not (adaptive and num_speculative_tokens > 0)
+        self._calibrated = not (self.policy.adaptive and num_speculative_tokens > 0)
         self._captured = False
 
     # -- incremental API ----------------------------------------------------------------------

@@ -160,9 +160,14 @@ class SpeculationPolicy:
         prior_alpha: float = 0.6,
         probe_every: int = 16,
         fused: bool = False,
+        own_drafts: bool = True,
     ) -> None:
         self.max_gamma = max_gamma
-        self.adaptive = adaptive
+        # own_drafts False: the drafter drafts nothing but the requests' predictions (`drafter:
+        # {kind: prediction}`), so no step plans drafts of its own (γ 0); a predicted run still
+        # takes up to max_gamma (`plan_step`)
+        self.own_drafts = own_drafts
+        self.adaptive = adaptive and own_drafts
         # fused: the drafts are made inside the verify's call (a drafter in the target worker), so
         # host overhead is paid once per step, not once per draft forward too
         self.fused = fused
@@ -301,6 +306,8 @@ class SpeculationPolicy:
             self._step_times = None
 
     def _choose(self, alphas: list[float], backlog: int, newcomers: int) -> int:
+        if not self.own_drafts:
+            return 0
         gamma = self.best_gamma(alphas, backlog, staying=self._drafting)
         self._drafting = gamma > 0
         if gamma > 0 or not self.adaptive or self.max_gamma == 0:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -536,6 +537,45 @@ class PromptLookupProposer:
         return continue_match(seq, start, num_tokens)
 
 
+# -- predictions alone ----------------------------------------------------------------------------
+class PredictionProposer:
+    """Drafts the requests' own predictions (OpenAI's `prediction`, engine/prediction.py) and
+    nothing else: a row's predicted run where `plan_step` found one (`sampling.forced`), no draft
+    for any other row. No model runs and nothing is held, so it costs a target with no draft model
+    nothing but the wider verifies of the rows whose predictions it drafts. The policy plans no
+    drafts of its own beside it (`own_drafts`: γ 0 for the batch, a predicted run up to γ).
+    Deterministic, as prompt lookup is: q one-hot at each draft."""
+
+    own_drafts = False
+
+    def __init__(self, max_model_len: int | None = None) -> None:
+        self.max_model_len = max_model_len
+
+    def free(self, request_id: str) -> None:
+        pass
+
+    def valid_length(self, request_id: str) -> int:
+        return sys.maxsize  # (it holds nothing: no call can start past what it holds)
+
+    def num_cached(self) -> int:
+        return 0
+
+    def prefill(self, rows: list[RowInput]) -> Sequence[ForwardTiming]:
+        return ()
+
+    def propose(
+        self, rows: list[RowInput], num_tokens: int, sampling: BatchSampling, uniforms: torch.Tensor | None
+    ) -> Proposal:
+        """rows: B rows -> Proposal [B, G = num_tokens], each row's count its run's length (0 without one)."""
+        began = time.perf_counter()
+        runs = forced_runs(sampling.forced)  # row -> its predicted run
+        drafts = [pad_run(runs[b], num_tokens) if b in runs else [0] * num_tokens for b in range(len(rows))]
+        counts = [min(len(runs.get(b, ())), num_tokens) for b in range(len(rows))]
+        tokens = torch.tensor(drafts, dtype=torch.long).view(len(rows), num_tokens)  # [B, G]
+        return Proposal(tokens, None, (ForwardTiming(0, time.perf_counter() - began),), deterministic=True,
+                        num_draft=torch.tensor(counts, dtype=torch.long))
+
+
 # -- drafter specs: what a configuration names, and how it becomes a proposer --------------------
 class DrafterSpec(Protocol):
     """A drafter as configured: frozen, comparable, printable; `build` makes its proposer."""
@@ -586,6 +626,14 @@ class PromptLookupSpec:
 
     def build(self, target_model: torch.nn.Module, vocab_size: int, max_model_len: int | None) -> Proposer:
         return PromptLookupProposer(vocab_size, self.min_n, self.max_n, max_model_len)
+
+
+@dataclass(frozen=True)
+class PredictionSpec:
+    """Drafts the requests' predictions alone (`PredictionProposer`)."""
+
+    def build(self, target_model: torch.nn.Module, vocab_size: int, max_model_len: int | None) -> Proposer:
+        return PredictionProposer(max_model_len)
 
 
 def target_vocab_size(model: torch.nn.Module) -> int:

@@ -287,7 +287,9 @@ def plan_step(seqs: list[Sequence], policy: SpeculationPolicy, predict: bool = T
     # A seeded sampled request always asks for max_gamma, so that its random stream, and with it
     # its tokens, depend on nothing but its seed and its own tokens (and float rounding, which the
     # batch's shapes set: docs/engine.md, "Seeds and batch shapes").
-    own = [policy.max_gamma if s.reproducible else batch_gamma for s in seqs]
+    # (A drafter of predictions alone gives such a row max_gamma only where it has a prediction.)
+    own = [policy.max_gamma if s.reproducible and (policy.own_drafts or s.prediction is not None) else batch_gamma
+           for s in seqs]
     runs = predicted_runs(seqs, own, policy.max_gamma) if predict else [[] for _ in seqs]
     own = [max(g, len(run)) for g, run in zip(own, runs)]  # a predicted run is drafted whole
     own = [g if s.max_gamma is None else min(g, s.max_gamma) for g, s in zip(own, seqs)]
@@ -322,10 +324,13 @@ def plan_step(seqs: list[Sequence], policy: SpeculationPolicy, predict: bool = T
 def predicted_runs(seqs: list[Sequence], own: list[int], limit: int) -> list[list[int]]:
     """Per row, the predicted tokens that follow its output ([] for a row with no prediction, or
     whose output is not found in it: `Prediction.continuation`): up to `limit` (the most drafts a
-    step takes), or up to the row's own γ after a run of its had a draft rejected."""
+    step takes), or, after a run of its had a draft rejected, up to the row's own γ (at least one:
+    a step that plans no drafts of its own still tries the prediction's next token, and goes back
+    to whole runs once one is accepted)."""
     if limit <= 0:
         return [[] for _ in seqs]
-    return [[] if s.prediction is None else s.prediction.continuation(s.output, g if s.prediction.missed else limit)
+    return [[] if s.prediction is None else
+            s.prediction.continuation(s.output, max(g, 1) if s.prediction.missed else limit)
             for s, g in zip(seqs, own)]
 
 
