@@ -9,9 +9,9 @@ stretches), and the target-only answer itself with one token in every `--edit-ev
 client that knows most of the answer: the mechanism's reach). For each drafter (the shipped feature
 head, prompt lookup, and the predictions alone with no draft model: `drafter: {kind: prediction}`)
 greedy batch-1 generation without and with each, against target-only decoding
-on the same prompts, in one run: tok/s, tokens per step, the prediction's drafted and accepted
-tokens and the speedup over target-only. Every output is checked against the target-only output (a prediction never changes a
-token). Prints a table, writes JSON.
+on the same prompts, in one run, prompt by prompt across every row: tok/s, tokens per step, the
+prediction's drafted and accepted tokens and the speedup over target-only. Every output is checked against the target-only output (a
+prediction never changes a token). Prints a table, writes JSON.
 """
 from __future__ import annotations
 
@@ -75,24 +75,36 @@ class Row(SpeedAndAcceptance):
     identical: bool = True
 
 
+def blank(method: str) -> Row:
+    return Row(method=method, tokens=0, seconds=0.0)
+
+
 def prompt_text(edit: str, code: str) -> str:
     return f"Here is a Python function:\n\n```python\n{code}```\n\nPlease {edit}. Reply with the whole function only."
 
 
-def run(engine: SpeculativeEngine, prompts: list[list[int]], params: list[SamplingParams], method: str,
-        reference: list[list[int]] | None) -> tuple[Row, list[list[int]]]:
-    row, outputs = Row(method=method, tokens=0, seconds=0.0), []
-    for i, (prompt, p) in enumerate(zip(prompts, params)):
-        began = time.perf_counter()
-        out = engine.generate([prompt], p)[0]
-        row.seconds += time.perf_counter() - began
-        row.tokens += len(out.token_ids)
-        row.add_metrics(out.metrics)
-        row.predicted += out.metrics.num_prediction_drafts
-        row.predicted_accepted += out.metrics.num_prediction_accepted
-        row.identical &= reference is None or out.token_ids == reference[i]
-        outputs.append(out.token_ids)
-    return row, outputs
+def run_one(engine: SpeculativeEngine, prompt: list[int], params: SamplingParams, row: Row,
+            reference: list[int] | None) -> list[int]:
+    """One prompt through `engine`, its time and counts added to `row` -> its tokens."""
+    began = time.perf_counter()
+    out = engine.generate([prompt], params)[0]
+    row.seconds += time.perf_counter() - began
+    row.tokens += len(out.token_ids)
+    row.add_metrics(out.metrics)
+    row.predicted += out.metrics.num_prediction_drafts
+    row.predicted_accepted += out.metrics.num_prediction_accepted
+    row.identical &= reference is None or out.token_ids == reference
+    return out.token_ids
+
+
+def interleaved(cases: list[tuple[Row, SpeculativeEngine, list[SamplingParams]]], prompts: list[list[int]],
+                reference: list[list[int]]) -> None:
+    """Every case on every prompt, prompt by prompt (the cases' order turning each prompt), so
+    that the machine's drift falls on every row alike."""
+    for i, prompt in enumerate(prompts):
+        for k in range(len(cases)):
+            row, engine, params = cases[(i + k) % len(cases)]
+            run_one(engine, prompt, params[i], row, reference[i])
 
 
 def edited(tokens: list[int], every: int, vocab: int) -> tuple[int, ...]:
@@ -140,17 +152,19 @@ def main(argv: list[str] | None = None) -> int:
     if head is not None:
         drafters = {"feature head": head, **drafters}
     alone = SpeculativeEngine(target, None, num_speculative_tokens=0)
-    run(alone, prompts[:1], [plain], "warm-up", None)
-    base, reference = run(alone, prompts, [plain] * len(prompts), "target only", None)
+    reference = [run_one(alone, p, plain, blank("reference"), None) for p in prompts]  # (a warm-up too)
     near = [dataclasses.replace(plain, prediction=edited(out, args.edit_every, vocab=len(tokenizer)))
             for out in reference]
-    rows = [base]
+    cases = [(blank("target only"), alone, [plain] * len(prompts))]
     for name, spec in drafters.items():
         engine = SpeculativeEngine(target, drafter=spec, num_speculative_tokens=args.gamma, adaptive=True)
-        run(engine, prompts[:1], [plain], "warm-up", None)
-        rows.append(run(engine, prompts, [plain] * len(prompts), name, reference)[0])
-        rows.append(run(engine, prompts, with_prediction, f"{name} + original", reference)[0])
-        rows.append(run(engine, prompts, near, f"{name} + near answer", reference)[0])
+        run_one(engine, prompts[0], plain, blank("warm-up"), None)
+        cases += [(blank(name), engine, [plain] * len(prompts)),
+                  (blank(f"{name} + original"), engine, with_prediction),
+                  (blank(f"{name} + near answer"), engine, near)]
+    interleaved(cases, prompts, reference)
+    rows = [row for row, _, _ in cases]
+    base = rows[0]
     print(f"\n{len(prompts)} code edits, greedy batch 1, γ <= {args.gamma}, {args.model}")
     print(f"{'method':<30} {'tok/s':>7} {'tok/step':>8} {'α':>5} {'predicted':>9} {'accepted':>8} {'speedup':>7} same")
     for r in rows:
