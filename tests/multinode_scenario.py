@@ -1,6 +1,6 @@
 """One multi-node run of the tiny app, for tests/test_multinode.py (run in its own process).
 
-    python tests/multinode_scenario.py '{"port": 8123, "prompts": ["Hello"], "max_tokens": 16}'
+    python tests/multinode_scenario.py '{"port": 8123, "prompts": ["Hello"], "max_tokens": 16}'   # port 0: any free one
     python tests/multinode_scenario.py '{"scenario": "node_loss", "port": 8123, "prompts": [...], ...}'
 
 Starts a `ray.cluster_utils.Cluster` on this machine: a head node and two worker nodes whose
@@ -131,13 +131,14 @@ def run(port: int, prompts: list, max_tokens: int) -> dict:
     import ray
     from ray import serve
 
-    from serve_helpers import worker_actors
+    from serve_helpers import free_port, worker_actors
     from specserve.serve.app import build_app
 
     timings: dict[str, float] = {}
     began = time.monotonic()
     with cluster_with([NODE_A, NODE_B]):
         timings["cluster_s"] = time.monotonic() - began
+        port = port or free_port()  # (0: one chosen once the cluster holds the ports it took)
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(app_args()), name=APP_NAME, route_prefix="/")
         timings["deploy_s"] = time.monotonic() - began - timings["cluster_s"]
@@ -262,10 +263,12 @@ def run_node_loss(port: int, prompts: list, max_tokens: int) -> dict:
 
     from ray import serve
 
+    from serve_helpers import free_port
     from specserve.serve.app import build_app
 
-    url = f"http://127.0.0.1:{port}"
     with cluster_with([NODE_A, NODE_A, NODE_B, NODE_B], FAST_NODE_DEATH) as cluster:
+        port = port or free_port()  # (0: one chosen once the cluster holds the ports it took)
+        url = f"http://127.0.0.1:{port}"
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(node_loss_args()), name=APP_NAME, route_prefix="/")
         if _wait_for(lambda: _replicas_running(APP_NAME) == 2, 120) is None:

@@ -23,7 +23,6 @@ import pytest
 
 from models import hf_greedy
 from multinode_scenario import NODE_A, NODE_B, RESULT_MARKER, app_args, node_loss_args
-from serve_helpers import free_port
 
 pytestmark = [pytest.mark.serve, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 SCENARIO = Path(__file__).with_name("multinode_scenario.py")
@@ -82,7 +81,8 @@ def run_scenario(spec: dict | None = None, expected=expected_outputs, deadline_s
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": ray_tmp, "RAY_USAGE_STATS_ENABLED": "0",
            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # keep ray.init on 127.0.0.1: see the scenario's docstring
     env.pop("RAY_ADDRESS", None)  # the scenario makes its own cluster
-    spec = {"port": free_port(), "prompts": PROMPTS, "max_tokens": MAX_NEW, **(spec or {}), "deadline_s": deadline_s}
+    # port 0: the scenario picks one once its cluster is up (picked here, before, Ray once took it first)
+    spec = {"port": 0, "prompts": PROMPTS, "max_tokens": MAX_NEW, **(spec or {}), "deadline_s": deadline_s}
     proc = subprocess.Popen([sys.executable, str(SCENARIO), json.dumps(spec)], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
