@@ -21,7 +21,7 @@ Every field is checked here; nothing downstream re-validates a dict.
 from __future__ import annotations
 
 import os
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -162,6 +162,7 @@ class PredictionDrafter(_Strict):
     them; any other request decodes as the target alone does (docs/drafters.md, "Predicted outputs")."""
 
     kind: Literal["prediction"] = "prediction"
+    own_drafts: ClassVar[bool] = False  # (the γ policy plans no drafts of its own: SpeculationPolicy.own_drafts)
 
     def engine_spec(self):
         from specserve.engine.proposers import PredictionSpec
@@ -520,7 +521,7 @@ class AppConfig(_Strict):
                              "worker: draft): a drafter inside the target worker cannot run while the target verifies")
         if self.speculation.planted is not None and self.draft is None:
             raise ValueError("speculation.planted needs a draft model (draft:) whose proposals it plants")
-        if getattr(self.drafter, "kind", None) == "prediction" and self.speculation.num_speculative_tokens == 0:
+        if not getattr(self.drafter, "own_drafts", True) and self.speculation.num_speculative_tokens == 0:
             raise ValueError("drafter kind prediction drafts up to speculation.num_speculative_tokens predicted tokens "
                              "a step: set it above 0")
         if self.draft is None and self.drafter is None and self.speculation.num_speculative_tokens > 0:

@@ -189,7 +189,7 @@ class Coordinator:
                                            max_branches=config.speculation.branches if branching else 0)
         else:
             self.policy = SpeculationPolicy(self.max_gamma, adaptive=config.speculation.adaptive, fused=fused,
-                                            own_drafts=config.drafter is None or config.drafter.kind != "prediction")
+                                            own_drafts=getattr(config.drafter, "own_drafts", True))
         # the usual step shapes' CUDA graphs, before any request pays for their capture (GPU workers);
         # a pipelined step's ahead call drafts one more than γ (`pipeline.Ahead`)
         ahead = 1 if config.speculation.pipelined else 0
