@@ -408,8 +408,9 @@ class Ingress:
         and the stop-string state live here, so a continuation on another replica (`gen`) goes on
         with them as if nothing happened. The stop token (EOS, stop_token_ids) that ends a
         generation leaves its text out, unless `include_stop` (vLLM's rule); no stop string may end
-        in the first min_tokens - 1 tokens' text. A reasoning model's last piece counts its
-        thinking's tokens (decoded on the tokenizer pool)."""
+        in the first min_tokens - 1 tokens' text, and one that ends the text ends the token ids
+        (logprobs, usage) at the token that completes it (`by_token`). A reasoning model's last
+        piece counts its thinking's tokens (decoded on the tokenizer pool)."""
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, rules.skip_special)
         stopper = StopStrings(rules.stops, rules.include_stop)
         token_ids: list[int] = []
