@@ -35,7 +35,6 @@ from specserve.engine.admission import Admission, allocation
 from specserve.engine.feature_drafter import FeatureDrafterProposer, FeatureDrafterSpec
 from specserve.engine.model_runner import ModelRunner
 from specserve.engine.proposers import DraftModelSpec, LayerSkipSpec, PredictionSpec, PromptLookupSpec
-from specserve.engine.grammar import Grammar
 from specserve.engine.step import new_sequence
 from specserve.models.tiny import byte_tokenizer
 from test_feature_drafter import LAYERS, target  # tiny_llama(0, layers=4): the feature head's target
@@ -197,21 +196,22 @@ def draw_requests(rng: random.Random, sc: Scenario) -> list[Request]:
         arrive = rng.choice([0, 0, rng.randint(0, 6), rng.randint(0, 30)])
         abort = arrive + rng.randint(0, 12) if rng.random() < 0.15 else None
         priority = rng.choice([0, 0, 0, 1, 2])
-        grammar = draw_grammar(sc.seed, len(requests))
-        if grammar is not None:  # (SamplingParams refuses a grammar beside these: it decides the tokens)
-            params = dataclasses.replace(params, grammar=grammar, allowed_token_ids=None, bad_words_ids=(),
-                                         min_tokens=0)
+        params = draw_grammar(sc.seed, len(requests), params)
         requests.append(Request(f"s{sc.seed}-r{len(requests)}", prompt, params, arrive, abort, priority,
                                 draw_prediction(sc.seed, len(requests), often=sc.drafter == "prediction")))
     return requests
 
 
-def draw_grammar(seed: int, index: int) -> Grammar | None:
-    """Whether request `index` of scenario `seed` is constrained, and by which of test_grammar's
-    grammars (JSON schemas, a regex, a lark grammar over the test models' byte ids); a stream of
-    its own, as the predictions'."""
+def draw_grammar(seed: int, index: int, params: SamplingParams) -> SamplingParams:
+    """Request `index` of scenario `seed`'s params, constrained or not (a fifth of them), by one of
+    test_grammar's grammars (JSON schemas, a regex, a lark grammar over the test models' byte ids);
+    a stream of its own, as the predictions'."""
     rng = random.Random(seed * 2003 + index + 7)
-    return rng.choice([g for g in GRAMMARS if g is not None]) if rng.random() < 0.2 else None
+    if rng.random() >= 0.2:
+        return params
+    grammar = rng.choice([g for g in GRAMMARS if g is not None])
+    # (SamplingParams refuses a grammar beside these: the grammar decides the tokens)
+    return dataclasses.replace(params, grammar=grammar, allowed_token_ids=None, bad_words_ids=(), min_tokens=0)
 
 
 PREDICTIONS = ("exact", "substituted", "inserted", "deleted", "first-half", "longer", "unrelated", "repeated")

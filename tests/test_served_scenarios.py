@@ -209,10 +209,7 @@ def draw_requests(rng: random.Random, sc: Scenario) -> list[Request]:
             r.continues = sorted(rng.sample(range(params.max_tokens), rng.choice([1, 1, 2]) if params.max_tokens > 2
                                             else 1))
         r.prediction = engine_scenarios.draw_prediction(sc.seed, len(requests), often=sc.drafter == "prediction")
-        grammar = engine_scenarios.draw_grammar(sc.seed, len(requests))
-        if grammar is not None:  # (SamplingParams refuses a grammar beside these: it decides the tokens)
-            r.params = dataclasses.replace(r.params, grammar=grammar, allowed_token_ids=None, bad_words_ids=(),
-                                           min_tokens=0)
+        r.params = engine_scenarios.draw_grammar(sc.seed, len(requests), r.params)
         requests.append(r)
     return requests
 
@@ -434,8 +431,8 @@ class FaultyDraft:
     def __init__(self, coordinator, faults: list[tuple[int, int, bool]]) -> None:
         from specserve.serve.calls import ProposerSide
 
-        self.coordinator, self.faults, self.calls, self.down = coordinator, dict((c, (d, r)) for c, d, r in faults), 0, 0
-        self.fired: list[int] = []
+        self.coordinator, self.calls, self.down = coordinator, 0, 0
+        self.faults = {call: (down, restarts) for call, down, restarts in faults}
         executor = coordinator.executor
         executor.probe_delay_s = 0.001  # (an outage of a few probes, not of the whole scenario)
         side = executor.draft
@@ -468,7 +465,6 @@ class FaultyDraft:
         return type("Probe", (), {"remote": staticmethod(call)})()
 
     def fail(self, down: int, restarts: bool) -> None:
-        self.fired.append(self.calls)
         self.down = down
         if restarts:  # every request the draft side may hold, forgotten
             c = self.coordinator

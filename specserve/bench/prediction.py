@@ -8,10 +8,10 @@ for such edits; a small model rewrites more than it edits, so its answer follows
 stretches), and the target-only answer itself with one token in every `--edit-every` changed (a
 client that knows most of the answer: the mechanism's reach). For each drafter (the shipped feature
 head, prompt lookup, and the predictions alone with no draft model: `drafter: {kind: prediction}`)
-greedy batch-1 generation without and with each, against target-only decoding
-on the same prompts, in one run, prompt by prompt across every row: tok/s, tokens per step, the
-prediction's drafted and accepted tokens and the speedup over target-only. Every output is checked against the target-only output (a
-prediction never changes a token). Prints a table, writes JSON.
+greedy batch-1 generation without and with each, against target-only decoding on the same
+prompts, in one run, prompt by prompt across every row: tok/s, tokens per step, the prediction's
+drafted and accepted tokens and the speedup over target-only. Every output is checked against the
+target-only output (a prediction never changes a token). Prints a table, writes JSON.
 """
 from __future__ import annotations
 
