@@ -150,3 +150,62 @@ def test_the_prediction_drafter_drafts_only_predictions_in_one_call(local_coordi
     assert totals["fused_steps"] == drafting_steps(coordinator) > 0
     with pytest.raises(ValueError, match="prediction drafts up to"):
         colocated({"kind": "prediction"}, gamma=0)
+
+
+class Outage:
+    """The draft side out for good: its calls (propose, prefill, the fused step) raise and its
+    `ready` probes go unanswered."""
+
+    def __init__(self, coordinator) -> None:
+        from ray.exceptions import RayActorError
+
+        from specserve.serve.calls import ProposerSide
+
+        executor = coordinator.executor
+        executor.probe_delay_s = 0.001
+        executor.draft = ProposerSide(**{**executor.draft.__dict__, "propose": self.failing(RuntimeError),
+                                         "prefill": self.failing(RuntimeError), "ready": self.failing(RayActorError)})
+        if executor.fused:
+            executor.target.fused_step = self.failing(RuntimeError)
+
+    @staticmethod
+    def failing(error):
+        from local_actors import _Done
+
+        def fail():
+            raise error("the draft side is out (injected)")
+
+        return type("Failing", (), {"remote": staticmethod(lambda *args, **kwargs: _Done(fail, (), {}))})()
+
+
+@pytest.mark.parametrize("where", ["colocated", "draft worker"])
+def test_a_prediction_is_drafted_while_the_draft_is_out(local_coordinator, where):
+    """While the draft side is out, the steps of a request with a prediction still draft its runs
+    (with no model), and the draft's marks stay where its cache ends. Every request keeps the
+    target's greedy tokens. (Coming back is `test_a_failing_drafter_reruns_the_step_as_two_calls`'s.)"""
+    from test_pipeline import config
+
+    if where == "colocated":
+        coordinator = local_coordinator(colocated({"kind": "layer_skip", "skip_layers": [1]}, gamma=4))
+    else:
+        coordinator = local_coordinator(config(pipelined=False, gamma=4))
+    Outage(coordinator)
+    executor = coordinator.executor
+    target = coordinator.target._obj.model.runner.model
+    refs = [hf_greedy(target, PROMPT, 40), hf_greedy(target, PROMPT[4:], 24)]
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, prediction=tuple(refs[0])),
+              SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)]
+    marks, real_stepped = {}, executor.stepped
+
+    def stepped(plan, ran, policy, began):
+        real_stepped(plan, ran, policy, began)
+        for s in plan.seqs:
+            marks.setdefault(s.request_id, set()).add(s.draft_len)
+
+    executor.stepped = stepped
+    assert generate(coordinator, [PROMPT, PROMPT[4:]], params) == refs
+    totals = coordinator._totals
+    assert totals["target_only_steps"] == totals["steps"] < 24 + 2, totals  # (the second request: 24 alone)
+    assert totals["spec_decode_num_draft_tokens"] == totals["spec_decode_num_prediction_tokens"] >= 28  # (4 a step)
+    assert totals["spec_decode_num_accepted_prediction_tokens"] == totals["spec_decode_num_prediction_tokens"]
+    assert all(len(m) == 1 for m in marks.values()), marks  # (the draft cached nothing while out)

@@ -55,6 +55,9 @@ class Proposal:
     # when asked for and every row is greedy: the likeliest correction if the target rejects that
     # draft (a pipelined step prepares branches from them, specserve.serve.pipeline); else None
     alternates: torch.Tensor | None = None
+    # whether the draft side cached the rows' tokens, so that their draft marks move with the
+    # verdict; False for drafts made where no draft cache is (a draft outage's predictions)
+    draft_cached: bool = True
 
     @property
     def seconds(self) -> float:
@@ -65,7 +68,7 @@ class Proposal:
         probs = self.probs.cpu() if isinstance(self.probs, torch.Tensor) else self.probs
         alternates = None if self.alternates is None else self.alternates.cpu()
         return (Proposal, (self.tokens.cpu(), probs, tuple(self.forwards), self.deterministic, self.num_draft,
-                           alternates))
+                           alternates, self.draft_cached))
 
 
 _BRANCH = "#branch"

@@ -370,7 +370,7 @@ def apply_verdict(plan: StepPlan, proposal: Proposal, verdict: Verdict) -> list[
         s.metrics.record(g, accepted)
         n = s.num_tokens
         s.target_len = n + accepted
-        if plan.gamma > 0:
+        if plan.gamma > 0 and proposal.draft_cached:
             s.draft_len = n + min(accepted, plan.gamma - 1)
         new = _cut(s, drafts[b][:accepted] + [verdict.next_token[b]])
         s.output.extend(new)

@@ -10,7 +10,10 @@ A transport that cannot run a step hands it to the next with the same plan (the 
 numbers): a broken graph reruns the step on plain calls, a failed fused call as two calls. A
 draft side that fails in any way (dies, hangs, raises, is late in the graph) does not stall
 anyone: `execute` answers None, the step loop plans the step again without drafts, and steps run
-target-only (the target's own tokens) until a background probe sees the draft answer again.
+target-only (the target's own tokens) until a background probe sees the draft answer again. A
+request with a prediction (OpenAI's Predicted Outputs) keeps drafting it meanwhile: those steps
+plan with `outage` (no drafts of the policy's own), their predicted runs are drafted here
+(`PredictionProposer`: it needs no model and holds nothing) and the target verifies them.
 
 Pipelining (`speculation.pipelined`, serve/pipeline.py) is a capability of this executor: it
 takes over whole steps (it plans fresh rows itself and verifies prepared ones) and hands back
@@ -33,6 +36,7 @@ from specserve.engine import RowInput
 from specserve.engine.admission import Admission
 from specserve.engine.executor import Ran, finish, note_cached, run_step
 from specserve.engine.policy import SpeculationPolicy
+from specserve.engine.proposers import PredictionProposer, Proposal
 from specserve.engine.step import (
     Sequence, StepOutput, StepPlan, advance_marks, empty_proposal, prefill_rows, verified_counts,
 )
@@ -76,6 +80,9 @@ class RemoteExecutor:
         # draft failure: target-only steps while the draft restarts
         self.draft_ok = draft is not None
         self.target_only = SpeculationPolicy(0, adaptive=False)
+        # while the draft is out: no drafts but the requests' predictions, drafted here (`_predictions`)
+        self.outage = SpeculationPolicy(policy.max_gamma, adaptive=False, own_drafts=False)
+        self._predicted = PredictionProposer()
         self._draft_watch: asyncio.Task | None = None
         self.probe_delay_s = 0.2  # the draft's first probes after a failure are this far apart (then doubling to 5 s)
         metrics.set(metrics.draft_available, float(self.draft_ok))
@@ -100,7 +107,11 @@ class RemoteExecutor:
         return self.draft is not None and self.draft_ok
 
     def policy_for(self, policy: SpeculationPolicy, drafting: bool = True) -> SpeculationPolicy:
-        return policy if drafting and self.draft_ok else self.target_only
+        """`policy` while the draft side is up; else `outage` (predictions alone) where a drafter
+        is configured, else, and for a step isolated after a failure (`target_only` asked), γ 0."""
+        if drafting and self.draft_ok:
+            return policy
+        return self.outage if self.draft is not None and policy is not self.target_only else self.target_only
 
     async def step(self, seqs: list[Sequence], policy: SpeculationPolicy) -> list[StepOutput]:
         if self._q_handshake_due:
@@ -112,7 +123,10 @@ class RemoteExecutor:
         return await run_step(seqs, policy, self)
 
     async def execute(self, plan: StepPlan) -> Ran | None:
-        """The plan on the graph, else on a fused call, else on two calls (see the module docstring)."""
+        """The plan on the graph, else on a fused call, else on two calls (see the module docstring);
+        while the draft is out, its predicted runs verified on a plain call."""
+        if not self.draft_ok and plan.gamma > 0:
+            return await self._predictions(plan)
         if self.graph_ready(drafting=plan.gamma > 0):
             ran = await self._on_graph(plan)
             if ran is not None or not self.draft_ok:  # (the draft was late in the graph: re-plan)
@@ -124,7 +138,7 @@ class RemoteExecutor:
         return await self._two_calls(plan)
 
     def stepped(self, plan: StepPlan, ran: Ran, policy: SpeculationPolicy, began: float) -> None:
-        if policy is self.target_only and self.draft is not None:
+        if (policy is self.target_only or policy is self.outage) and self.draft is not None:
             self.totals["target_only_steps"] += 1
             self.metrics.inc(self.metrics.target_only_steps, 1)
         if ran.via in ("graph", "fused"):
@@ -196,14 +210,24 @@ class RemoteExecutor:
                 self.draft_failed(seqs, err)
                 return None
             proposal, in_workers = reply.result, reply.seconds
+        return await self._verify(plan, proposal, in_workers)
+
+    async def _verify(self, plan: StepPlan, proposal: Proposal, in_workers: float = 0.0) -> Ran | None:
+        """target.verify of a proposal; None: the draft worker died holding its q."""
         try:  # q, when there is one, goes from the draft's object store to the target (wire.SharedProbs)
-            reply = await self.calls.call("target", self.target.verify, seqs, "target_len", lambda: (
+            reply = await self.calls.call("target", self.target.verify, plan.seqs, "target_len", lambda: (
                 plan.target_rows(), proposal.tokens, proposal.probs, verified_counts(plan.num_draft, proposal),
                 plan.sampling, plan.accept_uniforms, plan.final_uniforms))
-        except (ray.exceptions.ObjectLostError, QGone) as err:  # the draft worker died holding q: plan again without it
-            self.draft_failed(seqs, err)
+        except (ray.exceptions.ObjectLostError, QGone) as err:  # plan again without it
+            self.draft_failed(plan.seqs, err)
             return None
         return Ran(proposal, reply.result, in_workers + reply.seconds, "calls")
+
+    async def _predictions(self, plan: StepPlan) -> Ran | None:
+        """A step planned while the draft is out (`outage`): its rows' predicted runs, drafted here
+        with no draft cache (their draft marks stay: the draft catches up once back), verified."""
+        drafted = self._predicted.propose(plan.target_rows(), plan.gamma, plan.sampling, plan.draft_uniforms)
+        return await self._verify(plan, dataclasses.replace(drafted, draft_cached=False))
 
     async def _fused(self, plan: StepPlan) -> Ran | None:
         """A colocated drafter's step as one plain call to the target worker (propose, then
