@@ -8,6 +8,7 @@
     specserve bench soak [--streams 500]                             500 streams, a coordinator replica killed (specserve.bench.soak)
     specserve bench serve-gpu [--tiny] [--mps] --out DIR             the Serve app vs the in-process engine (specserve.bench.serve_gpu)
     specserve bench features [--url ...]                             each OpenAI option, speculative vs γ=0 (specserve.bench.features)
+    specserve bench mix [--url ...] [--requests 200]                 random option mixes on every API, each answer checked (specserve.bench.mix)
     specserve bench cpu / drafters [...]                             CPU kernels; drafters side by side (specserve.bench.cpu, .drafters)
     specserve bench memory [--tiny]                                  dense vs paged KV at one budget (specserve.bench.memory)
     specserve bench policy [--costs FILE]                            the γ policy replayed on measured costs (specserve.bench.policy)
@@ -124,6 +125,7 @@ BENCHES = {  # name -> module with `main(argv: list[str]) -> int`; its own argpa
     "soak": "specserve.bench.soak",
     "serve-gpu": "specserve.bench.serve_gpu",
     "features": "specserve.bench.features",
+    "mix": "specserve.bench.mix",
     "cpu": "specserve.bench.cpu",
     "drafters": "specserve.bench.drafters",
     "memory": "specserve.bench.memory",

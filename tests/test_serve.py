@@ -1121,3 +1121,15 @@ def test_echo_scores_the_prompt_as_one_forward_of_the_target_does(http):
     both = http.post("/v1/completions", json={**body, "max_tokens": 5, "temperature": 0.0}).json()["choices"][0]
     assert both["logprobs"]["token_logprobs"][: len(prompt)] == lp["token_logprobs"]
     assert len(both["logprobs"]["tokens"]) == len(prompt) + 5
+
+
+def test_bench_mix_finds_no_problem_over_the_app(server, tmp_path):
+    """Random option mixes on the four APIs (`specserve bench mix`): every refusal a 4xx with an
+    error body, every stream well-formed, every greedy answer the target alone's."""
+    from specserve.bench import mix
+
+    out = tmp_path / "mix.json"
+    assert mix.main(["--url", server, "--requests", "40", "--concurrency", "4", "--out", str(out)]) == 0
+    outcomes = json.loads(out.read_text())["outcomes"]
+    assert {o["route"] for o in outcomes} == set(mix.ROUTES)
+    assert sum(o["status"] == 200 for o in outcomes) >= 30
