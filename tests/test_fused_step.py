@@ -179,7 +179,7 @@ class Outage:
 
 
 @pytest.mark.parametrize("where", ["colocated", "draft worker"])
-def test_a_prediction_is_drafted_while_the_draft_is_out(local_coordinator, where):
+def test_a_prediction_is_drafted_while_the_draft_is_out(local_coordinator, monkeypatch, where):
     """While the draft side is out, the steps of a request with a prediction still draft its runs
     (with no model), and the draft's marks stay where its cache ends. Every request keeps the
     target's greedy tokens. (Coming back is `test_a_failing_drafter_reruns_the_step_as_two_calls`'s.)"""
@@ -190,7 +190,9 @@ def test_a_prediction_is_drafted_while_the_draft_is_out(local_coordinator, where
     else:
         coordinator = local_coordinator(config(pipelined=False, gamma=4))
     Outage(coordinator)
-    executor = coordinator.executor
+    executor, killed = coordinator.executor, []
+    # (a draft worker silent for health_misses probes is killed for a restart: no Ray here to do it)
+    monkeypatch.setattr("specserve.serve.executor.ray.kill", lambda actor, **kw: killed.append(actor))
     target = coordinator.target._obj.model.runner.model
     refs = [hf_greedy(target, PROMPT, 40), hf_greedy(target, PROMPT[4:], 24)]
     params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, prediction=tuple(refs[0])),
@@ -209,3 +211,4 @@ def test_a_prediction_is_drafted_while_the_draft_is_out(local_coordinator, where
     assert totals["spec_decode_num_draft_tokens"] == totals["spec_decode_num_prediction_tokens"] >= 28  # (4 a step)
     assert totals["spec_decode_num_accepted_prediction_tokens"] == totals["spec_decode_num_prediction_tokens"]
     assert all(len(m) == 1 for m in marks.values()), marks  # (the draft cached nothing while out)
+    assert len(killed) == (where == "draft worker")  # (once per outage)
