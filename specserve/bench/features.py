@@ -14,7 +14,7 @@ Per feature: completion tokens/s of each (all tokens / time inside the requests)
 the acceptance rate (accepted / drafted), and its checks: greedy answers' token ids identical with
 and without speculation (the Responses API gives no ids: its text), greedy logprobs within 1e-4 (alternatives too), json_schema answers that
 validate against the schema (tool calls: arguments that validate against the function's
-parameters). Prints a table and writes JSON.
+parameters). Prints a table and writes JSON. Loopback only unless --allow-remote.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from pathlib import Path
 
 import httpx
 
+from specserve.bench.sse import add_url_arguments, refuse_remote
 from specserve.prompts import EXTRACTION, GENERAL, interleaved, load_records
 
 ANSWER = {"type": "object", "additionalProperties": False, "required": ["answer", "confidence"],
@@ -50,7 +51,7 @@ STRUCTURED_MAX_TOKENS = 160  # an answer of up to 160 characters and its JSON fr
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", default="http://127.0.0.1:8000")
+    add_url_arguments(p)
     p.add_argument("--model", default=None, help="default: the server's only model")
     p.add_argument("--prompts", type=int, default=20)
     p.add_argument("--max-tokens", type=int, default=48, help="per request (structured output: %d)" %
@@ -187,7 +188,9 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specserve bench features", description=__doc__.splitlines()[0])
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    refuse_remote(parser, args)
+    return run(args)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ forward time; rpc p50 = step wall - time inside the worker calls). Stats are per
 replica: run against a single-replica app for exact figures. With `--system-words N` every
 request starts with the same system prompt of N words (a system message with `--chat`), and the
 table reports the prompt tokens per request and how many of them the server took from its prefix
-cache (`usage.prompt_tokens_details.cached_tokens`). Prints a table, writes JSON.
+cache (`usage.prompt_tokens_details.cached_tokens`). Prints a table, writes JSON. Loopback only
+unless --allow-remote.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from pathlib import Path
 
 import httpx
 
-from specserve.bench.sse import events, ms, nearest_rank
+from specserve.bench.sse import add_url_arguments, events, ms, nearest_rank, refuse_remote
 
 PROMPTS = [
     "Explain what speculative decoding is in two sentences.",
@@ -53,7 +54,7 @@ def system_prompt(words: int) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", default="http://127.0.0.1:8000")
+    add_url_arguments(p)
     p.add_argument("--model", default=None, help="default: the server's only model")
     p.add_argument("--concurrency", default="1,4,16,64")
     p.add_argument("--requests", type=int, default=None, help="per level (default: max(concurrency, 4))")
@@ -182,7 +183,9 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specserve bench http", description=__doc__.splitlines()[0])
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    refuse_remote(parser, args)
+    return run(args)
 
 
 if __name__ == "__main__":

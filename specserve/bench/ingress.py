@@ -18,11 +18,10 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from urllib.parse import urlparse
 
 import httpx
 
-from specserve.bench.sse import nearest_rank
+from specserve.bench.sse import add_url_arguments, nearest_rank, refuse_remote
 
 
 async def _small(client: httpx.AsyncClient, model: str) -> float:
@@ -85,7 +84,7 @@ async def run(args) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="specserve.bench.ingress", description=__doc__.splitlines()[0])
-    p.add_argument("--url", default="http://127.0.0.1:8000")
+    add_url_arguments(p)
     p.add_argument("--model", default=None, help="default: the server's only model")
     p.add_argument("--api-key", default=None, help="sent as a Bearer token")
     p.add_argument("--huge-mb", default="20,3", help="comma list of huge prompt sizes in MiB")
@@ -93,10 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--small", type=int, default=20, help="small requests measured alone")
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--out", type=Path, default=Path("bench-results/ingress.json"))
-    p.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --url")
     args = p.parse_args(argv)
-    if urlparse(args.url).hostname not in ("127.0.0.1", "localhost", "::1") and not args.allow_remote:
-        p.error(f"--url {args.url} is not loopback; pass --allow-remote to load another host on purpose")
+    refuse_remote(p, args)
     args.huge_mb = [float(x) for x in args.huge_mb.split(",") if x]
     args.headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     rows = asyncio.run(run(args))

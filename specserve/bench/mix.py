@@ -36,10 +36,10 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlparse
 
 import httpx
 
+from specserve.bench.sse import add_url_arguments, refuse_remote
 from specserve.prompts import GENERAL, load_records
 
 ROUTES = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "responses": "/v1/responses",
@@ -378,14 +378,13 @@ def table(outcomes: list[Outcome]) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", default="http://127.0.0.1:8000")
+    add_url_arguments(p)
     p.add_argument("--requests", type=int, default=200)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--seed", type=int, default=0, help="request k is drawn from seed + k")
     p.add_argument("--routes", default=",".join(ROUTES), help="a comma-separated subset of " + ",".join(ROUTES))
     p.add_argument("--timeout", type=float, default=180.0, help="seconds per request")
     p.add_argument("--out", type=Path, default=Path("bench-results/mix.json"))
-    p.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --url")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -412,8 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specserve bench mix", description=__doc__.splitlines()[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
-    if urlparse(args.url).hostname not in ("127.0.0.1", "localhost", "::1") and not args.allow_remote:
-        parser.error(f"--url {args.url} is not loopback; pass --allow-remote to check another host on purpose")
+    refuse_remote(parser, args)
     unknown = set(args.routes.split(",")) - set(ROUTES)
     if unknown:
         parser.error(f"unknown routes {sorted(unknown)}; choose from {sorted(ROUTES)}")

@@ -19,9 +19,10 @@ import statistics
 import time
 from collections import Counter
 from pathlib import Path
-from urllib.parse import urlparse
 
 import httpx
+
+from specserve.bench.sse import add_url_arguments, refuse_remote
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -89,17 +90,15 @@ def table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--url", default="http://127.0.0.1:8000")
+    add_url_arguments(p)
     p.add_argument("--model", default=None, help="default: the one /v1/models lists")
     p.add_argument("--requests", type=int, default=600)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--timeout", type=float, default=300.0, help="per request, seconds")
     p.add_argument("--label", default="")
     p.add_argument("--out", type=Path, default=Path("bench-results/overload.json"))
-    p.add_argument("--allow-remote", action="store_true")
     args = p.parse_args(argv)
-    if urlparse(args.url).hostname not in ("127.0.0.1", "localhost", "::1") and not args.allow_remote:
-        p.error("refusing a non-loopback URL without --allow-remote")
+    refuse_remote(p, args)
     if not 1 <= args.requests <= 5000:
         p.error("--requests must lie in [1, 5000]")
     model = args.model or httpx.get(f"{args.url}/v1/models", timeout=30).json()["data"][0]["id"]

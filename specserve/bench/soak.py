@@ -31,11 +31,10 @@ import random
 import time
 from collections import Counter
 from pathlib import Path
-from urllib.parse import urlparse
 
 import httpx
 
-from specserve.bench.sse import events, ms, percentile
+from specserve.bench.sse import events, ms, percentile, refuse_remote
 
 PROMPTS = ["Hello", "The quick brown fox", "Speculative decoding is lossless.", "0123456789" * 3,
            "Once upon a time", "héllo wörld → ok", "a", "List three colours:"]
@@ -230,9 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         return soak_failover.main(args)
     args.max_tokens = args.max_tokens or 64
     args.out = args.out or Path("bench-results/soak.json")
-    host = urlparse(args.url).hostname
-    if host not in ("127.0.0.1", "localhost", "::1") and not args.allow_remote:
-        p.error(f"--url {args.url} is not loopback; pass --allow-remote to load another host on purpose")
+    refuse_remote(p, args)
     report = asyncio.run(run(args))
     print_report(report)
     args.out.parent.mkdir(parents=True, exist_ok=True)

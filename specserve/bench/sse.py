@@ -1,14 +1,43 @@
-"""Streamed completions (server-sent events) and the latency figures the HTTP benchmarks report."""
+"""What the HTTP benchmarks share: the server they may load, streamed completions (server-sent events) and
+the latency figures they report."""
 from __future__ import annotations
 
+import argparse
+import ipaddress
 import json
 import statistics
 from collections.abc import AsyncIterator
+from urllib.parse import urlparse
 
 import httpx
 
 DATA = "data: "
 DONE = "[DONE]"
+LOCAL_URL = "http://127.0.0.1:8000"
+
+
+def add_url_arguments(p: argparse.ArgumentParser, default: str | None = LOCAL_URL) -> None:
+    """--url (the server to send requests to) and --allow-remote (the only way past `refuse_remote`)."""
+    p.add_argument("--url", default=default, help=f"the running app (default: {default})")
+    p.add_argument("--allow-remote", action="store_true", help="allow a --url outside the loopback range")
+
+
+def is_loopback(url: str) -> bool:
+    """Whether the URL's host is this machine: `localhost`, 127.0.0.0/8 or ::1."""
+    host = urlparse(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # any other name
+        return False
+
+
+def refuse_remote(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A benchmark sends load to loopback only, unless told otherwise: argparse's error (exit 2) for any
+    other --url without --allow-remote."""
+    if not is_loopback(args.url) and not args.allow_remote:
+        parser.error(f"--url {args.url} is not loopback; pass --allow-remote to load another host on purpose")
 
 
 async def events(response: httpx.Response) -> AsyncIterator[dict | None]:
