@@ -94,20 +94,25 @@ def test_tiny_run_serves_the_engines_tokens(tmp_path):
     assert serve_gpu.main(["--plot", str(out / "serve-gpu.json")]) == 0
 
 
-@pytest.mark.parametrize("transport, shares, warmups", [
+@pytest.mark.parametrize("transport, passes, warmups", [
     ("compiled_graph", [0.1, 0.5, 1.0, 1.0], 3),  # warmed until a pass ran on the graph
     ("compiled_graph", [1.0, 0.2], 1),
     ("compiled_graph", [0.0, 0.0, 0.0, 0.0], 3),  # at most MAX_WARMUPS, then timed anyway
     ("actor_calls", [0.0, 0.0], 1),  # no graph to wait for
+    ("compiled_graph", [1.0, "reshaped", 1.0, 1.0], 3),  # a pass the graph changed shape in is not timed
+    ("compiled_graph", ["reshaped", 1.0, 1.0], 2),  # ... nor does it settle the level
+    ("compiled_graph", [1.0, "reshaped", 1.0, "reshaped"], 3),  # at most MAX_WARMUPS all the same
 ])
-def test_a_level_is_timed_once_its_warm_up_ran_on_the_graph(monkeypatch, transport, shares, warmups):
-    """A replica whose steps stop drafting rebuilds its compiled graph for the target alone and
-    steps over plain calls meanwhile (on a CPU run, the γ=0 rows at 8 streams ran 6% of their
-    timed steps on the graph): a level's timed pass waits until a warm-up pass ran on it."""
+def test_a_level_is_timed_once_its_warm_up_ran_on_the_graph(monkeypatch, transport, passes, warmups):
+    """A replica whose steps stop drafting reshapes its compiled graph for the target alone and
+    steps over plain calls while it rebuilds (on a CPU run, the γ=0 rows at 8 streams ran 6% of
+    their timed steps on the graph; at 3 streams, 0% where the 64th step without drafts fell in
+    the timed pass): a level's timed pass waits until a warm-up pass ran on the graph, starts
+    once the graph is built, and is never a pass in which the graph changed shape."""
     import asyncio
 
-    passes = iter(shares)
-    calls = []
+    kinds = iter(passes)
+    calls, state = [], {"reshapes": 0, "polls": 0, "in_pass": False}
 
     class Reply:
         def __init__(self, body=None):
@@ -122,10 +127,21 @@ def test_a_level_is_timed_once_its_warm_up_ran_on_the_graph(monkeypatch, transpo
     class Client:
         async def post(self, path):
             calls.append(path)
+            state["in_pass"] = True
             return Reply()
 
         async def get(self, path):
-            return Reply({"steps": 10, "graph_steps": round(10 * next(passes)), "pass": len(calls)})
+            if not state["in_pass"]:  # before a pass: a graph torn down by the last reshape is built again
+                state["polls"] += 1
+                ready = state["polls"] % 2 == 0 or state["reshapes"] == 0
+                return Reply({"graph_ready": ready, "graph_builds": 1, "graph_reshapes": state["reshapes"]})
+            state["in_pass"] = False
+            kind = next(kinds)
+            reshaped = kind == "reshaped"
+            state["reshapes"] += reshaped
+            share = 0.0 if reshaped else kind
+            return Reply({"steps": 10, "graph_steps": round(10 * share), "graph_reshapes": state["reshapes"],
+                          "pass": len(calls)})
 
     async def stream(client, prompt, max_tokens, gamma):
         return {"tokens": [1], "ttft": 0.0, "itl": None, "speculation": {}}
@@ -135,3 +151,5 @@ def test_a_level_is_timed_once_its_warm_up_ran_on_the_graph(monkeypatch, transpo
     results, wall, stats = asyncio.run(serve_gpu.level(Client(), args, [[1, 2]] * 4, 2, None))
     assert stats["bench_warmups"] == warmups and stats["pass"] == warmups + 1 == len(calls)
     assert len(results) == 2 and wall >= 0
+    if "reshaped" in passes and passes.index("reshaped") < len(calls) - 1:
+        assert state["polls"] > len(calls)  # the graph torn down by the reshape was waited for

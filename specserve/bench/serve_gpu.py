@@ -24,7 +24,8 @@ ratio, TTFT and ITL p50/p99 (ITL per request: (last chunk - first) / (tokens - 1
 worker calls) and overhead (step wall - forward time) p50/p99 from /v1/stats, the workers' peak
 CUDA memory, and `same`: every served token equals the in-process engine's. Each level is warmed
 up first (graphs captured at every shape it meets): one pass, or on the compiled graph up to three
-until a pass ran on it (`level`; the row's `warmups`), then timed. Prints rows as they come;
+until a pass ran on it (`level`; the row's `warmups`), then timed; a pass starts once the replica's
+graph is built, and one in which the graph changed shape is never the timed one. Prints rows as they come;
 writes DIR/serve-gpu.json, and DIR/serve-gpu.png where matplotlib is installed.
 """
 from __future__ import annotations
@@ -213,14 +214,17 @@ async def one_stream(client: httpx.AsyncClient, prompt: list[int], max_tokens: i
 
 MAX_WARMUPS = 3  # warm-up passes of a level at most before its timed one
 SETTLED_GRAPH_SHARE = 0.9  # ... ended once a pass ran this share of its steps on the compiled graph
+GRAPH_WAIT_S = 20.0  # the longest a pass waits for the replica to rebuild its graph (a reshape: 1-2 s)
 
 
 async def level(client, args, pool, concurrency: int, gamma: int | None) -> tuple[list[dict], float, dict]:
     """Requests at this concurrency: warm-up passes, then the timed one -> (results, wall s,
     /v1/stats of the timed pass, with "bench_warmups"). One warm-up, or on the compiled graph up
     to MAX_WARMUPS until a pass ran on it: a replica whose steps stop drafting (the γ=0 rows after
-    speculative ones) rebuilds its graph for the target alone, its steps going over plain calls
-    meanwhile, which a timed pass should not catch."""
+    speculative ones) reshapes its graph for the target alone once 64 steps drafted nothing, and
+    steps over plain calls while it rebuilds, which a timed pass should not catch. So each pass
+    starts once the graph is built (`graph_reshapes`), and a pass in which the graph changed shape
+    is a warm-up, never the timed one, whenever in the level the 64th step falls."""
     chosen = pool[: requests_at(args, concurrency)]
     gate = asyncio.Semaphore(concurrency)
 
@@ -228,18 +232,31 @@ async def level(client, args, pool, concurrency: int, gamma: int | None) -> tupl
         async with gate:
             return await one_stream(client, prompt, args.max_tokens, gamma)
 
-    warmups, timed = 0, False
+    warmups, settled = 0, False
     while True:
+        reshapes = await graph_reshapes(client, args)
         (await client.post("/v1/stats/reset")).raise_for_status()
         began = time.perf_counter()
         results = await asyncio.gather(*(run(p) for p in chosen))
         wall = time.perf_counter() - began
         stats = (await client.get("/v1/stats")).json()
-        if timed:
+        steady = stats.get("graph_reshapes", 0) == reshapes
+        if (settled and steady) or warmups >= MAX_WARMUPS:
             return results, wall, {**stats, "bench_warmups": warmups}
         warmups += 1
-        settled = args.transport != "compiled_graph" or graph_share(stats) >= SETTLED_GRAPH_SHARE
-        timed = settled or warmups >= MAX_WARMUPS
+        settled = steady and (args.transport != "compiled_graph" or graph_share(stats) >= SETTLED_GRAPH_SHARE)
+
+
+async def graph_reshapes(client, args) -> int:
+    """The replica's graph reshapes so far, once its graph is built: a graph torn down by a reshape
+    or a break is waited for (at most GRAPH_WAIT_S) while it had been built before."""
+    deadline = time.monotonic() + GRAPH_WAIT_S
+    while True:
+        stats = (await client.get("/v1/stats")).json()
+        if args.transport != "compiled_graph" or stats.get("graph_ready", True) or not stats.get("graph_builds") \
+                or time.monotonic() > deadline:
+            return stats.get("graph_reshapes", 0)
+        await asyncio.sleep(0.1)
 
 
 def graph_share(stats: dict) -> float:
@@ -268,6 +285,7 @@ def served_row(mode: str, alpha, concurrency: int, results: list[dict], wall: fl
         # the timed steps that ran on the compiled graph (the rest: plain actor calls)
         graph_share=graph_share(stats) if stats.get("steps") else None, warmups=stats.get("bench_warmups"),
         graph_breaks=stats.get("graph_breaks"), worker_restarts=stats.get("worker_restarts"),
+        graph_solo=stats.get("graph_solo"),  # the graph was the target's alone (steps that stopped drafting)
         graph_spins=stats.get("graph_spins"),  # the graph's readers spin (many cores) rather than nap
         q_placed=stats.get("q_placed"),  # the workers' placement handshake passed (the same GPU: CUDA IPC)
         same=all(r["tokens"] == ref[prompt_len:] for r, ref in zip(results, references)))
