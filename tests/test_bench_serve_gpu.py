@@ -83,7 +83,8 @@ def test_tiny_run_serves_the_engines_tokens(tmp_path):
     assert report["all_same"] and all(r["same"] for r in served)
     assert all(r["tokens_per_s"] > 0 and r["engine_tokens_per_s"] > 0 for r in served)
     assert served[0]["transport"] == "compiled_graph" and served[0]["acceptance"] > 0
-    assert all(r["graph_share"] == 1.0 for r in served)  # every timed step on the compiled graph
+    shares = [(r["mode"], r["concurrency"], r["graph_share"], r["warmups"], r["graph_solo"]) for r in served]
+    assert all(r["graph_share"] == 1.0 for r in served), shares  # every timed step on the compiled graph
     assert not report["partial"] and (out / "ray-warnings.txt").exists()
     steps = report["engine"][0]["steps"]  # where the in-process engine's timed steps went
     assert steps["steps"] > 0 and steps["graphs_captured"] == 0 and steps["step_ms"] > 0
