@@ -65,3 +65,15 @@ def test_draws_cover_every_route_and_are_reproducible():
     assert draws == [mix.draw(random.Random(k), CTX, list(mix.ROUTES)) for k in range(200)]
     assert {route for route, _ in draws} == set(mix.ROUTES)
     assert any(body.get("stream") for _, body in draws) and any("tools" in body for _, body in draws)
+
+
+def test_stream_lines_read_as_named_events():
+    """A Responses or Messages stream names each event; an OpenAI one does not, and ends with [DONE]."""
+    from specserve.bench.sse import named_events
+
+    lines = ["event: response.created", 'data: {"type": "response.created"}', "", ": keep-alive",
+             "event: response.completed", 'data: {"type": "response.completed"}', ""]
+    assert list(named_events(lines)) == [("response.created", {"type": "response.created"}),
+                                         ("response.completed", {"type": "response.completed"})]
+    assert list(named_events(['data: {"choices": []}', "", "data: [DONE]"])) == [(None, {"choices": []}),
+                                                                                  (None, "[DONE]")]

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import httpx
 
-from specserve.bench.sse import add_url_arguments, refuse_remote
+from specserve.bench.sse import add_url_arguments, named_events, refuse_remote
 from specserve.prompts import GENERAL, load_records
 
 ROUTES = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "responses": "/v1/responses",
@@ -198,13 +198,7 @@ def send(client: httpx.Client, url: str, body: dict) -> tuple[int, object]:
         if r.status_code != 200:
             r.read()
             return r.status_code, r.json()
-        events, name = [], None
-        for line in r.iter_lines():
-            if line.startswith("event: "):
-                name = line[7:]
-            elif line.startswith("data: "):
-                events.append((name, line[6:] if line[6:] == "[DONE]" else json.loads(line[6:])))
-        return 200, events
+        return 200, list(named_events(r.iter_lines()))
 
 
 def refusal_of(status: int, data) -> tuple[str, list[str]]:

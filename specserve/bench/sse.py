@@ -6,12 +6,13 @@ import argparse
 import ipaddress
 import json
 import statistics
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 from urllib.parse import urlparse
 
 import httpx
 
 DATA = "data: "
+EVENT = "event: "
 DONE = "[DONE]"
 LOCAL_URL = "http://127.0.0.1:8000"
 
@@ -46,6 +47,18 @@ async def events(response: httpx.Response) -> AsyncIterator[dict | None]:
         if line.startswith(DATA):
             payload = line[len(DATA):]
             yield None if payload == DONE else json.loads(payload)
+
+
+def named_events(lines: Iterable[str]) -> Iterator[tuple[str | None, object]]:
+    """(name, data) for each `data: ` line of a stream: the name of the `event: ` line before it (None
+    where there was none: OpenAI's chunks), and the data's JSON, or DONE as it stands."""
+    name = None
+    for line in lines:
+        if line.startswith(EVENT):
+            name = line[len(EVENT):]
+        elif line.startswith(DATA):
+            payload = line[len(DATA):]
+            yield name, payload if payload == DONE else json.loads(payload)
 
 
 def percentile(values: list[float], q: int, method: str = "exclusive") -> float | None:
