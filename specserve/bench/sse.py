@@ -17,9 +17,9 @@ DONE = "[DONE]"
 LOCAL_URL = "http://127.0.0.1:8000"
 
 
-def add_url_arguments(p: argparse.ArgumentParser, default: str | None = LOCAL_URL) -> None:
+def add_url_arguments(p: argparse.ArgumentParser) -> None:
     """--url (the server to send requests to) and --allow-remote (the only way past `refuse_remote`)."""
-    p.add_argument("--url", default=default, help=f"the running app (default: {default})")
+    p.add_argument("--url", default=LOCAL_URL, help=f"the running app (default: {LOCAL_URL})")
     p.add_argument("--allow-remote", action="store_true", help="allow a --url outside the loopback range")
 
 
