@@ -250,11 +250,12 @@ async def level(client, args, pool, concurrency: int, gamma: int | None) -> tupl
 async def graph_reshapes(client, args) -> int:
     """The replica's graph reshapes so far, once its graph is built: a graph torn down by a reshape
     or a break is waited for (at most GRAPH_WAIT_S) while it had been built before."""
+    if args.transport != "compiled_graph":
+        return 0  # (no graph: nothing to ask for)
     deadline = time.monotonic() + GRAPH_WAIT_S
     while True:
         stats = (await client.get("/v1/stats")).json()
-        if args.transport != "compiled_graph" or stats.get("graph_ready", True) or not stats.get("graph_builds") \
-                or time.monotonic() > deadline:
+        if stats.get("graph_ready", True) or not stats.get("graph_builds") or time.monotonic() > deadline:
             return stats.get("graph_reshapes", 0)
         await asyncio.sleep(0.1)
 
