@@ -15,8 +15,10 @@ forward time; rpc p50 = step wall - time inside the worker calls). Stats are per
 replica: run against a single-replica app for exact figures. With `--system-words N` every
 request starts with the same system prompt of N words (a system message with `--chat`), and the
 table reports the prompt tokens per request and how many of them the server took from its prefix
-cache (`usage.prompt_tokens_details.cached_tokens`). Prints a table, writes JSON. Loopback only
-unless --allow-remote.
+cache (`usage.prompt_tokens_details.cached_tokens`). With `--rounds N` each level runs N passes,
+the γ settings side by side in every round (their order reversed every other round): a row sums its
+passes, and the speedup over γ=0 is given summed and round by round. Prints a table, writes JSON.
+Loopback only unless --allow-remote.
 """
 from __future__ import annotations
 
@@ -61,6 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--gammas", default="default,0", help="comma list: 'default' and/or integers")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="passes per level, the γ settings interleaved (their order reversed every other round)")
     p.add_argument("--chat", action="store_true", help="use /v1/chat/completions")
     p.add_argument("--out", type=Path, default=Path("bench-results/http.json"))
     p.add_argument("--timeout", type=float, default=600.0)
@@ -98,7 +102,8 @@ async def _one(client: httpx.AsyncClient, args, model: str, prompt: str, gamma: 
             "prompt_tokens": (usage or {}).get("prompt_tokens", 0), "cached_tokens": cached}
 
 
-async def _level(client, args, model: str, concurrency: int, gamma: int | None) -> dict:
+async def _pass(client, args, model: str, concurrency: int, gamma: int | None) -> dict:
+    """One timed pass of a level: its requests' results, the wall time and the coordinator's stats."""
     n = args.requests or max(concurrency, 4)
     await client.post("/v1/stats/reset")
     gate = asyncio.Semaphore(concurrency)
@@ -110,20 +115,28 @@ async def _level(client, args, model: str, concurrency: int, gamma: int | None) 
     began = time.perf_counter()
     results = await asyncio.gather(*(run(i) for i in range(n)))
     wall = time.perf_counter() - began
-    stats = (await client.get("/v1/stats")).json()
-    tokens = sum(r["tokens"] for r in results)
+    return {"results": results, "wall_s": wall, "coordinator": (await client.get("/v1/stats")).json()}
+
+
+def _level(gamma: int | None, concurrency: int, passes: list[dict]) -> dict:
+    """A level's row over its passes (one per round): tokens over wall time summed, latency percentiles
+    over every request, and each pass's tok/s (`round_tokens_per_s`); `coordinator`: the last pass's stats."""
+    results = [r for p in passes for r in p["results"]]
+    tokens, wall = sum(r["tokens"] for r in results), sum(p["wall_s"] for p in passes)
     drafted = sum(r["speculation"].get("num_draft_tokens", 0) for r in results)
     accepted = sum(r["speculation"].get("num_accepted_tokens", 0) for r in results)
     ttfts = [r["ttft"] for r in results if r["ttft"] is not None]
     itls = [r["itl"] for r in results if r["itl"] is not None]
     return {
-        "gamma": "default" if gamma is None else gamma, "concurrency": concurrency, "requests": n,
+        "gamma": "default" if gamma is None else gamma, "concurrency": concurrency, "requests": len(results),
         "wall_s": wall, "output_tokens": tokens, "tokens_per_s": tokens / wall,
+        "round_tokens_per_s": [sum(r["tokens"] for r in p["results"]) / p["wall_s"] for p in passes],
         "ttft_p50_ms": ms(nearest_rank(ttfts, 0.5), None), "ttft_p99_ms": ms(nearest_rank(ttfts, 0.99), None),
         "itl_p50_ms": ms(nearest_rank(itls, 0.5), None), "itl_p99_ms": ms(nearest_rank(itls, 0.99), None),
         "acceptance_rate": accepted / drafted if drafted else None, "draft_tokens": drafted,
-        "accepted_tokens": accepted, "prompt_tokens_mean": sum(r["prompt_tokens"] for r in results) / n,
-        "cached_tokens_mean": sum(r["cached_tokens"] for r in results) / n, "coordinator": stats,
+        "accepted_tokens": accepted, "prompt_tokens_mean": sum(r["prompt_tokens"] for r in results) / len(results),
+        "cached_tokens_mean": sum(r["cached_tokens"] for r in results) / len(results),
+        "coordinator": passes[-1]["coordinator"],
     }
 
 
@@ -146,10 +159,24 @@ def _table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _speedups(rows: list[dict]) -> dict[int, float]:
-    base = {r["concurrency"]: r["tokens_per_s"] for r in rows if r["gamma"] == 0}
-    return {r["concurrency"]: r["tokens_per_s"] / base[r["concurrency"]]
-            for r in rows if r["gamma"] == "default" and base.get(r["concurrency"])}
+def _speedups(rows: list[dict]) -> dict[int, dict]:
+    """Per concurrency: the default γ's tok/s over γ=0's, summed over rounds ("speedup"), and round by
+    round ("rounds": the ratio of the two passes each round ran side by side)."""
+    base = {r["concurrency"]: r for r in rows if r["gamma"] == 0}
+    out = {}
+    for r in rows:
+        zero = base.get(r["concurrency"])
+        if r["gamma"] == "default" and zero:
+            out[r["concurrency"]] = {
+                "speedup": r["tokens_per_s"] / zero["tokens_per_s"],
+                "rounds": [a / b for a, b in zip(r["round_tokens_per_s"], zero["round_tokens_per_s"])]}
+    return out
+
+
+def _order(gammas: list, round_: int) -> list:
+    """The γ settings in a round's order: as given in even rounds, reversed in odd ones, so that neither
+    setting always runs first (the first pass after the other setting finds its caches and costs)."""
+    return gammas if round_ % 2 == 0 else gammas[::-1]
 
 
 async def _main(args) -> dict:
@@ -159,13 +186,17 @@ async def _main(args) -> dict:
     async with httpx.AsyncClient(base_url=args.url, timeout=args.timeout, limits=limits) as client:
         model = args.model or (await client.get("/v1/models")).json()["data"][0]["id"]
         await _one(client, args, model, PROMPTS[0], None)  # warm-up
-        rows = []
-        for gamma in gammas:
+        passes: dict[tuple, list[dict]] = {(g, c): [] for g in gammas for c in levels}
+        for round_ in range(args.rounds):
             for c in levels:
-                rows.append(await _level(client, args, model, c, gamma))
-                print(_table(rows[-1:]).splitlines()[1], flush=True)
+                for gamma in _order(gammas, round_):
+                    passes[gamma, c].append(await _pass(client, args, model, c, gamma))
+                    row = _level(gamma, c, passes[gamma, c][-1:])
+                    print(f"round {round_ + 1}: " + _table([row]).splitlines()[1], flush=True)
+        rows = [_level(g, c, passes[g, c]) for g in gammas for c in levels]
     return {"url": args.url, "model": model, "max_tokens": args.max_tokens, "temperature": args.temperature,
-            "chat": args.chat, "system_words": args.system_words, "rows": rows, "speedup_vs_gamma0": _speedups(rows)}
+            "chat": args.chat, "system_words": args.system_words, "rounds": args.rounds, "rows": rows,
+            "speedup_vs_gamma0": _speedups(rows)}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -173,7 +204,8 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(_table(report["rows"]))
     for c, s in report["speedup_vs_gamma0"].items():
-        print(f"speedup vs gamma=0 at concurrency {c}: {s:.2f}x")
+        each = ", ".join(f"{x:.2f}" for x in s["rounds"])
+        print(f"speedup vs gamma=0 at concurrency {c}: {s['speedup']:.2f}x (round by round: {each})")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out}")
@@ -185,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(parser)
     args = parser.parse_args(argv)
     refuse_remote(parser, args)
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     return run(args)
 
 
