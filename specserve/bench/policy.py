@@ -68,6 +68,21 @@ H100_7B = Costs(
 )
 
 
+# The README demo on a 2-core CPU: SmolLM2-135M-Instruct target, fp32, and its shipped feature head
+# (as a live engine's policy learnt them under a staggered batch of 4); the head drafts inside the
+# target's step (no catch-up forwards of its own worth pricing apart). With its confidence floor
+# (0.35) it drafted about 0.41 of each row's next planned positions (`--offer 0.41`), and about 0.65
+# of those were accepted.
+CPU_DEMO = Costs(
+    target={1: 41.9e-3, 2: 41.7e-3, 3: 52.5e-3, 4: 54.6e-3, 5: 57.5e-3, 6: 68.2e-3, 7: 75.9e-3, 8: 77.6e-3,
+            16: 101.0e-3, 32: 141.6e-3, 64: 211.1e-3},
+    draft={1: 3.4e-3, 4: 5.0e-3, 8: 7.0e-3, 16: 9.2e-3, 64: 16.6e-3},
+    overhead=1.0e-3,
+    source="2-core CPU, SmolLM2-135M target + shipped feature head, fp32 (the README demo)",
+)
+FIXTURES = {"h100-7b": H100_7B, "cpu-demo": CPU_DEMO}
+
+
 @dataclass
 class _Row:
     tokens: int  # tokens held (prompt + output)
@@ -90,15 +105,30 @@ class Served:
 
 
 def serve(policy: SpeculationPolicy, costs: Costs, batch: int, alpha: float, rounds: int, tokens: int,
-          prompt: int = 128, noise: float = 0.03, seed: int = 0) -> Served:
-    """Rounds of `batch` requests (prompt, then `tokens` generated each) under one policy."""
+          prompt: int = 128, noise: float = 0.03, seed: int = 0, staggered: bool = False, offer: float = 1.0) -> Served:
+    """`rounds` x `batch` requests (prompt, then `tokens` generated each) under one policy: in rounds of
+    `batch` that start together, or `staggered`: `batch` slots, each taking the next request as soon as
+    its own ends (a server under steady load, where a new request joins a batch of older ones every
+    tokens / batch steps); the first ones in a slot are already 0, 1/batch, 2/batch ... of the way in.
+    offer: the chance that the drafter drafts each next planned position of a row (below 1: a
+    confidence floor; `_step`)."""
     rng = random.Random(seed)
     calibrate(policy, costs)
     served = Served()
+    if staggered:
+        rows = [_Row(prompt + done, prompt - 1, tokens - done) for done in (tokens * i // batch for i in range(batch))]
+        waiting = (rounds - 1) * batch
+        while rows:
+            _step(policy, costs, rows, alpha, rng, noise, served, offer)
+            ended = sum(r.left <= 0 for r in rows)
+            joining = min(ended, waiting)
+            waiting -= joining
+            rows = [r for r in rows if r.left > 0] + [_Row(prompt, prompt - 1, tokens) for _ in range(joining)]
+        return served
     for _ in range(rounds):
         rows = [_Row(prompt, prompt - 1, tokens) for _ in range(batch)]
         while rows:
-            _step(policy, costs, rows, alpha, rng, noise, served)
+            _step(policy, costs, rows, alpha, rng, noise, served, offer)
             rows = [r for r in rows if r.left > 0]
     return served
 
@@ -110,7 +140,10 @@ def calibrate(policy: SpeculationPolicy, costs: Costs) -> None:
 
 
 def _step(policy: SpeculationPolicy, costs: Costs, rows: list[_Row], alpha: float, rng: random.Random,
-          noise: float, served: Served) -> None:
+          noise: float, served: Served, offer: float = 1.0) -> None:
+    """One step. With `offer` < 1 the drafter drafts each row's next planned position with that
+    chance until it first declines (a confidence floor), the target verifies the longest run
+    drafted, and the draft loop stops once no row drafts (the eager loop's early stop)."""
     alphas = [policy.alpha(r.estimate) for r in rows]
     backlog = sum(max(r.tokens - r.draft_len - DRAFT_ROW_TOKENS, 0) for r in rows)
     gamma = policy.choose(alphas, backlog, sum(not r.drafted_for for r in rows))
@@ -118,14 +151,19 @@ def _step(policy: SpeculationPolicy, costs: Costs, rows: list[_Row], alpha: floa
     def timed(model: str, n: int) -> ForwardTiming:
         return ForwardTiming(n, costs.seconds(model, n) * max(1.0 + rng.gauss(0.0, noise), 0.5))
 
+    offered = [gamma] * len(rows)
+    if offer < 1.0:
+        offered = [next((i for i in range(gamma) if rng.random() >= offer), gamma) for _ in rows]
+    width = max(offered, default=0)
     drafts = []
     if gamma > 0:
-        drafts = ([timed("draft", backlog + len(rows))] if backlog else []) + [timed("draft", len(rows))] * gamma
-    verify = [timed("target", len(rows) * (gamma + 1))]
+        loop = gamma if offer >= 1.0 else min(gamma, width + 1)
+        drafts = ([timed("draft", backlog + len(rows))] if backlog else []) + [timed("draft", len(rows))] * loop
+    verify = [timed("target", len(rows) * (width + 1))]
     wall = sum(f.seconds for f in (*drafts, *verify)) + costs.overhead * (1 + (gamma > 0))
-    for row in rows:
+    for row, drafted in zip(rows, offered):
         accepted = 0
-        while accepted < gamma and rng.random() < alpha:
+        while accepted < drafted and rng.random() < alpha:
             accepted += 1
         gained = min(accepted + 1, row.left)
         if gamma > 0:
@@ -134,19 +172,21 @@ def _step(policy: SpeculationPolicy, costs: Costs, rows: list[_Row], alpha: floa
         row.tokens += gained
         row.left -= gained
         served.tokens += gained
-        served.drafts += gamma
-        policy.observe_acceptance(row.estimate, accepted, gamma)
+        served.drafts += drafted
+        policy.observe_acceptance(row.estimate, accepted, drafted)
+        policy.observe_offers(drafted, gamma)
     policy.observe_step(wall, drafts, verify, len(rows), gamma, backlog)
     served.seconds += wall
     served.steps += 1
 
 
 def compare(costs: Costs, batch: int, alpha: float, max_gamma: int, rounds: int, tokens: int,
-            seeds: int = 4) -> dict:
+            seeds: int = 4, staggered: bool = False, offer: float = 1.0) -> dict:
     """{"adaptive": Served, "fixed": {γ: Served}} for one (batch, α) cell: each policy serves the
     same `seeds` independent runs (a fresh policy each), summed."""
     def total(make) -> Served:
-        runs = [serve(make(), costs, batch, alpha, rounds, tokens, seed=seed) for seed in range(seeds)]
+        runs = [serve(make(), costs, batch, alpha, rounds, tokens, seed=seed, staggered=staggered, offer=offer)
+                for seed in range(seeds)]
         return Served(*(sum(getattr(r, f) for r in runs) for f in ("tokens", "seconds", "steps", "drafts")))
 
     return {"adaptive": total(lambda: SpeculationPolicy(max_gamma)),
@@ -169,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--costs", default=None, help="JSON {target: {n: s}, draft: {n: s}, overhead: s}, or a "
                         "bench gpu JSON with --select")
+    parser.add_argument("--fixture", choices=sorted(FIXTURES), default="h100-7b",
+                        help="the built-in costs to replay without --costs")
     parser.add_argument("--select", default=None, help="with a bench gpu JSON: section/batch/α, e.g. random/16/0.8")
     parser.add_argument("--batches", default="1,16")
     parser.add_argument("--alphas", default="0.6,0.8")
@@ -176,16 +218,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--seeds", type=int, default=4, help="independent runs per policy, summed")
+    parser.add_argument("--staggered", action="store_true",
+                        help="requests join as others end (steady load) instead of in rounds that start together")
+    parser.add_argument("--offer", type=float, default=1.0,
+                        help="chance the drafter drafts each next planned position (below 1: a confidence floor)")
     parser.add_argument("--out", default="bench-results/policy.json")
     args = parser.parse_args(argv)
-    costs = Costs.load(args.costs, args.select) if args.costs else H100_7B
-    cells = [(b, a, compare(costs, b, a, args.max_gamma, args.rounds, args.tokens, args.seeds))
+    costs = Costs.load(args.costs, args.select) if args.costs else FIXTURES[args.fixture]
+    cells = [(b, a, compare(costs, b, a, args.max_gamma, args.rounds, args.tokens, args.seeds, args.staggered,
+                                 args.offer))
              for b in map(int, args.batches.split(",")) for a in map(float, args.alphas.split(","))]
     table = report(cells)
-    print(f"costs: {costs.source}\n{table}")
+    print(f"costs: {costs.source}; {'staggered arrivals' if args.staggered else 'rounds'}; offer {args.offer}\n{table}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"costs": asdict(costs), "table": table, "cells": [
+    out.write_text(json.dumps({"costs": asdict(costs), "staggered": args.staggered, "offer": args.offer, "table": table, "cells": [
         {"batch": b, "alpha": a, "adaptive": asdict(c["adaptive"]),
          "fixed": {g: asdict(s) for g, s in c["fixed"].items()}} for b, a, c in cells]}, indent=1))
     return 0
