@@ -368,54 +368,6 @@ def test_catching_up_a_lagging_drafter_counts_against_drafting():
 
 
 
-def declining_policy(offered: int, planned: int) -> SpeculationPolicy:
-    """A CPU-like policy (target 40 ms + 5 ms a token, draft 4 ms a forward) that has watched a
-    drafter draft `offered` of each row's `planned` positions, many times (a confidence floor)."""
-    policy = SpeculationPolicy(max_gamma=3)
-    for n in range(1, 17):
-        policy.target_cost.observe(n, 0.040 + 0.005 * n)
-    for n in (1, 4):
-        policy.draft_cost.observe(n, 0.004)
-    for _ in range(1000):
-        policy.observe_offers(offered, planned)
-    return policy
-
-
-def test_a_drafter_that_declines_positions_is_priced_by_what_it_drafts():
-    """The acceptance estimates count only drafted positions; a step's yield and its verify width
-    also depend on how often the drafter drafts the next planned position. At α 0.7 of what it
-    drafts, a batch of 4 gains from drafting where every planned position is drafted, but not
-    where the drafter drafts one of every two (each position then pays α·0.5 and the verify is
-    hardly narrower: some row of the 4 usually drafts on); at batch 1 the verify narrows with the
-    row's declines, and one draft still pays."""
-    full, half = declining_policy(3, 3), declining_policy(1, 2)
-    assert full.offer_rate() == 1.0 and full.verify_width(4, 3) == 4 and full.yield_alphas([0.7]) == [0.7]
-    kappa = half.offer_rate()
-    assert 0.5 < kappa < 0.52  # 1 drafted, 1 declined, forever (the prior: 1, four trials' worth)
-    assert half.yield_alphas([0.7, 0.4]) == [0.7 * kappa, 0.4 * kappa]
-    assert abs(half.verify_width(1, 3) - (1 + kappa + kappa ** 2 + kappa ** 3)) < 1e-12
-    assert 2.6 < half.verify_width(4, 2) < 2.7 and half.verify_width(4, 0) == 1
-    assert full.best_gamma([0.7] * 4) > 0 and half.best_gamma([0.7] * 4) == 0
-    assert half.best_gamma([0.7]) > 0
-
-
-def test_a_draft_loop_seen_to_stop_early_is_priced_by_the_positions_some_row_drafts():
-    """A captured loop runs every planned position; an eager loop under a floor stops once no row
-    drafts on. The policy prices γ forwards until it sees a step run fewer than its γ."""
-    from specserve.engine.model_runner import ForwardTiming
-
-    policy = declining_policy(1, 2)
-    policy.observe_step(0.1, [ForwardTiming(1, 0.004)] * 3, [ForwardTiming(4, 0.06)], batch=1, gamma=3)
-    assert policy.draft_forwards(1, 3) == 3  # every position ran
-    policy.observe_step(0.1, [ForwardTiming(1, 0.004)] * 2, [ForwardTiming(3, 0.055)], batch=1, gamma=3, backlog=9)
-    assert policy.draft_forwards(1, 3) == 3  # a catch-up step says nothing of the loop
-    policy.observe_step(0.1, [ForwardTiming(1, 0.004)] * 2, [ForwardTiming(3, 0.055)], batch=1, gamma=3)
-    kappa = policy.offer_rate()
-    assert abs(policy.draft_forwards(1, 3) - (1 + kappa + kappa ** 2)) < 1e-12
-    assert policy.draft_forwards(4, 1) == 1 and policy.draft_forwards(4, 0) == 0
-    assert declining_policy(3, 3).draft_forwards(4, 3) == 3  # (nothing declined: every position)
-
-
 def test_a_fused_drafter_pays_the_call_overhead_once_per_step():
     """A drafter in the target worker drafts inside the verify's call: a step's host time (the
     round trip) is one call's, whatever γ, so it must not be spread over the draft forwards."""

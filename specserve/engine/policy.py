@@ -24,7 +24,6 @@ ROW_DECAY = 0.97  # per step: how fast a request's own acceptance estimate forge
 MAX_OPTIMISTIC_ALPHA = 0.95  # a probe plans for at most this acceptance rate
 BRANCH_MARGIN = 0.01  # a pipelined step's branch must save this share of the step's predicted time
 ALTERNATE_PRIOR = 0.3  # before measuring: how often a draft's runner-up is the target's token where it rejects
-OFFER_DECAY = 0.99  # per row and step: how fast the drafter's offer rate (`offer_rate`) forgets
 
 
 class TokenCost:
@@ -84,12 +83,7 @@ class TokenCost:
         """{tokens: seconds} at every size measured or calibrated, at today's level."""
         return {k: self.predict(k) for k in sorted({*self._calibrated, *self._mean})}
 
-    def predict(self, n: float) -> float:
-        """Seconds of a forward over n tokens; a fractional n (an expected size) between its neighbours."""
-        if n != int(n):
-            low = int(n)
-            return self.predict(low) + (n - low) * (self.predict(low + 1) - self.predict(low))
-        n = int(n)
+    def predict(self, n: int) -> float:
         level = self.level()
         table = {k: c * level for k, c in self._calibrated.items()}
         table.update({k: value * level / then for k, (value, then) in self._mean.items()})
@@ -185,12 +179,7 @@ class SpeculationPolicy:
         # B tokens miss (a feature head's first forward re-reads each row's accepted tokens).
         # Learned from every drafting step of that batch size, whatever its γ.
         self._draft_bias: dict[int, float] = {}
-        self._draft_stops = False  # the draft loop was seen to end early, where no row drafts on (`draft_forwards`)
         self.global_alpha = AcceptanceEstimate()
-        # positions the drafter drafted / planned: it may decline the rest of a row's run (a
-        # confidence floor, a short prompt lookup), which `expected_tokens` at the acceptance
-        # rate alone does not know (`offer_rate`)
-        self.offers = AcceptanceEstimate()
         self.prior_alpha = prior_alpha
         self._steps_without_drafts = 0
         self._probe_interval = probe_every  # doubles after each probe that did not turn drafting back on
@@ -208,33 +197,6 @@ class SpeculationPolicy:
     def observe_acceptance(self, estimate: AcceptanceEstimate, num_accepted: int, num_draft: int) -> None:
         estimate.observe(num_accepted, num_draft, decay=ROW_DECAY)
         self.global_alpha.observe(num_accepted, num_draft, decay=0.995)
-
-    def observe_offers(self, offered: int, planned: int) -> None:
-        """A row's step planned `planned` drafts and the drafter drafted the first `offered` of them."""
-        self.offers.observe(offered, planned, decay=OFFER_DECAY)
-
-    def offer_rate(self) -> float:
-        """How often the drafter drafts a row's next planned position, having drafted the one before
-        (1 for a drafter that never declines). The acceptance estimates count only drafted positions
-        (a declined one was never tried); a step's yield and verify width need both. Measured on
-        the CPU demo's feature head (confidence floor 0.35) under a steady batch of 4: priced at the
-        acceptance rate alone, the steps it chose to draft yielded 5.4 tokens where it expected 8.1,
-        and drafting took 44% of the time, at 0.86x of not drafting."""
-        return self.offers.rate(1.0, PRIOR_WEIGHT)
-
-    def yield_alphas(self, alphas: list[float]) -> list[float]:
-        """Per-row acceptance rates as the chance that each next planned position is drafted and
-        accepted: what `expected_tokens` of a step needs."""
-        offer = self.offer_rate()
-        return alphas if offer >= 1.0 else [a * offer for a in alphas]
-
-    def verify_width(self, batch: int, gamma: int) -> float:
-        """Expected positions per row of a step's verify with γ planned drafts: the verify narrows to
-        the longest run drafted, so 1 + Σ_{i<=γ} P(some row of the batch drafts position i)."""
-        offer = self.offer_rate()
-        if offer >= 1.0 or gamma == 0:
-            return gamma + 1
-        return 1.0 + sum(1.0 - (1.0 - offer ** i) ** batch for i in range(1, gamma + 1))
 
     def observe_costs(self, model: str, timings) -> None:
         """Forwards (ForwardTiming) of "target" or "draft" in live steps."""
@@ -257,8 +219,6 @@ class SpeculationPolicy:
         a CUDA graph (measured on an H100: a 1.1B draft's catch-up over a 128-token prompt made
         the step's drafting look 2.4x its cost, and the policy never drafted again at α 0.8). Its
         cost is learned for its own size instead."""
-        if batch and gamma and backlog == 0 and 0 < sum(not f.prefill for f in draft_forwards) < gamma:
-            self._draft_stops = True
         if batch and gamma and draft_forwards and self.draft_cost.ready and backlog == 0:
             modelled = self._draft_seconds(batch, gamma, backlog)
             ratio = min(max(sum(f.seconds for f in draft_forwards) / max(modelled, 1e-9), 0.25), 8.0)
@@ -273,11 +233,10 @@ class SpeculationPolicy:
 
     # -- what we decide -----------------------------------------------------------------------
     def step_time(self, batch: int, gamma: int, backlog: int = 0) -> float:
-        """Predicted seconds of a step: one verify of B(γ+1) tokens (fewer where the drafter declines
-        positions: `verify_width`), then (γ > 0) the drafts: γ forwards of B tokens (fewer for a
-        loop that stops early: `draft_forwards`) after catching up on `backlog` tokens (those it
-        skipped in steps without drafts), scaled by what this batch size's drafting steps
-        measured; plus the host overhead per call."""
+        """Predicted seconds of a step: one verify of B(γ+1) tokens, then (γ > 0) the drafts: γ
+        forwards of B tokens after catching up on `backlog` tokens (those it skipped in steps
+        without drafts), scaled by what this batch size's drafting steps measured; plus the host
+        overhead per call."""
         if self._step_times is not None:  # inside `choose`: the costs cannot change until it returns
             key = (batch, gamma, backlog)
             if key not in self._step_times:
@@ -286,7 +245,7 @@ class SpeculationPolicy:
         return self._step_time(batch, gamma, backlog)
 
     def _step_time(self, batch: int, gamma: int, backlog: int) -> float:
-        verify = self.target_cost.predict(batch * self.verify_width(batch, gamma)) + self.overhead
+        verify = self.target_cost.predict(batch * (gamma + 1)) + self.overhead
         if gamma == 0:
             return verify
         calls = 0 if self.fused else gamma + (backlog > 0)
@@ -295,14 +254,7 @@ class SpeculationPolicy:
 
     def _draft_seconds(self, batch: int, gamma: int, backlog: int) -> float:
         catch_up = self.draft_cost.predict(backlog) if backlog > 0 else 0.0
-        return catch_up + self.draft_forwards(batch, gamma) * self.draft_cost.predict(batch)
-
-    def draft_forwards(self, batch: int, gamma: int) -> float:
-        """Expected forwards of a step's draft loop with γ planned drafts: γ; or, for a loop seen
-        to end once no row drafts on (an eager loop under a confidence floor, which checks on the
-        host), the first one and one more per position i < γ that some row drafts, that is
-        `verify_width(batch, γ - 1)`."""
-        return self.verify_width(batch, gamma - 1) if self._draft_stops and gamma > 0 else gamma
+        return catch_up + gamma * self.draft_cost.predict(batch)
 
     def best_gamma(self, alphas: list[float], backlog: int = 0, staying: bool = False) -> int:
         """The γ with the most expected tokens per second for a batch with these acceptance rates.
@@ -335,7 +287,7 @@ class SpeculationPolicy:
         """Expected tokens per second of the batch for each γ in [0, max_gamma]."""
         batch = len(alphas)
         return [gain / max(self.step_time(batch, g, backlog), 1e-9)
-                for g, gain in enumerate(expected_tokens_summed(self.yield_alphas(alphas), self.max_gamma))]
+                for g, gain in enumerate(expected_tokens_summed(alphas, self.max_gamma))]
 
     def choose(self, alphas: list[float], backlog: int = 0, newcomers: int = 0) -> int:
         """γ for the next step. While drafting does not pay, one probe step every probe_every
@@ -499,11 +451,11 @@ class OverlappedPolicy(SpeculationPolicy):
         k = min(branches, gamma)
         draft = self.draft_cost.predict(batch) + self.overhead
         ahead = self.draft_cost.predict(batch * (1 + k)) + self.overhead
-        verify = self.target_cost.predict(batch * self.verify_width(batch, gamma)) + self.overhead
+        verify = self.target_cost.predict(batch * (gamma + 1)) + self.overhead
         catch_up = self.draft_cost.predict(backlog) + self.overhead if backlog > 0 else 0.0
         guess, runner_up = self.guess_rate(), self.alternate_rate() if k else 0.0
         hit = 1.0
-        for a in self.yield_alphas(alphas):
+        for a in alphas:
             a = min(max(a, 0.0), 0.999)
             hit *= a ** gamma * guess + runner_up * (1.0 - a ** k)
         return max(verify, (gamma + 1) * ahead) + (1.0 - hit) * (gamma * draft + catch_up)
@@ -529,6 +481,6 @@ class OverlappedPolicy(SpeculationPolicy):
             seconds = self.step_time(batch, g, backlog)
             if g > 0:
                 seconds = min(seconds, self.best_overlapped_time(batch, g, alphas, backlog))
-            return sum(expected_tokens(a, g) for a in self.yield_alphas(alphas)) / max(seconds, 1e-9)
+            return sum(expected_tokens(a, g) for a in alphas) / max(seconds, 1e-9)
 
         return [rate(g) for g in range(self.max_gamma + 1)]

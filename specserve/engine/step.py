@@ -405,12 +405,10 @@ def _logprobs(seq: Sequence, verdict: Verdict, row: int, count: int) -> tuple[li
 
 def observe_verified(policy: SpeculationPolicy, plan: StepPlan, verdict: Verdict) -> None:
     """Teach the policy each row's acceptance over the drafts the target verified (after
-    `apply_verdict`), and how many of its planned drafts the drafter drafted. A position the
-    drafter declined (a confidence floor) was never tried, so it is not a rejection; the policy
-    counts it in its offer rate instead (`SpeculationPolicy.offer_rate`)."""
-    for s, planned, g, a in zip(plan.seqs, plan.num_draft.tolist(), plan.num_verified.tolist(), verdict.num_accepted):
+    `apply_verdict`). A position the drafter declined (a confidence floor) was never tried, so it
+    is not a rejection: counting it as one would talk the policy out of drafting at all."""
+    for s, g, a in zip(plan.seqs, plan.num_verified.tolist(), verdict.num_accepted):
         policy.observe_acceptance(s.acceptance, a, g)
-        policy.observe_offers(g, planned)
 
 
 def _cut(seq: Sequence, new: list[int]) -> list[int]:
