@@ -173,8 +173,7 @@ def _step(policy: SpeculationPolicy, costs: Costs, rows: list[_Row], alpha: floa
         row.left -= gained
         served.tokens += gained
         served.drafts += drafted
-        policy.observe_acceptance(row.estimate, accepted, drafted)
-        policy.observe_offers(drafted, gamma)
+        policy.observe_acceptance(row.estimate, accepted, drafted)  # (as the engine: drafted positions only)
     policy.observe_step(wall, drafts, verify, len(rows), gamma, backlog)
     served.seconds += wall
     served.steps += 1
