@@ -8,6 +8,8 @@ of γ=1 here; before probes that cannot pay were spaced out, batch 16 lost 2.2% 
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from specserve.bench.policy import CPU_DEMO, H100_7B, Costs, compare, report, serve
@@ -63,6 +65,23 @@ def test_staggered_requests_keep_the_batch_full_until_the_last_ones():
     # one token a row a step (γ 0): the slots' first requests end after 8, 6, 4 and 2 steps, the 8
     # waiting ones join the slot that frees first, and the last of them ends at step 24
     assert batches == [4] * 18 + [3] * 2 + [2] * 2 + [1] * 2
+
+
+def test_the_replay_command_takes_a_fixture_staggered_arrivals_and_an_offer_rate(tmp_path, capsys):
+    from specserve.bench import policy as bench_policy
+
+    out = tmp_path / "policy.json"
+    assert bench_policy.main(["--fixture", "cpu-demo", "--staggered", "--offer", "0.5", "--batches", "2",
+                              "--alphas", "0.7", "--max-gamma", "2", "--rounds", "2", "--tokens", "8", "--seeds", "1",
+                              "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["staggered"] is True and report["offer"] == 0.5 and report["costs"]["source"] == CPU_DEMO.source
+    (cell,) = report["cells"]
+    assert cell["batch"] == 2 and cell["fixed"]["0"]["drafts"] == 0 and 0 < cell["fixed"]["2"]["drafts"]
+    assert cell["fixed"]["2"]["drafts"] < 2 * 2 * cell["fixed"]["2"]["steps"]  # declined positions are not drafts
+    with pytest.raises(SystemExit) as exit_:
+        bench_policy.main(["--offer", "0"])
+    assert exit_.value.code == 2 and "--offer" in capsys.readouterr().err
 
 
 def test_costs_interpolate_between_and_extend_beyond_the_measured_sizes():

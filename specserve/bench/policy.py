@@ -2,13 +2,15 @@
 
     python -m specserve.bench.policy [--costs costs.json] [--out bench-results/policy.json]
     python -m specserve.bench.policy --costs bench-results/gpu.json --select random/16/0.8
+    python -m specserve.bench.policy --fixture cpu-demo --staggered --offer 0.41 --max-gamma 6 --tokens 48
 
 A step's cost is what the GPU measured per forward size (`Costs`, by default the H100 fixture
-below), its acceptances are drawn i.i.d. at α, and the real `SpeculationPolicy` picks γ every step
+below; `--fixture cpu-demo`: the README demo's on a 2-core CPU), its acceptances are drawn i.i.d. at α, and the real `SpeculationPolicy` picks γ every step
 from what it has observed, exactly as in the engine: start-up calibration, live timings with
 noise, per-request acceptance estimates, probes, the draft's catch-up over tokens it skipped.
-Each (batch, α) cell serves `rounds` rounds of `batch` new requests of `tokens` tokens each, one
-policy throughout (a server's), and reports tokens per simulated second for the adaptive policy and
+Each (batch, α) cell serves `rounds` rounds of `batch` new requests of `tokens` tokens each (or,
+`--staggered`, as many requests each joining as another ends), one policy throughout (a server's);
+with `--offer` below 1 the drafter declines positions as a confidence floor does. It reports tokens per simulated second for the adaptive policy and
 for every fixed γ, side by side. What this checks is the policy's own loss (probes, wrong γ,
 learning), which no GPU noise hides; whether the costs are right is for `bench gpu` to say.
 """
@@ -223,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="chance the drafter drafts each next planned position (below 1: a confidence floor)")
     parser.add_argument("--out", default="bench-results/policy.json")
     args = parser.parse_args(argv)
+    if not 0.0 < args.offer <= 1.0:
+        parser.error("--offer must be in (0, 1]")
     costs = Costs.load(args.costs, args.select) if args.costs else FIXTURES[args.fixture]
     cells = [(b, a, compare(costs, b, a, args.max_gamma, args.rounds, args.tokens, args.seeds, args.staggered,
                                  args.offer))
@@ -231,9 +235,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"costs: {costs.source}; {'staggered arrivals' if args.staggered else 'rounds'}; offer {args.offer}\n{table}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"costs": asdict(costs), "staggered": args.staggered, "offer": args.offer, "table": table, "cells": [
-        {"batch": b, "alpha": a, "adaptive": asdict(c["adaptive"]),
-         "fixed": {g: asdict(s) for g, s in c["fixed"].items()}} for b, a, c in cells]}, indent=1))
+    rows = [{"batch": b, "alpha": a, "adaptive": asdict(c["adaptive"]),
+             "fixed": {g: asdict(s) for g, s in c["fixed"].items()}} for b, a, c in cells]
+    out.write_text(json.dumps({"costs": asdict(costs), "staggered": args.staggered, "offer": args.offer,
+                               "table": table, "cells": rows}, indent=1))
     return 0
 
 
