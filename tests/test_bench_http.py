@@ -69,3 +69,12 @@ def test_rounds_must_be_positive(served, capsys):
     with pytest.raises(SystemExit) as exit_:
         bench_http.main(["--rounds", "0"])
     assert exit_.value.code == 2 and "--rounds" in capsys.readouterr().err and served == []
+
+
+def test_a_setting_given_twice_runs_once_a_round(served, tmp_path):
+    out = tmp_path / "http.json"
+    assert bench_http.main(["--concurrency", "1", "--requests", "1", "--max-tokens", "2", "--gammas", "0,default,0",
+                            "--rounds", "2", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["gamma"] for r in rows] == [0, "default"] and all(r["requests"] == 2 for r in rows)
+    assert served[1:] == [0, "default", "default", 0]

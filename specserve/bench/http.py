@@ -181,7 +181,8 @@ def _order(gammas: list, round_: int) -> list:
 
 async def _main(args) -> dict:
     levels = [int(c) for c in args.concurrency.split(",")]
-    gammas = [None if g.strip() == "default" else int(g) for g in args.gammas.split(",")]
+    # each setting once: `--rounds` repeats and interleaves them
+    gammas = list(dict.fromkeys(None if g.strip() == "default" else int(g) for g in args.gammas.split(",")))
     limits = httpx.Limits(max_connections=max(levels) + 4, max_keepalive_connections=max(levels) + 4)
     async with httpx.AsyncClient(base_url=args.url, timeout=args.timeout, limits=limits) as client:
         model = args.model or (await client.get("/v1/models")).json()["data"][0]["id"]
