@@ -159,7 +159,7 @@ def _step(policy: SpeculationPolicy, costs: Costs, rows: list[_Row], alpha: floa
     width = max(offered, default=0)
     drafts = []
     if gamma > 0:
-        loop = gamma if offer >= 1.0 else min(gamma, width + 1)
+        loop = min(gamma, width + 1)  # (every row drafting all γ: γ forwards)
         drafts = ([timed("draft", backlog + len(rows))] if backlog else []) + [timed("draft", len(rows))] * loop
     verify = [timed("target", len(rows) * (width + 1))]
     wall = sum(f.seconds for f in (*drafts, *verify)) + costs.overhead * (1 + (gamma > 0))
