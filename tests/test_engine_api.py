@@ -331,6 +331,73 @@ def test_a_request_no_step_drafted_for_is_tried_once_with_a_block():
     assert all(expensive.choose([expensive.overall_alpha()], 0, newcomers=1) == 0 for _ in range(15))
 
 
+def test_offer_rates_give_the_verify_its_widths_and_a_stopping_loop_its_forwards():
+    """Rows that draft each next planned position with chance κ_b: the verify checks the longest
+    run any row drafted plus the bonus, and a host-checked loop runs one forward and one per
+    further position some row drafts."""
+    from specserve.engine.policy import Widths, offered_widths
+
+    one = offered_widths([0.5], max_gamma=2, stops=True)
+    assert one.reach == (1.0, 0.5, 0.25)
+    assert one.verify(2) == [(1, 0.5), (2, 0.25), (3, 0.25)] and one.verify(0) == [(1, 1.0)]
+    assert one.loop(2) == 1.5 and one.loop(1) == 1.0 and offered_widths([0.5], 2, stops=False).loop(2) == 2.0
+    two = offered_widths([0.5, 0.5], max_gamma=1, stops=True)
+    assert two.reach == (1.0, 0.75)  # either row drafting position 1 widens the verify
+    assert offered_widths([1.0, 1.0], 3, stops=True) == Widths.full(3) and Widths.full(3).verify(3) == [(4, 1.0)]
+
+
+def demo_policy() -> SpeculationPolicy:
+    """The README demo's costs (a 2-core CPU, SmolLM2-135M and its feature head), calibrated."""
+    from specserve.bench.policy import CPU_DEMO, calibrate
+
+    policy = SpeculationPolicy(max_gamma=6)
+    calibrate(policy, CPU_DEMO)
+    policy.overhead = CPU_DEMO.overhead
+    return policy
+
+
+def test_a_drafter_that_declines_is_priced_at_what_it_drafts():
+    """The demo's head drafts 0.41 of the positions planned, and keeps 0.65 of those: ρ ≈ 0.27 a
+    planned position. A declined position yields nothing but costs little: the verify narrows
+    and the loop stops. At one stream that pays; at a steady batch of 4 it does not (the replay:
+    test_policy_replay.py). Priced at 0.65 a position with every planned one drafted, the batch of
+    4 drafted: 0.84x of γ=0."""
+    policy = demo_policy()
+    policy._loop_stops = True  # (as the eager loop showed it)
+    assert policy.best_gamma([0.27], offers=[0.41]) >= 1
+    assert policy.best_gamma([0.27] * 4, offers=[0.41] * 4) == 0
+    assert policy.best_gamma([0.65] * 4) >= 1  # the over-promise
+
+
+def test_after_rows_the_drafter_declines_a_request_it_serves_well_is_found():
+    """Rows whose every planned position the drafter declined (raw text the head is unsure of) leave
+    the overall ρ and κ near 0. A new request it drafts well for is still tried with a block (its
+    newcomer probe plans as if it drafted and kept 0.95 of the positions), and once its own steps
+    show that, drafting stays on for it. (One global offer rate with no such probe once left chat
+    requests at one stream undrafted: 0.96x of γ=0 where drafting had given 1.3x.)"""
+    from specserve.engine.policy import AcceptanceEstimate
+
+    policy = demo_policy()
+    policy._loop_stops = True
+    for _ in range(300):
+        policy.observe_acceptance(AcceptanceEstimate(), 0, 6)
+        policy.observe_offers(AcceptanceEstimate(), 0, 6)
+    assert policy.overall_alpha() < 0.05 and policy.offer(AcceptanceEstimate()) < 0.05
+    rho, kappa = AcceptanceEstimate(), AcceptanceEstimate()
+    chosen = []
+    for step in range(60):
+        gamma = policy.choose([policy.alpha(rho)], 0, newcomers=int(not chosen or max(chosen) == 0),
+                              offers=[policy.offer(kappa)])
+        chosen.append(gamma)
+        if gamma:  # it drafts every planned position and the target keeps all but every fourth
+            kept = gamma - 1 if step % 4 == 0 else gamma
+            policy.observe_acceptance(rho, kept, gamma)
+            policy.observe_offers(kappa, gamma, gamma)
+    first = next(i for i, g in enumerate(chosen) if g)
+    assert first <= 20 and chosen[first] >= 3, chosen
+    assert all(chosen[first + 1:]), chosen
+
+
 def test_a_step_that_plans_drafts_for_a_row_marks_it_drafted_for(target):
     from specserve.engine.step import new_sequence, plan_step
 

@@ -276,15 +276,19 @@ def test_a_confidence_floor_drafts_fewer_and_stays_identical(head_dir):
     assert sum(seen.counts) == cut and min(seen.widths) < 4  # narrower verifies where every row stopped
 
 
-def test_positions_the_floor_declines_do_not_count_as_rejections(head_dir):
-    """The policy learns acceptance from what the target verified. A floor this head never reaches
-    declines every position: nothing is verified, so the estimate stays untouched (were declined
-    positions rejections, every step would lower it until the policy stopped drafting)."""
+def test_positions_the_floor_declines_are_misses_the_offer_rate_counts(head_dir):
+    """A floor this head never reaches declines every position. Nothing is verified; the policy
+    counts each planned position as a miss (it yields nothing, as a rejection) and as declined
+    (the offer rate, which prices the verify narrowing to what rows drafted). No verify widens."""
     engine = SpeculativeEngine(target(), proposer=build(head_dir, min_confidence=0.99), num_speculative_tokens=4,
                                adaptive=False)
+    seen = CountingVerifies(engine)
     outs = engine.generate(prompts(3, seed=5), SamplingParams(max_tokens=MAX_NEW, temperature=0.0))
-    assert sum(o.metrics.num_draft_tokens for o in outs) == 0
-    assert engine.policy.global_alpha.trials == 0 and engine.policy.global_alpha.accepted == 0
+    assert sum(o.metrics.num_draft_tokens for o in outs) == 0 and sum(seen.counts) == 0
+    policy = engine.policy
+    assert policy.global_alpha.trials > 0 and policy.global_alpha.accepted == 0
+    assert policy.global_offers.trials == policy.global_alpha.trials and policy.global_offers.accepted == 0
+    assert max(seen.widths) == 0, seen.widths
 
 
 def record_kept(proposer) -> list[int]:

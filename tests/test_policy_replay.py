@@ -37,15 +37,18 @@ def test_a_drafter_that_loses_everywhere_is_switched_off():
     assert cell["adaptive"].rate >= 0.97 * fixed[0].rate, report([(1, 0.6, cell)])
 
 
-def test_a_drafter_that_declines_positions_keeps_up_at_one_stream_on_the_cpu_demo_costs():
+@pytest.mark.parametrize("batch", [1, 4])
+def test_a_drafter_that_declines_positions_keeps_up_on_the_cpu_demo_costs(batch):
     """The README demo's feature head drafts about 0.41 of each row's next planned positions (its
-    confidence floor), and requests join as others end. At one stream drafting pays and the policy
-    keeps within 3% of the best fixed γ. (At a steady batch of 4 it drafts where that loses, 0.84x
-    of γ=0 in this replay: docs/engine.md, "A drafter that declines positions", an open gap.)"""
-    cell = compare(CPU_DEMO, 1, 0.65, max_gamma=6, rounds=6, tokens=48, seeds=3, staggered=True, offer=0.41)
+    confidence floor), and requests join as others end. At one stream drafting pays; at a steady
+    batch of 4 it loses. The policy keeps within 3% (one stream) and 5% (4: what its newcomer
+    probes cost) of the better of γ=0 and the best fixed γ. Priced at the acceptance of drafted
+    positions alone, it drafted at 4 where that loses: 0.84x of γ=0 here."""
+    cell = compare(CPU_DEMO, batch, 0.65, max_gamma=6, rounds=6, tokens=48, seeds=3, staggered=True, offer=0.41)
     fixed = cell["fixed"]
     best = max(fixed.values(), key=lambda s: s.rate)
-    assert best.rate > fixed[0].rate and cell["adaptive"].rate >= 0.97 * best.rate, report([(1, 0.65, cell)])
+    assert (best.rate > fixed[0].rate) == (batch == 1), report([(batch, 0.65, cell)])
+    assert cell["adaptive"].rate >= (0.97 if batch == 1 else 0.95) * best.rate, report([(batch, 0.65, cell)])
 
 
 def test_staggered_requests_keep_the_batch_full_until_the_last_ones():

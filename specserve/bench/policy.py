@@ -90,7 +90,8 @@ class _Row:
     tokens: int  # tokens held (prompt + output)
     draft_len: int  # of them, cached by the draft
     left: int  # tokens still to generate
-    estimate: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
+    estimate: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # ρ
+    offers: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # κ
     drafted_for: bool = False
 
 
@@ -148,7 +149,7 @@ def _step(policy: SpeculationPolicy, costs: Costs, rows: list[_Row], alpha: floa
     drafted, and the draft loop stops once no row drafts (the eager loop's early stop)."""
     alphas = [policy.alpha(r.estimate) for r in rows]
     backlog = sum(max(r.tokens - r.draft_len - DRAFT_ROW_TOKENS, 0) for r in rows)
-    gamma = policy.choose(alphas, backlog, sum(not r.drafted_for for r in rows))
+    gamma = policy.choose(alphas, backlog, sum(not r.drafted_for for r in rows), [policy.offer(r.offers) for r in rows])
 
     def timed(model: str, n: int) -> ForwardTiming:
         return ForwardTiming(n, costs.seconds(model, n) * max(1.0 + rng.gauss(0.0, noise), 0.5))
@@ -175,7 +176,8 @@ def _step(policy: SpeculationPolicy, costs: Costs, rows: list[_Row], alpha: floa
         row.left -= gained
         served.tokens += gained
         served.drafts += drafted
-        policy.observe_acceptance(row.estimate, accepted, drafted)  # (as the engine: drafted positions only)
+        policy.observe_acceptance(row.estimate, accepted, gamma)  # (as the engine: a decline is a miss)
+        policy.observe_offers(row.offers, drafted, gamma)
     policy.observe_step(wall, drafts, verify, len(rows), gamma, backlog)
     served.seconds += wall
     served.steps += 1

@@ -1,12 +1,18 @@
 """How long to speculate: γ per step from live measurements (docs/architecture.md §1).
 
 A step with γ drafts per row costs γ draft forwards over B tokens plus one target forward over
-B(γ+1) tokens, and yields, per row with acceptance rate α, (1 - α^(γ+1)) / (1 - α) tokens in
-expectation. The policy learns each model's forward time per number of tokens from what it
-measures (prefills excluded), estimates α per request (shrunk towards the running global rate),
-and picks the γ in [0, max_gamma] with the most expected tokens per second. As the batch grows the
-target's cost per token rises on compute-bound hardware, and γ falls, to 0 where speculation does
-not pay.
+B(γ+1) tokens, and yields, per row whose next planned draft is drafted and accepted with chance ρ,
+(1 - ρ^(γ+1)) / (1 - ρ) tokens in expectation. The policy learns each model's forward time per
+number of tokens from what it measures (prefills excluded), estimates ρ per request (shrunk towards
+the running global rate), and picks the γ in [0, max_gamma] with the most expected tokens per
+second. As the batch grows the target's cost per token rises on compute-bound hardware, and γ
+falls, to 0 where speculation does not pay.
+
+A drafter may decline a row's planned positions (a confidence floor, a short prompt lookup). A
+declined position yields nothing, so ρ counts it as a miss; but it is cheap: the verify narrows to
+the longest run any row drafted, and a loop that checks on the host stops once no row drafts on.
+So the policy also learns per request how often the drafter drafts the next planned position (the
+offer rate κ), and prices a step's forwards at the widths that rate gives.
 """
 from __future__ import annotations
 
@@ -152,6 +158,40 @@ class AcceptanceEstimate:
         return (self.accepted + prior * prior_weight) / (self.trials + prior_weight)
 
 
+@dataclass(frozen=True)
+class Widths:
+    """What a batch's offer rates make of a step's forwards: the verify checks the longest run any
+    row drafted (plus the bonus position), and a loop that checks on the host (`stops`) ends once
+    no row drafts on."""
+
+    reach: tuple[float, ...]  # [i] chance that some row drafts position i, i in 0..max_gamma (reach[0] = 1)
+    stops: bool = False
+
+    @staticmethod
+    def full(max_gamma: int) -> "Widths":
+        """Every planned position drafted (a drafter that never declines)."""
+        return Widths((1.0,) * (max_gamma + 1))
+
+    def verify(self, gamma: int) -> list[tuple[int, float]]:
+        """[(positions per row, chance)] of the verify of a step with γ planned drafts."""
+        reach = (*self.reach[: gamma + 1], 0.0)
+        return [(i + 1, reach[i] - reach[i + 1]) for i in range(gamma + 1) if reach[i] > reach[i + 1]]
+
+    def loop(self, gamma: int) -> float:
+        """Expected forwards of the draft loop of a step with γ planned drafts: γ; or, where it
+        stops, the first one and one more per position i < γ that some row drafts."""
+        return sum(self.reach[:gamma]) if self.stops else float(gamma)
+
+
+def offered_widths(offers: list[float], max_gamma: int, stops: bool) -> Widths:
+    """Widths for rows that each draft their next planned position with chance κ_b, having drafted
+    the one before: row b drafts position i with chance κ_b^i."""
+    if all(k >= 1.0 for k in offers):
+        return Widths.full(max_gamma)
+    reach = [1.0] + [1.0 - math.prod(1.0 - k ** i for k in offers) for i in range(1, max_gamma + 1)]
+    return Widths(tuple(reach), stops)
+
+
 class SpeculationPolicy:
     def __init__(
         self,
@@ -179,12 +219,14 @@ class SpeculationPolicy:
         # B tokens miss (a feature head's first forward re-reads each row's accepted tokens).
         # Learned from every drafting step of that batch size, whatever its γ.
         self._draft_bias: dict[int, float] = {}
-        self.global_alpha = AcceptanceEstimate()
+        self.global_alpha = AcceptanceEstimate()  # ρ: a planned draft drafted and accepted
+        self.global_offers = AcceptanceEstimate()  # κ: a planned draft drafted (`offer`)
+        self._loop_stops = False  # the draft loop was seen to end before its γ forwards (`observe_step`)
         self.prior_alpha = prior_alpha
         self._steps_without_drafts = 0
         self._probe_interval = probe_every  # doubles after each probe that did not turn drafting back on
         self._drafting = False  # the last step chose to draft (not a probe): `best_gamma`'s `staying`
-        self._step_times: dict[tuple[int, int, int], float] | None = None  # within one `choose`: its predictions
+        self._step_times: dict[tuple, float] | None = None  # within one `choose`: its predictions
 
     # -- what we learn ----------------------------------------------------------------------
     def overall_alpha(self) -> float:
@@ -194,9 +236,29 @@ class SpeculationPolicy:
     def alpha(self, estimate: AcceptanceEstimate) -> float:
         return estimate.rate(self.overall_alpha(), PRIOR_WEIGHT)
 
-    def observe_acceptance(self, estimate: AcceptanceEstimate, num_accepted: int, num_draft: int) -> None:
-        estimate.observe(num_accepted, num_draft, decay=ROW_DECAY)
-        self.global_alpha.observe(num_accepted, num_draft, decay=0.995)
+    def observe_acceptance(self, estimate: AcceptanceEstimate, num_accepted: int, num_planned: int) -> None:
+        """A row's step planned `num_planned` drafts and kept the first `num_accepted`: a position
+        the drafter declined is a miss like a rejected one (it yields nothing either)."""
+        estimate.observe(num_accepted, num_planned, decay=ROW_DECAY)
+        self.global_alpha.observe(num_accepted, num_planned, decay=0.995)
+
+    def observe_offers(self, estimate: AcceptanceEstimate, num_drafted: int, num_planned: int) -> None:
+        """A row's step planned `num_planned` drafts and the drafter drafted the first `num_drafted`."""
+        estimate.observe(num_drafted, num_planned, decay=ROW_DECAY)
+        self.global_offers.observe(num_drafted, num_planned, decay=0.995)
+
+    def offer(self, estimate: AcceptanceEstimate) -> float:
+        """κ of a row: how often the drafter drafts its next planned position, having drafted the
+        one before, shrunk towards the global rate (itself shrunk towards 1: a drafter that never
+        declines). It prices a step's forwards (`widths`), never its yield: that is ρ's."""
+        overall = self.global_offers.rate(1.0, PRIOR_WEIGHT)
+        return estimate.rate(overall, PRIOR_WEIGHT)
+
+    def widths(self, offers: list[float] | None) -> Widths:
+        """Widths of a step for rows with these offer rates (None: every planned position drafted)."""
+        if offers is None:
+            return Widths.full(self.max_gamma)
+        return offered_widths(offers, self.max_gamma, self._loop_stops)
 
     def observe_costs(self, model: str, timings) -> None:
         """Forwards (ForwardTiming) of "target" or "draft" in live steps."""
@@ -218,9 +280,15 @@ class SpeculationPolicy:
         caught up on a backlog: that forward is an odd size, run eagerly where the drafts replay
         a CUDA graph (measured on an H100: a 1.1B draft's catch-up over a 128-token prompt made
         the step's drafting look 2.4x its cost, and the policy never drafted again at α 0.8). Its
-        cost is learned for its own size instead."""
+        cost is learned for its own size instead. A loop that ran fewer than γ forwards stopped
+        where no row drafted on (an eager loop under a confidence floor): from then on the policy
+        prices a loop at the forwards the rows' offer rates give (`Widths.loop`), and the bias
+        compares the forwards that ran."""
+        ran = sum(1 for f in draft_forwards if not f.prefill and f.tokens > 0)  # (0 tokens: a lookup's timing)
+        if batch and gamma and backlog == 0 and 0 < ran < gamma:
+            self._loop_stops = True
         if batch and gamma and draft_forwards and self.draft_cost.ready and backlog == 0:
-            modelled = self._draft_seconds(batch, gamma, backlog)
+            modelled = (ran if self._loop_stops and ran else gamma) * self.draft_cost.predict(batch)
             ratio = min(max(sum(f.seconds for f in draft_forwards) / max(modelled, 1e-9), 0.25), 8.0)
             old = self._draft_bias.get(batch)
             self._draft_bias[batch] = ratio if old is None else 0.8 * old + 0.2 * ratio
@@ -232,32 +300,39 @@ class SpeculationPolicy:
         self.overhead = host if self.overhead == 0.0 else 0.9 * self.overhead + 0.1 * host
 
     # -- what we decide -----------------------------------------------------------------------
-    def step_time(self, batch: int, gamma: int, backlog: int = 0) -> float:
+    def step_time(self, batch: int, gamma: int, backlog: int = 0, widths: Widths | None = None) -> float:
         """Predicted seconds of a step: one verify of B(γ+1) tokens, then (γ > 0) the drafts: γ
         forwards of B tokens after catching up on `backlog` tokens (those it skipped in steps
         without drafts), scaled by what this batch size's drafting steps measured; plus the host
-        overhead per call."""
+        overhead per call. widths: what the rows' offer rates give (`widths`): the verify priced
+        over the widths it narrows to, the loop at its expected forwards (None: every planned one)."""
         if self._step_times is not None:  # inside `choose`: the costs cannot change until it returns
-            key = (batch, gamma, backlog)
+            key = (batch, gamma, backlog, widths)
             if key not in self._step_times:
-                self._step_times[key] = self._step_time(batch, gamma, backlog)
+                self._step_times[key] = self._step_time(batch, gamma, backlog, widths)
             return self._step_times[key]
-        return self._step_time(batch, gamma, backlog)
+        return self._step_time(batch, gamma, backlog, widths)
 
-    def _step_time(self, batch: int, gamma: int, backlog: int) -> float:
-        verify = self.target_cost.predict(batch * (gamma + 1)) + self.overhead
+    def _step_time(self, batch: int, gamma: int, backlog: int, widths: Widths | None) -> float:
+        widths = widths or Widths.full(gamma)
+        # (the expected cost over the verify's widths: a forward's cost is no straight line in
+        # tokens; on the CPU demo's costs at γ 2 and κ 0.41 the cost at the expected width is 4% low)
+        verify = sum(p * self.target_cost.predict(batch * w) for w, p in widths.verify(gamma)) + self.overhead
         if gamma == 0:
             return verify
-        calls = 0 if self.fused else gamma + (backlog > 0)
-        drafts = self._draft_bias.get(batch, 1.0) * self._draft_seconds(batch, gamma, backlog)
+        loop = widths.loop(gamma)
+        calls = 0 if self.fused else loop + (backlog > 0)
+        drafts = self._draft_bias.get(batch, 1.0) * self._draft_seconds(batch, loop, backlog)
         return verify + drafts + calls * self.overhead
 
-    def _draft_seconds(self, batch: int, gamma: int, backlog: int) -> float:
+    def _draft_seconds(self, batch: int, forwards: float, backlog: int) -> float:
         catch_up = self.draft_cost.predict(backlog) if backlog > 0 else 0.0
-        return catch_up + gamma * self.draft_cost.predict(batch)
+        return catch_up + forwards * self.draft_cost.predict(batch)
 
-    def best_gamma(self, alphas: list[float], backlog: int = 0, staying: bool = False) -> int:
-        """The γ with the most expected tokens per second for a batch with these acceptance rates.
+    def best_gamma(self, alphas: list[float], backlog: int = 0, staying: bool = False,
+                   offers: list[float] | None = None) -> int:
+        """The γ with the most expected tokens per second for a batch with these rates ρ (a
+        planned draft drafted and accepted) and offer rates κ (None: a drafter that never declines).
 
         Turning drafting on takes a predicted gain of SWITCH_MARGIN, so that predictions within
         noise of each other do not make the policy flap into steps that cost more than they give.
@@ -272,24 +347,30 @@ class SpeculationPolicy:
             return self.max_gamma
         if not self.ready:
             return self.max_gamma  # nothing measured yet: speculate and learn
-        rates = self._rates(alphas, backlog)
+        rates = self._rates(alphas, backlog, offers)
         best = max(range(1, len(rates)), key=rates.__getitem__)
         if rates[best] > SWITCH_MARGIN * rates[0]:
             return best
         if not staying:
             return 0
         lift = min(self.optimistic_alpha() - self.overall_alpha(), MAX_STAY_LIFT)
-        hopeful = self._rates([min(a + lift, MAX_OPTIMISTIC_ALPHA) for a in alphas], backlog)
+        hopeful = self._rates([min(a + lift, MAX_OPTIMISTIC_ALPHA) for a in alphas], backlog, offers)
         best = max(range(1, len(hopeful)), key=hopeful.__getitem__)
         return best if hopeful[best] > hopeful[0] else 0
 
-    def _rates(self, alphas: list[float], backlog: int) -> list[float]:
+    def _widths_for(self, alphas: list[float], offers: list[float] | None) -> Widths | None:
+        """Widths for rows at these ρ and κ: a row drafts at least as often as it gains (ρ <= κ,
+        which a bound or a probe's planned ρ may break), so each κ is at least its row's ρ."""
+        return None if offers is None else self.widths([max(k, a) for k, a in zip(offers, alphas)])
+
+    def _rates(self, alphas: list[float], backlog: int, offers: list[float] | None = None) -> list[float]:
         """Expected tokens per second of the batch for each γ in [0, max_gamma]."""
-        batch = len(alphas)
-        return [gain / max(self.step_time(batch, g, backlog), 1e-9)
+        batch, widths = len(alphas), self._widths_for(alphas, offers)
+        return [gain / max(self.step_time(batch, g, backlog, widths), 1e-9)
                 for g, gain in enumerate(expected_tokens_summed(alphas, self.max_gamma))]
 
-    def choose(self, alphas: list[float], backlog: int = 0, newcomers: int = 0) -> int:
+    def choose(self, alphas: list[float], backlog: int = 0, newcomers: int = 0,
+               offers: list[float] | None = None) -> int:
         """γ for the next step. While drafting does not pay, one probe step every probe_every
         steps, backing off to 16x that while the probes keep finding it does not pay, and never
         sooner than the steps since the last probe make its extra cost PROBE_SHARE of their time
@@ -298,17 +379,17 @@ class SpeculationPolicy:
         QUIET_PROBE_SHARE where drafting would not pay even at `optimistic_alpha` (a large batch,
         a drafter known to be poor: such probes only watch for a change, and at 3% they cost a
         batch of 16 on the H100's costs 2.2% of its throughput). newcomers: rows that no step has
-        drafted for yet (see `_newcomer_probe`)."""
+        drafted for yet (see `_newcomer_probe`). alphas: the rows' ρ; offers: their κ (`offer`)."""
         self._step_times = {}
         try:
-            return self._choose(alphas, backlog, newcomers)
+            return self._choose(alphas, backlog, newcomers, offers)
         finally:
             self._step_times = None
 
-    def _choose(self, alphas: list[float], backlog: int, newcomers: int) -> int:
+    def _choose(self, alphas: list[float], backlog: int, newcomers: int, offers: list[float] | None) -> int:
         if not self.own_drafts:
             return 0
-        gamma = self.best_gamma(alphas, backlog, staying=self._drafting)
+        gamma = self.best_gamma(alphas, backlog, staying=self._drafting, offers=offers)
         self._drafting = gamma > 0
         if gamma > 0 or not self.adaptive or self.max_gamma == 0:
             self._steps_without_drafts = 0
@@ -316,15 +397,17 @@ class SpeculationPolicy:
             return gamma
         batch = len(alphas)
         self._steps_without_drafts += 1
-        probe = self._newcomer_probe(batch, backlog) if newcomers else 0
+        probe = self._newcomer_probe(batch, backlog, offers) if newcomers else 0
         if probe:
             self._steps_without_drafts = 0
             return probe
         if self._steps_without_drafts < self._probe_interval:
             return 0
-        probe = self.probe_gamma(batch, backlog)
-        hopeful = self.best_gamma([self.optimistic_alpha()] * batch) > 0  # once caught up
-        spacing = self._spacing(batch, probe, backlog, PROBE_SHARE if hopeful else QUIET_PROBE_SHARE)
+        probe = self.probe_gamma(batch, backlog, offers)
+        optimistic = [self.optimistic_alpha()] * batch
+        hopeful = self.best_gamma(optimistic, offers=offers) > 0  # once caught up
+        share = PROBE_SHARE if hopeful else QUIET_PROBE_SHARE
+        spacing = self._spacing(batch, probe, backlog, share, self._widths_for(optimistic, offers))
         if self._steps_without_drafts < spacing:
             self._probe_interval = spacing  # priced again then, with the backlog grown
             return 0
@@ -332,20 +415,23 @@ class SpeculationPolicy:
         self._probe_interval = min(2 * self._probe_interval, 16 * self.probe_every)
         return probe
 
-    def _spacing(self, batch: int, probe: int, backlog: int, share: float) -> int:
+    def _spacing(self, batch: int, probe: int, backlog: int, share: float, widths: Widths | None = None) -> int:
         """Steps without drafts that make a probe's extra cost `share` of their time."""
         plain = self.step_time(batch, 0)
-        return math.ceil((self.step_time(batch, probe, backlog) - plain) / (share * plain))
+        return math.ceil((self.step_time(batch, probe, backlog, widths) - plain) / (share * plain))
 
-    def _newcomer_probe(self, batch: int, backlog: int) -> int:
+    def _newcomer_probe(self, batch: int, backlog: int, offers: list[float] | None = None) -> int:
         """γ of a probe for the rows no step has drafted for, or 0 (none due). Such a row's rate
         is the overall one, which other requests made: after a run of chat (α 0.3) a code
         request (α 0.6) was never drafted for, and the overall probes drafted one token at a
         time, too rarely to move its own estimate within its lifetime. So it is tried once with
         a full block: the γ that would pay at `MAX_OPTIMISTIC_ALPHA` (none, where even that
-        would not pay), at most NEWCOMER_SHARE of the time since the last probe."""
-        probe = self.best_gamma([MAX_OPTIMISTIC_ALPHA] * batch, backlog)
-        if probe == 0 or self._steps_without_drafts < self._spacing(batch, probe, backlog, NEWCOMER_SHARE):
+        would not pay), at most NEWCOMER_SHARE of the time since the last probe (priced as if
+        every row drafted that often too)."""
+        hoped = [MAX_OPTIMISTIC_ALPHA] * batch
+        probe = self.best_gamma(hoped, backlog, offers=offers)
+        widths = self._widths_for(hoped, offers)
+        if probe == 0 or self._steps_without_drafts < self._spacing(batch, probe, backlog, NEWCOMER_SHARE, widths):
             return 0
         return probe
 
@@ -361,13 +447,13 @@ class SpeculationPolicy:
         trials = self.global_alpha.trials + PRIOR_WEIGHT
         return min(rate + 2.0 * math.sqrt(rate * (1.0 - rate) / trials), MAX_OPTIMISTIC_ALPHA)
 
-    def probe_gamma(self, batch: int, backlog: int = 0) -> int:
+    def probe_gamma(self, batch: int, backlog: int = 0, offers: list[float] | None = None) -> int:
         """A probe's γ: what would pay if every row accepted at `optimistic_alpha`, at least 1.
         While the estimate rests on a few trials a probe drafts a full block, so a drafter better
         than the prior is found within a few probes (a one-token probe adds at most one trial, and
         the back-off would have spaced the probes out long before the estimate moved); once many
         trials say drafting loses, the bound sits near the estimate and probes draft one token."""
-        return max(self.best_gamma([self.optimistic_alpha()] * batch, backlog), 1)
+        return max(self.best_gamma([self.optimistic_alpha()] * batch, backlog, offers=offers), 1)
 
 
 class OverlappedPolicy(SpeculationPolicy):
@@ -473,12 +559,13 @@ class OverlappedPolicy(SpeculationPolicy):
             return True
         return self.best_overlapped_time(len(alphas), gamma, alphas) < self.step_time(len(alphas), gamma)
 
-    def _rates(self, alphas: list[float], backlog: int) -> list[float]:
-        """As the sequential policy's, each γ > 0 at the cheaper of a sequential or pipelined step."""
-        batch = len(alphas)
+    def _rates(self, alphas: list[float], backlog: int, offers: list[float] | None = None) -> list[float]:
+        """As the sequential policy's, each γ > 0 at the cheaper of a sequential or pipelined step
+        (a pipelined step priced at every planned position: its ahead block is drafted whole)."""
+        batch, widths = len(alphas), self._widths_for(alphas, offers)
 
         def rate(g: int) -> float:
-            seconds = self.step_time(batch, g, backlog)
+            seconds = self.step_time(batch, g, backlog, widths)
             if g > 0:
                 seconds = min(seconds, self.best_overlapped_time(batch, g, alphas, backlog))
             return sum(expected_tokens(a, g) for a in alphas) / max(seconds, 1e-9)

@@ -79,7 +79,8 @@ class Sequence:
     draft_len: int = 0  # the same for the draft
     finish_reason: str | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
-    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
+    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # ρ: a planned draft kept
+    offers: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # κ: a planned draft drafted
     generator: torch.Generator | None = None
     drafted_for: bool = False  # a step has planned drafts for it (else the policy may probe it, `choose`)
     # params.logprobs set: per generated token (this engine's), its log-probability and alternatives
@@ -283,7 +284,8 @@ def plan_step(seqs: list[Sequence], policy: SpeculationPolicy, predict: bool = T
     alphas = [policy.alpha(s.acceptance) for s in seqs]
     # what the drafter catches up on first (the policy's estimate: tokens past a drafting row's own)
     backlog = sum(max(s.num_tokens - s.draft_len - DRAFT_ROW_TOKENS, 0) for s in seqs)
-    batch_gamma = policy.choose(alphas, backlog, sum(not s.drafted_for for s in seqs))
+    batch_gamma = policy.choose(alphas, backlog, sum(not s.drafted_for for s in seqs),
+                                [policy.offer(s.offers) for s in seqs])
     # A seeded sampled request always asks for max_gamma, so that its random stream, and with it
     # its tokens, depend on nothing but its seed and its own tokens (and float rounding, which the
     # batch's shapes set: docs/engine.md, "Seeds and batch shapes").
@@ -404,11 +406,14 @@ def _logprobs(seq: Sequence, verdict: Verdict, row: int, count: int) -> tuple[li
 
 
 def observe_verified(policy: SpeculationPolicy, plan: StepPlan, verdict: Verdict) -> None:
-    """Teach the policy each row's acceptance over the drafts the target verified (after
-    `apply_verdict`). A position the drafter declined (a confidence floor) was never tried, so it
-    is not a rejection: counting it as one would talk the policy out of drafting at all."""
-    for s, g, a in zip(plan.seqs, plan.num_verified.tolist(), verdict.num_accepted):
-        policy.observe_acceptance(s.acceptance, a, g)
+    """Teach the policy, per row (after `apply_verdict`), how many of its planned drafts were kept
+    and how many the drafter drafted. A position the drafter declined (a confidence floor) yields
+    nothing, as a rejected one; it is also cheap (the verify narrows, a host-checked loop stops),
+    which the offer rate prices (`SpeculationPolicy.offer`)."""
+    for s, planned, drafted, a in zip(plan.seqs, plan.num_draft.tolist(), plan.num_verified.tolist(),
+                                      verdict.num_accepted):
+        policy.observe_acceptance(s.acceptance, a, planned)
+        policy.observe_offers(s.offers, drafted, planned)
 
 
 def _cut(seq: Sequence, new: list[int]) -> list[int]:
