@@ -149,7 +149,8 @@ def _step(policy: SpeculationPolicy, costs: Costs, rows: list[_Row], alpha: floa
     drafted, and the draft loop stops once no row drafts (the eager loop's early stop)."""
     alphas = [policy.alpha(r.estimate) for r in rows]
     backlog = sum(max(r.tokens - r.draft_len - DRAFT_ROW_TOKENS, 0) for r in rows)
-    gamma = policy.choose(alphas, backlog, sum(not r.drafted_for for r in rows), [policy.offer(r.offers) for r in rows])
+    gamma = policy.choose(alphas, backlog, sum(not r.drafted_for for r in rows),
+                          [policy.offer(r.offers) for r in rows])
 
     def timed(model: str, n: int) -> ForwardTiming:
         return ForwardTiming(n, costs.seconds(model, n) * max(1.0 + rng.gauss(0.0, noise), 0.5))

@@ -463,12 +463,13 @@ class OverlappedPolicy(SpeculationPolicy):
     While the target verifies γ drafts, the draft runs γ + 1 more forwards: a guess of the bonus
     token, then the next block's γ drafts after it. That prepared block is used when every row of
     the batch accepted all its drafts and the bonus equals the guess, with probability
-    h = Π_b α_b^γ · β (α_b: the row's ρ; β: how often the guess was right after a full acceptance, measured). With
-    k rejection-point branches per row (`max_branches`, greedy batches on the compiled graph) the
-    same forwards also draft from each row's first k rejection points, corrected to the draft's
-    runner-up there: B(1 + k) rows, and h = Π_b (α_b^γ β + β₂ (1 - α_b^k)) (β₂: how often the
-    runner-up was the target's token where a branch's position was rejected, measured). So in
-    draft-forward units D and verify time T, a step costs
+    h = Π_b α_b^γ · β (α_b: the row's ρ, `SpeculationPolicy`; β: how often the guess was right
+    after a full acceptance, measured). With k rejection-point branches per row (`max_branches`,
+    greedy batches on the compiled graph) the same forwards also draft from each row's first k
+    rejection points, corrected to the draft's runner-up there: B(1 + k) rows, and
+    h = Π_b (α_b^γ β + β₂ (1 - α_b^k)) (β₂: how often the runner-up was the target's token where a
+    branch's position was rejected, measured). So in draft-forward units D and verify time T, a
+    step costs
 
         overlapped:  max(T(B(γ+1)), (γ+1) D(B(1+k))) + (1 - h) γ D(B)      (a miss drafts afresh first)
         sequential:  T(B(γ+1)) + γ D(B)
