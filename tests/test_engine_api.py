@@ -373,8 +373,9 @@ def test_after_rows_the_drafter_declines_a_request_it_serves_well_is_found():
     """Rows whose every planned position the drafter declined (raw text the head is unsure of) leave
     the overall ρ and κ near 0. A new request it drafts well for is still tried with a block (its
     newcomer probe plans as if it drafted and kept 0.95 of the positions), and once its own steps
-    show that, drafting stays on for it. (One global offer rate with no such probe once left chat
-    requests at one stream undrafted: 0.96x of γ=0 where drafting had given 1.3x.)"""
+    show that, drafting stays on for it. (One global offer rate that scaled even that probe's hope,
+    to 0.95 κ, once left chat requests at one stream undrafted: 0.96x of γ=0 where drafting had
+    given 1.3x.)"""
     from specserve.engine.policy import AcceptanceEstimate
 
     policy = demo_policy()
