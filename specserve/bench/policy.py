@@ -5,14 +5,15 @@
     python -m specserve.bench.policy --fixture cpu-demo --staggered --offer 0.41 --max-gamma 6 --tokens 48
 
 A step's cost is what the GPU measured per forward size (`Costs`, by default the H100 fixture
-below; `--fixture cpu-demo`: the README demo's on a 2-core CPU), its acceptances are drawn i.i.d. at α, and the real `SpeculationPolicy` picks γ every step
-from what it has observed, exactly as in the engine: start-up calibration, live timings with
-noise, per-request acceptance estimates, probes, the draft's catch-up over tokens it skipped.
-Each (batch, α) cell serves `rounds` rounds of `batch` new requests of `tokens` tokens each (or,
-`--staggered`, as many requests each joining as another ends), one policy throughout (a server's);
-with `--offer` below 1 the drafter declines positions as a confidence floor does. It reports tokens per simulated second for the adaptive policy and
-for every fixed γ, side by side. What this checks is the policy's own loss (probes, wrong γ,
-learning), which no GPU noise hides; whether the costs are right is for `bench gpu` to say.
+below; `--fixture cpu-demo`: the README demo's on a 2-core CPU), its acceptances are drawn i.i.d.
+at α, and the real `SpeculationPolicy` picks γ every step from what it has observed, exactly as in
+the engine: start-up calibration, live timings with noise, per-request acceptance estimates,
+probes, the draft's catch-up over tokens it skipped. Each (batch, α) cell serves `rounds` rounds of
+`batch` new requests of `tokens` tokens each (or, `--staggered`, as many requests each joining as
+another ends), one policy throughout (a server's); with `--offer` below 1 the drafter declines
+positions as a confidence floor does. It reports tokens per simulated second for the adaptive
+policy and for every fixed γ, side by side. What this checks is the policy's own loss (probes,
+wrong γ, learning), which no GPU noise hides; whether the costs are right is for `bench gpu` to say.
 """
 from __future__ import annotations
 

@@ -254,10 +254,8 @@ class SpeculationPolicy:
         overall = self.global_offers.rate(1.0, PRIOR_WEIGHT)
         return estimate.rate(overall, PRIOR_WEIGHT)
 
-    def widths(self, offers: list[float] | None) -> Widths:
-        """Widths of a step for rows with these offer rates (None: every planned position drafted)."""
-        if offers is None:
-            return Widths.full(self.max_gamma)
+    def widths(self, offers: list[float]) -> Widths:
+        """Widths of a step for rows with these offer rates."""
         return offered_widths(offers, self.max_gamma, self._loop_stops)
 
     def observe_costs(self, model: str, timings) -> None:
