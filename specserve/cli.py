@@ -11,7 +11,8 @@
     specserve bench mix [--url ...] [--requests 200]                 random option mixes on every API, each answer checked (specserve.bench.mix)
     specserve bench cpu / drafters [...]                             CPU kernels; drafters side by side (specserve.bench.cpu, .drafters)
     specserve bench memory [--tiny]                                  dense vs paged KV at one budget (specserve.bench.memory)
-    specserve bench policy [--costs FILE]                            the γ policy replayed on measured costs (specserve.bench.policy)
+    specserve bench policy [--costs FILE] [--trace FILE]             the γ policy replayed on measured costs (specserve.bench.policy)
+    specserve bench acceptance [--drafter feature-head]              a drafter's hits position by position: a trace to replay (specserve.bench.acceptance)
     specserve bench prediction [--model tiny]                        code edits with / without a predicted output (specserve.bench.prediction)
 
 A subcommand is one entry in COMMANDS (name -> help, add_arguments, run); a benchmark is one entry
@@ -130,6 +131,7 @@ BENCHES = {  # name -> module with `main(argv: list[str]) -> int`; its own argpa
     "drafters": "specserve.bench.drafters",
     "memory": "specserve.bench.memory",
     "policy": "specserve.bench.policy",
+    "acceptance": "specserve.bench.acceptance",
     "host": "specserve.bench.host",
     "qwire": "specserve.bench.qwire",
     "draws": "specserve.bench.draws",

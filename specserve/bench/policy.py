@@ -3,6 +3,7 @@
     python -m specserve.bench.policy [--costs costs.json] [--out bench-results/policy.json]
     python -m specserve.bench.policy --costs bench-results/gpu.json --select random/16/0.8
     python -m specserve.bench.policy --fixture cpu-demo --staggered --offer 0.41 --max-gamma 6 --tokens 48
+    python -m specserve.bench.policy --fixture cpu-demo --trace smollm2-head --staggered --max-gamma 6 --tokens 64
 
 A step's cost is what the GPU measured per forward size (`Costs`, by default the H100 fixture
 below; `--fixture cpu-demo`: the README demo's on a 2-core CPU), its acceptances are drawn i.i.d.
@@ -11,15 +12,18 @@ the engine: start-up calibration, live timings with noise, per-request acceptanc
 probes, the draft's catch-up over tokens it skipped. Each (batch, α) cell serves `rounds` rounds of
 `batch` new requests of `tokens` tokens each (or, `--staggered`, as many requests each joining as
 another ends), one policy throughout (a server's); with `--offer` below 1 the drafter declines
-positions as a confidence floor does. It reports tokens per simulated second for the adaptive
-policy and for every fixed γ, side by side. What this checks is the policy's own loss (probes,
+positions as a confidence floor does; with `--trace` each request is one a real drafter met, its
+offers and hits position by position as recorded (`specserve bench acceptance`). It reports
+tokens per simulated second for the adaptive policy and for every fixed γ, side by side. What this checks is the policy's own loss (probes,
 wrong γ, learning), which no GPU noise hides; whether the costs are right is for `bench gpu` to say.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -85,6 +89,48 @@ CPU_DEMO = Costs(
 )
 FIXTURES = {"h100-7b": H100_7B, "cpu-demo": CPU_DEMO}
 
+# Recorded with `specserve bench acceptance` (its defaults): the README demo's head (floor 0.35, prompt
+# lookup from 3 tokens) on SmolLM2-135M, 64 greedy tokens of each of the 40 prompts of prompts.jsonl.
+TRACES = {"smollm2-head": Path(__file__).parent / "traces" / "smollm2-head.json"}
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    """One request as a real drafter met it (`specserve bench acceptance`): [t] for t output tokens
+    generated, how many drafts the drafter offers for the step that starts there (at most the
+    trace's γ) and how many of them the target keeps. [0] is the prefill's token (no drafts)."""
+
+    drafted: tuple[int, ...]
+    accepted: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Trace:
+    """A drafter's acceptance on real prompts: each request's per-position offers and keeps,
+    replayed instead of i.i.d. draws (`serve(trace=...)`), so that what the policy meets varies
+    between requests and runs in streaks as the drafter's real misses do."""
+
+    requests: tuple[TraceRequest, ...]
+    gamma: int  # the most drafts a step of the recording planned: a replayed γ above it is clipped
+    source: str = ""
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Trace":
+        """A trace file, or the name of one shipped in specserve/bench/traces (`TRACES`)."""
+        path = TRACES.get(str(path), path)
+        raw = json.loads(Path(path).read_text())
+        requests = tuple(TraceRequest(tuple(r["drafted"]), tuple(r["accepted"])) for r in raw["requests"])
+        for i, r in enumerate(requests):
+            if len(r.drafted) != len(r.accepted) or any(a > d for a, d in zip(r.accepted, r.drafted)):
+                raise ValueError(f"{path}: request {i} keeps more drafts than it offers, or its lists differ in length")
+        return cls(requests, int(raw["gamma"]), raw.get("source", str(path)))
+
+    def alpha(self) -> float:
+        """ρ over every position: kept / (kept + misses) of steps planned at the trace's γ."""
+        kept = sum(sum(r.accepted[1:]) for r in self.requests)
+        misses = sum(a < self.gamma for r in self.requests for a in r.accepted[1:])
+        return kept / max(kept + misses, 1)
+
 
 @dataclass
 class _Row:
@@ -94,6 +140,24 @@ class _Row:
     estimate: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # ρ
     offers: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # κ
     drafted_for: bool = False
+    trace: TraceRequest | None = None  # where the drafts' fate comes from (None: i.i.d. at α)
+    done: int = 0  # output tokens generated (a trace's position)
+
+    def offered(self, gamma: int, offer: float, rng: random.Random) -> int:
+        """Drafts the drafter offers in a step that plans γ: from the trace, or each next position
+        with chance `offer` until it first declines."""
+        if self.trace is not None:
+            return min(self.trace.drafted[min(self.done, len(self.trace.drafted) - 1)], gamma)
+        return gamma if offer >= 1.0 else next((i for i in range(gamma) if rng.random() >= offer), gamma)
+
+    def kept(self, drafted: int, alpha: float, rng: random.Random) -> int:
+        """Of `drafted` drafts, how many the target keeps: from the trace, or each with chance α."""
+        if self.trace is not None:
+            return min(self.trace.accepted[min(self.done, len(self.trace.accepted) - 1)], drafted)
+        accepted = 0
+        while accepted < drafted and rng.random() < alpha:
+            accepted += 1
+        return accepted
 
 
 @dataclass
@@ -109,32 +173,57 @@ class Served:
 
 
 def serve(policy: SpeculationPolicy, costs: Costs, batch: int, alpha: float, rounds: int, tokens: int,
-          prompt: int = 128, noise: float = 0.03, seed: int = 0, staggered: bool = False, offer: float = 1.0) -> Served:
+          prompt: int = 128, noise: float = 0.03, seed: int = 0, staggered: bool = False, offer: float = 1.0,
+          trace: Trace | None = None) -> Served:
     """`rounds` x `batch` requests (prompt, then `tokens` generated each) under one policy: in rounds of
     `batch` that start together, or `staggered`: `batch` slots, each taking the next request as soon as
     its own ends (a server under steady load, where a new request joins a batch of older ones every
     tokens / batch steps); the first ones in a slot are already 0, 1/batch, 2/batch ... of the way in.
     offer: the chance that the drafter drafts each next planned position of a row (below 1: a
-    confidence floor; `_step`)."""
+    confidence floor; `_step`). trace: the requests are the trace's, in an order the seed shuffles,
+    each at most `tokens` long (`alpha` and `offer` are then unused)."""
     rng = random.Random(seed)
     calibrate(policy, costs)
     served = Served()
+    requests = _requests(trace, seed)
+
+    def new_row(done: int = 0) -> _Row:
+        return _new_row(next(requests), prompt, tokens, done)
+
     if staggered:
-        rows = [_Row(prompt + done, prompt - 1, tokens - done) for done in (tokens * i // batch for i in range(batch))]
+        rows = [new_row(tokens * i // batch) for i in range(batch)]
         waiting = (rounds - 1) * batch
         while rows:
             _step(policy, costs, rows, alpha, rng, noise, served, offer)
             ended = sum(r.left <= 0 for r in rows)
             joining = min(ended, waiting)
             waiting -= joining
-            rows = [r for r in rows if r.left > 0] + [_Row(prompt, prompt - 1, tokens) for _ in range(joining)]
+            rows = [r for r in rows if r.left > 0] + [new_row() for _ in range(joining)]
         return served
     for _ in range(rounds):
-        rows = [_Row(prompt, prompt - 1, tokens) for _ in range(batch)]
+        rows = [new_row() for _ in range(batch)]
         while rows:
             _step(policy, costs, rows, alpha, rng, noise, served, offer)
             rows = [r for r in rows if r.left > 0]
     return served
+
+
+def _requests(trace: Trace | None, seed: int) -> Iterator[TraceRequest | None]:
+    """The requests rows take in turn: the trace's, shuffled by the seed, round and round (None: i.i.d.)."""
+    if trace is None:
+        return itertools.repeat(None)
+    order = list(trace.requests)
+    random.Random(seed).shuffle(order)
+    return itertools.cycle(order)
+
+
+def _new_row(request: TraceRequest | None, prompt: int, tokens: int, done: int) -> _Row:
+    """A row `done` tokens into its output. A trace's row starts after the prefill's token (its [0])."""
+    if request is None:
+        return _Row(prompt + done, prompt - 1, tokens - done, done=done)
+    length = min(tokens, len(request.drafted))
+    done = min(max(done, 1), length - 1)
+    return _Row(prompt + done, prompt - 1, length - done, trace=request, done=done)
 
 
 def calibrate(policy: SpeculationPolicy, costs: Costs) -> None:
@@ -156,9 +245,7 @@ def _step(policy: SpeculationPolicy, costs: Costs, rows: list[_Row], alpha: floa
     def timed(model: str, n: int) -> ForwardTiming:
         return ForwardTiming(n, costs.seconds(model, n) * max(1.0 + rng.gauss(0.0, noise), 0.5))
 
-    offered = [gamma] * len(rows)
-    if offer < 1.0:
-        offered = [next((i for i in range(gamma) if rng.random() >= offer), gamma) for _ in rows]
+    offered = [row.offered(gamma, offer, rng) for row in rows]
     width = max(offered, default=0)
     drafts = []
     if gamma > 0:
@@ -167,14 +254,13 @@ def _step(policy: SpeculationPolicy, costs: Costs, rows: list[_Row], alpha: floa
     verify = [timed("target", len(rows) * (width + 1))]
     wall = sum(f.seconds for f in (*drafts, *verify)) + costs.overhead * (1 + (gamma > 0))
     for row, drafted in zip(rows, offered):
-        accepted = 0
-        while accepted < drafted and rng.random() < alpha:
-            accepted += 1
+        accepted = row.kept(drafted, alpha, rng)
         gained = min(accepted + 1, row.left)
         if gamma > 0:
             row.draft_len = row.tokens + min(accepted, gamma - 1)
             row.drafted_for = True
         row.tokens += gained
+        row.done += gained
         row.left -= gained
         served.tokens += gained
         served.drafts += drafted
@@ -186,11 +272,12 @@ def _step(policy: SpeculationPolicy, costs: Costs, rows: list[_Row], alpha: floa
 
 
 def compare(costs: Costs, batch: int, alpha: float, max_gamma: int, rounds: int, tokens: int,
-            seeds: int = 4, staggered: bool = False, offer: float = 1.0) -> dict:
+            seeds: int = 4, staggered: bool = False, offer: float = 1.0, trace: Trace | None = None) -> dict:
     """{"adaptive": Served, "fixed": {γ: Served}} for one (batch, α) cell: each policy serves the
     same `seeds` independent runs (a fresh policy each), summed."""
     def total(make) -> Served:
-        runs = [serve(make(), costs, batch, alpha, rounds, tokens, seed=seed, staggered=staggered, offer=offer)
+        runs = [serve(make(), costs, batch, alpha, rounds, tokens, seed=seed, staggered=staggered, offer=offer,
+                      trace=trace)
                 for seed in range(seeds)]
         return Served(*(sum(getattr(r, f) for r in runs) for f in ("tokens", "seconds", "steps", "drafts")))
 
@@ -227,21 +314,30 @@ def main(argv: list[str] | None = None) -> int:
                         help="requests join as others end (steady load) instead of in rounds that start together")
     parser.add_argument("--offer", type=float, default=1.0,
                         help="chance the drafter drafts each next planned position (below 1: a confidence floor)")
+    parser.add_argument("--trace", default=None,
+                        help="a drafter's recorded acceptance (`specserve bench acceptance`; or smollm2-head, the "
+                        "demo's) replayed instead of draws at --alphas / --offer; its α column is the trace's ρ")
     parser.add_argument("--out", default="bench-results/policy.json")
     args = parser.parse_args(argv)
     if not 0.0 < args.offer <= 1.0:
         parser.error("--offer must be in (0, 1]")
+    trace = Trace.load(args.trace) if args.trace else None
+    if trace is not None and args.max_gamma > trace.gamma:
+        parser.error(f"--max-gamma {args.max_gamma} is above the trace's γ ({trace.gamma}): it cannot say what more drafts would do")
     costs = Costs.load(args.costs, args.select) if args.costs else FIXTURES[args.fixture]
+    alphas = [round(trace.alpha(), 3)] if trace else [float(a) for a in args.alphas.split(",")]
     cells = [(b, a, compare(costs, b, a, args.max_gamma, args.rounds, args.tokens, args.seeds, args.staggered,
-                                 args.offer))
-             for b in map(int, args.batches.split(",")) for a in map(float, args.alphas.split(","))]
+                                 args.offer, trace))
+             for b in map(int, args.batches.split(",")) for a in alphas]
     table = report(cells)
-    print(f"costs: {costs.source}; {'staggered arrivals' if args.staggered else 'rounds'}; offer {args.offer}\n{table}")
+    source = f"trace {trace.source} ({len(trace.requests)} requests)" if trace else f"offer {args.offer}"
+    print(f"costs: {costs.source}; {'staggered arrivals' if args.staggered else 'rounds'}; {source}\n{table}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = [{"batch": b, "alpha": a, "adaptive": asdict(c["adaptive"]),
              "fixed": {g: asdict(s) for g, s in c["fixed"].items()}} for b, a, c in cells]
     out.write_text(json.dumps({"costs": asdict(costs), "staggered": args.staggered, "offer": args.offer,
+                               "trace": trace and trace.source,
                                "table": table, "cells": rows}, indent=1))
     return 0
 
