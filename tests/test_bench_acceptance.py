@@ -7,20 +7,21 @@ reaches the position by decoding, and the replay must walk it as the engine woul
 import json
 
 import pytest
+import torch
 
 from specserve.bench.acceptance import output_of, positions
 from specserve.bench.policy import CPU_DEMO, Trace, TraceRequest, serve
-from specserve.engine import SpeculativeEngine
+from specserve.engine import SamplingParams, SpeculativeEngine
 from specserve.engine.policy import SpeculationPolicy
 from models import perturbed, tiny_llama
 
 GAMMA = 3
 
 
-def _steps_of_a_decoding_request(engine: SpeculativeEngine, prompt: list[int], tokens: int) -> list[tuple[int, int, int]]:
-    """[(output position the step started at, drafts, kept)] of one request decoding alone."""
-    from specserve.engine import SamplingParams
-
+def _steps_of_a_decoding_request(engine: SpeculativeEngine, prompt: list[int],
+                                  tokens: int) -> list[tuple[int, int, int]]:
+    """[(output position the step started at, drafts, kept)] of one request decoding alone (its
+    prefill step, which drafts nothing, and its last, after which it is gone, left out)."""
     engine.add_request("r", prompt, SamplingParams(max_tokens=tokens, temperature=0.0))
     steps, before = [], (0, 0, 0)
     while engine.has_unfinished():
@@ -28,9 +29,9 @@ def _steps_of_a_decoding_request(engine: SpeculativeEngine, prompt: list[int], t
         start = len(seq.output) if seq is not None else 0
         outputs = engine.step()
         seq = engine.sequence("r")
-        m = seq.metrics if seq is not None else None
-        if m is None:  # finished and gone: the last step's counters are in its output's metrics
+        if seq is None:
             break
+        m = seq.metrics
         now = (m.num_steps, m.num_draft_tokens, m.num_accepted_tokens)
         if now[0] > before[0] and start > 0:
             steps.append((start, now[1] - before[1], now[2] - before[2]))
@@ -85,7 +86,8 @@ def test_a_trace_file_is_checked_and_bounds_the_replayed_gamma(tmp_path, capsys)
     from specserve.bench import policy as bench_policy
 
     good = tmp_path / "trace.json"
-    good.write_text(json.dumps({"gamma": 2, "requests": [{"drafted": [0, 2, 1, 2, 0], "accepted": [0, 2, 0, 1, 0]}] * 3}))
+    request = {"drafted": [0, 2, 1, 2, 0], "accepted": [0, 2, 0, 1, 0]}
+    good.write_text(json.dumps({"gamma": 2, "requests": [request] * 3}))
     out = tmp_path / "policy.json"
     assert bench_policy.main(["--fixture", "cpu-demo", "--trace", str(good), "--max-gamma", "2", "--batches", "1,2",
                               "--rounds", "2", "--seeds", "1", "--out", str(out)]) == 0
@@ -99,3 +101,19 @@ def test_a_trace_file_is_checked_and_bounds_the_replayed_gamma(tmp_path, capsys)
     bad.write_text(json.dumps({"gamma": 2, "requests": [{"drafted": [0, 1], "accepted": [0, 2]}]}))
     with pytest.raises(ValueError, match="keeps more drafts than it offers"):
         Trace.load(bad)
+
+
+def test_the_recorder_writes_a_trace_the_replay_loads(tmp_path):
+    from specserve.bench.acceptance import main
+
+    out = tmp_path / "acceptance.json"
+    threads = torch.get_num_threads()
+    try:
+        assert main(["--model", "tiny", "--drafter", "draft-model", "--per-category", "1", "--tokens", "6",
+                     "--gamma", "2", "--threads", "1", "--out", str(out)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    trace = Trace.load(out)
+    assert trace.gamma == 2 and len(trace.requests) == 3  # one prompt of each category
+    assert all(len(r.drafted) == 6 and r.drafted[0] == 0 and max(r.drafted) <= 2 for r in trace.requests)
+    assert "draft model" in trace.source and "| all | 3 | 15 |" in json.loads(out.read_text())["table"]

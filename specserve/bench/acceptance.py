@@ -40,7 +40,7 @@ class _Pending:
 
 
 def drafter_engine(model: str, drafter: str, gamma: int, floor: float | None, lookup_min_n: int | None):
-    """(target, tokenizer, the fixed-γ engine that drafts, a γ=0 engine, label)."""
+    """(tokenizer, the fixed-γ engine that drafts, a γ=0 engine, label)."""
     from specserve.bench.drafters import load
     from specserve.engine.feature_drafter import FeatureDrafterSpec
     from specserve.engine.proposers import DraftModelSpec
@@ -58,7 +58,7 @@ def drafter_engine(model: str, drafter: str, gamma: int, floor: float | None, lo
     # drafts nothing, and checks that it is)
     drafting = SpeculativeEngine(target, drafter=spec, num_speculative_tokens=gamma, adaptive=False, max_batch_size=64)
     plain = SpeculativeEngine(target, num_speculative_tokens=0)
-    return target, tokenizer, drafting, plain, f"{model} target, {label}, γ {gamma}"
+    return tokenizer, drafting, plain, f"{model} target, {label}, γ {gamma}"
 
 
 def output_of(engine: SpeculativeEngine, prompt: list[int], tokens: int) -> list[int]:
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    _, tokenizer, drafting, plain, label = drafter_engine(args.model, args.drafter, args.gamma, args.floor,
+    tokenizer, drafting, plain, label = drafter_engine(args.model, args.drafter, args.gamma, args.floor,
                                                           args.lookup_min_n or None)
     groups = by_category(load_records(GENERAL))
     requests, lines = [], ["| category | prompts | positions | offered / position | kept / position | ρ |",

@@ -14,8 +14,9 @@ probes, the draft's catch-up over tokens it skipped. Each (batch, α) cell serve
 another ends), one policy throughout (a server's); with `--offer` below 1 the drafter declines
 positions as a confidence floor does; with `--trace` each request is one a real drafter met, its
 offers and hits position by position as recorded (`specserve bench acceptance`). It reports
-tokens per simulated second for the adaptive policy and for every fixed γ, side by side. What this checks is the policy's own loss (probes,
-wrong γ, learning), which no GPU noise hides; whether the costs are right is for `bench gpu` to say.
+tokens per simulated second for the adaptive policy and for every fixed γ, side by side. What this
+checks is the policy's own loss (probes, wrong γ, learning), which no GPU noise hides; whether the
+costs are right is for `bench gpu` to say.
 """
 from __future__ import annotations
 
@@ -323,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--offer must be in (0, 1]")
     trace = Trace.load(args.trace) if args.trace else None
     if trace is not None and args.max_gamma > trace.gamma:
-        parser.error(f"--max-gamma {args.max_gamma} is above the trace's γ ({trace.gamma}): it cannot say what more drafts would do")
+        parser.error(f"--max-gamma {args.max_gamma} is above the trace's γ ({trace.gamma}): "
+                     "it cannot say what more drafts would do")
     costs = Costs.load(args.costs, args.select) if args.costs else FIXTURES[args.fixture]
     alphas = [round(trace.alpha(), 3)] if trace else [float(a) for a in args.alphas.split(",")]
     cells = [(b, a, compare(costs, b, a, args.max_gamma, args.rounds, args.tokens, args.seeds, args.staggered,
