@@ -90,10 +90,15 @@ def test_a_trace_file_is_checked_and_bounds_the_replayed_gamma(tmp_path, capsys)
     good.write_text(json.dumps({"gamma": 2, "requests": [request] * 3}))
     out = tmp_path / "policy.json"
     assert bench_policy.main(["--fixture", "cpu-demo", "--trace", str(good), "--max-gamma", "2", "--batches", "1,2",
-                              "--rounds", "2", "--seeds", "1", "--out", str(out)]) == 0
+                              "--rounds", "2", "--seeds", "1", "--by-gamma", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["trace"] == str(good) and [c["alpha"] for c in report["cells"]] == [0.5, 0.5]
     assert all(c["fixed"]["0"]["tokens"] == 2 * c["batch"] * 4 for c in report["cells"])
+    for cell in report["cells"]:  # the adaptive policy's steps by γ add up to its steps and tokens
+        by_gamma = cell["adaptive"]["by_gamma"].values()
+        assert sum(n for n, _, _ in by_gamma) == cell["adaptive"]["steps"]
+        assert sum(made for _, _, made in by_gamma) == cell["adaptive"]["tokens"]
+    assert "| γ chosen | steps | expected tokens a step | made |" in capsys.readouterr().out
     with pytest.raises(SystemExit) as exit_:
         bench_policy.main(["--trace", str(good), "--max-gamma", "3"])
     assert exit_.value.code == 2 and "above the trace" in capsys.readouterr().err

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from specserve.engine.model_runner import CALIBRATION_SIZES, DRAFT_ROW_TOKENS, ForwardTiming
-from specserve.engine.policy import AcceptanceEstimate, SpeculationPolicy, interpolate
+from specserve.engine.policy import AcceptanceEstimate, SpeculationPolicy, expected_tokens_summed, interpolate
 
 
 @dataclass
@@ -167,6 +167,14 @@ class Served:
     seconds: float = 0.0
     steps: int = 0
     drafts: int = 0  # draft tokens proposed
+    # γ chosen -> [steps, tokens the policy expected of them (Σ over rows of expected_tokens), tokens made]
+    by_gamma: dict[int, list[float]] = field(default_factory=dict)
+
+    def add(self, other: "Served") -> None:
+        self.tokens, self.seconds = self.tokens + other.tokens, self.seconds + other.seconds
+        self.steps, self.drafts = self.steps + other.steps, self.drafts + other.drafts
+        for g, counts in other.by_gamma.items():
+            self.by_gamma[g] = [a + b for a, b in zip(self.by_gamma.get(g, [0, 0.0, 0]), counts)]
 
     @property
     def rate(self) -> float:
@@ -242,6 +250,7 @@ def _step(policy: SpeculationPolicy, costs: Costs, rows: list[_Row], alpha: floa
     backlog = sum(max(r.tokens - r.draft_len - DRAFT_ROW_TOKENS, 0) for r in rows)
     gamma = policy.choose(alphas, backlog, sum(not r.drafted_for for r in rows),
                           [policy.offer(r.offers) for r in rows])
+    made = served.tokens
 
     def timed(model: str, n: int) -> ForwardTiming:
         return ForwardTiming(n, costs.seconds(model, n) * max(1.0 + rng.gauss(0.0, noise), 0.5))
@@ -270,6 +279,10 @@ def _step(policy: SpeculationPolicy, costs: Costs, rows: list[_Row], alpha: floa
     policy.observe_step(wall, drafts, verify, len(rows), gamma, backlog)
     served.seconds += wall
     served.steps += 1
+    counts = served.by_gamma.setdefault(gamma, [0, 0.0, 0])
+    counts[0] += 1
+    counts[1] += expected_tokens_summed(alphas, gamma)[gamma]
+    counts[2] += served.tokens - made
 
 
 def compare(costs: Costs, batch: int, alpha: float, max_gamma: int, rounds: int, tokens: int,
@@ -280,7 +293,10 @@ def compare(costs: Costs, batch: int, alpha: float, max_gamma: int, rounds: int,
         runs = [serve(make(), costs, batch, alpha, rounds, tokens, seed=seed, staggered=staggered, offer=offer,
                       trace=trace)
                 for seed in range(seeds)]
-        return Served(*(sum(getattr(r, f) for r in runs) for f in ("tokens", "seconds", "steps", "drafts")))
+        summed = Served()
+        for run in runs:
+            summed.add(run)
+        return summed
 
     return {"adaptive": total(lambda: SpeculationPolicy(max_gamma)),
             "fixed": {g: total(lambda g=g: SpeculationPolicy(g, adaptive=False)) for g in range(max_gamma + 1)}}
@@ -295,6 +311,17 @@ def report(cells: list[tuple[int, float, dict]]) -> str:
         ratio = adaptive.rate / max(fixed[0].rate, fixed[best].rate)
         lines.append(f"| {batch} | {alpha} | {fixed[0].rate:.0f} | {best} ({fixed[best].rate:.0f}) | "
                      f"{adaptive.rate:.0f} | {adaptive.drafts / max(adaptive.steps * batch, 1):.2f} | {ratio:.3f} |")
+    return "\n".join(lines)
+
+
+def report_by_gamma(cells: list[tuple[int, float, dict]]) -> str:
+    """The adaptive policy's steps by the γ it chose: what it expected of them and what they made
+    (an expectation above what the steps make, at the wide γ, is a policy widening on estimates
+    that then regress)."""
+    lines = ["| batch | α | γ chosen | steps | expected tokens a step | made |", "|---|---|---|---|---|---|"]
+    for batch, alpha, cell in cells:
+        for g, (steps, expected, made) in sorted(cell["adaptive"].by_gamma.items()):
+            lines.append(f"| {batch} | {alpha} | {g} | {steps} | {expected / steps:.2f} | {made / steps:.2f} |")
     return "\n".join(lines)
 
 
@@ -318,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trace", default=None,
                         help="a drafter's recorded acceptance (`specserve bench acceptance`; or smollm2-head, the "
                         "demo's) replayed instead of draws at --alphas / --offer; its α column is the trace's ρ")
+    parser.add_argument("--by-gamma", action="store_true",
+                        help="also the adaptive policy's steps by γ chosen: the tokens it expected and those made")
     parser.add_argument("--out", default="bench-results/policy.json")
     args = parser.parse_args(argv)
     if not 0.0 < args.offer <= 1.0:
@@ -334,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     table = report(cells)
     source = f"trace {trace.source} ({len(trace.requests)} requests)" if trace else f"offer {args.offer}"
     print(f"costs: {costs.source}; {'staggered arrivals' if args.staggered else 'rounds'}; {source}\n{table}")
+    if args.by_gamma:
+        print(f"\nthe adaptive policy's steps\n{report_by_gamma(cells)}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = [{"batch": b, "alpha": a, "adaptive": asdict(c["adaptive"]),
