@@ -88,11 +88,23 @@ CPU_DEMO = Costs(
     overhead=1.0e-3,
     source="2-core CPU, SmolLM2-135M target + shipped feature head, fp32 (the README demo)",
 )
-FIXTURES = {"h100-7b": H100_7B, "cpu-demo": CPU_DEMO}
+# The same target with its trained draft model (configs/local-draft.yaml's pair) in one engine on the
+# 2-core CPU, as a live engine's policy learnt them under a staggered batch of 4 (c ≈ 0.14 at one
+# token; the draft catches up on the tokens it skipped, at its cost by size).
+CPU_DRAFT = Costs(
+    target={1: 43.9e-3, 2: 36.4e-3, 3: 47.6e-3, 4: 47.6e-3, 5: 59.5e-3, 6: 65.6e-3, 7: 78.7e-3, 8: 73.0e-3,
+            16: 96.9e-3, 20: 128.2e-3, 28: 146.4e-3, 32: 153.3e-3, 64: 248.1e-3},
+    draft={1: 6.0e-3, 2: 5.9e-3, 3: 7.2e-3, 4: 6.7e-3, 5: 9.0e-3, 6: 9.7e-3, 7: 11.3e-3, 8: 9.7e-3, 16: 12.7e-3,
+           32: 18.7e-3, 64: 31.1e-3},
+    overhead=0.97e-3,
+    source="2-core CPU, SmolLM2-135M target + its draft model, fp32, in one engine",
+)
+FIXTURES = {"h100-7b": H100_7B, "cpu-demo": CPU_DEMO, "cpu-draft": CPU_DRAFT}
 
-# Recorded with `specserve bench acceptance` (its defaults): the README demo's head (floor 0.35, prompt
-# lookup from 3 tokens) on SmolLM2-135M, 64 greedy tokens of each of the 40 prompts of prompts.jsonl.
-TRACES = {"smollm2-head": Path(__file__).parent / "traces" / "smollm2-head.json"}
+# Recorded with `specserve bench acceptance` (γ 6, 64 greedy tokens of each of the 40 prompts of
+# prompts.jsonl, SmolLM2-135M): smollm2-head, the README demo's head (its defaults: floor 0.35, prompt
+# lookup from 3 tokens); smollm2-draft, the trained draft model (`--drafter draft-model`).
+TRACES = {name: Path(__file__).parent / "traces" / f"{name}.json" for name in ("smollm2-head", "smollm2-draft")}
 
 
 @dataclass(frozen=True)
@@ -343,8 +355,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--offer", type=float, default=1.0,
                         help="chance the drafter drafts each next planned position (below 1: a confidence floor)")
     parser.add_argument("--trace", default=None,
-                        help="a drafter's recorded acceptance (`specserve bench acceptance`; or smollm2-head, the "
-                        "demo's) replayed instead of draws at --alphas / --offer; its α column is the trace's ρ")
+                        help="a drafter's recorded acceptance (`specserve bench acceptance`; or a shipped one: "
+                        "smollm2-head, smollm2-draft) replayed instead of draws at --alphas / --offer; its α column "
+                        "is the trace's ρ")
     parser.add_argument("--by-gamma", action="store_true",
                         help="also the adaptive policy's steps by γ chosen: the tokens it expected and those made")
     parser.add_argument("--out", default="bench-results/policy.json")
