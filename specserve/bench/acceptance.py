@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from specserve.bench.policy import Trace, TraceRequest
 from specserve.engine import SamplingParams, SpeculativeEngine
 from specserve.prompts import GENERAL, by_category, encode, load_records
 
@@ -45,12 +46,15 @@ def drafter_engine(model: str, drafter: str, gamma: int, floor: float | None, lo
     from specserve.engine.feature_drafter import FeatureDrafterSpec
     from specserve.engine.proposers import DraftModelSpec
 
-    target, tokenizer, draft, note = load(model, None)
     if drafter == "feature-head":
         if model != "smollm2":
             raise SystemExit("--drafter feature-head needs --model smollm2 (the shipped head is SmolLM2's)")
+        from specserve.models.smollm2 import load_smollm2_target
+
+        target, tokenizer = load_smollm2_target()  # (the head attaches to it: no draft model to load)
         spec, label = FeatureDrafterSpec("smollm2-eagle", floor, lookup_min_n), f"feature head, floor {floor}"
     else:
+        target, tokenizer, draft, note = load(model, None)
         if draft is None:
             raise SystemExit(note)
         spec, label = DraftModelSpec(draft), "draft model"
@@ -145,8 +149,7 @@ def _line(category: str, rows: list[dict], gamma: int) -> str:
     n = sum(len(r["drafted"]) - 1 for r in rows)
     offered = sum(sum(r["drafted"]) for r in rows)
     kept = sum(sum(r["accepted"]) for r in rows)
-    misses = sum(a < gamma for r in rows for a in r["accepted"][1:])
-    rho = kept / max(kept + misses, 1)
+    rho = Trace(tuple(TraceRequest(tuple(r["drafted"]), tuple(r["accepted"])) for r in rows), gamma).alpha()
     return f"| {category} | {len(rows)} | {n} | {offered / max(n, 1):.2f} | {kept / max(n, 1):.2f} | {rho:.3f} |"
 
 

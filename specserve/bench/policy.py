@@ -156,17 +156,21 @@ class _Row:
     trace: TraceRequest | None = None  # where the drafts' fate comes from (None: i.i.d. at α)
     done: int = 0  # output tokens generated (a trace's position)
 
+    def _at(self) -> int:
+        """The trace's position this row stands at (its last one past the end)."""
+        return min(self.done, len(self.trace.drafted) - 1)
+
     def offered(self, gamma: int, offer: float, rng: random.Random) -> int:
         """Drafts the drafter offers in a step that plans γ: from the trace, or each next position
         with chance `offer` until it first declines."""
         if self.trace is not None:
-            return min(self.trace.drafted[min(self.done, len(self.trace.drafted) - 1)], gamma)
+            return min(self.trace.drafted[self._at()], gamma)
         return gamma if offer >= 1.0 else next((i for i in range(gamma) if rng.random() >= offer), gamma)
 
     def kept(self, drafted: int, alpha: float, rng: random.Random) -> int:
         """Of `drafted` drafts, how many the target keeps: from the trace, or each with chance α."""
         if self.trace is not None:
-            return min(self.trace.accepted[min(self.done, len(self.trace.accepted) - 1)], drafted)
+            return min(self.trace.accepted[self._at()], drafted)
         accepted = 0
         while accepted < drafted and rng.random() < alpha:
             accepted += 1
