@@ -230,6 +230,12 @@ def folding(seqs: list[Sequence], budget: int) -> frozenset[str]:
                      and not replays(by_id[r.request_id]))
 
 
+def can_draft(seq: Sequence) -> bool:
+    """Whether a step may plan drafts for the request: its target has cached its prompt, or it
+    replays (a row whose prompt's last chunk goes with the step drafts nothing: `plan_step`)."""
+    return seq.target_len >= prefill_end(seq) or replays(seq)
+
+
 def replays(seq: Sequence) -> bool:
     """A seeded sampled request resumed with output (preempted, or continued from another
     replica): its first step here drafts as its next step would have where it began, drawing the
@@ -284,8 +290,13 @@ def plan_step(seqs: list[Sequence], policy: SpeculationPolicy, predict: bool = T
     alphas = [policy.alpha(s.acceptance) for s in seqs]
     # what the drafter catches up on first (the policy's estimate: tokens past a drafting row's own)
     backlog = sum(max(s.num_tokens - s.draft_len - DRAFT_ROW_TOKENS, 0) for s in seqs)
-    batch_gamma = policy.choose(alphas, backlog, sum(not s.drafted_for for s in seqs),
-                                [policy.offer(s.offers) for s in seqs])
+    able = [can_draft(s) for s in seqs]
+    # A step whose every row is still prefilling drafts nothing whatever γ says: no choice is made
+    # for it (a probe chosen there was spent on nothing, and put off the next by its spacing). A
+    # newcomer is a row no step has drafted for that can draft in this one.
+    batch_gamma = 0 if not any(able) else policy.choose(
+        alphas, backlog, sum(a and not s.drafted_for for a, s in zip(able, seqs)),
+        [policy.offer(s.offers) for s in seqs])
     # A seeded sampled request always asks for max_gamma, so that its random stream, and with it
     # its tokens, depend on nothing but its seed and its own tokens (and float rounding, which the
     # batch's shapes set: docs/engine.md, "Seeds and batch shapes").
@@ -299,8 +310,7 @@ def plan_step(seqs: list[Sequence], policy: SpeculationPolicy, predict: bool = T
     # row will not use (when another row asks for more) go to clamped junk positions. A row whose
     # target has not cached its prompt yet drafts nothing: its verify row is the prompt's last
     # chunk, whose one forward gives its first token (`folding`).
-    num_draft = [0 if s.target_len < prefill_end(s) and not replays(s) else max(0, min(g, s.remaining - 1))
-                 for g, s in zip(own, seqs)]
+    num_draft = [max(0, min(g, s.remaining - 1)) if a else 0 for g, s, a in zip(own, seqs, able)]
     positions = max(num_draft)
     for s, g in zip(seqs, num_draft):
         s.drafted_for = s.drafted_for or g > 0
