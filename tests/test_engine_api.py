@@ -1,4 +1,6 @@
 """Seeds, stop tokens, max_tokens, rollback, the incremental API and the step bookkeeping."""
+import math
+
 import pytest
 import torch
 
@@ -296,21 +298,26 @@ def test_a_probe_drafts_a_block_while_little_is_known_and_one_token_once_draftin
     assert policy.probe_gamma(1) == 1
 
 
+def low_policy(draft_seconds: float) -> SpeculationPolicy:
+    """A policy whose 300 one-token drafts were all rejected, on costs where a block would pay at α 0.95
+    (draft_seconds 0.002; not at 0.050: a draft forward at 4x the target's)."""
+    from specserve.engine.policy import AcceptanceEstimate
+
+    policy = SpeculationPolicy(max_gamma=4)
+    for n in range(1, 6):
+        policy.target_cost.observe(n, 0.010 + 0.0005 * n)
+    policy.draft_cost.observe(1, draft_seconds)
+    for _ in range(300):
+        policy.observe_acceptance(AcceptanceEstimate(), 0, 1)
+    return policy
+
+
 def test_a_request_no_step_drafted_for_is_tried_once_with_a_block():
     """After a run of rejected drafts the overall rate says drafting loses, and a new request
     starts at that rate. It is tried once with a full block, as soon as that probe costs at most
     NEWCOMER_SHARE of the steps since the last probe; after that only the overall one-token
     probes come. Where drafting could not pay even at a high rate, nobody is tried."""
-    from specserve.engine.policy import NEWCOMER_SHARE, AcceptanceEstimate
-
-    def low_policy(draft_seconds: float) -> SpeculationPolicy:
-        policy = SpeculationPolicy(max_gamma=4)
-        for n in range(1, 6):
-            policy.target_cost.observe(n, 0.010 + 0.0005 * n)
-        policy.draft_cost.observe(1, draft_seconds)
-        for _ in range(300):
-            policy.observe_acceptance(AcceptanceEstimate(), 0, 1)
-        return policy
+    from specserve.engine.policy import NEWCOMER_SHARE
 
     policy = low_policy(0.002)
     assert policy.best_gamma([policy.overall_alpha()]) == 0 and policy.probe_gamma(1) == 1
@@ -327,8 +334,43 @@ def test_a_request_no_step_drafted_for_is_tried_once_with_a_block():
     assert tried[0][0] and tried[0][1] >= 3  # the newcomer's probe: a block
     assert len(tried) > 1 and all(not new and g == 1 for new, g in tried[1:])  # then the overall probes
 
-    expensive = low_policy(0.050)  # a draft forward at 4x the target's: no rate makes it pay
+    expensive = low_policy(0.050)
     assert all(expensive.choose([expensive.overall_alpha()], 0, newcomers=1) == 0 for _ in range(15))
+
+
+def test_newcomer_probes_back_off_while_they_find_requests_like_the_rest():
+    """Under steady load a new request joins every few steps, and where drafting does not pay for
+    any of them each one's block probe is pure cost (the draft model's own trace replayed on its
+    CPU costs lost 6-7% at batches 2-8 to them). So each newcomer probe that did not turn drafting
+    on halves the share of time the next one may take, down to MIN_NEWCOMER_SHARE; a step that
+    drafts again restores NEWCOMER_SHARE, so that a request the drafter serves well after a
+    change of traffic is found as soon as before."""
+    from specserve.engine.policy import MIN_NEWCOMER_SHARE, NEWCOMER_SHARE, AcceptanceEstimate
+
+    policy = low_policy(0.002)
+    extra, plain = policy.step_time(1, 4) - policy.step_time(1, 0), policy.step_time(1, 0)
+
+    def gaps(count: int) -> list[int]:
+        """Steps from one probe to the next, every step with a row not yet drafted for."""
+        steps, out = 0, []
+        while len(out) < count:
+            gamma = policy.choose([policy.overall_alpha()], 0, newcomers=1)
+            steps += 1
+            if gamma:
+                assert gamma == 4  # every probe here is a newcomer's block
+                out.append(steps)
+                steps = 0
+        return out
+
+    shares = [NEWCOMER_SHARE / 2 ** k for k in range(3)] + [MIN_NEWCOMER_SHARE] * 3
+    assert gaps(6) == [math.ceil(extra / (share * plain)) for share in shares]
+    hits = AcceptanceEstimate()
+    for _ in range(300):  # the traffic changes: drafts are kept
+        policy.observe_acceptance(hits, 1, 1)
+    assert policy.choose([policy.alpha(hits)], 0) > 0
+    for _ in range(300):  # and changes back
+        policy.observe_acceptance(AcceptanceEstimate(), 0, 1)
+    assert gaps(2) == [math.ceil(extra / (share * plain)) for share in shares[:2]]
 
 
 def test_offer_rates_give_the_verify_its_widths_and_a_stopping_loop_its_forwards():

@@ -41,14 +41,14 @@ def test_a_drafter_that_loses_everywhere_is_switched_off():
 def test_a_drafter_that_declines_positions_keeps_up_on_the_cpu_demo_costs(batch):
     """The README demo's feature head drafts about 0.41 of each row's next planned positions (its
     confidence floor), and requests join as others end. At one stream drafting pays; at a steady
-    batch of 4 it loses. The policy keeps within 3% (one stream) and 5% (4: what its newcomer
-    probes cost) of the better of γ=0 and the best fixed γ. Priced at the acceptance of drafted
-    positions alone, it drafted at 4 where that loses: 0.84x of γ=0 here."""
+    batch of 4 it loses. The policy keeps within 3% of the better of γ=0 and the best fixed γ
+    (measured 0.983 and 0.990; at 4, 0.985 before newcomer probes backed off). Priced at the
+    acceptance of drafted positions alone, it drafted at 4 where that loses: 0.84x of γ=0 here."""
     cell = compare(CPU_DEMO, batch, 0.65, max_gamma=6, rounds=6, tokens=48, seeds=3, staggered=True, offer=0.41)
     fixed = cell["fixed"]
     best = max(fixed.values(), key=lambda s: s.rate)
     assert (best.rate > fixed[0].rate) == (batch == 1), report([(batch, 0.65, cell)])
-    assert cell["adaptive"].rate >= (0.97 if batch == 1 else 0.95) * best.rate, report([(batch, 0.65, cell)])
+    assert cell["adaptive"].rate >= 0.97 * best.rate, report([(batch, 0.65, cell)])
 
 
 @pytest.mark.parametrize("batch", [1, 2, 4, 8])
@@ -67,6 +67,24 @@ def test_on_the_demo_heads_own_acceptance_the_policy_keeps_up(batch):
     fixed = cell["fixed"]
     best = max(fixed.values(), key=lambda s: s.rate)
     assert cell["adaptive"].rate >= 0.97 * best.rate, report([(batch, round(trace.alpha(), 3), cell)])
+
+
+@pytest.mark.parametrize("batch", [1, 2, 4, 8])
+def test_on_the_draft_models_own_acceptance_newcomer_probes_cost_little(batch):
+    """The trained draft model's trace (smollm2-draft: ρ 0.06-0.85 by request) on its CPU costs: at
+    one stream drafting pays, at 2-8 under steady load it does not, and every new request is a
+    newcomer whose block probe pays the draft's catch-up. Newcomer probes at 10% of the time made
+    0.943, 0.937 and 0.930 of the better of γ=0 and the best fixed γ at 2, 4 and 8; backing off
+    while they find requests like the rest, 0.988, 0.989 and 0.974 (one stream: 1.002 either way)."""
+    from specserve.bench.policy import CPU_DRAFT, Trace
+
+    trace = Trace.load("smollm2-draft")
+    cell = compare(CPU_DRAFT, batch, trace.alpha(), max_gamma=6, rounds=8, tokens=64, seeds=4, staggered=True,
+                   trace=trace)
+    fixed = cell["fixed"]
+    best = max(fixed.values(), key=lambda s: s.rate)
+    assert (best.rate > fixed[0].rate) == (batch == 1), report([(batch, round(trace.alpha(), 3), cell)])
+    assert cell["adaptive"].rate >= 0.965 * best.rate, report([(batch, round(trace.alpha(), 3), cell)])
 
 
 def test_staggered_requests_keep_the_batch_full_until_the_last_ones():

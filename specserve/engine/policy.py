@@ -25,6 +25,7 @@ MAX_STAY_LIFT = 0.2  # staying on takes only not losing at α up to this much ab
 PROBE_SHARE = 0.03  # a probe's extra cost may be at most this share of the time since the last one
 QUIET_PROBE_SHARE = 0.005  # the same where drafting would not pay even at the optimistic rate
 NEWCOMER_SHARE = 0.10  # the same for a probe that tries a request no step has drafted for yet
+MIN_NEWCOMER_SHARE = 0.02  # ... halving to this after each such probe that did not turn drafting on
 PRIOR_WEIGHT = 4.0  # trials' worth of weight of the prior (overall: prior_alpha; a row: the overall rate)
 ROW_DECAY = 0.97  # per step: how fast a request's own acceptance estimate forgets
 MAX_OPTIMISTIC_ALPHA = 0.95  # a probe plans for at most this acceptance rate
@@ -225,6 +226,7 @@ class SpeculationPolicy:
         self.prior_alpha = prior_alpha
         self._steps_without_drafts = 0
         self._probe_interval = probe_every  # doubles after each probe that did not turn drafting back on
+        self._newcomer_share = NEWCOMER_SHARE  # halves after each newcomer probe that did not either
         self._drafting = False  # the last step chose to draft (not a probe): `best_gamma`'s `staying`
         self._step_times: dict[tuple, float] | None = None  # within one `choose`: its predictions
 
@@ -392,12 +394,15 @@ class SpeculationPolicy:
         if gamma > 0 or not self.adaptive or self.max_gamma == 0:
             self._steps_without_drafts = 0
             self._probe_interval = self.probe_every
+            if gamma > 0:
+                self._newcomer_share = NEWCOMER_SHARE
             return gamma
         batch = len(alphas)
         self._steps_without_drafts += 1
         probe = self._newcomer_probe(batch, backlog, offers) if newcomers else 0
         if probe:
             self._steps_without_drafts = 0
+            self._newcomer_share = max(self._newcomer_share / 2, MIN_NEWCOMER_SHARE)
             return probe
         if self._steps_without_drafts < self._probe_interval:
             return 0
@@ -424,12 +429,17 @@ class SpeculationPolicy:
         request (α 0.6) was never drafted for, and the overall probes drafted one token at a
         time, too rarely to move its own estimate within its lifetime. So it is tried once with
         a full block: the γ that would pay at `MAX_OPTIMISTIC_ALPHA` (none, where even that
-        would not pay), at most NEWCOMER_SHARE of the time since the last probe (priced as if
-        every row drafted that often too)."""
+        would not pay), at most a share of the time since the last probe (priced as if every row
+        drafted that often too): NEWCOMER_SHARE, halving after each newcomer probe that did not
+        turn drafting on, down to MIN_NEWCOMER_SHARE, and back to NEWCOMER_SHARE once a step
+        drafts. Under steady load where drafting does not pay, a new request joins every few
+        steps and each such probe pays the draft's catch-up for nothing: at 10% each time they
+        cost the draft model's own trace 6-7% at batches 2-8 (docs/engine.md)."""
         hoped = [MAX_OPTIMISTIC_ALPHA] * batch
         probe = self.best_gamma(hoped, backlog, offers=offers)
         widths = self._widths_for(hoped, offers)
-        if probe == 0 or self._steps_without_drafts < self._spacing(batch, probe, backlog, NEWCOMER_SHARE, widths):
+        share = self._newcomer_share
+        if probe == 0 or self._steps_without_drafts < self._spacing(batch, probe, backlog, share, widths):
             return 0
         return probe
 
