@@ -457,9 +457,9 @@ def test_a_step_that_plans_drafts_for_a_row_marks_it_drafted_for(target):
 def test_a_step_that_only_prefills_spends_no_probe_and_a_prefilling_row_is_no_newcomer():
     """At one stream a new request's first step carries its prompt and drafts nothing. Counted as a
     newcomer there, its block probe was chosen on that step, drafted nothing, and put the next
-    probe off by its spacing: a code request after chats, on the demo pair at one stream, was
-    sometimes never drafted for (156 drafts and 1.00x of the target alone in one run, 580 and
-    1.22x in another)."""
+    probe off by its spacing: code requests after chats, SmolLM2 with its draft model at one
+    stream, were drafted for in some runs and hardly in others (580 drafts and 1.22x of the target
+    alone in one, 156 and 1.00x in the next)."""
     from specserve.engine.step import new_sequence, plan_step
 
     asked = []
