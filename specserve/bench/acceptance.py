@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from specserve.bench.policy import Trace, TraceRequest
+from specserve.bench.policy import Trace
 from specserve.engine import SamplingParams, SpeculativeEngine
 from specserve.prompts import GENERAL, by_category, encode, load_records
 
@@ -149,7 +149,7 @@ def _line(category: str, rows: list[dict], gamma: int) -> str:
     n = sum(len(r["drafted"]) - 1 for r in rows)
     offered = sum(sum(r["drafted"]) for r in rows)
     kept = sum(sum(r["accepted"]) for r in rows)
-    rho = Trace(tuple(TraceRequest(tuple(r["drafted"]), tuple(r["accepted"])) for r in rows), gamma).alpha()
+    rho = Trace.of(rows, gamma).alpha()
     return f"| {category} | {len(rows)} | {n} | {offered / max(n, 1):.2f} | {kept / max(n, 1):.2f} | {rho:.3f} |"
 
 

@@ -128,15 +128,20 @@ class Trace:
     source: str = ""
 
     @classmethod
+    def of(cls, rows: list[dict], gamma: int, source: str = "") -> "Trace":
+        """From the recorder's rows ({"drafted": [...], "accepted": [...], ...}: a trace file's "requests")."""
+        return cls(tuple(TraceRequest(tuple(r["drafted"]), tuple(r["accepted"])) for r in rows), gamma, source)
+
+    @classmethod
     def load(cls, path: str | Path) -> "Trace":
         """A trace file, or the name of one shipped in specserve/bench/traces (`TRACES`)."""
         path = TRACES.get(str(path), path)
         raw = json.loads(Path(path).read_text())
-        requests = tuple(TraceRequest(tuple(r["drafted"]), tuple(r["accepted"])) for r in raw["requests"])
-        for i, r in enumerate(requests):
+        trace = cls.of(raw["requests"], int(raw["gamma"]), raw.get("source", str(path)))
+        for i, r in enumerate(trace.requests):
             if len(r.drafted) != len(r.accepted) or any(a > d for a, d in zip(r.accepted, r.drafted)):
                 raise ValueError(f"{path}: request {i} keeps more drafts than it offers, or its lists differ in length")
-        return cls(requests, int(raw["gamma"]), raw.get("source", str(path)))
+        return trace
 
     def alpha(self) -> float:
         """ρ over every position: kept / (kept + misses) of steps planned at the trace's γ."""
