@@ -20,6 +20,10 @@ configurations are the ones whose graph capture has run on a CPU only under emul
   graph the short prompts captured goes stale, and the next ones are captured in a new pool
   (capturing into the old one, all its graphs gone, fails CUDA's allocator).
 
+Then sliding-window attention (docs/engine.md): a tiny Gemma 3 (windowed and full layers, a
+window of 16) with a draft of its weights plus noise, over random prompts of 9 to 70 tokens, masked over the dense cache and under FlexAttention reading a paged pool in place, in
+graphs: greedy tokens against HF's own `generate` of the model.
+
 Last, q placed for another process (serve/placed_q.py: CUDA IPC on a GPU, shared memory on a
 CPU), as a draft worker places it for a target worker on the same GPU: the handshake, then q
 [32, 3, 32000] in bfloat16 read back exactly by a child process, three times around the two-buffer
@@ -39,6 +43,7 @@ import argparse
 import hashlib
 import json
 import multiprocessing
+import random
 import statistics
 import sys
 import time
@@ -110,10 +115,7 @@ def hf_check(target, alone: dict, max_new: int) -> dict:
         same = True
         for prompts in (PROMPTS, LONG_PROMPTS):
             for prompt, mine in zip(prompts, alone[id(prompts)]):
-                ids = torch.tensor([prompt], device=target.device)
-                out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
-                                      min_new_tokens=max_new, do_sample=False, pad_token_id=0)
-                same = same and out[0, len(prompt):].tolist() == mine
+                same = same and hf_greedy(target, prompt, max_new) == mine
         row.update(greedy_same=same, ok=same)
     except Exception as e:
         row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
@@ -275,6 +277,66 @@ def _digest(q: torch.Tensor) -> str:
     return hashlib.sha1(q.detach().view(torch.int16).cpu().numpy().tobytes()).hexdigest()
 
 
+WINDOW = 16
+
+
+def windowed_model(device: str, seed: int, noise: float = 0.0) -> torch.nn.Module:
+    """A tiny Gemma 3 (layers windowed, full, windowed; float32) on `device`; with noise, its
+    weights plus that much relative Gaussian noise (a draft right some of the time)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32,
+                              sliding_window=WINDOW, max_position_embeddings=1024, initializer_range=0.02,
+                              layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                              bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = Gemma3ForCausalLM._from_config(config, attn_implementation="sdpa").eval()
+    if noise:
+        generator = torch.Generator(device=device).manual_seed(seed + 1)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, device=device, generator=generator) * noise * p.std())
+    return model
+
+
+def windowed_checks(device: str, graphs: bool, max_new: int) -> list[dict]:
+    target, draft = windowed_model(device, 0), windowed_model(device, 0, noise=0.3)
+    rng = random.Random(0)  # (on these, every output differs from the model's with no window)
+    prompts = [[rng.randrange(1, 512) for _ in range(n)] for n in (9, 20, 33, 47, 70)]
+    rows, want = [], None
+    for attention in ("mask", "flex"):
+        began = time.perf_counter()
+        row = {"check": f"windowed, {attention}" + (", paged in place" if attention == "flex" else ""),
+               "sampled_same": None}
+        try:
+            if want is None:
+                want = [hf_greedy(target, p, max_new) for p in prompts]
+            paged = attention == "flex"
+            engine = SpeculativeEngine(target, draft, num_speculative_tokens=3, adaptive=False,
+                                       execution="graph" if graphs else "eager", attention=attention,
+                                       kv_block_size=16 if paged else None, max_cached_tokens=4096 if paged else None)
+            outs = engine.generate(prompts, SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True))
+            row["greedy_same"] = [o.token_ids for o in outs] == want
+            row["graphs"] = sum(len(r.graphs) for r in (engine.verifier.runner, engine.proposer.runner)
+                                if r.graphs is not None)
+            row["note"] = f"accepted {sum(o.metrics.num_accepted_tokens for o in outs)} drafts"
+            row["ok"] = row["greedy_same"] and (row["graphs"] > 0 or not graphs)
+        except Exception as e:
+            row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
+        row["seconds"] = round(time.perf_counter() - began, 1)
+        rows.append(row)
+    return rows
+
+
+def hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
+    ids = torch.tensor([prompt], device=model.device)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, min_new_tokens=max_new,
+                         do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
 def table(rows: list[dict], device: str) -> str:
     lines = [f"graph paths against eager, {device}",
              f"{'check':<34} {'ok':>4} {'greedy = alone':>15} {'sampled = eager':>16} {'graphs':>7} {'s':>6}"]
@@ -300,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     alone = {id(p): tokens(plain, greedy, p) for p in (PROMPTS, LONG_PROMPTS)}
     rows = [hf_check(target, alone, args.max_new)]
     rows += [run_check(check, target, draft, graphs, alone[id(prompts_of(check))], args.max_new) for check in CHECKS]
+    rows += windowed_checks(device, graphs, args.max_new)
     rows.append(placed_check(device))
     name = torch.cuda.get_device_name() if graphs else "cpu (eager: no graphs to check)"
     print(table(rows, name))

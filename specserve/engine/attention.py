@@ -42,6 +42,7 @@ for any other caller.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -84,26 +85,76 @@ def grouped_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
     return out.transpose(1, 2).contiguous(), None
 
 
-def block_mask(positions: torch.Tensor, key_length: int) -> BlockMask:
+FULL, SLIDING = "full_attention", "sliding_attention"  # HF's layer types (config.layer_types)
+
+
+@dataclass(frozen=True)
+class Windows:
+    """Which keys a model's layers see besides the causal rule. window: how many of the latest
+    positions a sliding-window layer attends, its query's own included (key k is visible to
+    position p iff p - window < k <= p, HF's `sliding_window`); None where every layer attends
+    its whole context. by_type: the model reads one mask per layer type (config.layer_types:
+    Gemma 2 and 3, Qwen2 with use_sliding_window), else one mask for every layer (Mistral, Phi-3)."""
+
+    window: int | None = None
+    by_type: bool = False
+
+    def masks(self, build: Callable[[int | None], object]) -> object:
+        """build(window or None) -> a forward's mask; -> what the model takes: that mask, or one
+        per layer type."""
+        if self.window is None:
+            return build(None)
+        if not self.by_type:
+            return build(self.window)
+        return {FULL: build(None), SLIDING: build(self.window)}
+
+
+def windows_of(config, max_model_len: int | None) -> Windows:
+    """A model's attention windows from its config; a window that reaches back past the context
+    (max_model_len) hides nothing. Layers other than attention (linear attention, state spaces,
+    chunked attention) are refused."""
+    types = getattr(config, "layer_types", None)
+    window = getattr(config, "sliding_window", None)
+    if types:
+        other = set(types) - {FULL, SLIDING}
+        if other:
+            raise ValueError(f"layers of type {sorted(other)} are not supported (full and sliding-window attention are)")
+        if SLIDING not in types:
+            return Windows()
+    elif not window or getattr(config, "use_sliding_window", True) is False:
+        return Windows()
+    if not isinstance(window, int) or window < 1:
+        raise ValueError(f"sliding-window layers need a positive sliding_window, got {window!r}")
+    if max_model_len is not None and window >= max_model_len:
+        return Windows()
+    return Windows(window, by_type=bool(types))
+
+
+def block_mask(positions: torch.Tensor, key_length: int, window: int | None = None) -> BlockMask:
     """positions [B', Q] int64 (device) -> BlockMask over [B', 1, Q, K]: key k is visible to query
-    (b, q) iff k <= positions[b, q]; one mask for every head and every layer of a forward."""
+    (b, q) iff k <= positions[b, q] (and, with a window, k > positions[b, q] - window); one mask
+    for every head and every layer it is handed to."""
     rows, width = positions.shape
 
     def visible(b, h, q, k):
         return k <= positions[b, q]
 
-    return create_block_mask(visible, rows, None, width, key_length, device=positions.device,
-                             BLOCK_SIZE=(_query_block(positions), _KV_BLOCK))
+    def recent(b, h, q, k):
+        return (k <= positions[b, q]) & (k > positions[b, q] - window)
+
+    return create_block_mask(visible if window is None else recent, rows, None, width, key_length,
+                             device=positions.device, BLOCK_SIZE=(_query_block(positions), _KV_BLOCK))
 
 
 def pool_block_mask(positions: torch.Tensor, tables: torch.Tensor, block_size: int, num_blocks: int,
-                    scratch: int = 0) -> BlockMask:
+                    scratch: int = 0, window: int | None = None) -> BlockMask:
     """positions [B', Q] int64, tables [B', T] block ids of a paged cache's pool (each row's own
     blocks first, `scratch` past them; device) -> BlockMask over [B', 1, Q, N * bs]: the keys are
     the pool's positions where they lie (block k // bs, offset k % bs), not a gathered copy.
     Physical key k is visible to query (b, q) iff its block is row b's j-th and j * bs + k % bs
-    <= positions[b, q]; each row lists only its own blocks, so a short row's kernel skips the
-    rest of the pool. Device ops on fixed shapes (a forward compiled or captured builds it)."""
+    <= positions[b, q] (and, with a window, > positions[b, q] - window); each row lists only its
+    own blocks, so a short row's kernel skips the rest of the pool. Device ops on fixed shapes (a
+    forward compiled or captured builds it)."""
     rows, entries = tables.shape
     width = positions.shape[1]
     device = tables.device
@@ -122,8 +173,13 @@ def pool_block_mask(positions: torch.Tensor, tables: torch.Tensor, block_size: i
         j = lookup[b, k // block_size]
         return (j >= 0) & (j * block_size + k % block_size <= lookup[b, num_blocks + q])
 
+    def recent(b, h, q, k):
+        j = lookup[b, k // block_size]
+        at, p = j * block_size + k % block_size, lookup[b, num_blocks + q]
+        return (j >= 0) & (at <= p) & (at > p - window)
+
     return BlockMask.from_kv_blocks(counts, listed, BLOCK_SIZE=(_query_block(positions), block_size),
-                                    mask_mod=visible, seq_lengths=(width, num_blocks * block_size),
+                                    mask_mod=visible if window is None else recent, seq_lengths=(width, num_blocks * block_size),
                                     compute_q_blocks=False)
 
 
@@ -138,10 +194,18 @@ def flex_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
               **kwargs) -> tuple[torch.Tensor, None]:
     """query [B, Hq, Q, D], key/value [B, Hkv, K, D] (or a paged pool in place, [1, Hkv, N * bs, D],
     every row reading it), attention_mask the forward's `block_mask` or `pool_block_mask`
-    -> ([B, Q, Hq, D], None). Inference only (no dropout)."""
+    -> ([B, Q, Hq, D], None). Inference only (no dropout). A model that soft-caps its attention
+    logits (Gemma 2: `softcap`) gets them capped, softcap * tanh(score / softcap), as its eager
+    attention does."""
     if not isinstance(attention_mask, BlockMask):
         raise TypeError("flex_sdpa attends under a BlockMask (attention.block_mask), not a tensor mask")
-    out = _flex(query.device)(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=True)
+    cap = kwargs.get("softcap")
+
+    def capped(score, b, h, q, k):
+        return cap * torch.tanh(score / cap)
+
+    out = _flex(query.device)(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=True,
+                              score_mod=capped if cap else None)
     return out.transpose(1, 2).contiguous(), None  # [B, Q, Hq, D]
 
 

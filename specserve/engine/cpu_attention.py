@@ -27,8 +27,10 @@ the CPU's feature flags, written atomically so that several processes may build 
 
 How a forward reaches it (ModelRunner, `in_place="blocks"`): the cache's `update` returns the
 pools themselves, and the attention mask is replaced by the rows' reads (`reads`), an int64
-tensor `[B', 1, 1, Q + T]`: per row its Q query positions (key k is visible to a query iff
-k <= its position), then its T block ids. attention.grouped_sdpa sends such a forward here.
+tensor `[B', 1, 1, 2Q + T]`: per row its Q query positions, the first position each of them sees
+(0, or where a sliding window begins: key k is visible to a query iff first <= k <= its
+position), then its T block ids. A row's tiles start at its queries' lowest first position, so a
+windowed layer reads only its window. attention.grouped_sdpa sends such a forward here.
 """
 from __future__ import annotations
 
@@ -62,15 +64,16 @@ def available(head_dim: int | None, dtype: torch.dtype) -> bool:
     return library is not None and bool(library.paged_attention_vectorized())
 
 
-def reads(positions: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-    """positions [B', Q], tables [B', T] int64 -> the forward's reads [B', 1, 1, Q + T] (what it
-    passes in place of a mask)."""
-    return torch.cat([positions, tables], dim=1)[:, None, None, :]
+def reads(positions: torch.Tensor, tables: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """positions [B', Q], tables [B', T] int64 -> the forward's reads [B', 1, 1, 2Q + T] (what it
+    passes in place of a mask); window: a sliding-window layer's (attention.Windows)."""
+    lows = torch.zeros_like(positions) if window is None else (positions - (window - 1)).clamp(min=0)  # [B', Q]
+    return torch.cat([positions, lows, tables], dim=1)[:, None, None, :]
 
 
 def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor,
            scale: float | None = None) -> torch.Tensor:
-    """query [B', Hq, Q, D], keys/values the pools [N, bs, Hkv, D], rows the reads [B', 1, 1, Q + T]
+    """query [B', Hq, Q, D], keys/values the pools [N, bs, Hkv, D], rows the reads [B', 1, 1, 2Q + T]
     -> attention output [B', Q, Hq, D] (what an HF attention function returns)."""
     batch, heads, width, dim = query.shape
     _, block_size, kv_heads, _ = keys.shape
@@ -80,7 +83,7 @@ def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: 
         raise ValueError(f"keys and values must be pools [N, bs, Hkv, D] alike, got {tuple(keys.shape)}, "
                          f"{tuple(values.shape)}")
     rows = rows.reshape(batch, -1).contiguous()
-    entries = rows.shape[1] - width
+    entries = rows.shape[1] - 2 * width
     library = load()
     if library is None:
         raise RuntimeError("the CPU paged attention kernel is not built (no C compiler?)")

@@ -35,6 +35,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from . import attention, cpu_attention, cpu_linear
+from .attention import windows_of
 from .fusion import BlockFusion, repeated_blocks
 from .kv_cache import CAPACITY_STEP, SlotKVCache, capacity_for
 from .paged_cache import SCRATCH, PagedKVCache, blocks_for
@@ -246,7 +247,6 @@ class ModelRunner:
         attn = getattr(model.config, "_attn_implementation", None) or "eager"
         if attn not in ("sdpa", "eager"):
             raise ValueError(f"attention implementation {attn!r} cannot take a per-row mask; load with sdpa or eager")
-        _reject_sliding_window(model.config)
         self._float_mask = attn == "eager"
         self.device = model.get_input_embeddings().weight.device
         self.dtype = model.get_input_embeddings().weight.dtype
@@ -275,6 +275,8 @@ class ModelRunner:
         limit = getattr(model.config, "max_position_embeddings", None)
         self.max_model_len = min(p for p in (max_model_len, limit) if p) if (max_model_len or limit) else None
         self.stated_max_model_len = max_model_len  # what the caller asked for (None: the model's limit only)
+        # sliding-window layers: the forward's masks hide keys past their window (attention.Windows)
+        self.windows = windows_of(model.config, self.max_model_len)
         self.cache = SlotKVCache(self.max_model_len, self._key_step())
         self.cache_arg = cache_kwarg(model)
         self.token_map: torch.Tensor | None = getattr(model, "draft_token_map", None)  # [K] target ids, or None
@@ -872,14 +874,7 @@ class ModelRunner:
         tables = self.cache.tables_of(write_slots, key_length // self.cache.block_size) if self.paged else None
         in_place = self.in_place if self._reads_in_place(width) else None
         self.cache.bind(write_slots, positions, read_slots if gather else None, tables, in_place)
-        if in_place == "flat":
-            mask = attention.pool_block_mask(positions, tables, self.cache.block_size, self.cache.num_blocks, SCRATCH)
-        elif in_place == "blocks":
-            mask = cpu_attention.reads(positions, tables)  # [B', 1, 1, Q + T] int64, in place of a mask
-        elif self.attention == "flex":
-            mask = attention.block_mask(positions, key_length)
-        else:
-            mask = self._mask(positions, key_length)
+        mask = self.windows.masks(lambda window: self._mask_for(positions, key_length, tables, in_place, window))
         with cpu_linear.selected(self.linear_kernels):
             out = self.model(
                 input_ids=ids,
@@ -950,11 +945,28 @@ class ModelRunner:
         sdpa = getattr(self.model.config, "_attn_implementation", None) == "sdpa"
         return attention.selected(self.model, attention.NAME if self.grouped_attention and sdpa else None)
 
-    def _mask(self, positions: torch.Tensor, key_length: int) -> torch.Tensor:
+    def _mask_for(self, positions: torch.Tensor, key_length: int, tables: torch.Tensor | None,
+                  in_place: str | None, window: int | None):
+        """What a forward's layers attend under (of one window: attention.Windows): a mask, a
+        BlockMask, or the CPU kernel's reads of a pool in place."""
+        if in_place == "flat":
+            return attention.pool_block_mask(positions, tables, self.cache.block_size, self.cache.num_blocks,
+                                             SCRATCH, window)
+        if in_place == "blocks":
+            return cpu_attention.reads(positions, tables, window)  # [B', 1, 1, 2Q + T] int64, in place of a mask
+        if self.attention == "flex":
+            return attention.block_mask(positions, key_length, window)
+        return self._mask(positions, key_length, window)
+
+    def _mask(self, positions: torch.Tensor, key_length: int, window: int | None = None) -> torch.Tensor:
         """positions [B', Q] -> [B', 1, Q, K] on the device: key k is visible to a query at
-        position p iff k <= p. Boolean for SDPA, additive for eager attention."""
+        position p iff k <= p (and k > p - window, for a sliding-window layer). Boolean for SDPA,
+        additive for eager attention."""
         keys = torch.arange(key_length, device=positions.device)  # [K]
-        visible = (keys[None, None, :] <= positions[:, :, None])[:, None]  # [B', 1, Q, K]
+        visible = keys[None, None, :] <= positions[:, :, None]  # [B', Q, K]
+        if window is not None:
+            visible = visible & (keys[None, None, :] > positions[:, :, None] - window)
+        visible = visible[:, None]  # [B', 1, Q, K]
         if not self._float_mask:
             return visible
         return (~visible).to(self.dtype) * torch.finfo(self.dtype).min
@@ -1131,15 +1143,6 @@ def _resolve_attention(mode: str, model: torch.nn.Module) -> str:
         raise ValueError(f"attention='flex' on a GPU needs a head dimension of at least 16 (FlexAttention's "
                          f"kernel); this model's is {width}: use attention='mask'")
     return "mask" if mode == "auto" else mode
-
-
-def _reject_sliding_window(config) -> None:
-    layer_types = getattr(config, "layer_types", None) or []
-    uses_window = any(t != "full_attention" for t in layer_types) or (
-        getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None)
-    )
-    if uses_window:
-        raise ValueError("models with sliding-window or non-attention layers are not supported yet")
 
 
 def regroup(parts: list[torch.Tensor | None], groups: list[list[int]], batch: int) -> torch.Tensor | None:

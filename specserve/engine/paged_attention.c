@@ -160,39 +160,44 @@ static int attend_group(const float *query, const float *keys, const float *valu
                         float *out, int64_t b, int64_t h, int64_t heads, int64_t kv_heads, int64_t width,
                         int64_t dim, int64_t block_size, int64_t entries, float scale, int vector) {
     const int64_t rows = heads / kv_heads * width, stride = kv_heads * dim, head_at = h * dim;
-    const int64_t *positions = reads + b * (width + entries), *table = positions + width;
+    /* per query: its position, then the first position it sees (0, or past a sliding window) */
+    const int64_t *positions = reads + b * (2 * width + entries), *lows = positions + width, *table = lows + width;
     float *q = malloc(sizeof(float) * 2 * rows * dim), m[MAX_ROWS], l[MAX_ROWS];
     if (q == NULL) return -1;
     float *acc = q + rows * dim;
     const float *src = query + (b * heads * width + h * rows) * dim;  /* row r: query head h G + r / Q, query r % Q */
-    int64_t last = -1;
+    int64_t last = -1, start = INT64_MAX;
     for (int64_t r = 0; r < rows; r++) {
         for (int64_t d = 0; d < dim; d++) { q[r * dim + d] = src[r * dim + d] * scale; acc[r * dim + d] = 0.f; }
         m[r] = -INFINITY;
         l[r] = 0.f;
         if (positions[r % width] > last) last = positions[r % width];
+        if (lows[r % width] < start) start = lows[r % width];
     }
     if (last >= entries * block_size) last = entries * block_size - 1;  /* never past the table */
-    for (int64_t first = 0; first <= last;) {
+    if (start < 0) start = 0;
+    for (int64_t first = start; first <= last;) {
         const int64_t j = first / block_size, offset = first % block_size;
         int64_t n = block_size - offset;
         if (n > TILE) n = TILE;
         if (n > last - first + 1) n = last - first + 1;
         prefetch_tile(keys, values, table, first + AHEAD, last, block_size, stride, head_at, dim);
         const int64_t at = (table[j] * block_size + offset) * stride + head_at;
-        for (int64_t r = 0; r < rows; r++) {
-            int64_t visible = positions[r % width] - first + 1;
-            if (visible <= 0) continue;
+        for (int64_t r = 0; r < rows; r++) {  /* the tile's keys [skip, visible) are this query's */
+            int64_t visible = positions[r % width] - first + 1, skip = lows[r % width] - first;
             if (visible > n) visible = n;
+            if (skip < 0) skip = 0;
+            if (visible <= skip) continue;
+            const int64_t from = at + skip * stride;
 #ifdef __AVX512F__
             if (vector) {
-                row_tile_vector(q + r * dim, acc + r * dim, &m[r], &l[r], keys + at, values + at, stride, dim,
-                                (int)n, (int)visible);
+                row_tile_vector(q + r * dim, acc + r * dim, &m[r], &l[r], keys + from, values + from, stride, dim,
+                                (int)(n - skip), (int)(visible - skip));
                 continue;
             }
 #endif
-            row_tile_scalar(q + r * dim, acc + r * dim, &m[r], &l[r], keys + at, values + at, stride, dim,
-                            (int)visible);
+            row_tile_scalar(q + r * dim, acc + r * dim, &m[r], &l[r], keys + from, values + from, stride, dim,
+                            (int)(visible - skip));
         }
         first += n;
     }
