@@ -79,7 +79,8 @@ class HFSource(_Strict):
         return self
 
 
-# Named shapes of `kind: random` (Llama-2-7B's and TinyLlama-1.1B's), as transformers config fields
+# Named shapes of `kind: random` (Llama-2-7B's, TinyLlama-1.1B's, and Mistral-7B-v0.1's: grouped
+# queries and a sliding window of 4096 positions), as transformers config fields
 RANDOM_SHAPES: dict[str, dict] = {
     "llama-7b": dict(model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008,
                      num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
@@ -87,6 +88,9 @@ RANDOM_SHAPES: dict[str, dict] = {
     "llama-1b": dict(model_type="llama", vocab_size=32000, hidden_size=2048, intermediate_size=5632,
                      num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
                      max_position_embeddings=2048),
+    "mistral-7b": dict(model_type="mistral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                       max_position_embeddings=32768, sliding_window=4096),
 }
 
 

@@ -10,6 +10,7 @@ from pydantic import ValidationError
 from models import hf_greedy
 from specserve import SamplingParams, SpeculativeEngine
 from specserve.config import RANDOM_SHAPES, AppConfig, RandomSource
+from specserve.engine.attention import Windows, windows_of
 from specserve.models.loading import load_draft, load_target, load_tokenizer
 
 SHAPE = {"model_type": "llama", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128,
@@ -19,7 +20,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=20)
 
 def test_named_and_given_shapes_validate_and_unknown_ones_are_refused():
     assert RandomSource(shape="llama-7b").config_fields()["hidden_size"] == 4096
-    assert set(RANDOM_SHAPES) == {"llama-7b", "llama-1b"}
+    assert set(RANDOM_SHAPES) == {"llama-7b", "llama-1b", "mistral-7b"}
     config = AppConfig.model_validate({"served_model_name": "r", "target": {"kind": "random", "shape": SHAPE, "dtype": "float32"},
                                        "draft": {"kind": "random", "shape": SHAPE, "seed": 1, "dtype": "float32"}})
     assert isinstance(config.target, RandomSource) and config.draft.seed == 1
@@ -27,6 +28,19 @@ def test_named_and_given_shapes_validate_and_unknown_ones_are_refused():
         RandomSource(shape="llama-70b")
     with pytest.raises(ValidationError, match="model_type"):
         RandomSource(shape={"hidden_size": 64})
+
+
+def test_the_mistral_shape_is_served_with_its_window():
+    """Mistral-7B-v0.1's shape, built on the meta device (no memory): its runner masks every layer
+    to the last 4096 positions, which contexts up to its 32768 reach past."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = RandomSource(shape="mistral-7b").config_fields()
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    assert sum(p.numel() for p in model.parameters()) == 7_241_732_096  # Mistral-7B-v0.1's count
+    assert windows_of(model.config, 32768) == Windows(4096, by_type=False)
 
 
 def test_weights_are_seeded_in_the_sources_dtype_and_declare_no_eos():
