@@ -8,7 +8,8 @@ import random
 
 import pytest
 import torch
-from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig,
+from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GptOssConfig,
+                          GptOssForCausalLM, LlamaConfig,
                           MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
                           Qwen3Config, Qwen3ForCausalLM)
 
@@ -67,6 +68,18 @@ def tiny_phi3(seed: int):
                                               sliding_window=WINDOW, **COMMON))
 
 
+def tiny_gpt_oss(seed: int):
+    """gpt-oss: windowed and full layers, attention sinks, experts (eager attention only)."""
+    torch.manual_seed(seed)
+    model = GptOssForCausalLM(GptOssConfig(
+        hidden_size=48, intermediate_size=48, num_hidden_layers=2, head_dim=12, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=WINDOW, **COMMON, attn_implementation="eager")).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0, 1)  # (they start at zero)
+    return model
+
+
 def tiny_qwen2_windowed(seed: int):
     torch.manual_seed(seed)
     return _model(Qwen2ForCausalLM, Qwen2Config(
@@ -86,6 +99,7 @@ MODELS = {
     "mistral-d32": functools.lru_cache(None)(lambda: tiny_mistral(0, head_dim=32)),  # the CPU kernel's head size
     "gemma2": functools.lru_cache(None)(lambda: tiny_gemma2(0)),
     "gemma3": functools.lru_cache(None)(lambda: tiny_gemma3(0)),
+    "gpt-oss": functools.lru_cache(None)(lambda: tiny_gpt_oss(0)),
     "phi3": functools.lru_cache(None)(lambda: tiny_phi3(0)),
     "qwen2": functools.lru_cache(None)(lambda: tiny_qwen2_windowed(0)),
     "qwen3": functools.lru_cache(None)(lambda: tiny_qwen3_windowed(0)),
@@ -195,6 +209,10 @@ def test_greedy_past_the_window_is_the_models_own(key, layout):
     options = LAYOUTS[layout]
     params = SamplingParams(max_tokens=NEW, temperature=0.0)
     plain = SpeculativeEngine(target, None, num_speculative_tokens=0, **options)
+    if key == "gpt-oss" and "flex" in layout:  # FlexAttention here takes no attention sinks: refused
+        with pytest.raises(ValueError, match="sinks"):
+            plain.generate(prompts(), params)
+        return
     assert plain.verifier.runner.windows.window == WINDOW
     assert [o.token_ids for o in plain.generate(prompts(), params)] == reference(key)
     engine = SpeculativeEngine(target, perturbed(target, 0.3, seed=1), num_speculative_tokens=3, adaptive=False,

@@ -179,8 +179,8 @@ def pool_block_mask(positions: torch.Tensor, tables: torch.Tensor, block_size: i
         return (j >= 0) & (at <= p) & (at > p - window)
 
     return BlockMask.from_kv_blocks(counts, listed, BLOCK_SIZE=(_query_block(positions), block_size),
-                                    mask_mod=visible if window is None else recent, seq_lengths=(width, num_blocks * block_size),
-                                    compute_q_blocks=False)
+                                    mask_mod=visible if window is None else recent,
+                                    seq_lengths=(width, num_blocks * block_size), compute_q_blocks=False)
 
 
 def _query_block(positions: torch.Tensor) -> int:
@@ -199,6 +199,9 @@ def flex_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
     attention does."""
     if not isinstance(attention_mask, BlockMask):
         raise TypeError("flex_sdpa attends under a BlockMask (attention.block_mask), not a tensor mask")
+    if kwargs.get("s_aux") is not None:
+        raise ValueError("this model's attention has sinks (gpt-oss), which attention='flex' does not take: "
+                         "use attention='mask' with attn_implementation='eager'")
     cap = kwargs.get("softcap")
 
     def capped(score, b, h, q, k):
