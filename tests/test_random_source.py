@@ -16,6 +16,10 @@ from specserve.models.loading import load_draft, load_target, load_tokenizer
 SHAPE = {"model_type": "llama", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128,
          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20)
+# Gemma 3's layers, windowed and full, a window of 4 that the requests' contexts pass
+WINDOWED = {"model_type": "gemma3_text", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+            "max_position_embeddings": 256, "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]}
 
 
 def test_named_and_given_shapes_validate_and_unknown_ones_are_refused():
@@ -64,19 +68,21 @@ def test_speculation_over_random_models_is_the_targets_greedy():
     assert sum(o.metrics.num_accepted_tokens for o in outs) > 0
 
 
-def test_the_coordinator_serves_random_models_with_its_real_workers(local_coordinator):
+@pytest.mark.parametrize("shape", [SHAPE, WINDOWED], ids=["llama", "gemma3-windowed"])
+def test_the_coordinator_serves_random_models_with_its_real_workers(local_coordinator, shape):
     from test_pipeline import generate
 
     config = AppConfig.model_validate(dict(
-        served_model_name="random", target={"kind": "random", "shape": SHAPE, "dtype": "float32", "seed": 0},
-        draft={"kind": "random", "shape": SHAPE, "dtype": "float32", "seed": 0},
+        served_model_name="random", target={"kind": "random", "shape": shape, "dtype": "float32", "seed": 0},
+        draft={"kind": "random", "shape": shape, "dtype": "float32", "seed": 0},
         speculation=dict(num_speculative_tokens=2, adaptive=False, execution="eager", transport="actor_calls"),
         max_model_len=256))
     coordinator = local_coordinator(config)
     prompts = [[5, 17, 230, 4], [299, 1, 2]]
     outs = generate(coordinator, prompts, [GREEDY] * len(prompts))
-    target = coordinator.target._obj.model.runner.model
-    assert outs == [hf_greedy(target, p, 20) for p in prompts]
+    runner = coordinator.target._obj.model.runner
+    assert runner.windows.window == shape.get("sliding_window")
+    assert outs == [hf_greedy(runner.model, p, 20) for p in prompts]
     assert coordinator._totals["spec_decode_num_accepted_tokens"] > 0
 
 
