@@ -146,6 +146,13 @@ def test_windows_are_read_from_the_config():
     with pytest.raises(ValueError, match="linear_attention"):
         windows_of(Qwen2Config(layer_types=["full_attention", "linear_attention"], num_hidden_layers=2), 256)
 
+    class PerLayer:  # (how transformers' heterogeneous configs answer a global read)
+        @property
+        def sliding_window(self):
+            raise RuntimeError("'sliding_window' is a per-layer attribute")
+    with pytest.raises(ValueError, match="layers differ"):
+        windows_of(PerLayer(), 256)
+
 
 def test_a_windowed_mask_hides_what_falls_out_of_the_window():
     positions = torch.tensor([[3, 4], [20, 21]])  # [B', Q]

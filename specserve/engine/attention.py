@@ -112,9 +112,12 @@ class Windows:
 def windows_of(config, max_model_len: int | None) -> Windows:
     """A model's attention windows from its config; a window that reaches back past the context
     (max_model_len) hides nothing. Layers other than attention (linear attention, state spaces,
-    chunked attention) are refused."""
-    types = getattr(config, "layer_types", None)
-    window = getattr(config, "sliding_window", None)
+    chunked attention) are refused, as are configs whose layers set their attention apart."""
+    try:
+        types = getattr(config, "layer_types", None)
+        window = getattr(config, "sliding_window", None)
+    except RuntimeError as e:  # transformers' per-layer configs refuse a global read
+        raise ValueError(f"a config whose layers differ in their attention settings is not supported ({e})") from e
     if types:
         other = set(types) - {FULL, SLIDING}
         if other:
