@@ -3,7 +3,8 @@ target alone.
 
 Each seed draws an engine configuration (γ 0-6, adaptive or fixed, a drafter of every kind the
 tests build in process, dense or paged KV with blocks of 1-16, prefix caching, prefill chunks,
-a small batch and/or KV budget so requests queue and get preempted, max_model_len, EOS ids) and a
+a small batch and/or KV budget so requests queue and get preempted, max_model_len, EOS ids; in a
+quarter of the seeds, the target with a sliding window of 8-64 positions) and a
 schedule (3-10 requests, some sharing long prefixes, some near max_model_len, arriving at random
 steps, a few aborted at random steps, each with its own greedy SamplingParams: max_tokens down to
 1, stop ids, min_tokens, ignore_eos, logit bias, allowed ids, bad words, penalties, logprobs, and
@@ -28,6 +29,8 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+
+from transformers import MistralConfig, MistralForCausalLM
 
 from models import ShiftedDraft, hf_greedy, perturbed
 from specserve import SamplingParams, SpeculativeEngine
@@ -92,6 +95,7 @@ class Scenario:
     eos: list[int]
     budget: int | None = None
     requests: list[Request] = field(default_factory=list)
+    window: int | None = None  # the target's sliding window (`windowed`), or none
 
     def engine_kwargs(self) -> dict:
         return dict(num_speculative_tokens=self.gamma, adaptive=self.adaptive, kv_block_size=self.block_size,
@@ -103,6 +107,13 @@ class Scenario:
 def draw_prediction_drafter(seed: int) -> bool:
     """Whether scenario `seed` drafts with the requests' predictions alone (a stream of its own)."""
     return random.Random(seed * 4099 + 1).random() < 1 / 8
+
+
+def draw_window(seed: int) -> int | None:
+    """The target's sliding window in scenario `seed` (a stream of its own: the other draws stay
+    as they were), or None for the plain target."""
+    rng = random.Random(seed * 7919 + 2)
+    return rng.choice([8, 24, 64]) if rng.random() < 0.25 else None
 
 
 def draw_config(rng: random.Random, seed: int) -> Scenario:
@@ -253,7 +264,7 @@ def with_predictions(sc: Scenario) -> None:
     """Each request that draws a prediction gets it, made from its reference output."""
     for i, r in enumerate(sc.requests):
         if r.prediction is not None:
-            tokens = reference(tuple(r.prompt), r.params, tuple(sc.eos))[0]
+            tokens = reference(tuple(r.prompt), r.params, tuple(sc.eos), sc.window)[0]
             r.params = dataclasses.replace(r.params, prediction=predicted(r.prediction, tokens, sc.seed * 31 + i))
 
 
@@ -278,13 +289,30 @@ def draw_scenario(seed: int) -> Scenario:
     sc = draw_config(rng, seed)
     sc.requests = draw_requests(rng, sc)
     sc.budget = draw_budget(rng, sc)
+    sc.window = draw_window(seed)
     return sc
 
 
 # -- engines ---------------------------------------------------------------------------------------
 @functools.lru_cache(None)
-def draft_model(kind: str) -> torch.nn.Module:
-    model = target()
+def windowed(window: int) -> torch.nn.Module:
+    """The target's weights as a Mistral (a Llama with a sliding window) attending `window` positions."""
+    fields = {k: v for k, v in target().config.to_dict().items()
+              if k not in ("model_type", "architectures", "transformers_version")}
+    config = MistralConfig(**fields, sliding_window=window)
+    config._attn_implementation = "sdpa"
+    model = MistralForCausalLM(config).eval()
+    model.load_state_dict(target().state_dict(), strict=True)
+    return model
+
+
+def target_of(window: int | None) -> torch.nn.Module:
+    return target() if window is None else windowed(window)
+
+
+@functools.lru_cache(None)
+def draft_model(kind: str, window: int | None) -> torch.nn.Module:
+    model = target_of(window)
     if kind == "draft-ordinary":
         return perturbed(model, 0.6, seed=1)
     if kind == "draft-wrong":
@@ -297,7 +325,7 @@ def drafter_spec(sc: Scenario, head_dir):
     if sc.drafter == "none":
         return None
     if sc.drafter.startswith("draft-"):
-        return DraftModelSpec(draft_model(sc.drafter))
+        return DraftModelSpec(draft_model(sc.drafter, sc.window))
     if sc.drafter == "layer-skip":
         return LayerSkipSpec(args["skip"])
     if sc.drafter == "prompt-lookup":
@@ -308,22 +336,22 @@ def drafter_spec(sc: Scenario, head_dir):
 
 
 @functools.lru_cache(None)
-def reference_engine(eos: tuple[int, ...]) -> SpeculativeEngine:
-    return SpeculativeEngine(target(), None, num_speculative_tokens=0, max_batch_size=1, prefill_chunk_tokens=None,
-                             eos_token_ids=list(eos), tokenizer=byte_tokenizer)
+def reference_engine(eos: tuple[int, ...], window: int | None) -> SpeculativeEngine:
+    return SpeculativeEngine(target_of(window), None, num_speculative_tokens=0, max_batch_size=1,
+                             prefill_chunk_tokens=None, eos_token_ids=list(eos), tokenizer=byte_tokenizer)
 
 
 @functools.lru_cache(maxsize=4096)
-def reference(prompt: tuple[int, ...], params: SamplingParams, eos: tuple[int, ...]):
+def reference(prompt: tuple[int, ...], params: SamplingParams, eos: tuple[int, ...], window: int | None):
     """(tokens, finish_reason, logprobs) of the request alone through the plain target-only engine."""
-    out = reference_engine(eos).generate([list(prompt)], params)[0]
+    out = reference_engine(eos, window).generate([list(prompt)], params)[0]
     return out.token_ids, out.finish_reason, out.logprobs
 
 
 @functools.lru_cache(maxsize=4096)
-def hf_reference(prompt: tuple[int, ...], params: SamplingParams, eos: tuple[int, ...]):
+def hf_reference(prompt: tuple[int, ...], params: SamplingParams, eos: tuple[int, ...], window: int | None):
     """HF generate's greedy tokens, cut after the first stop id: (tokens, finish_reason)."""
-    return cut_at_stop(hf_greedy(target(), list(prompt), params.max_tokens), params, eos)
+    return cut_at_stop(hf_greedy(target_of(window), list(prompt), params.max_tokens), params, eos)
 
 
 def cut_at_stop(tokens: list[int], params: SamplingParams, eos) -> tuple[list[int], str]:
@@ -390,7 +418,8 @@ def assert_resources_free(engine: SpeculativeEngine) -> None:
 
 def check_request(sc: Scenario, r: Request, res: Result) -> None:
     eos = tuple(sc.eos)
-    tokens, finish, logprobs = reference(tuple(r.prompt), dataclasses.replace(r.params, prediction=None), eos)
+    tokens, finish, logprobs = reference(tuple(r.prompt), dataclasses.replace(r.params, prediction=None), eos,
+                                         sc.window)
     where = f"seed {sc.seed} {r.rid} prompt_len={len(r.prompt)} {r.params}"
     if res.aborted:
         assert res.tokens == tokens[: len(res.tokens)], f"{where}: aborted stream not a prefix of the reference"
@@ -400,12 +429,12 @@ def check_request(sc: Scenario, r: Request, res: Result) -> None:
         # [n] float32 each: the chosen tokens' log-probabilities (batch shapes move the last bits)
         assert torch.allclose(torch.tensor(res.logprobs), torch.tensor(logprobs), atol=1e-3), where
     if plain(r.params, sc.eos):
-        assert (tokens, finish) == hf_reference(tuple(r.prompt), r.params, eos), f"{where}: reference != HF"
+        assert (tokens, finish) == hf_reference(tuple(r.prompt), r.params, eos, sc.window), f"{where}: reference != HF"
 
 
 def run_scenario(sc: Scenario, head_dir) -> None:
     with_predictions(sc)
-    engine = SpeculativeEngine(target(), drafter=drafter_spec(sc, head_dir), tokenizer=byte_tokenizer,
+    engine = SpeculativeEngine(target_of(sc.window), drafter=drafter_spec(sc, head_dir), tokenizer=byte_tokenizer,
                                **sc.engine_kwargs())
     results = run_schedule(engine, sc)
     for r in sc.requests:
@@ -441,3 +470,7 @@ def test_the_generator_covers_the_features():
     constrained = [sc for sc in scs if any(r.params.grammar for r in sc.requests)]
     assert {sc.drafter for sc in constrained} == set(ALL_DRAFTERS) and any(sc.block_size for sc in constrained)
     assert any(r.params.grammar and r.prediction for sc in scs for r in sc.requests)
+    windowed_ones = [sc for sc in scs if sc.window]
+    assert {sc.window for sc in windowed_ones} == {8, 24, 64}
+    assert {sc.drafter for sc in windowed_ones} == set(ALL_DRAFTERS)
+    assert any(sc.block_size and sc.prefix_caching and sc.budget for sc in windowed_ones)
