@@ -122,10 +122,12 @@ def test_flex_on_a_gpu_refuses_heads_narrower_than_its_kernel_takes():
 
     from specserve.engine.model_runner import _resolve_attention
 
+    llama = tiny_llama(0, layers=1)  # (what the stand-in's modules hold: a model of the attention interface)
+
     def model(hidden, heads, cuda):
         weight = SimpleNamespace(device=torch.device("cuda:0" if cuda else "cpu"), is_cuda=cuda)
         return SimpleNamespace(config=LlamaConfig(hidden_size=hidden, num_attention_heads=heads),
-                               parameters=lambda: iter([weight]))
+                               parameters=lambda: iter([weight]), modules=lambda: iter([llama]))
 
     with pytest.raises(ValueError, match="head dimension of at least 16.*is 8: use attention='mask'"):
         _resolve_attention("flex", model(32, 4, cuda=True))

@@ -29,6 +29,7 @@ from tqdm import tqdm
 from specserve.engine.step import RequestMetrics, per_token_alpha
 from specserve.prompts import GENERAL, by_category, encode, load_records
 from specserve.engine import RowInput, SamplingParams, SpeculativeEngine
+from specserve.engine import attention
 from specserve.engine.feature_drafter import FeatureDrafterSpec
 from specserve.engine.model_runner import ModelRunner
 
@@ -36,7 +37,8 @@ WIDTHS = (1, 2, 3, 4, 5, 8)
 
 
 def set_kernels(runner: ModelRunner, on: bool) -> None:
-    runner.grouped_attention = runner.linear_kernels = on and runner.device.type == "cpu"
+    runner.linear_kernels = on and runner.device.type == "cpu"
+    runner.grouped_attention = runner.linear_kernels and attention.dispatches(runner.model)
 
 
 def engine_runners(engine: SpeculativeEngine) -> list[ModelRunner]:

@@ -68,7 +68,7 @@ def grouped_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
     if attention_mask is not None and attention_mask.dtype == torch.int64:
         return cpu_attention.attend(query, key, value, attention_mask, scaling), None
     groups = getattr(module, "num_key_value_groups", 1)
-    plain = (groups == 1 or attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[1] != 1
+    plain = (groups == 1 or query.shape[1] != groups * key.shape[1]  # (keys expanded already: latent attention) or attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[1] != 1
              or any(kwargs.get(k) is not None for k in ("position_bias", "softcap", "cache"))
              or kwargs.get("output_attentions", False))
     if plain:
@@ -83,6 +83,17 @@ def grouped_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
     out = F.scaled_dot_product_attention(stacked, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)
     out = out.reshape(batch, heads, width, value.shape[-1])  # [B, Hq, Q, D]
     return out.transpose(1, 2).contiguous(), None
+
+
+def dispatches(model: torch.nn.Module) -> bool:
+    """Whether the model's layers attend through transformers' attention interface (the function
+    registered under `config._attn_implementation`, `_supports_attention_backend`), so that a
+    function selected here reaches them. Some (Falcon, ...) branch on the name "sdpa" themselves:
+    renamed, they took their eager branch and added a boolean mask to the scores."""
+    from transformers import PreTrainedModel
+
+    inner = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)  # (through wrappers)
+    return bool(getattr(inner, "_supports_attention_backend", False))
 
 
 FULL, SLIDING = "full_attention", "sliding_attention"  # HF's layer types (config.layer_types)
@@ -118,6 +129,8 @@ def windows_of(config, max_model_len: int | None) -> Windows:
         window = getattr(config, "sliding_window", None)
     except RuntimeError as e:  # transformers' per-layer configs refuse a global read
         raise ValueError(f"a config whose layers differ in their attention settings is not supported ({e})") from e
+    if "local" in (getattr(config, "attention_layers", None) or ()):
+        raise ValueError("local attention layers that mask by their own causal buffer (GPT-Neo) are not supported")
     if types:
         other = set(types) - {FULL, SLIDING}
         if other:

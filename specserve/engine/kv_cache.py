@@ -81,7 +81,7 @@ class SlotKVCache:
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """key_states/value_states [B', H, Q, D] -> keys/values of the batch rows [B', H, K, D]."""
-        keys, values = self._layer(layer_idx, key_states)
+        keys, values = self._layer(layer_idx, key_states, value_states)
         if self._stack is not None:
             return self.update_in_stack(key_states, value_states, layer_idx)
         write_slots, positions, read_slots = self._indices(keys.device)  # [B', 1], [B', Q], [B'] or None
@@ -193,7 +193,7 @@ class SlotKVCache:
             if keys is None:
                 continue
             if keys.shape[0] < self._num_slots:
-                self._grow(i, keys)
+                self._grow(i, keys, self._values[i])
             for store in (self._keys[i], self._values[i]):
                 store[dst, :, start:end] = store[src, :, start:end]
 
@@ -224,8 +224,10 @@ class SlotKVCache:
             return sum(s.numel() * s.element_size() for s in self._stack)
         return sum(t.numel() * t.element_size() for t in self._keys + self._values if t is not None)
 
-    def _layer(self, layer_idx: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This layer's storage, allocated or grown to [S, H, C, D] as the last reserve() asked."""
+    def _layer(self, layer_idx: int, key_like: torch.Tensor, value_like: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's storage, allocated or grown to [S, H, C, D] as the last reserve() asked
+        (D each of keys and values their own: latent attention's differ)."""
         if self._stack is not None:
             if not self.ready:
                 self._grow_stack()
@@ -235,14 +237,13 @@ class SlotKVCache:
             self._values.append(None)
         keys = self._keys[layer_idx]
         if keys is None or keys.shape[0] < self._num_slots or keys.shape[2] < self._capacity:
-            self._grow(layer_idx, like)
+            self._grow(layer_idx, key_like, value_like)
         return self._keys[layer_idx], self._values[layer_idx]
 
-    def _grow(self, layer_idx: int, like: torch.Tensor) -> None:
+    def _grow(self, layer_idx: int, key_like: torch.Tensor, value_like: torch.Tensor) -> None:
         keys, values = self._keys[layer_idx], self._values[layer_idx]
-        _, heads, _, head_dim = like.shape
-        shape = (self._num_slots, heads, self._capacity, head_dim)
-        new_keys, new_values = like.new_zeros(shape), like.new_zeros(shape)
+        new_keys, new_values = (like.new_zeros(self._num_slots, like.shape[1], self._capacity, like.shape[3])
+                                for like in (key_like, value_like))
         if keys is not None:
             old_slots, _, old_capacity, _ = keys.shape
             # The old scratch slot (its last) is copied too: harmless, nobody reads it.

@@ -35,11 +35,11 @@ from typing import Callable, NamedTuple
 import torch
 
 from . import attention, cpu_attention, cpu_linear
-from .attention import windows_of
+from . import attention as attention_module  # (for code where `attention` names the mode)
 from .fusion import BlockFusion, repeated_blocks
 from .kv_cache import CAPACITY_STEP, SlotKVCache, capacity_for
 from .paged_cache import SCRATCH, PagedKVCache, blocks_for
-from .sharding import head_dim, kv_cache_bytes_per_token, kv_shape
+from .sharding import head_dim, kv_cache_bytes_per_token, kv_shape, kv_sizes
 
 # Batch sizes a forward is padded up to: every power of two up to 8 (small batches are weight-bound
 # on a GPU, so a padded row costs next to nothing, and few shapes keep few graphs), then steps of 8
@@ -257,7 +257,8 @@ class ModelRunner:
         # batches padded up to BATCH_BUCKETS (fixed shapes to compile or capture); not in eager
         # mode, where a padded row costs a real row's compute on a CPU
         self.pad_batches = self.execution != "eager"
-        self.grouped_attention = grouped_attention_on(self.device)
+        # (only where the model's layers call the attention interface: `attention.dispatches`)
+        self.grouped_attention = grouped_attention_on(self.device) and attention_module.dispatches(model)
         # linears over a few rows through the fastest measured GEMM call (engine/cpu_linear.py)
         self.linear_kernels = cpu_kernels_on(self.device) and self.execution == "eager"
         if self.linear_kernels:
@@ -276,7 +277,7 @@ class ModelRunner:
         self.max_model_len = min(p for p in (max_model_len, limit) if p) if (max_model_len or limit) else None
         self.stated_max_model_len = max_model_len  # what the caller asked for (None: the model's limit only)
         # sliding-window layers: the forward's masks hide keys past their window (attention.Windows)
-        self.windows = windows_of(model.config, self.max_model_len)
+        self.windows = attention_module.windows_of(model.config, self.max_model_len)
         self.cache = SlotKVCache(self.max_model_len, self._key_step())
         self.cache_arg = cache_kwarg(model)
         self.token_map: torch.Tensor | None = getattr(model, "draft_token_map", None)  # [K] target ids, or None
@@ -320,9 +321,10 @@ class ModelRunner:
             return
         try:
             layers, heads, size = kv_shape(self.model.config)
+            same = len(set(kv_sizes(self.model.config))) == 1  # (one storage shape for keys and values)
         except AttributeError:  # a config that does not say its attention's shape
             return
-        if size:
+        if size and same:
             self.cache.stack_layers(layers, heads, size, self.dtype, self.device)
 
     def page(self, block_size: int, num_blocks: int | None = None, prefix_caching: bool = False) -> None:
@@ -345,7 +347,8 @@ class ModelRunner:
         config = self.model.config
         kernel = (self.grouped_attention and self.device.type == "cpu" and self.execution == "eager"
                   and self.fusion is None and getattr(config, "_attn_implementation", None) == "sdpa")
-        return "blocks" if kernel and cpu_attention.available(head_dim(config), self.dtype) else None
+        keys, values = kv_sizes(config)  # (the kernel reads keys and values of one size)
+        return "blocks" if kernel and keys == values and cpu_attention.available(keys, self.dtype) else None
 
     def _key_step(self) -> int:
         """What a forward's key length K is rounded up to: the cache's growth step where forwards
@@ -1135,6 +1138,9 @@ def cpu_kernels_on(device: torch.device) -> bool:
 def _resolve_attention(mode: str, model: torch.nn.Module) -> str:
     if mode not in ATTENTION_MODES:
         raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {mode!r}")
+    if mode == "flex" and not attention_module.dispatches(model):
+        raise ValueError(f"attention='flex' needs a model whose layers attend through transformers' attention "
+                         f"interface; {type(model).__name__}'s do not: use attention='mask'")
     if mode == "flex" and len({p.device for p in model.parameters()}) > 1:
         # the BlockMask's mask_mod reads tensors on the first device; layers elsewhere cannot
         raise ValueError("attention='flex' needs the whole model on one device (a sharded model attends under a mask)")

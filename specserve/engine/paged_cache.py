@@ -110,22 +110,19 @@ class PagedKVCache:
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """key_states/value_states [B', H, Q, D] -> keys/values of the batch rows [B', H, K, D]
         (bound in place: the pool, [1, H, N * bs, D] or [N, bs, H, D]; see `bind`)."""
-        keys, values = self._layer(layer_idx, key_states)
+        keys, values = self._layer(layer_idx, key_states, value_states)
         write, read = self._indices(keys.device)  # [B', Q], [B', K / bs]
-        batch, heads, _, dim = key_states.shape
-        flat_keys, flat_values = keys.view(-1, heads, dim), values.view(-1, heads, dim)  # [N*bs, H, D]
-        flat_keys[write] = key_states.transpose(1, 2).to(keys.dtype)  # [B', Q, H, D]
-        flat_values[write] = value_states.transpose(1, 2).to(values.dtype)
+        batch, heads = key_states.shape[:2]
+        for pool, states in ((keys, key_states), (values, value_states)):  # (D each their own)
+            pool.view(-1, heads, states.shape[-1])[write] = states.transpose(1, 2).to(pool.dtype)  # [B', Q, H, D]
         if self._in_place == "blocks":
             return keys, values  # [N, bs, H, D]
-        if read is None:  # bound in place, flat
-            pooled = (1, -1, heads, dim)
-            return keys.view(pooled).transpose(1, 2), values.view(pooled).transpose(1, 2)  # [1, H, N*bs, D]
+        if read is None:  # bound in place, flat: [1, H, N*bs, D]
+            return tuple(pool.view(1, -1, heads, pool.shape[-1]).transpose(1, 2) for pool in (keys, values))
         length = read.shape[1] * self.block_size
         blocks = read.reshape(-1)  # whole blocks at a time: bs * H * D contiguous elements each
-        gathered_keys = keys.view(keys.shape[0], -1).index_select(0, blocks).view(batch, length, heads, dim)
-        gathered_values = values.view(values.shape[0], -1).index_select(0, blocks).view(batch, length, heads, dim)
-        return gathered_keys.transpose(1, 2), gathered_values.transpose(1, 2)
+        return tuple(pool.view(pool.shape[0], -1).index_select(0, blocks).view(batch, length, heads, pool.shape[-1])
+                     .transpose(1, 2) for pool in (keys, values))
 
     # -- runner API: slots ------------------------------------------------------------------
     @property
@@ -362,7 +359,7 @@ class PagedKVCache:
     def bytes_per_position(self) -> int:
         """Bytes of keys and values one position holds over every layer allocated so far (0 before
         the first forward)."""
-        return sum(2 * t.shape[2] * t.shape[3] * t.element_size() for t in self._keys if t is not None)
+        return sum(t.shape[2] * t.shape[3] * t.element_size() for t in self._keys + self._values if t is not None)
 
     def memory_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._stores())
@@ -465,15 +462,16 @@ class PagedKVCache:
             self._on_device[device] = (self._write.to(device), read)
         return self._on_device[device]
 
-    def _layer(self, layer_idx: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _layer(self, layer_idx: int, key_like: torch.Tensor, value_like: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's pools [N, bs, H, D] (D each of keys and values their own)."""
         while len(self._keys) <= layer_idx:
             self._keys.append(None)
             self._values.append(None)
         keys = self._keys[layer_idx]
         if keys is None or keys.shape[0] < self._num_blocks:
-            _, heads, _, dim = like.shape
-            shape = (self._num_blocks, self.block_size, heads, dim)
-            new_keys, new_values = like.new_zeros(shape), like.new_zeros(shape)
+            new_keys, new_values = (like.new_zeros(self._num_blocks, self.block_size, like.shape[1], like.shape[3])
+                                    for like in (key_like, value_like))
             if keys is not None:
                 new_keys[: keys.shape[0]] = keys
                 new_values[: keys.shape[0]] = self._values[layer_idx]

@@ -36,20 +36,34 @@ def dtype_bytes(dtype: torch.dtype | str) -> int:
 
 
 def kv_cache_bytes_per_token(config, dtype: torch.dtype | str = torch.bfloat16, num_layers: int | None = None) -> int:
-    """Bytes the KV cache takes per token: layers × kv heads × head dim × 2 (keys, values) × dtype bytes.
+    """Bytes the KV cache takes per token: layers × kv heads × (key size + value size) × dtype bytes.
 
     num_layers: count only that many layers (e.g. those placed on one device); default all.
     """
-    layers, kv_heads, size = kv_shape(config)
-    return (layers if num_layers is None else num_layers) * kv_heads * size * 2 * dtype_bytes(dtype)
+    layers, kv_heads, _ = kv_shape(config)
+    return (layers if num_layers is None else num_layers) * kv_heads * sum(kv_sizes(config)) * dtype_bytes(dtype)
 
 
 def kv_shape(config) -> tuple[int, int, int | None]:
     """(layers, kv heads, head dim) of a model config's attention, its text config's for a
     multimodal one (AttributeError: the config does not say)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text, "kv_lora_rank", None):  # latent attention: one compressed head (`kv_sizes`)
+        return text.num_hidden_layers, 1, text.kv_lora_rank
     kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     return text.num_hidden_layers, kv_heads, head_dim(text)
+
+
+def kv_sizes(config) -> tuple[int | None, int | None]:
+    """(key size, value size) per cached head. Latent attention (DeepSeek-V2/V3 and its kin: a
+    `kv_lora_rank`) is cached as transformers runs it, compressed: one head of the latent
+    (kv_lora_rank) as keys and the rotary part (qk_rope_head_dim) as values; every other
+    attention, its head size for both."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text, "kv_lora_rank", None):
+        return text.kv_lora_rank, text.qk_rope_head_dim
+    size = head_dim(text)
+    return size, size
 
 
 def head_dim(config) -> int | None:
