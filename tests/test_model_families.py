@@ -7,7 +7,8 @@ refused at load with a clear error.
 - DeepSeek-V2/V3 (latent attention) is cached compressed by transformers: keys and values of
   different widths (the latent and its rotary part), one head, expanded to every query head only
   for the attention: both caches keep each its own width, and the memory sizing counts both.
-- GPT-Neo's local layers mask by a causal buffer sliced at the cache's length: refused.
+- GPT-Neo's local layers mask by a causal buffer sliced at the cache's length: refused; so is RWKV,
+  which keeps a state of its own instead of a KV cache.
 """
 from __future__ import annotations
 
@@ -112,3 +113,12 @@ def test_gpt_neo_local_layers_are_refused():
                                   attention_types=[[["global", "local"], 1]], window_size=8)
     with pytest.raises(ValueError, match="GPT-Neo"):
         ModelRunner(AutoModelForCausalLM.from_config(config, attn_implementation="eager"))
+
+
+def test_a_model_that_keeps_its_own_state_is_refused():
+    """RWKV takes no KV cache (a state of its own): run as the engine runs models, its tokens were
+    not its own. Refused at load."""
+    config = AutoConfig.for_model("rwkv", vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+                                  attention_hidden_size=64, intermediate_size=128, context_length=256)
+    with pytest.raises(ValueError, match="takes no KV cache"):
+        ModelRunner(AutoModelForCausalLM.from_config(config))

@@ -247,6 +247,7 @@ class ModelRunner:
         attn = getattr(model.config, "_attn_implementation", None) or "eager"
         if attn not in ("sdpa", "eager"):
             raise ValueError(f"attention implementation {attn!r} cannot take a per-row mask; load with sdpa or eager")
+        _require_kv_cache(model)
         self._float_mask = attn == "eager"
         self.device = model.get_input_embeddings().weight.device
         self.dtype = model.get_input_embeddings().weight.dtype
@@ -1149,6 +1150,20 @@ def _resolve_attention(mode: str, model: torch.nn.Module) -> str:
         raise ValueError(f"attention='flex' on a GPU needs a head dimension of at least 16 (FlexAttention's "
                          f"kernel); this model's is {width}: use attention='mask'")
     return "mask" if mode == "auto" else mode
+
+
+def _require_kv_cache(model: torch.nn.Module) -> None:
+    """A transformers model whose forward takes no KV cache keeps a state of its own (RWKV and
+    other recurrent models): the runner's cache would be ignored and its outputs wrong. Refused
+    (a wrapper that forwards **kwargs to one is taken as it is)."""
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        return
+    taken = inspect.signature(model.forward).parameters
+    if "cache" not in taken and "past_key_values" not in taken:
+        raise ValueError(f"{type(model).__name__} takes no KV cache (a recurrent or state-space model): "
+                         "only attention models are supported")
 
 
 def regroup(parts: list[torch.Tensor | None], groups: list[list[int]], batch: int) -> torch.Tensor | None:

@@ -70,8 +70,11 @@ def head_dim(config) -> int | None:
     """A model config's attention head size: its `head_dim`, else hidden size / heads (None: the
     config names neither)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads, hidden = getattr(text, "num_attention_heads", None), getattr(text, "hidden_size", None)
-    return getattr(text, "head_dim", None) or (hidden // heads if heads and hidden else None)
+    try:
+        heads, hidden = getattr(text, "num_attention_heads", None), getattr(text, "hidden_size", None)
+        return getattr(text, "head_dim", None) or (hidden // heads if heads and hidden else None)
+    except RuntimeError as e:  # transformers' per-layer configs refuse a global read
+        raise ValueError(f"a config whose layers differ in their attention shapes is not supported ({e})") from e
 
 
 def headroom_for_tokens(config, tokens: int, num_devices: int, dtype: torch.dtype | str = torch.bfloat16) -> int:
