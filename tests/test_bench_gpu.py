@@ -56,12 +56,12 @@ def test_gpu_checks_run_every_check_on_a_cpu(tmp_path):
     out = tmp_path / "checks.json"
     assert gpu_checks.main(["--device", "cpu", "--max-new", "8", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    windowed = ["windowed, mask", "windowed, flex, paged in place"]
-    assert [r["check"] for r in rows] == ["target alone = HF generate", *gpu_checks.CHECKS, *windowed,
+    families = [f[0] for f in gpu_checks.FAMILIES]
+    assert [r["check"] for r in rows] == ["target alone = HF generate", *gpu_checks.CHECKS, *families,
                                           "q placed, read by another process"]
     assert rows[0]["ok"] and rows[0]["greedy_same"]  # the reference is HF's own greedy
-    assert all(r["ok"] and r["greedy_same"] and r["sampled_same"] for r in rows[1:-3])
-    assert all(r["ok"] and r["greedy_same"] for r in rows[-3:-1])  # a windowed model against HF's generate
+    assert all(r["ok"] and r["greedy_same"] and r["sampled_same"] for r in rows[1:1 + len(gpu_checks.CHECKS)])
+    assert all(r["ok"] and r["greedy_same"] for r in rows[-1 - len(families):-1])  # families against HF's generate
     assert rows[-1]["ok"] and rows[-1]["read_same"] and rows[-1]["read_ms"] > 0  # (shared memory on a CPU)
 
 

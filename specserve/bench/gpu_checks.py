@@ -20,9 +20,11 @@ configurations are the ones whose graph capture has run on a CPU only under emul
   graph the short prompts captured goes stale, and the next ones are captured in a new pool
   (capturing into the old one, all its graphs gone, fails CUDA's allocator).
 
-Then sliding-window attention (docs/engine.md): a tiny Gemma 3 (windowed and full layers, a
-window of 16) with a draft of its weights plus noise, over random prompts of 9 to 70 tokens, masked over the dense cache and under FlexAttention reading a paged pool in place, in
-graphs: greedy tokens against HF's own `generate` of the model.
+Then model families off the Llama path (docs/engine.md), each a tiny target with its weights
+plus noise as the draft, over random prompts of 9 to 70 tokens, in graphs, greedy tokens against
+HF's own `generate` of the target: sliding-window attention (Gemma 3's windowed and full layers, a
+window of 16) masked over the dense cache and under FlexAttention reading a paged pool in place;
+experts (Mixtral: whether its routing captures); latent attention (DeepSeek-V3, cached compressed).
 
 Last, q placed for another process (serve/placed_q.py: CUDA IPC on a GPU, shared memory on a
 CPU), as a draft worker places it for a target worker on the same GPU: the handshake, then q
@@ -278,21 +280,32 @@ def _digest(q: torch.Tensor) -> str:
 
 
 WINDOW = 16
+TINY = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=1024, initializer_range=0.02, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+# (check, transformers model type, its config fields past TINY's (None: the row above's model), attention, paged)
+FAMILIES = [
+    ("windowed, mask", "gemma3_text", dict(num_hidden_layers=3, head_dim=32, query_pre_attn_scalar=32,
+                                           sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention",
+                                                                               "sliding_attention"]), "mask", False),
+    ("windowed, flex, paged in place", "gemma3_text", None, "flex", True),
+    ("experts (Mixtral), mask", "mixtral", dict(num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2),
+     "mask", False),
+    ("latent (DeepSeek-V3), mask", "deepseek_v3", dict(
+        num_hidden_layers=2, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+        kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32,
+        first_k_dense_replace=1, n_group=1, topk_group=1), "mask", False),
+]
 
 
-def windowed_model(device: str, seed: int, noise: float = 0.0) -> torch.nn.Module:
-    """A tiny Gemma 3 (layers windowed, full, windowed; float32) on `device`; with noise, its
-    weights plus that much relative Gaussian noise (a draft right some of the time)."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+def family_model(model_type: str, fields: dict, device: str, seed: int, noise: float = 0.0) -> torch.nn.Module:
+    """A tiny model of that type (float32) on `device`; with noise, its weights plus that much
+    relative Gaussian noise (a draft right some of the time)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = Gemma3TextConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
-                              num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32,
-                              sliding_window=WINDOW, max_position_embeddings=1024, initializer_range=0.02,
-                              layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-                              bos_token_id=None, eos_token_id=None, pad_token_id=None)
     torch.manual_seed(seed)
     with torch.device(device):
-        model = Gemma3ForCausalLM._from_config(config, attn_implementation="sdpa").eval()
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{**TINY, **fields}),
+                                                 attn_implementation="sdpa").eval()
     if noise:
         generator = torch.Generator(device=device).manual_seed(seed + 1)
         with torch.no_grad():
@@ -301,20 +314,21 @@ def windowed_model(device: str, seed: int, noise: float = 0.0) -> torch.nn.Modul
     return model
 
 
-def windowed_checks(device: str, graphs: bool, max_new: int) -> list[dict]:
-    target, draft = windowed_model(device, 0), windowed_model(device, 0, noise=0.3)
-    rng = random.Random(0)  # (on these, every output differs from the model's with no window)
+def family_checks(device: str, graphs: bool, max_new: int) -> list[dict]:
+    """Model families off the Llama path, each target with a noisy copy as its draft, greedy
+    against HF's own `generate` of the target (docs/engine.md: sliding windows, experts, latent
+    attention cached compressed)."""
+    rng = random.Random(0)  # (on these, the windowed model's outputs differ from its own with no window)
     prompts = [[rng.randrange(1, 512) for _ in range(n)] for n in (9, 20, 33, 47, 70)]
-    rows, want = [], None
-    for attention in ("mask", "flex"):
+    rows, pair, want = [], None, None
+    for check, model_type, fields, attention, paged in FAMILIES:
         began = time.perf_counter()
-        row = {"check": f"windowed, {attention}" + (", paged in place" if attention == "flex" else ""),
-               "sampled_same": None}
+        row = {"check": check, "sampled_same": None}
         try:
-            if want is None:
-                want = [hf_greedy(target, p, max_new) for p in prompts]
-            paged = attention == "flex"
-            engine = SpeculativeEngine(target, draft, num_speculative_tokens=3, adaptive=False,
+            if fields is not None:
+                pair = family_model(model_type, fields, device, 0), family_model(model_type, fields, device, 0, 0.3)
+                want = [hf_greedy(pair[0], p, max_new) for p in prompts]
+            engine = SpeculativeEngine(*pair, num_speculative_tokens=3, adaptive=False,
                                        execution="graph" if graphs else "eager", attention=attention,
                                        kv_block_size=16 if paged else None, max_cached_tokens=4096 if paged else None)
             outs = engine.generate(prompts, SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True))
@@ -362,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     alone = {id(p): tokens(plain, greedy, p) for p in (PROMPTS, LONG_PROMPTS)}
     rows = [hf_check(target, alone, args.max_new)]
     rows += [run_check(check, target, draft, graphs, alone[id(prompts_of(check))], args.max_new) for check in CHECKS]
-    rows += windowed_checks(device, graphs, args.max_new)
+    rows += family_checks(device, graphs, args.max_new)
     rows.append(placed_check(device))
     name = torch.cuda.get_device_name() if graphs else "cpu (eager: no graphs to check)"
     print(table(rows, name))
