@@ -1,6 +1,7 @@
-"""Sliding-window attention (Mistral, Gemma 3, Qwen2 with use_sliding_window): every layout the
-engine attends through hides what the model's own window hides, so greedy output past the window
-equals HF `generate` of the model itself, target alone and speculative."""
+"""Sliding-window attention (Mistral, Phi-3, Gemma 2 and 3, gpt-oss, Qwen2 and Qwen3 with
+use_sliding_window): every layout the engine attends through hides what the model's own window
+hides, so greedy output past the window equals HF `generate` of the model itself, target alone and
+speculative."""
 from __future__ import annotations
 
 import functools
@@ -9,9 +10,8 @@ import random
 import pytest
 import torch
 from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GptOssConfig,
-                          GptOssForCausalLM, LlamaConfig,
-                          MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
-                          Qwen3Config, Qwen3ForCausalLM)
+                          GptOssForCausalLM, LlamaConfig, MistralConfig, MistralForCausalLM, Phi3Config,
+                          Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 from models import hf_greedy, perturbed
 from specserve import SamplingParams, SpeculativeEngine
@@ -120,12 +120,11 @@ def unwindowed_reference(key: str) -> list[list[int]]:
     """The same model with every layer attending its whole context (what the engine served
     before: its masks ignored the window)."""
     model = MODELS[key]()
-    before = (model.config.sliding_window, getattr(model.config, "layer_types", None))
-    model.config.sliding_window = 10_000
+    before, model.config.sliding_window = model.config.sliding_window, 10_000
     try:
         return [hf_greedy(model, p, NEW) for p in prompts()]
     finally:
-        model.config.sliding_window = before[0]
+        model.config.sliding_window = before
 
 
 def test_the_window_changes_these_outputs():
