@@ -52,6 +52,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from . import cpu_attention
+from .sharding import config_value
 
 NAME = "specserve_grouped_sdpa"
 FLEX_NAME = "specserve_flex"
@@ -124,11 +125,7 @@ def windows_of(config, max_model_len: int | None) -> Windows:
     """A model's attention windows from its config; a window that reaches back past the context
     (max_model_len) hides nothing. Layers other than attention (linear attention, state spaces,
     chunked attention) are refused, as are configs whose layers set their attention apart."""
-    try:
-        types = getattr(config, "layer_types", None)
-        window = getattr(config, "sliding_window", None)
-    except RuntimeError as e:  # transformers' per-layer configs refuse a global read
-        raise ValueError(f"a config whose layers differ in their attention settings is not supported ({e})") from e
+    types, window = config_value(config, "layer_types"), config_value(config, "sliding_window")
     if "local" in (getattr(config, "attention_layers", None) or ()):
         raise ValueError("local attention layers that mask by their own causal buffer (GPT-Neo) are not supported")
     if types:

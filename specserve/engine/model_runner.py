@@ -35,7 +35,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from . import attention, cpu_attention, cpu_linear
-from . import attention as attention_module  # (for code where `attention` names the mode)
+from .attention import dispatches, windows_of
 from .fusion import BlockFusion, repeated_blocks
 from .kv_cache import CAPACITY_STEP, SlotKVCache, capacity_for
 from .paged_cache import SCRATCH, PagedKVCache, blocks_for
@@ -139,8 +139,19 @@ VERIFY_ROW_TOKENS = 1
 
 def cache_kwarg(model: torch.nn.Module) -> str:
     """The keyword a causal LM's forward takes its KV cache by: `cache` (transformers >= 5.24,
-    where `past_key_values` is deprecated) or `past_key_values` (older versions, our own heads)."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    where `past_key_values` is deprecated) or `past_key_values` (older versions, our own heads, a
+    wrapper passing **kwargs on). A transformers model whose forward takes neither keeps a state
+    of its own (RWKV and other recurrent models): a cache handed to it would be ignored and its
+    outputs wrong, so it is refused."""
+    from transformers import PreTrainedModel
+
+    taken = inspect.signature(model.forward).parameters
+    if "cache" in taken:
+        return "cache"
+    if "past_key_values" not in taken and isinstance(model, PreTrainedModel):
+        raise ValueError(f"{type(model).__name__} takes no KV cache (a recurrent or state-space model): "
+                         "only attention models are supported")
+    return "past_key_values"
 
 
 def returned_cache(outputs):
@@ -247,7 +258,7 @@ class ModelRunner:
         attn = getattr(model.config, "_attn_implementation", None) or "eager"
         if attn not in ("sdpa", "eager"):
             raise ValueError(f"attention implementation {attn!r} cannot take a per-row mask; load with sdpa or eager")
-        _require_kv_cache(model)
+        self.cache_arg = cache_kwarg(model)
         self._float_mask = attn == "eager"
         self.device = model.get_input_embeddings().weight.device
         self.dtype = model.get_input_embeddings().weight.dtype
@@ -259,7 +270,7 @@ class ModelRunner:
         # mode, where a padded row costs a real row's compute on a CPU
         self.pad_batches = self.execution != "eager"
         # (only where the model's layers call the attention interface: `attention.dispatches`)
-        self.grouped_attention = grouped_attention_on(self.device) and attention_module.dispatches(model)
+        self.grouped_attention = grouped_attention_on(self.device) and dispatches(model)
         # linears over a few rows through the fastest measured GEMM call (engine/cpu_linear.py)
         self.linear_kernels = cpu_kernels_on(self.device) and self.execution == "eager"
         if self.linear_kernels:
@@ -278,9 +289,8 @@ class ModelRunner:
         self.max_model_len = min(p for p in (max_model_len, limit) if p) if (max_model_len or limit) else None
         self.stated_max_model_len = max_model_len  # what the caller asked for (None: the model's limit only)
         # sliding-window layers: the forward's masks hide keys past their window (attention.Windows)
-        self.windows = attention_module.windows_of(model.config, self.max_model_len)
+        self.windows = windows_of(model.config, self.max_model_len)
         self.cache = SlotKVCache(self.max_model_len, self._key_step())
-        self.cache_arg = cache_kwarg(model)
         self.token_map: torch.Tensor | None = getattr(model, "draft_token_map", None)  # [K] target ids, or None
         self._slot_of: dict[str, int] = {}
         self._valid: dict[str, int] = {}
@@ -348,8 +358,9 @@ class ModelRunner:
         config = self.model.config
         kernel = (self.grouped_attention and self.device.type == "cpu" and self.execution == "eager"
                   and self.fusion is None and getattr(config, "_attn_implementation", None) == "sdpa")
-        keys, values = kv_sizes(config)  # (the kernel reads keys and values of one size)
-        return "blocks" if kernel and keys == values and cpu_attention.available(keys, self.dtype) else None
+        key_size, value_size = kv_sizes(config)  # (the kernel reads keys and values of one size)
+        fits = key_size == value_size and cpu_attention.available(key_size, self.dtype)
+        return "blocks" if kernel and fits else None
 
     def _key_step(self) -> int:
         """What a forward's key length K is rounded up to: the cache's growth step where forwards
@@ -1139,7 +1150,7 @@ def cpu_kernels_on(device: torch.device) -> bool:
 def _resolve_attention(mode: str, model: torch.nn.Module) -> str:
     if mode not in ATTENTION_MODES:
         raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {mode!r}")
-    if mode == "flex" and not attention_module.dispatches(model):
+    if mode == "flex" and not dispatches(model):
         raise ValueError(f"attention='flex' needs a model whose layers attend through transformers' attention "
                          f"interface; {type(model).__name__}'s do not: use attention='mask'")
     if mode == "flex" and len({p.device for p in model.parameters()}) > 1:
@@ -1150,20 +1161,6 @@ def _resolve_attention(mode: str, model: torch.nn.Module) -> str:
         raise ValueError(f"attention='flex' on a GPU needs a head dimension of at least 16 (FlexAttention's "
                          f"kernel); this model's is {width}: use attention='mask'")
     return "mask" if mode == "auto" else mode
-
-
-def _require_kv_cache(model: torch.nn.Module) -> None:
-    """A transformers model whose forward takes no KV cache keeps a state of its own (RWKV and
-    other recurrent models): the runner's cache would be ignored and its outputs wrong. Refused
-    (a wrapper that forwards **kwargs to one is taken as it is)."""
-    from transformers import PreTrainedModel
-
-    if not isinstance(model, PreTrainedModel):
-        return
-    taken = inspect.signature(model.forward).parameters
-    if "cache" not in taken and "past_key_values" not in taken:
-        raise ValueError(f"{type(model).__name__} takes no KV cache (a recurrent or state-space model): "
-                         "only attention models are supported")
 
 
 def regroup(parts: list[torch.Tensor | None], groups: list[list[int]], batch: int) -> torch.Tensor | None:

@@ -66,15 +66,21 @@ def kv_sizes(config) -> tuple[int | None, int | None]:
     return size, size
 
 
+def config_value(config, name: str, default=None):
+    """`config.<name>`, else default. transformers' per-layer (heterogeneous) configs refuse a
+    global read of what their layers set apart (a RuntimeError): such a config is refused here."""
+    try:
+        return getattr(config, name, default)
+    except RuntimeError as e:
+        raise ValueError(f"a config whose layers differ in {name} is not supported ({e})") from e
+
+
 def head_dim(config) -> int | None:
     """A model config's attention head size: its `head_dim`, else hidden size / heads (None: the
     config names neither)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    try:
-        heads, hidden = getattr(text, "num_attention_heads", None), getattr(text, "hidden_size", None)
-        return getattr(text, "head_dim", None) or (hidden // heads if heads and hidden else None)
-    except RuntimeError as e:  # transformers' per-layer configs refuse a global read
-        raise ValueError(f"a config whose layers differ in their attention shapes is not supported ({e})") from e
+    heads, hidden = config_value(text, "num_attention_heads"), config_value(text, "hidden_size")
+    return config_value(text, "head_dim") or (hidden // heads if heads and hidden else None)
 
 
 def headroom_for_tokens(config, tokens: int, num_devices: int, dtype: torch.dtype | str = torch.bfloat16) -> int:
