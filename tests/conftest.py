@@ -11,7 +11,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 torch.set_num_threads(1)
 
 from models import tiny_llama  # noqa: E402
-from serve_helpers import METRICS_PORT, free_port, start_local_serve, stop_local_serve  # noqa: E402
+from serve_helpers import METRICS_PORT, port_ray_leaves_free, start_local_serve, stop_local_serve  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -43,7 +43,7 @@ def target():
 @pytest.fixture(scope="session")
 def server():
     """Ray (2 CPUs, 127.0.0.1) + Serve + the tiny app, started once for every serve test file (20-40 s)."""
-    url = start_local_serve(free_port(), metrics_port=METRICS_PORT)
+    url = start_local_serve(port_ray_leaves_free(), metrics_port=METRICS_PORT)
     yield url
     stop_local_serve()
 

@@ -26,7 +26,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-METRICS_PORT = free_port()  # Ray's Prometheus endpoint of the session's cluster (conftest.py's `server`)
+# Ports Ray's own components take by default (dashboard agent's HTTP, GCS, dashboard, client server):
+# a free port drawn for the metrics endpoint (or Serve's proxy) that is one of these makes Ray refuse to start
+# (it happened once, 52365, and every serve test of that run errored)
+RAY_DEFAULT_PORTS = frozenset({52365, 6379, 8265, 10001})
+
+
+def port_ray_leaves_free() -> int:
+    """A free port that none of Ray's components takes by default."""
+    port = free_port()
+    while port in RAY_DEFAULT_PORTS:
+        port = free_port()
+    return port
+
+
+METRICS_PORT = port_ray_leaves_free()  # Ray's Prometheus endpoint of the session's cluster (conftest.py's `server`)
 
 
 def start_local_serve(port: int, metrics_port: int | None = None) -> str:
