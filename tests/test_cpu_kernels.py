@@ -87,6 +87,18 @@ def test_grouped_attention_equals_hf_sdpa(width):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["none", "per-head"])
+def test_grouped_attention_leaves_other_masks_to_hf_sdpa(kind):
+    """No mask, or one mask per head (Doge's dynamic masks): HF's SDPA function, as it would run."""
+    torch.manual_seed(1)
+    module = torch.nn.Module()
+    module.num_key_value_groups = 2
+    q, k, v = torch.randn(1, 4, 5, 16), torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16)
+    mask = None if kind == "none" else torch.randn(1, 4, 5, 5)  # [B, Hq, Q, K] additive
+    got = _attend(attention.grouped_sdpa, module, q, k, v, mask)
+    torch.testing.assert_close(got, _attend(sdpa_attention_forward, module, q, k, v, mask))
+
+
 def test_grouped_attention_compiles_whole_and_equals_hf_sdpa():
     """As a captured GPU forward runs it: compiled with no graph break (fused blocks, or a
     compiled forward), it computes what HF's masked SDPA computes, without repeating the cache."""

@@ -69,7 +69,9 @@ def grouped_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
     if attention_mask is not None and attention_mask.dtype == torch.int64:
         return cpu_attention.attend(query, key, value, attention_mask, scaling), None
     groups = getattr(module, "num_key_value_groups", 1)
-    plain = (groups == 1 or query.shape[1] != groups * key.shape[1]  # (keys expanded already: latent attention) or attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[1] != 1
+    # (query heads not a multiple of the keys': keys already expanded, as latent attention's are)
+    plain = (groups == 1 or query.shape[1] != groups * key.shape[1]
+             or attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[1] != 1
              or any(kwargs.get(k) is not None for k in ("position_bias", "softcap", "cache"))
              or kwargs.get("output_attentions", False))
     if plain:
@@ -121,13 +123,34 @@ class Windows:
         return {FULL: build(None), SLIDING: build(self.window)}
 
 
+# model types whose layers read positions or the cache in a way the runner's per-row masks and
+# caches cannot stand in for (each found giving transformers' own error at the first forward)
+UNSUPPORTED = {
+    "bloom": "builds its ALiBi biases from a 2-D padding mask, which the runner's per-row masks replace",
+    "cpmant": "hands its cache keys and values in a layout of its own",
+    "dory": "loops its layers over key and value states they share through transformers' cache layers",
+    "hrm_text": "runs its layers in recurrent cycles over a cache of transformers' own kind",
+}
+
+
+def check_supported(config) -> None:
+    """Refuse, naming the reason, a model whose attention the runner cannot serve as the model
+    itself computes it (its config is all that is read)."""
+    model_type = getattr(config, "model_type", None)
+    if model_type in UNSUPPORTED:
+        raise ValueError(f"{model_type} is not supported: it {UNSUPPORTED[model_type]}")
+    if model_type == "falcon" and getattr(config, "alibi", False):
+        raise ValueError(f"falcon with alibi is not supported: it {UNSUPPORTED['bloom']}")
+    if "local" in (getattr(config, "attention_layers", None) or ()):
+        raise ValueError("local attention layers that mask by their own causal buffer (GPT-Neo) are not supported")
+
+
 def windows_of(config, max_model_len: int | None) -> Windows:
     """A model's attention windows from its config; a window that reaches back past the context
     (max_model_len) hides nothing. Layers other than attention (linear attention, state spaces,
     chunked attention) are refused, as are configs whose layers set their attention apart."""
+    check_supported(config)
     types, window = config_value(config, "layer_types"), config_value(config, "sliding_window")
-    if "local" in (getattr(config, "attention_layers", None) or ()):
-        raise ValueError("local attention layers that mask by their own causal buffer (GPT-Neo) are not supported")
     if types:
         other = set(types) - {FULL, SLIDING}
         if other:
@@ -211,7 +234,8 @@ def flex_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
     logits (Gemma 2: `softcap`) gets them capped, softcap * tanh(score / softcap), as its eager
     attention does."""
     if not isinstance(attention_mask, BlockMask):
-        raise TypeError("flex_sdpa attends under a BlockMask (attention.block_mask), not a tensor mask")
+        raise ValueError(f"{type(module).__name__} hands its attention a tensor mask of its own making (as Doge's "
+                         "dynamic masks do), which flex cannot take: serve it with attention 'mask'")
     if kwargs.get("s_aux") is not None:
         raise ValueError("this model's attention has sinks (gpt-oss), which attention='flex' does not take: "
                          "use attention='mask' with attn_implementation='eager'")

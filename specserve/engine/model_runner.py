@@ -149,8 +149,8 @@ def cache_kwarg(model: torch.nn.Module) -> str:
     if "cache" in taken:
         return "cache"
     if "past_key_values" not in taken and isinstance(model, PreTrainedModel):
-        raise ValueError(f"{type(model).__name__} takes no KV cache (a recurrent or state-space model): "
-                         "only attention models are supported")
+        raise ValueError(f"{type(model).__name__} takes no KV cache (it keeps a state of its own, or cannot "
+                         "decode incrementally): only attention models with a KV cache are supported")
     return "past_key_values"
 
 
