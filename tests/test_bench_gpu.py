@@ -65,6 +65,18 @@ def test_gpu_checks_run_every_check_on_a_cpu(tmp_path):
     assert rows[-1]["ok"] and rows[-1]["read_same"] and rows[-1]["read_ms"] > 0  # (shared memory on a CPU)
 
 
+def test_a_check_that_breaks_is_a_row_of_its_own():
+    """A device run cannot be rerun cheaply: a check that raises becomes its row's error, timed,
+    and the run goes on."""
+    from specserve.bench import gpu_checks
+
+    with gpu_checks.checked({"check": "x"}) as row:
+        row["greedy_same"] = True
+        raise RuntimeError("CUDA error: an illegal memory access")
+    assert row["ok"] is False and row["error"].startswith("RuntimeError: CUDA error")
+    assert row["greedy_same"] and row["seconds"] >= 0
+
+
 def test_paged_layout_pools_are_sized_by_the_batch(tmp_path):
     """With --kv-block-size and no --kv-pool, each batch's engines get a pool of what admission
     counts for that batch (every engine of a batch is alive at once, so a fixed large pool per

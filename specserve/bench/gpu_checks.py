@@ -49,7 +49,9 @@ import random
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -108,20 +110,27 @@ def tokens(engine: SpeculativeEngine, params: SamplingParams, prompts: list[list
     return [o.token_ids for o in engine.generate(prompts, params)]
 
 
+@contextmanager
+def checked(row: dict) -> Iterator[dict]:
+    """Times the check that fills `row` ("seconds"); one that raises is reported in it (ok False,
+    the error), and the others still run."""
+    began = time.perf_counter()
+    try:
+        yield row
+    except Exception as e:
+        row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
+    row["seconds"] = round(time.perf_counter() - began, 1)
+
+
 def hf_check(target, alone: dict, max_new: int) -> dict:
     """The reference itself against HF's own greedy `generate` (HF's attention, not the runner's:
     on a GPU the runner's grouped-query call is otherwise checked only against itself)."""
-    began = time.perf_counter()
-    row = {"check": "target alone = HF generate", "sampled_same": None, "graphs": 0}
-    try:
+    with checked({"check": "target alone = HF generate", "sampled_same": None, "graphs": 0}) as row:
         same = True
         for prompts in (PROMPTS, LONG_PROMPTS):
             for prompt, mine in zip(prompts, alone[id(prompts)]):
                 same = same and hf_greedy(target, prompt, max_new) == mine
         row.update(greedy_same=same, ok=same)
-    except Exception as e:
-        row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
-    row["seconds"] = round(time.perf_counter() - began, 1)
     return row
 
 
@@ -131,9 +140,7 @@ def run_check(check: str, target, draft, graphs: bool, alone: list[list[int]], m
     sampled = SamplingParams(max_tokens=max_new, temperature=0.8, seed=7, ignore_eos=True)
     prompts = prompts_of(check)
     references = [p + o for p, o in zip(prompts, alone)]
-    began = time.perf_counter()
-    row = {"check": check}
-    try:
+    with checked({"check": check}) as row:
         engine = engine_for(check, target, draft, graphs, references)
         if "grows" in check:  # graphs captured over the cache the short prompts need, then it grows
             tokens(engine, greedy, PROMPTS)
@@ -143,9 +150,6 @@ def run_check(check: str, target, draft, graphs: bool, alone: list[list[int]], m
         runners = [engine.verifier.runner, engine.proposer.runner]
         row["graphs"] = sum(len(r.graphs) for r in runners if r.graphs is not None)
         row["ok"] = row["greedy_same"] and row["sampled_same"] and (row["graphs"] > 0 or not graphs)
-    except Exception as e:  # a check that breaks is reported as one, and the others still run
-        row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
-    row["seconds"] = round(time.perf_counter() - began, 1)
     return row
 
 
@@ -156,14 +160,12 @@ def placed_check(device: str, rounds: int = 3, repeats: int = 20) -> dict:
     """q placed here and read by a child process, as a draft worker's q by its target's."""
     from specserve.serve import placed_q
 
-    began = time.perf_counter()
-    row = {"check": "q placed, read by another process", "graphs": 0}
     context = multiprocessing.get_context("spawn")
     mine, theirs = context.Pipe()
     child = context.Process(target=_placed_reader, args=(theirs, device, repeats), daemon=True)
     child.start()
     box = placed_q.Outbox()
-    try:
+    with checked({"check": "q placed, read by another process", "graphs": 0}) as row, _closing(mine, child, box):
         mine.send(placed_q.offer(box, device))
         same = _answer(mine) is True
         for turn in range(rounds):
@@ -180,17 +182,21 @@ def placed_check(device: str, rounds: int = 3, repeats: int = 20) -> dict:
         row["after_placer_dies"] = _after_placer_dies(mine, context, device)
         row["ok"] = same and row["after_placer_dies"] != "differs"
         row["note"] += f"; read after its placer died: {row['after_placer_dies']}"
-    except Exception as e:
-        row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
+    return row
+
+
+@contextmanager
+def _closing(conn, child, box) -> Iterator[None]:
+    """The reader told to stop and joined, and the outbox closed, however the check ended."""
+    try:
+        yield
     finally:
         try:
-            mine.send(None)
+            conn.send(None)
         except OSError:  # the reader is gone
             pass
         child.join(30)
         box.close()
-    row["seconds"] = round(time.perf_counter() - began, 1)
-    return row
 
 
 def _after_placer_dies(reader, context, device: str) -> str:
@@ -322,9 +328,7 @@ def family_checks(device: str, graphs: bool, max_new: int) -> list[dict]:
     prompts = [[rng.randrange(1, 512) for _ in range(n)] for n in (9, 20, 33, 47, 70)]
     rows, pair, want = [], None, None
     for check, model_type, fields, attention, paged in FAMILIES:
-        began = time.perf_counter()
-        row = {"check": check, "sampled_same": None}
-        try:
+        with checked({"check": check, "sampled_same": None}) as row:
             if fields is not None:
                 pair = family_model(model_type, fields, device, 0), family_model(model_type, fields, device, 0, 0.3)
                 want = [hf_greedy(pair[0], p, max_new) for p in prompts]
@@ -337,9 +341,6 @@ def family_checks(device: str, graphs: bool, max_new: int) -> list[dict]:
                                 if r.graphs is not None)
             row["note"] = f"accepted {sum(o.metrics.num_accepted_tokens for o in outs)} drafts"
             row["ok"] = row["greedy_same"] and (row["graphs"] > 0 or not graphs)
-        except Exception as e:
-            row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
-        row["seconds"] = round(time.perf_counter() - began, 1)
         rows.append(row)
     return rows
 
