@@ -14,6 +14,7 @@
     specserve bench policy [--costs FILE] [--trace FILE]             the γ policy replayed on measured costs (specserve.bench.policy)
     specserve bench acceptance [--drafter feature-head]              a drafter's hits position by position: a trace to replay (specserve.bench.acceptance)
     specserve bench prediction [--model tiny]                        code edits with / without a predicted output (specserve.bench.prediction)
+    specserve bench history [--model tiny]                           drafting from earlier answers: repeats, templates, unrelated (specserve.bench.history)
 
 A subcommand is one entry in COMMANDS (name -> help, add_arguments, run); a benchmark is one entry
 in BENCHES (name -> module with `main(argv)`).
@@ -137,6 +138,7 @@ BENCHES = {  # name -> module with `main(argv: list[str]) -> int`; its own argpa
     "draws": "specserve.bench.draws",
     "grammar": "specserve.bench.grammar",
     "prediction": "specserve.bench.prediction",
+    "history": "specserve.bench.history",
 }
 
 

@@ -205,6 +205,24 @@ ColocatedDrafter = Annotated[
 
 
 # -- speculation and resources -------------------------------------------------------------------
+class HistoryConfig(_Strict):
+    """Draft from earlier answers (engine/history.py): each coordinator replica keeps the answers of
+    the requests it finished (after their prompts' last tokens), up to `max_tokens`, and a request
+    whose latest `min_match` or more tokens occurred there drafts what followed them, before its
+    drafter drafts. For agents, tool
+    loops and templated jobs, which repeat structures across requests. Outputs are unchanged; a
+    seeded sampled request never recalls. Off by default: like any cache shared between requests,
+    how fast a request is answered then depends on what others were answered."""
+
+    max_tokens: int = Field(200_000, ge=1)
+    min_match: int = Field(8, ge=1, le=32)
+
+    def engine_history(self):
+        from specserve.engine.history import History
+
+        return History(self.max_tokens, self.min_match)
+
+
 class PlantedAcceptance(_Strict):
     """Benchmarks and load tests only: the draft model runs (its cost is real) but, for a greedy
     request whose prompt opens one of the `references` (prompt + the target's greedy output, one
@@ -253,6 +271,9 @@ class SpeculationConfig(_Strict):
     # masked at every position; docs/engine.md, "Structured output"). null: every grammar row's
     # drafts masked.
     grammar_wide_share: float | None = Field(0.9, ge=0, le=1)
+    # Draft from the tokens of requests this replica finished, where a request's latest tokens
+    # occurred there (HistoryConfig; null: none kept).
+    history: HistoryConfig | None = None
     # Benchmarks only: acceptance planted in the draft model's proposals (needs draft:).
     planted: PlantedAcceptance | None = None
 

@@ -4,7 +4,8 @@ target alone.
 Each seed draws an engine configuration (γ 0-6, adaptive or fixed, a drafter of every kind the
 tests build in process, dense or paged KV with blocks of 1-16, prefix caching, prefill chunks,
 a small batch and/or KV budget so requests queue and get preempted, max_model_len, EOS ids; in a
-quarter of the seeds, the target with a sliding window of 8-64 positions) and a
+quarter of the seeds, the target with a sliding window of 8-64 positions; in a third, a history of
+finished requests drafted from) and a
 schedule (3-10 requests, some sharing long prefixes, some near max_model_len, arriving at random
 steps, a few aborted at random steps, each with its own greedy SamplingParams: max_tokens down to
 1, stop ids, min_tokens, ignore_eos, logit bias, allowed ids, bad words, penalties, logprobs, and
@@ -36,6 +37,7 @@ from models import ShiftedDraft, hf_greedy, perturbed
 from specserve import SamplingParams, SpeculativeEngine
 from specserve.engine.admission import Admission, allocation
 from specserve.engine.feature_drafter import FeatureDrafterProposer, FeatureDrafterSpec
+from specserve.engine.history import History
 from specserve.engine.model_runner import ModelRunner
 from specserve.engine.proposers import DraftModelSpec, LayerSkipSpec, PredictionSpec, PromptLookupSpec
 from specserve.engine.step import new_sequence
@@ -96,12 +98,14 @@ class Scenario:
     budget: int | None = None
     requests: list[Request] = field(default_factory=list)
     window: int | None = None  # the target's sliding window (`windowed`), or none
+    history: tuple[int, int] | None = None  # (max_tokens, min_match) of a History drafted from (`draw_history`)
 
     def engine_kwargs(self) -> dict:
         return dict(num_speculative_tokens=self.gamma, adaptive=self.adaptive, kv_block_size=self.block_size,
                     prefix_caching=self.prefix_caching, prefill_chunk_tokens=self.chunk,
                     max_batch_size=self.max_batch_size, max_model_len=self.max_model_len,
-                    max_cached_tokens=self.budget, eos_token_ids=self.eos)
+                    max_cached_tokens=self.budget, eos_token_ids=self.eos,
+                    history=None if self.history is None else History(*self.history))
 
 
 def draw_prediction_drafter(seed: int) -> bool:
@@ -114,6 +118,13 @@ def draw_window(seed: int) -> int | None:
     as they were), or None for the plain target."""
     rng = random.Random(seed * 7919 + 2)
     return rng.choice([8, 24, 64]) if rng.random() < 0.25 else None
+
+
+def draw_history(seed: int) -> tuple[int, int] | None:
+    """(max_tokens, min_match) of the finished requests' history scenario `seed` drafts from (a
+    stream of its own), or None; a budget of 48 tokens keeps dropping the oldest."""
+    rng = random.Random(seed * 6151 + 3)
+    return (rng.choice([48, 4096]), rng.choice([2, 3, 6])) if rng.random() < 1 / 3 else None
 
 
 def draw_config(rng: random.Random, seed: int) -> Scenario:
@@ -290,6 +301,7 @@ def draw_scenario(seed: int) -> Scenario:
     sc.requests = draw_requests(rng, sc)
     sc.budget = draw_budget(rng, sc)
     sc.window = draw_window(seed)
+    sc.history = draw_history(seed)
     return sc
 
 
@@ -470,6 +482,7 @@ def test_the_generator_covers_the_features():
     constrained = [sc for sc in scs if any(r.params.grammar for r in sc.requests)]
     assert {sc.drafter for sc in constrained} == set(ALL_DRAFTERS) and any(sc.block_size for sc in constrained)
     assert any(r.params.grammar and r.prediction for sc in scs for r in sc.requests)
+    assert {sc.history for sc in scs if sc.drafter != "none"} >= {(48, 2), (4096, 6), None}
     windowed_ones = [sc for sc in scs if sc.window]
     assert {sc.window for sc in windowed_ones} == {8, 24, 64}
     assert {sc.drafter for sc in windowed_ones} == set(ALL_DRAFTERS)

@@ -927,6 +927,37 @@ def test_colocated_drafter_is_lossless_over_http(http, server, drafter):
         assert client.get("/v1/stats").json()["fused_steps"] > 0  # drafted and verified in one call
 
 
+def test_an_app_with_a_history_drafts_earlier_answers_and_changes_no_token(http, server):
+    """`speculation.history` with no drafter of its own (`kind: prediction`): asked again, a
+    request drafts its earlier answer (its `speculation` and `/v1/stats` say so) and every token is
+    the session app's; a seeded sampled request recalls nothing."""
+    prompts = ["history one: abc", "history two: the cat sat on the mat"]
+    expected = [complete(http, p, max_tokens=32)["choices"][0]["token_ids"] for p in prompts]
+    seeded = {"model": "tiny", "prompt": prompts[0], "max_tokens": 16, "temperature": 0.9, "seed": 5,
+              "ignore_eos": True, "return_token_ids": True}
+    with app_client(server, "specserve-history", "/history", draft=None, drafter={"kind": "prediction"},
+                    speculation={"num_speculative_tokens": 4, "adaptive": False,
+                                 "history": {"max_tokens": 10_000, "min_match": 4}}) as client:
+        for round_ in range(2):
+            for prompt, want in zip(prompts, expected):
+                body = {"model": "tiny", "prompt": prompt, "max_tokens": 32, "temperature": 0.0,
+                        "ignore_eos": True, "return_token_ids": True}
+                got = client.post("/v1/completions", json=body).json()
+                assert got["choices"][0]["token_ids"] == want
+                spec = got["speculation"]
+                if round_ == 1:  # its own earlier answer, drafted whole (4 a step) and all accepted
+                    assert spec["num_accepted_recalled_tokens"] == spec["num_recalled_tokens"] >= 20, spec
+        seeded_answers = []
+        for _ in range(2):  # (its prompt's greedy answers are in the history, and the second time its own)
+            got = client.post("/v1/completions", json=seeded).json()
+            seeded_answers.append(got["choices"][0]["token_ids"])
+            assert "num_recalled_tokens" not in got["speculation"]
+        assert seeded_answers[0] == seeded_answers[1]
+        stats = client.get("/v1/stats").json()
+    assert stats["history_requests"] == 6 and stats["history_found"] > 0, stats
+    assert stats["spec_decode_num_accepted_recalled_tokens"] >= 40
+
+
 # -- KV memory by the block ---------------------------------------------------------------------------
 MEMORY = {"max_cached_tokens": 4096, "max_batch_size": 64, "max_queued_requests": 64}
 

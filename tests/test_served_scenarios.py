@@ -7,7 +7,8 @@ draft worker or inside the target worker, prompt lookup, layer skip; pipelined s
 draft worker allows it; the fused step or two calls for a drafter inside the target worker; the
 emulated step graph (test_graph.InProcessGraph) for a draft worker; dense or paged KV with blocks
 of 1-16; prefix caching; prefill chunks; a small batch and/or a KV budget so that requests queue
-and, paged, get preempted; max_model_len) and a schedule (3-8 requests, some sharing prefixes,
+and, paged, get preempted; max_model_len; in a third, a history of finished requests drafted
+from) and a schedule (3-8 requests, some sharing prefixes,
 some near max_model_len, arriving after random numbers of event-loop turns, with priorities and
 per-request γ caps, each with its own greedy SamplingParams: max_tokens down to 1, stop ids,
 min_tokens, ignore_eos, penalties, logit bias, allowed ids, bad words, logprobs, a predicted
@@ -98,6 +99,7 @@ class Scenario:
     # draft-side failures: (the draft call that fails, probes the draft then leaves unanswered,
     # whether it comes back with its caches lost, as a restarted worker does); `draw_faults`
     faults: list[tuple[int, int, bool]] = field(default_factory=list)
+    history: tuple[int, int] | None = None  # speculation.history's (max_tokens, min_match) (`draw_history`)
 
     @property
     def model_len(self) -> int:
@@ -109,7 +111,9 @@ class Scenario:
                           prefill_chunk_tokens=self.chunk, max_cached_tokens=self.budget,
                           kv_block_size=self.block_size, prefix_caching=self.prefix_caching,
                           speculation=dict(num_speculative_tokens=self.gamma, adaptive=self.adaptive,
-                                           pipelined=self.pipelined, execution="eager", transport="actor_calls"))
+                                           pipelined=self.pipelined, execution="eager", transport="actor_calls",
+                                           history=None if self.history is None else
+                                           dict(zip(("max_tokens", "min_match"), self.history))))
         a = self.drafter_args
         if self.drafter.startswith("draft-"):
             args["draft"] = {**TINY, "noise": DRAFT_NOISE[self.drafter], "noise_seed": 1}
@@ -251,6 +255,7 @@ def draw_scenario(seed: int) -> Scenario:
     sc.requests = draw_requests(rng, sc)
     sc.budget = draw_budget(rng, sc)
     sc.faults = draw_faults(seed, sc)
+    sc.history = engine_scenarios.draw_history(seed)
     return sc
 
 
@@ -542,5 +547,7 @@ def test_the_generator_covers_the_features():
     faulted = [sc for sc in scs if sc.faults]
     assert {sc.drafter for sc in faulted} == set(ALL_DRAFTERS[1:]) and any(sc.pipelined for sc in faulted)
     assert any(restarts for sc in faulted for _, _, restarts in sc.faults)
+    recalling = [sc for sc in scs if sc.history and sc.drafter != "none"]
+    assert any(sc.pipelined for sc in recalling) and any(sc.faults for sc in recalling)
     for sc in scs[:50]:
         sc.app_config("head")  # every draw is a valid AppConfig

@@ -72,6 +72,8 @@ class Row(SpeedAndAcceptance):
     method: str
     predicted: int = 0  # predicted drafts verified, and of those accepted
     predicted_accepted: int = 0
+    recalled: int = 0  # drafts recalled from earlier requests verified, and of those accepted (bench history)
+    recalled_accepted: int = 0
     identical: bool = True
 
 
@@ -93,6 +95,8 @@ def run_one(engine: SpeculativeEngine, prompt: list[int], params: SamplingParams
     row.add_metrics(out.metrics)
     row.predicted += out.metrics.num_prediction_drafts
     row.predicted_accepted += out.metrics.num_prediction_accepted
+    row.recalled += out.metrics.num_recalled_drafts
+    row.recalled_accepted += out.metrics.num_recalled_accepted
     row.identical &= reference is None or out.token_ids == reference
     return out.token_ids
 

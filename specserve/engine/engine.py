@@ -19,6 +19,7 @@ from .sampling import SamplingParams
 from .policy import SpeculationPolicy
 from .executor import InProcessExecutor, run_sync
 from .grammar import GrammarBook, check_grammar
+from .history import History
 from .loop import StepLoop
 from .step import ContextLengthExceeded, RequestMetrics, Sequence, StepOutput, new_sequence
 from .verifier import TargetVerifier
@@ -65,6 +66,7 @@ class SpeculativeEngine:
         tokenizer=None,
         kv_block_size: int | None = None,
         prefix_caching: bool = False,
+        history: History | None = None,
     ) -> None:
         """What drafts, at most one of: draft_model, a separate draft model (shorthand for
         drafter=DraftModelSpec(draft_model)); drafter, any drafter spec (layer skip, prompt
@@ -82,7 +84,9 @@ class SpeculativeEngine:
         request with a grammar): needed for structured output only (`SamplingParams.grammar`).
         kv_block_size: keep each model's KV cache by blocks of this many positions (a paged cache,
         `engine/paged_cache.py`; with max_cached_tokens, a pool of that many positions), None: dense.
-        prefix_caching (paged only): a prompt prefix already computed is shared, not computed again."""
+        prefix_caching (paged only): a prompt prefix already computed is shared, not computed again.
+        history: finished requests' answers to draft from, where a request's latest tokens occurred
+        there (`engine/history.py`; greedy and unseeded sampled requests), None: none kept."""
         if prefix_caching and not kv_block_size:
             raise ValueError("prefix_caching needs a paged cache (kv_block_size)")
         if num_speculative_tokens < 0:
@@ -112,7 +116,7 @@ class SpeculativeEngine:
                      prefix_caching)
         self.admission = Admission(max_batch_size, max_cached_tokens, num_speculative_tokens, kv_block_size)
         self.loop = StepLoop(self.admission, InProcessExecutor(proposer, self.verifier), self.policy,
-                             prefill_chunk_tokens)
+                             prefill_chunk_tokens, history)
         self._ids = itertools.count()
         self._calibrated = not (self.policy.adaptive and num_speculative_tokens > 0)
         self._captured = False

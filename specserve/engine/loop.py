@@ -13,18 +13,21 @@ from __future__ import annotations
 
 from .admission import Admission
 from .executor import Executor
+from .history import MAX_MATCH, History, Recall
 from .policy import SpeculationPolicy
 from .step import Sequence, StepOutput, folding, prefilling
 
 
 class StepLoop:
     def __init__(self, admission: Admission, executor: Executor, policy: SpeculationPolicy,
-                 prefill_chunk_tokens: int | None) -> None:
+                 prefill_chunk_tokens: int | None, history: History | None = None) -> None:
         """prefill_chunk_tokens: the most prompt tokens each model prefills per step, in a
         forward beside the step (`prefill_rows`); None or 0: a new prompt is prefilled whole
-        inside its first step."""
+        inside its first step. history: finished requests' answers, which admitted requests draft
+        from where their latest tokens occurred there (engine/history.py); None: none kept."""
         self.admission, self.executor, self.policy = admission, executor, policy
         self.prefill_chunk_tokens = prefill_chunk_tokens or None
+        self.history = history
         self._reserved = (0, 0)  # the sizing (`Admission.sizing`) the executor last sized caches for
 
     def admit(self, preempt: bool = True) -> list[Sequence]:
@@ -35,7 +38,11 @@ class StepLoop:
         preempted = self.admission.preempt() if preempt else []
         if preempted:
             self.executor.free([s.request_id for s in preempted])
-        self.admission.admit()
+        admitted = self.admission.admit()
+        if self.history is not None:  # (never a seeded sampled request: its tokens would depend on others')
+            for s in admitted:
+                if s.recall is None and s.prediction is None and not s.reproducible:
+                    s.recall = Recall(self.history)
         self.reserve()
         return list(self.admission.running.values())
 
@@ -64,6 +71,11 @@ class StepLoop:
 
     def retire(self, request_ids: list[str]) -> None:
         """Forget finished or aborted requests and free their caches (those still running here)."""
+        if self.history is not None:  # each answer, after the prompt's last tokens that lead to it
+            for rid in request_ids:
+                s = self.admission.running.get(rid)
+                if s is not None and s.output:
+                    self.history.add(s.span(max(len(s.prompt) - MAX_MATCH, 0)))
         gone = [rid for rid in request_ids if self.admission.release(rid)]
         if gone:
             self.executor.free(gone)

@@ -19,6 +19,7 @@ from .grammar import GrammarRows
 from .processing import LogitsProcessing
 from .sampling import BatchSampling, SamplingParams, make_generator
 from .policy import AcceptanceEstimate, SpeculationPolicy
+from .history import MAX_MATCH, Recall
 from .prediction import Prediction, forced_drafts
 from .verifier import Verdict
 
@@ -35,6 +36,9 @@ class RequestMetrics:
     # those the ones it accepted (and the output kept)
     num_prediction_drafts: int = 0
     num_prediction_accepted: int = 0
+    # the same for drafts recalled from earlier answers (engine/history.py)
+    num_recalled_drafts: int = 0
+    num_recalled_accepted: int = 0
 
     def record(self, num_draft: int, num_accepted: int) -> None:
         self.num_steps += 1
@@ -90,6 +94,7 @@ class Sequence:
     preempted: bool = False  # its caches were given back (paged budget): prefilled again before it steps
     priority: int = 0  # lower goes first: admitted before, preempted after, requests of a higher value
     prediction: Prediction | None = None  # params.prediction, indexed (made here when not given)
+    recall: Recall | None = None  # its drafts from earlier answers (StepLoop, where configured)
 
     def __post_init__(self) -> None:
         if self.generator is None:
@@ -179,9 +184,10 @@ class StepPlan:
     final_uniforms: torch.Tensor | None  # [B]
     backlog: int = 0  # tokens the drafter catches up on before drafting (steps it skipped)
     verified: torch.Tensor | None = None  # [B] the drafts verified (`apply_verdict` sets it), for accounting
-    # [B] how many of each row's first drafts are its prediction's (`sampling.forced`); None: no row's
+    # [B] how many of each row's first drafts are its prediction's or recalled (`sampling.forced`); None: no row's
     predicted: list[int] | None = None
     predicted_kept: tuple[int, int] = (0, 0)  # predicted drafts verified, and accepted and kept (`apply_verdict`)
+    recalled_kept: tuple[int, int] = (0, 0)  # the same for runs recalled from earlier requests (engine/history.py)
 
     @property
     def num_verified(self) -> torch.Tensor:
@@ -285,8 +291,9 @@ class StepOutput:
 
 def plan_step(seqs: list[Sequence], policy: SpeculationPolicy, predict: bool = True) -> StepPlan:
     """Pick γ for the batch (and per row), and draw every random number the step needs.
-    predict: rows with a prediction draft its run first (`predicted_runs`); False for a block
-    planned ahead of the verdict it follows (serve/pipeline.py drafts it from the drafter alone)."""
+    predict: rows with a prediction, or a recall of earlier answers, draft its run first
+    (`predicted_runs`); False for a block planned ahead of the verdict it follows
+    (serve/pipeline.py drafts it from the drafter alone)."""
     alphas = [policy.alpha(s.acceptance) for s in seqs]
     # what the drafter catches up on first (the policy's estimate: tokens past a drafting row's own)
     backlog = sum(max(s.num_tokens - s.draft_len - DRAFT_ROW_TOKENS, 0) for s in seqs)
@@ -335,15 +342,24 @@ def plan_step(seqs: list[Sequence], policy: SpeculationPolicy, predict: bool = T
 
 def predicted_runs(seqs: list[Sequence], own: list[int], limit: int) -> list[list[int]]:
     """Per row, the predicted tokens that follow its output ([] for a row with no prediction, or
-    whose output is not found in it: `Prediction.continuation`): up to `limit` (the most drafts a
-    step takes), or, after a run of its had a draft rejected, up to the row's own γ (at least one:
-    a step that plans no drafts of its own still tries the prediction's next token, and goes back
-    to whole runs once one is accepted)."""
+    whose output is not found in it: `Prediction.continuation`), else, for a row that recalls,
+    what followed its latest tokens in an earlier request (`History.continuation`): up to `limit`
+    (the most drafts a step takes), or, after a run of its had a draft rejected, up to the row's
+    own γ (at least one: a step that plans no drafts of its own still tries the prediction's next
+    token, and goes back to whole runs once one is accepted)."""
     if limit <= 0:
         return [[] for _ in seqs]
-    return [[] if s.prediction is None else
-            s.prediction.continuation(s.output, max(g, 1) if s.prediction.missed else limit)
-            for s, g in zip(seqs, own)]
+    runs = []
+    for s, g in zip(seqs, own):
+        guess = s.prediction if s.prediction is not None else s.recall
+        count = limit if guess is None or not guess.missed else max(g, 1)
+        if s.prediction is not None:
+            runs.append(s.prediction.continuation(s.output, count))
+        elif s.recall is not None:  # (its latest tokens only: no copy of the whole context)
+            runs.append(s.recall.continuation(s.span(max(s.num_tokens - MAX_MATCH, 0)), count))
+        else:
+            runs.append([])
+    return runs
 
 
 def step_sampling(seqs: list[Sequence]) -> BatchSampling:
@@ -388,15 +404,24 @@ def apply_verdict(plan: StepPlan, proposal: Proposal, verdict: Verdict) -> list[
         s.output.extend(new)
         if plan.predicted is not None and plan.predicted[b]:
             counts = _count_prediction(s, min(plan.predicted[b], g), min(accepted, len(new)))
-            plan.predicted_kept = (plan.predicted_kept[0] + counts[0], plan.predicted_kept[1] + counts[1])
+            if s.prediction is not None:
+                plan.predicted_kept = tuple(map(sum, zip(plan.predicted_kept, counts)))
+            else:
+                plan.recalled_kept = tuple(map(sum, zip(plan.recalled_kept, counts)))
         outputs.append(StepOutput(s.request_id, new, s.finish_reason, *_logprobs(s, verdict, b, len(new))))
     return outputs
 
 
 def _count_prediction(seq: Sequence, verified: int, kept: int) -> tuple[int, int]:
-    """A row's predicted drafts: `verified` of them were verified, the first `kept` drafts accepted
-    and kept (a stop or the length limit may cut the accepted ones). -> (verified, kept) counted."""
+    """A row's predicted (or recalled) drafts: `verified` of them were verified, the first `kept`
+    drafts accepted and kept (a stop or the length limit may cut the accepted ones). -> (verified,
+    kept) counted."""
     kept = min(kept, verified)
+    if seq.prediction is None:
+        seq.metrics.num_recalled_drafts += verified
+        seq.metrics.num_recalled_accepted += kept
+        seq.recall.missed = kept < verified
+        return verified, kept
     seq.metrics.num_prediction_drafts += verified
     seq.metrics.num_prediction_accepted += kept
     seq.prediction.missed = kept < verified
@@ -419,11 +444,16 @@ def observe_verified(policy: SpeculationPolicy, plan: StepPlan, verdict: Verdict
     """Teach the policy, per row (after `apply_verdict`), how many of its planned drafts were kept
     and how many the drafter drafted. A position the drafter declined (a confidence floor) yields
     nothing, as a rejected one; it is also cheap (the verify narrows, a host-checked loop stops),
-    which the offer rate prices (`SpeculationPolicy.offer`)."""
-    for s, planned, drafted, a in zip(plan.seqs, plan.num_draft.tolist(), plan.num_verified.tolist(),
-                                      verdict.num_accepted):
-        policy.observe_acceptance(s.acceptance, a, planned)
-        policy.observe_offers(s.offers, drafted, planned)
+    which the offer rate prices (`SpeculationPolicy.offer`). A row's forced run (its prediction's
+    or recalled, drafted first) is not the drafter's: only the positions after it count, and none
+    where a draft of the run was rejected (the drafter's were never reached)."""
+    forced = plan.predicted or [0] * len(plan.seqs)
+    for s, planned, drafted, a, run in zip(plan.seqs, plan.num_draft.tolist(), plan.num_verified.tolist(),
+                                           verdict.num_accepted, forced):
+        if run and (a < run or planned <= run):
+            continue
+        policy.observe_acceptance(s.acceptance, a - run, planned - run)
+        policy.observe_offers(s.offers, max(drafted - run, 0), planned - run)
 
 
 def _cut(seq: Sequence, new: list[int]) -> list[int]:

@@ -120,11 +120,14 @@ class Delta:
     # predicted outputs (running totals): predicted drafts the target verified, and those it accepted
     num_prediction_tokens: int = 0
     num_accepted_prediction_tokens: int = 0
+    # drafts recalled from earlier answers (running totals, `speculation.history`)
+    num_recalled_tokens: int = 0
+    num_accepted_recalled_tokens: int = 0
 
 
 # A Delta's running totals (a continuation on another replica adds its own to the ones before)
 TOTALS = ("num_draft_tokens", "num_accepted_tokens", "num_steps", "num_prediction_tokens",
-          "num_accepted_prediction_tokens")
+          "num_accepted_prediction_tokens", "num_recalled_tokens", "num_accepted_recalled_tokens")
 
 
 @dataclass(frozen=True)
@@ -209,6 +212,7 @@ class Coordinator:
         self._records: deque[StepRecord] = deque(maxlen=4096)
         self._totals = {"spec_decode_num_draft_tokens": 0, "spec_decode_num_accepted_tokens": 0,
                         "spec_decode_num_prediction_tokens": 0, "spec_decode_num_accepted_prediction_tokens": 0,
+                        "spec_decode_num_recalled_tokens": 0, "spec_decode_num_accepted_recalled_tokens": 0,
                         "steps": 0,
                         "target_only_steps": 0, "rejected_queue_full": 0, "running_peak": 0,
                         "reserved_tokens_peak": 0, "worker_restarts": 0, "requests_failed": 0,
@@ -225,7 +229,9 @@ class Coordinator:
         workers = [w for w, _ in sides]
         self.executor.growing = [w for w, grows in zip(workers, ray.get([w.cache_grows.remote() for w in workers]))
                                  if grows]
-        self.loop = StepLoop(self.admission, self.executor, self.policy, config.prefill_chunk_tokens)
+        history = config.speculation.history
+        self.loop = StepLoop(self.admission, self.executor, self.policy, config.prefill_chunk_tokens,
+                             None if history is None else history.engine_history())
         # failure domains: the group's bundles watched for a node that is gone (serve/placement.py)
         pg = ray.util.get_current_placement_group() if ray.is_initialized() else None  # (None: in-process tests)
         self._placement = None if pg is None else PlacementWatch(pg, config.deadlines.worker_lost_s)
@@ -377,6 +383,10 @@ class Coordinator:
                "max_queued_requests": self.config.max_queued_requests,
                "kv_cache_usage_tokens": self._kv_usage(), "memory": await self.memory(),
                "transport": "compiled_graph" if graph is not None else "actor_calls"}
+        history = self.loop.history
+        if history is not None:  # (`speculation.history`: what it keeps, and how often a row found a run)
+            out.update(history_requests=len(history), history_tokens=history.held_tokens,
+                       history_lookups=history.num_lookups, history_found=history.num_found)
         if graph is not None:
             out.update(graph_ready=graph.ready, graph_builds=graph.builds, graph_breaks=graph.breaks,
                        graph_solo=graph.solo, graph_reshapes=graph.reshapes, graph_spins=graph.spins)
@@ -394,6 +404,8 @@ class Coordinator:
     def reset_stats(self) -> None:
         self._records.clear()
         self._totals.update(dict.fromkeys(self._totals, 0))  # (in place: the executor counts into it too)
+        if self.loop.history is not None:  # (its counts; what it holds stays)
+            self.loop.history.num_lookups = self.loop.history.num_found = 0
 
     # -- the step loop ------------------------------------------------------------------------
     def _ensure_loop(self) -> None:
@@ -517,7 +529,8 @@ class Coordinator:
                 rng = seq.generator.get_state().numpy().tobytes() if seq.reproducible else None
                 queue.put_nowait(Delta(out.new_token_ids, out.finish_reason, m.num_draft_tokens,
                                        m.num_accepted_tokens, m.num_steps, rng, out.logprobs, out.top_logprobs,
-                                       seq.cached_tokens, m.num_prediction_drafts, m.num_prediction_accepted))
+                                       seq.cached_tokens, m.num_prediction_drafts, m.num_prediction_accepted,
+                                       m.num_recalled_drafts, m.num_recalled_accepted))
             if out.finish_reason is not None:
                 done.append(out.request_id)
         self._release(done)

@@ -8,7 +8,8 @@ sum over `WorkerId` for a deployment's total (a restarted replica starts fresh s
 
     counters   spec_decode_num_drafts, spec_decode_num_draft_tokens, spec_decode_num_accepted_tokens,
                spec_decode_num_accepted_tokens_per_pos{position}, spec_decode_num_prediction_tokens,
-               spec_decode_num_accepted_prediction_tokens, prompt_tokens, generation_tokens,
+               spec_decode_num_accepted_prediction_tokens, spec_decode_num_recalled_tokens,
+               spec_decode_num_accepted_recalled_tokens, prompt_tokens, generation_tokens,
                request_success{finished_reason}, request_rejected{reason}, target_only_steps
     gauges     num_requests_running, num_requests_waiting, spec_decode_acceptance_rate,
                kv_cache_usage_tokens{worker}, kv_cache_reserved_tokens, kv_cache_usage_perc,
@@ -46,6 +47,10 @@ class CoordinatorMetrics:
                                              "Drafts taken from the requests' predictions (prediction), verified.")
         self.num_accepted_prediction_tokens = counter("spec_decode_num_accepted_prediction_tokens",
                                                       "Drafts taken from the requests' predictions, accepted.")
+        self.num_recalled_tokens = counter("spec_decode_num_recalled_tokens",
+                                           "Drafts recalled from earlier answers (speculation.history), verified.")
+        self.num_accepted_recalled_tokens = counter("spec_decode_num_accepted_recalled_tokens",
+                                                    "Drafts recalled from earlier answers, accepted.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.request_success = counter("request_success", "Requests finished, by finish reason.",
