@@ -209,10 +209,10 @@ class HistoryConfig(_Strict):
     """Draft from earlier answers (engine/history.py): each coordinator replica keeps the answers of
     the requests it finished (after their prompts' last tokens), up to `max_tokens`, and a request
     whose latest `min_match` or more tokens occurred there drafts what followed them, before its
-    drafter drafts. For agents, tool
-    loops and templated jobs, which repeat structures across requests. Outputs are unchanged; a
-    seeded sampled request never recalls. Off by default: like any cache shared between requests,
-    how fast a request is answered then depends on what others were answered."""
+    drafter drafts. For agents, tool loops and templated jobs, which repeat structures across
+    requests. Outputs are unchanged; a seeded sampled request never recalls. Off by default: like
+    any cache shared between requests, how fast a request is answered then depends on what others
+    were answered."""
 
     max_tokens: int = Field(200_000, ge=1)
     min_match: int = Field(8, ge=1, le=32)
@@ -271,8 +271,8 @@ class SpeculationConfig(_Strict):
     # masked at every position; docs/engine.md, "Structured output"). null: every grammar row's
     # drafts masked.
     grammar_wide_share: float | None = Field(0.9, ge=0, le=1)
-    # Draft from the tokens of requests this replica finished, where a request's latest tokens
-    # occurred there (HistoryConfig; null: none kept).
+    # Draft from the answers this replica gave before, where a request's latest tokens occurred
+    # in them (HistoryConfig; null: none kept).
     history: HistoryConfig | None = None
     # Benchmarks only: acceptance planted in the draft model's proposals (needs draft:).
     planted: PlantedAcceptance | None = None

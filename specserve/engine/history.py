@@ -8,9 +8,10 @@ guess it. `History` keeps finished requests' answers, each after the last `MAX_M
 its prompt (what leads to it: a prompt asked again finds its answer from the first token), up to
 a budget, oldest out first, indexed by their `min_match`-grams (~2 µs a token, as a request
 finishes; a lookup ~1.5 µs, ~30 µs where an n-gram's 32 latest occurrences are all compared).
-A step asks it for each row that may draft from it (`Recall`): the earlier occurrence whose match with the row's latest tokens is longest (at least
-`min_match`, at most `MAX_MATCH`; the most recent of equals, among the `CANDIDATES` most recent
-occurrences) gives what followed it, up to the step's limit and the end of that request.
+A step asks it for each row that may draft from it (`Recall`): the earlier occurrence whose
+match with the row's latest tokens is longest (at least `min_match`, at most `MAX_MATCH`; the most
+recent of equals, among the `CANDIDATES` most recent occurrences) gives what followed it, up to
+the step's limit and the end of that request.
 
 The step drafts such a run first, as it drafts a request's own prediction (engine/prediction.py),
 and the drafter drafts on after it. The target verifies it like any draft, so the output is the
@@ -31,8 +32,8 @@ CANDIDATES = 32  # occurrences of a row's last min_match tokens compared, the mo
 
 
 class History:
-    """Finished requests' tokens, up to `max_tokens` of them (the oldest requests dropped first),
-    and where each `min_match`-gram of them ends."""
+    """Finished requests' answers (each after its prompt's last tokens), up to `max_tokens` tokens
+    of them (the oldest requests dropped first), and where each `min_match`-gram of them ends."""
 
     def __init__(self, max_tokens: int, min_match: int = 8) -> None:
         if max_tokens < 1 or not 1 <= min_match <= MAX_MATCH:

@@ -284,7 +284,7 @@ class RemoteExecutor:
         self.totals["spec_decode_num_accepted_prediction_tokens"] += kept
         m.inc(m.num_prediction_tokens, predicted)
         m.inc(m.num_accepted_prediction_tokens, kept)
-        recalled, kept = plan.recalled_kept  # (drafts recalled from earlier requests, `speculation.history`)
+        recalled, kept = plan.recalled_kept  # (drafts recalled from earlier answers, `speculation.history`)
         self.totals["spec_decode_num_recalled_tokens"] += recalled
         self.totals["spec_decode_num_accepted_recalled_tokens"] += kept
         m.inc(m.num_recalled_tokens, recalled)

@@ -430,7 +430,7 @@ class Ingress:
                 if predicted:  # (usage's accepted / rejected prediction tokens)
                     spec.update(num_prediction_tokens=item.num_prediction_tokens,
                                 num_accepted_prediction_tokens=item.num_accepted_prediction_tokens)
-                if item.num_recalled_tokens:  # (drafts recalled from earlier requests: speculation.history)
+                if item.num_recalled_tokens:  # (drafts recalled from earlier answers: speculation.history)
                     spec.update(num_recalled_tokens=item.num_recalled_tokens,
                                 num_accepted_recalled_tokens=item.num_accepted_recalled_tokens)
                 out = ""
