@@ -10,6 +10,7 @@ refused at load with a clear error.
 - Doge hands its attention a per-head mask of its own making: the runner's grouped attention must
   leave such a mask to HF's SDPA (a line that had fallen into a comment sent it down the grouped
   path, which failed), and flex, which cannot take it, is refused with advice.
+- GPT-NeoX-Japanese views its cached keys as one contiguous block: served dense, refused paged.
 - GPT-Neo's local layers mask by a causal buffer sliced at the cache's length: refused; so is RWKV,
   which keeps a state of its own instead of a KV cache, and the models whose first forward failed
   in transformers' own code (Bloom's and Falcon's ALiBi, CPM-Ant, Dory, HRM).
@@ -42,6 +43,7 @@ FAMILIES = {
     "deepseek_v3": ("deepseek_v3", LATENT, "sdpa"),
     "deepseek_v2": ("deepseek_v2", LATENT, "sdpa"),
     "doge": ("doge", {}, "sdpa"),
+    "gpt_neox_japanese": ("gpt_neox_japanese", {}, "eager"),
 }
 
 
@@ -84,6 +86,10 @@ def test_greedy_is_hf_generates(key, layout):
     want = [hf_greedy(model, p, NEW) for p in prompts()]
     if key == "doge" and want[0] != uncached_greedy(model, prompts()[0], NEW):
         pytest.skip("this transformers' Doge decodes otherwise through its cache than over the whole sequence")
+    if key == "gpt_neox_japanese" and layout != "dense":  # (flex: it attends outside the interface)
+        with pytest.raises(ValueError, match="paged KV cache" if layout == "paged" else "attention interface"):
+            SpeculativeEngine(model, None, num_speculative_tokens=0, **options)
+        return
     if key.startswith("falcon") and "flex" in layout:  # flex attends only through the interface
         with pytest.raises(ValueError, match="attention interface"):
             SpeculativeEngine(model, None, num_speculative_tokens=0, **options)

@@ -145,6 +145,21 @@ def check_supported(config) -> None:
         raise ValueError("local attention layers that mask by their own causal buffer (GPT-Neo) are not supported")
 
 
+# model types whose layers read the cache's keys in a way a paged cache's gathered keys (a view of
+# blocks, [B', H, K, D] strided) cannot give: served with a dense cache only
+UNPAGEABLE = {
+    "gpt_neox_japanese": "views its cached keys as one contiguous [B * H, K, D] block",
+}
+
+
+def check_pageable(config) -> None:
+    """Refuse a paged cache (`kv_block_size`) for a model listed in UNPAGEABLE, naming why."""
+    model_type = getattr(config, "model_type", None)
+    if model_type in UNPAGEABLE:
+        raise ValueError(f"{model_type} cannot use a paged KV cache: it {UNPAGEABLE[model_type]}; "
+                         "serve it without kv_block_size")
+
+
 def windows_of(config, max_model_len: int | None) -> Windows:
     """A model's attention windows from its config; a window that reaches back past the context
     (max_model_len) hides nothing. Layers other than attention (linear attention, state spaces,

@@ -35,7 +35,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from . import attention, cpu_attention, cpu_linear
-from .attention import dispatches, windows_of
+from .attention import check_pageable, dispatches, windows_of
 from .fusion import BlockFusion, repeated_blocks
 from .kv_cache import CAPACITY_STEP, SlotKVCache, capacity_for
 from .paged_cache import SCRATCH, PagedKVCache, blocks_for
@@ -345,6 +345,7 @@ class ModelRunner:
         Before the first request only."""
         if self._slot_of:
             raise RuntimeError("the cache layout changes only while no request is cached")
+        check_pageable(self.model.config)
         self.cache = PagedKVCache(block_size, self.max_model_len, num_blocks, prefix_caching, self._key_step())
         self.in_place = self._in_place_layout()
 
