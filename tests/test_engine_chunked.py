@@ -308,7 +308,8 @@ def test_coordinator_prefills_in_chunks_and_rebuilds_after_a_restart(monkeypatch
     policy, totals = SpeculationPolicy(3, adaptive=False), dict.fromkeys(
         ["prefill_tokens", "steps", "target_only_steps", "spec_decode_num_draft_tokens",
          "spec_decode_num_accepted_tokens", "spec_decode_num_prediction_tokens",
-         "spec_decode_num_accepted_prediction_tokens"], 0)
+         "spec_decode_num_accepted_prediction_tokens", "spec_decode_num_recalled_tokens",
+         "spec_decode_num_accepted_recalled_tokens"], 0)
     admission = Admission(8, None, 3)
     executor = RemoteExecutor(config, t, d, ProposerSide.of_draft_worker(d), policy, admission, totals,
                               collections.deque(), mock.MagicMock())
