@@ -164,7 +164,6 @@ def windows_of(config, max_model_len: int | None) -> Windows:
     """A model's attention windows from its config; a window that reaches back past the context
     (max_model_len) hides nothing. Layers other than attention (linear attention, state spaces,
     chunked attention) are refused, as are configs whose layers set their attention apart."""
-    check_supported(config)
     types, window = config_value(config, "layer_types"), config_value(config, "sliding_window")
     if types:
         other = set(types) - {FULL, SLIDING}

@@ -35,7 +35,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from . import attention, cpu_attention, cpu_linear
-from .attention import check_pageable, dispatches, windows_of
+from .attention import check_pageable, check_supported, dispatches, windows_of
 from .fusion import BlockFusion, repeated_blocks
 from .kv_cache import CAPACITY_STEP, SlotKVCache, capacity_for
 from .paged_cache import SCRATCH, PagedKVCache, blocks_for
@@ -258,6 +258,7 @@ class ModelRunner:
         attn = getattr(model.config, "_attn_implementation", None) or "eager"
         if attn not in ("sdpa", "eager"):
             raise ValueError(f"attention implementation {attn!r} cannot take a per-row mask; load with sdpa or eager")
+        check_supported(model.config)  # (model types the runner cannot serve as they compute themselves)
         self.cache_arg = cache_kwarg(model)
         self._float_mask = attn == "eager"
         self.device = model.get_input_embeddings().weight.device
