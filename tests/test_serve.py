@@ -162,6 +162,19 @@ def test_seeded_sampling_is_reproducible(http):
     assert first["choices"][0]["token_ids"] == second["choices"][0]["token_ids"]
 
 
+def test_best_of_returns_the_likeliest_of_the_seeded_candidates(http):
+    """best_of 3, n 2: the two choices are, best first by mean logprob per token, two of the three
+    generations n 3 gives for the same seed (seeds seed, seed + 1, seed + 2), whose logprobs rank them."""
+    kw = {"temperature": 1.0, "seed": 21, "max_tokens": 12, "ignore_eos": True}
+    every = complete(http, "Rank me", n=3, logprobs=0, **kw)
+    score = {c["text"]: sum(c["logprobs"]["token_logprobs"]) / 12 for c in every["choices"]}
+    assert len(score) == 3  # (three different candidates: the ranking is a real choice)
+    best = complete(http, "Rank me", n=2, best_of=3, **kw)
+    assert [c["text"] for c in best["choices"]] == sorted(score, key=score.get, reverse=True)[:2]
+    assert [c["index"] for c in best["choices"]] == [0, 1] and best["choices"][0]["logprobs"] is None
+    assert best["usage"]["completion_tokens"] == 36
+
+
 # -- streaming, stop strings -----------------------------------------------------------------------
 @pytest.mark.parametrize("route", ["completions", "chat"])
 def test_stream_concatenates_to_whole(http, route):
@@ -489,7 +502,8 @@ BAD = [
     ("unknown model", {"model": "gpt-9", "prompt": "x"}, 404),
     ("n < 1", {"model": MODEL, "prompt": "x", "n": 0}, 400),
     ("max_tokens 0 without echo", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400),
-    ("best_of", {"model": MODEL, "prompt": "x", "best_of": 2}, 400),
+    ("best_of under n", {"model": MODEL, "prompt": "x", "best_of": 1, "n": 2}, 400),
+    ("best_of streamed", {"model": MODEL, "prompt": "x", "best_of": 2, "stream": True}, 400),
     ("unknown field", {"model": MODEL, "prompt": "x", "frobnicate": 1}, 400),
     ("gamma over config", {"model": MODEL, "prompt": "x", "num_speculative_tokens": 99}, 400),
 ]

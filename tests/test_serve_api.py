@@ -64,6 +64,9 @@ class FakeCoordinator:
         self.wrap = 128  # output token ids: the prompt's, modulo this (256: any byte, UTF-8 included)
         self.script: list[int] | None = None  # output token ids instead, the last the stop token (finish "stop")
         self.step_delay = 0.0  # seconds before each delta after the first (a slow generation)
+        # seed -> the logprob of every token of a request with that seed, whose output ids are then
+        # the prompt's shifted by its seed (generations told apart by their text and their score)
+        self.by_seed: dict[int, float] | None = None
         self.streams: list[FakeStream] = []  # every generation's stream (cancelled: the ingress closed it)
         self.info = _Call(self._info)
         self.ready = _Call(self._ready)
@@ -129,12 +132,14 @@ class FakeCoordinator:
                 yield Lost("the target worker's node is gone")
                 return
             k = min(3, n - produced)
+            shift = 0 if self.by_seed is None else seq.params.seed
             tokens = script[produced:produced + k] if script is not None else \
-                [seq.prompt[(produced + i) % len(seq.prompt)] % self.wrap for i in range(k)]
+                [(seq.prompt[(produced + i) % len(seq.prompt)] + shift) % self.wrap for i in range(k)]
             produced += k
             step += 1
             k = request.params.logprobs
-            logprobs = None if k is None else [-0.25 * (i + 1) for i in range(len(tokens))]
+            logprobs = None if k is None else [-0.25 * (i + 1) if self.by_seed is None else self.by_seed[shift]
+                                               for i in range(len(tokens))]
             forbidden = -9.0 if request.params.grammar is None else float("-inf")  # (a grammar's masked token)
             tops = None if k is None else [([(t, lp)] + [(1, forbidden)] * (k - 1)) if k else []
                                            for t, lp in zip(tokens, logprobs)]
@@ -180,7 +185,7 @@ def client(fake, monkeypatch):
 
     from specserve.serve.openai_api import app
 
-    fake.mode, fake.script = "ok", None
+    fake.mode, fake.script, fake.by_seed = "ok", None, None
     _server(fake, monkeypatch)
     with TestClient(app, raise_server_exceptions=False) as c:
         yield c
@@ -657,13 +662,43 @@ def test_a_prediction_reaches_the_engine_as_token_ids_and_usage_reports_it(clien
     assert r.status_code == 200 and fake.requests[-1].params.prediction is None  # (an empty one: none)
 
 
+def test_best_of_runs_every_candidate_and_returns_the_n_likeliest_per_token(client, fake, monkeypatch):
+    """best_of k > n: k generations per prompt (seeds seed..seed+k-1, logprobs computed whether or
+    not asked), the n with the highest mean log-probability per token returned best first and
+    indexed prompt by prompt; usage counts every candidate's tokens. Greedy runs n (the candidates
+    would be equal); best_of < n, a stream that would rank, or too many candidates are a 400."""
+    monkeypatch.setattr(fake, "by_seed", {5: -2.0, 6: -0.5, 7: -1.0, 8: -0.1})
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 4, "temperature": 1.0, "seed": 5, "best_of": 3, "n": 2}
+    sent = len(fake.requests)
+    r = _post(client, body)
+    assert r.status_code == 200, r.text
+    asked = fake.requests[sent:]
+    assert [q.params.seed for q in asked] == [5, 6, 7] and all(q.params.logprobs == 0 for q in asked)
+    out = r.json()
+    shifted = lambda seed: "".join(chr((ord(c) + seed) % 128) for c in "abca")  # (the fake's output)
+    assert [(c["index"], c["text"], c["logprobs"]) for c in out["choices"]] == [(0, shifted(6), None),
+                                                                                 (1, shifted(7), None)]
+    assert out["usage"]["completion_tokens"] == 12 and out["usage"]["prompt_tokens"] == 3
+    # asked for logprobs: the chosen ones carry theirs; two prompts: each its own best, indexed in turn
+    r = _post(client, {**body, "prompt": ["abc", "abd"], "n": 1, "best_of": 2, "logprobs": 1})
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [(c["index"], c["logprobs"]["token_logprobs"]) for c in choices] == [(0, [-0.5] * 4), (1, [-0.1] * 4)]
+    assert r.json()["usage"]["completion_tokens"] == 16
+    sent = len(fake.requests)
+    r = _post(client, {**body, "temperature": 0.0, "stream": True})
+    assert r.status_code == 200 and len(fake.requests) - sent == 2  # greedy: n generations, streamed
+    for bad in ({"best_of": 1}, {"stream": True}, {"best_of": 65, "n": 1}, {"best_of": 0}):
+        assert _error(_post(client, {**body, **bad}), 400)["param"] in ("best_of", "n"), bad
+
+
 # -- the front door: body limit, key before body, pre-check, limits, edge inputs -------------------------
 def _client(fake, monkeypatch, **overrides):
     from starlette.testclient import TestClient
 
     from specserve.serve.openai_api import app
 
-    fake.mode = "ok"
+    fake.mode, fake.by_seed = "ok", None
     monkeypatch.delenv("SPECSERVE_API_KEY", raising=False)
     server = _server(fake, monkeypatch, **overrides)
     return server, TestClient(app, raise_server_exceptions=False)
@@ -898,7 +933,7 @@ def test_small_requests_stay_fast_while_a_huge_one_is_refused(fake, monkeypatch)
 
     from specserve.serve.openai_api import app
 
-    fake.mode = "ok"
+    fake.mode, fake.by_seed = "ok", None
     monkeypatch.delenv("SPECSERVE_API_KEY", raising=False)
     _server(fake, monkeypatch)
     small = {"model": MODEL, "prompt": "hi", "max_tokens": 4}

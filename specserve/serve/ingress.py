@@ -267,12 +267,13 @@ class Ingress:
     async def _respond(self, body: SamplingRequest, prompts: list[list[int]], max_tokens: int, chat: bool,
                        key: int, length_param: str = "max_tokens", echoes: list[Echo] | None = None,
                        tools: ToolPlan | None = None, reasoning: ReasoningSpec | None = None):
-        """Generate body.n choices for each prompt (each a request of its own), whole or streamed;
+        """Generate body.n choices for each prompt (each a request of its own), whole or streamed
+        (a completion's best_of: that many generations, the n best returned: `whole_body`);
         `echoes`: each prompt as a completion's echo shows it (max_tokens 0: that alone); `tools`: a
         chat request's tool calling (its grammar, and its output read back as calls); `reasoning`:
         a reasoning model's chat (its thinking split out, any grammar applied after it)."""
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        runs = [(i, prompt) for i, prompt in enumerate(prompts) for _ in range(body.n)]
+        runs = [(i, prompt) for i, prompt in enumerate(prompts) for _ in range(body.candidates())]
         if max_tokens == 0:  # echo alone: each prompt (and its logprobs), nothing generated
             choices = [(ResponseFormat(rid, self.config.served_model_name, chat, len(prompt), NoGeneration(),
                                        self.tokenizer, body.logprobs_wanted(), k, i, echoes[i]), nothing_generated())
@@ -286,7 +287,7 @@ class Ingress:
                                                 body.return_token_ids,
                                                 options is not None and options.continuous_usage_stats),
                                      media_type="text/event-stream")
-        return await whole_body(choices, body.return_token_ids)
+        return await whole_body(choices, body.return_token_ids, body.n if body.ranked() else None)
 
     async def _chat_generation(self, body: ChatCompletionRequest, prompt: ChatPrompt, rid: str,
                                key: int) -> tuple[ResponseFormat, AsyncIterator[Piece]]:
@@ -305,6 +306,9 @@ class Ingress:
         prediction = None if body.prediction is None else \
             await self._offload(prediction_ids, self.tokenizer, body, info["max_model_len"], info["vocab_size"])
         params = sampling_params(body, max_tokens, info["vocab_size"], grammar, bad_words, prediction)
+        shown = params.logprobs  # (best_of ranks by every token's log-probability, asked for or not)
+        if body.ranked() and shown is None:
+            params = dataclasses.replace(params, logprobs=0)
         if time.monotonic() < self._shed_until:  # a burst: the surplus gets its 429 without a round trip
             raise overloaded("the server is overloaded; retry later")
         choices: list = []
@@ -317,7 +321,7 @@ class Ingress:
                 self.door.limits.charge(key, first.num_prompt_tokens)
                 thoughts = None if reasoning is None else ThoughtCount(self.tokenizer, reasoning, self._offload)
                 fmt = ResponseFormat(rid, self.config.served_model_name, chat, first.num_prompt_tokens, gen,
-                                     self.tokenizer, params.logprobs, k, i, echoes[i] if echoes else None, tools,
+                                     self.tokenizer, shown, k, i, echoes[i] if echoes else None, tools,
                                      reasoning, thoughts)
                 choices.append((fmt, self._pieces(gen, prompt, body.text_rules(), key, thoughts,
                                                   body.prediction is not None)))

@@ -212,7 +212,7 @@ class OpenAIServer(Ingress):
         prompts = body.prompts()
         if body.suffix:  # a code model fills in the middle: the text after the cursor
             prompts = fill_in_the_middle(self.config.fim, prompts, body.suffix)
-        self._check_choices(len(prompts) * body.n)
+        self._check_choices(len(prompts) * body.candidates())
         info = await self.info()
         keep = kept_tokens(body, info["max_model_len"])
         batch = []

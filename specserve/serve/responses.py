@@ -256,9 +256,10 @@ def usage(formats: list[ResponseFormat]) -> tuple[dict, dict]:
     return out, speculation
 
 
-async def whole_body(choices: list[Choice], return_token_ids: bool = False) -> dict:
+async def whole_body(choices: list[Choice], return_token_ids: bool = False, keep: int | None = None) -> dict:
     """One response body for every choice; raises the error the client gets (OpenAIError) of the
-    first that fails, the other generations cancelled."""
+    first that fails, the other generations cancelled. keep: per prompt, only the `keep` choices
+    with the highest log-probability per token (`best_of`; usage still counts every one)."""
     tasks = [asyncio.ensure_future(fmt.whole(pieces, return_token_ids)) for fmt, pieces in choices]
     try:
         bodies = await asyncio.gather(*tasks)
@@ -267,10 +268,27 @@ async def whole_body(choices: list[Choice], return_token_ids: bool = False) -> d
     finally:
         for task in tasks:
             task.cancel()
+    formats = [fmt for fmt, _ in choices]
     body = bodies[0]
-    body["choices"] = [b["choices"][0] for b in bodies]
-    body["usage"], body["speculation"] = usage([fmt for fmt, _ in choices])
+    body["choices"] = [b["choices"][0] for b in bodies] if keep is None else best_of(bodies, formats, keep)
+    body["usage"], body["speculation"] = usage(formats)
     return body
+
+
+def best_of(bodies: list[dict], formats: list[ResponseFormat], keep: int) -> list[dict]:
+    """Per prompt, its `keep` choices of the highest mean log-probability per generated token
+    (the generation's own logprobs, asked for or not; ties: the earlier candidate; a choice with no
+    token last), best first, indexed prompt by prompt as n choices are."""
+    ranked: dict[int, list[tuple[float, int]]] = {}
+    for k, fmt in enumerate(formats):
+        values = fmt.last.logprobs or []
+        score = sum(values) / len(values) if values else float("-inf")
+        ranked.setdefault(fmt.prompt_index, []).append((-score, k))
+    choices = []
+    for prompt in sorted(ranked):
+        for rank, (_, k) in enumerate(sorted(ranked[prompt])[:keep]):
+            choices.append({**bodies[k]["choices"][0], "index": prompt * keep + rank})
+    return choices
 
 
 async def sse_stream(choices: list[Choice], include_usage: bool, return_token_ids: bool = False,

@@ -253,24 +253,43 @@ class SamplingRequest(SamplingOptions):
             return (self.top_logprobs or 0) if self.logprobs else None
         return self.logprobs
 
+    def candidates(self) -> int:
+        """Generations per prompt (a completion's best_of may run more than it returns)."""
+        return self.n
+
+    def ranked(self) -> bool:
+        return False
+
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(16, ge=0)  # 0: only with echo (the prompt, scored, nothing generated)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # alternatives per token (0: the token's own)
     echo: StrictBool = False
-    best_of: int | None = None
+    # candidates generated per prompt, of which the n with the highest log-probability per token
+    # are returned (OpenAI's legacy option; not streamed; greedy: the candidates would be equal, n run)
+    best_of: int | None = Field(None, ge=1)
     suffix: str | None = None  # fill in the middle (a code model's, config `fim`): the text after the cursor
 
     def unsupported(self) -> list[tuple[str, str]]:
         bad = super().unsupported()
         if self.max_tokens == 0 and not self.echo:
             bad.append(("max_tokens", "max_tokens 0 needs echo: true (the prompt and its logprobs, nothing generated)"))
-        if self.best_of not in (None, 1):
-            bad.append(("best_of", "best_of is not supported"))
+        if self.best_of is not None and self.best_of < self.n:
+            bad.append(("best_of", f"best_of ({self.best_of}) must be at least n ({self.n})"))
+        elif self.stream and self.ranked():
+            bad.append(("best_of", "best_of > n cannot be streamed (the best are known once all have finished)"))
         if self.suffix and (self.echo or self.truncate_prompt_tokens is not None):
             bad.append(("suffix", "suffix (fill in the middle) cannot be combined with echo or truncate_prompt_tokens"))
         return bad
+
+    def candidates(self) -> int:
+        """Generations per prompt: best_of, or n where nothing is ranked (`ranked`)."""
+        return self.best_of if self.ranked() else self.n
+
+    def ranked(self) -> bool:
+        """Whether more candidates run than are returned: best_of > n, sampled, and something generated."""
+        return (self.best_of or 1) > self.n and self.temperature > 0 and self.max_tokens != 0
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of the request: one text or token-id list, or a list of them (a batch)."""
