@@ -51,6 +51,16 @@ def test_a_stream_without_done_or_with_miscounted_ids_is_a_problem():
     assert any("[DONE]" in p for p in problems) and any("usage.completion_tokens 3" in p for p in problems)
 
 
+def test_usage_may_count_more_than_the_returned_ids_only_where_best_of_ranked():
+    reply = {"choices": [{"index": 0, "text": "ab", "token_ids": [1, 2], "finish_reason": "length"}],
+             "usage": {"completion_tokens": 4}}
+    body = {"prompt": "x", "return_token_ids": True, "max_tokens": 2}
+    for extra, flagged in (({"best_of": 2}, False), ({"best_of": 2, "temperature": 0}, True), ({}, True)):
+        problems: list[str] = []
+        mix.check_openai({**body, **extra}, mix.openai_answer("completions", reply, problems), problems)
+        assert bool(problems) == flagged, extra
+
+
 def test_a_responses_stream_whose_text_is_not_its_final_response_s_is_a_problem():
     final = {"status": "completed", "output": [{"type": "message", "content": [{"type": "output_text", "text": "hi"}]}]}
     events = [(None, {"type": "response.output_text.delta", "delta": "ho", "sequence_number": 1}),

@@ -5,7 +5,7 @@
 
 Each request is drawn at random from the options the app takes, mixed: greedy or seeded sampling
 (temperature, top-p / top-k / min-p), logprobs, penalties, logit bias, stop strings and stop ids,
-min_tokens, n, batched prompts, echo, return_token_ids, bad words, prompt truncation, priority,
+min_tokens, n, best_of, batched prompts, echo, return_token_ids, bad words, prompt truncation, priority,
 predictions, JSON object / schema / regex / choice outputs, tools with every tool_choice, streams
 with usage chunks; on the Responses API text or item input, instructions, structured output,
 tools, store, background and follow-up turns; on Anthropic's Messages API system prompts, stop
@@ -124,6 +124,8 @@ def draw_openai(rng: random.Random, ctx: Context, chat: bool) -> dict:
         body["stream"] = True
         if rng.random() < 0.6:
             body["stream_options"] = {"include_usage": True, "continuous_usage_stats": rng.random() < 0.3}
+    elif not chat and rng.random() < 0.15:  # (a ranked best_of is never streamed)
+        body["best_of"] = body.get("n", 1) + 1
     return body
 
 
@@ -254,7 +256,9 @@ def check_openai(body: dict, answer: dict, problems: list[str]) -> None:
             problems.append(f"choice {i}: {logprobs} logprobs for {len(ids)} token ids")
     if counted and body.get("return_token_ids") and usage is not None:
         total = sum(len(c[1]) for c in choices.values())
-        if total != usage["completion_tokens"]:
+        # best_of over n, sampled: usage also counts the candidates not returned
+        ranked = body.get("best_of", 1) > body.get("n", 1) and body.get("temperature", 1.0) != 0
+        if total != usage["completion_tokens"] and not (ranked and total < usage["completion_tokens"]):
             problems.append(f"{total} token ids but usage.completion_tokens {usage['completion_tokens']}")
 
 
