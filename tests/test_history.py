@@ -30,6 +30,9 @@ def test_the_longest_match_gives_what_followed_it():
     assert h.continuation([5, 2, 3], 0) == []
     assert h.continuation([3], 3) == []  # shorter than min_match
     assert h.continuation([4, 4], 3) == []  # never seen
+    assert (h.num_lookups, h.num_found) == (3, 2)  # (a limit of 0 or a short tail is no lookup)
+    h.reset_counts()  # (a stats reset: what it holds stays)
+    assert (h.num_lookups, h.num_found, len(h)) == (0, 0, 2) and h.continuation([1, 2, 3], 1) == [4]
 
 
 def test_a_match_shorter_than_min_match_drafts_nothing():

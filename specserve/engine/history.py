@@ -55,6 +55,10 @@ class History:
     def held_tokens(self) -> int:
         return self._held
 
+    def reset_counts(self) -> None:
+        """Zero the lookup counters (a stats reset); what it holds stays."""
+        self.num_lookups = self.num_found = 0
+
     def clear(self) -> None:
         """Forget every request kept."""
         self._requests.clear()

@@ -404,8 +404,8 @@ class Coordinator:
     def reset_stats(self) -> None:
         self._records.clear()
         self._totals.update(dict.fromkeys(self._totals, 0))  # (in place: the executor counts into it too)
-        if self.loop.history is not None:  # (its counts; what it holds stays)
-            self.loop.history.num_lookups = self.loop.history.num_found = 0
+        if self.loop.history is not None:
+            self.loop.history.reset_counts()
 
     # -- the step loop ------------------------------------------------------------------------
     def _ensure_loop(self) -> None:
