@@ -136,8 +136,10 @@ def test_the_window_changes_these_outputs():
 
 def test_windows_are_read_from_the_config():
     assert windows_of(MODELS["mistral"]().config, 256) == Windows(WINDOW, by_type=False)
-    assert windows_of(MODELS["gemma3"]().config, 256) == Windows(WINDOW, by_type=True)
-    assert windows_of(MODELS["qwen2"]().config, 256) == Windows(WINDOW, by_type=True)
+    assert windows_of(MODELS["gemma3"]().config, 256) == Windows(WINDOW, by_type=True, every_layer=False)
+    assert windows_of(MODELS["qwen2"]().config, 256) == Windows(WINDOW, by_type=True, every_layer=False)
+    assert windows_of(MODELS["mistral"]().config, 256).horizon == WINDOW
+    assert windows_of(MODELS["gemma3"]().config, 256).horizon is None  # (its full layers read everything)
     assert windows_of(MODELS["mistral"]().config, WINDOW) == Windows()  # no context reaches past it
     assert windows_of(LlamaConfig(), 4096) == Windows()
     # Qwen2.5's configs name a window and switch it off
@@ -172,6 +174,17 @@ def test_a_windowed_mask_hides_what_falls_out_of_the_window():
             want = j >= 0 and not (b == 1 and k // 16 == 0) and p - WINDOW < logical <= p
             got = pool.mask_mod(torch.tensor(b), torch.tensor(0), torch.tensor(q), torch.tensor(k))
             assert bool(got) == want, (b, q, k)
+
+
+def test_a_pool_mask_lists_a_row_s_own_blocks_first_behind_blocks_given_back():
+    """A row whose oldest blocks went back to the pool (`PagedKVCache.forget`: scratch entries
+    before its own) still lists exactly its own blocks for a compiled kernel to visit (the eager
+    reference reads the mask densely and would not notice)."""
+    positions = torch.tensor([[13], [2]])
+    tables = torch.tensor([[0, 0, 5, 7], [3, 0, 0, 0]])  # row 0 gave back its first two blocks
+    pool = attention.pool_block_mask(positions, tables, 4, 8, scratch=0, window=WINDOW)
+    listed = [pool.kv_indices[b, 0, 0, : pool.kv_num_blocks[b, 0, 0]].tolist() for b in range(2)]
+    assert listed == [[5, 7], [3]]
 
 
 @pytest.mark.skipif(not cpu_attention.available(32, torch.float32), reason="the CPU kernel is not built here")
@@ -226,6 +239,69 @@ def test_greedy_past_the_window_is_the_models_own(key, layout):
     outs = engine.generate(prompts(), params)
     assert [o.token_ids for o in outs] == reference(key)
     assert sum(o.metrics.num_accepted_tokens for o in outs) > 0
+
+
+FORGETTING = {"mistral": dict(kv_block_size=4), "phi3": dict(kv_block_size=4),
+              "mistral-d32": dict(kv_block_size=4),  # (read by the CPU kernel where it is built)
+              "mistral-flex": dict(attention="flex", kv_block_size=4)}
+
+
+@pytest.mark.parametrize("name", sorted(FORGETTING))
+def test_a_paged_cache_gives_back_what_every_window_has_passed(name):
+    """Every layer windowed, paged: the blocks wholly a window behind each row go back to the pool
+    as the requests run (here with no slack: these engines never roll a row back before its last
+    start), so a request holds about a window however long it runs; the tokens are still HF's,
+    target alone and with a windowed draft. Gemma 3's full layers need everything: it gives back
+    nothing."""
+    key = name.replace("-flex", "")
+    target = MODELS[key]()
+    params = SamplingParams(max_tokens=NEW, temperature=0.0)
+    for engine in (SpeculativeEngine(target, None, num_speculative_tokens=0, **FORGETTING[name]),
+                   SpeculativeEngine(target, perturbed(target, 0.3, seed=1), num_speculative_tokens=3, adaptive=False,
+                                     **FORGETTING[name])):
+        runners = [engine.verifier.runner] + ([engine.proposer.runner] if hasattr(engine.proposer, "runner") else [])
+        for runner in runners:
+            runner.forget_slack = 0
+        for i, prompt in enumerate(prompts()):
+            engine.add_request(str(i), prompt, params)
+        held, outs = {r: 0 for r in range(len(runners))}, {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                outs.setdefault(out.request_id, []).extend(out.new_token_ids)
+            for r, runner in enumerate(runners):
+                held[r] = max(held[r], max((len(t) - runner.cache.forgotten(s) // 4 for s, t in
+                                            enumerate(runner.cache._tables) if t), default=0))
+        assert [outs[str(i)] for i in range(3)] == reference(key)
+        # a row holds its window (8 positions: 2-3 blocks of 4) plus a step's positions, never its 43
+        assert all(blocks <= 6 for blocks in held.values()), held
+        assert engine.verifier.runner.cache.forgotten(2) == 0  # (every request ended: its slot released)
+    gemma = SpeculativeEngine(MODELS["gemma3"](), None, num_speculative_tokens=0, kv_block_size=4)
+    gemma.verifier.runner.forget_slack = 0
+    gemma.add_request("g", prompts()[2], params)
+    while gemma.has_unfinished():
+        gemma.step()
+        assert gemma.verifier.runner.cache.forgotten(0) == 0
+
+
+def test_a_row_starting_behind_what_was_given_back_loses_its_cache():
+    """A rollback past the slack (none here): the runner drops the request's cache and answers
+    a CacheMiss from position 0, so a worker's caller sends its tokens again; nothing is read from
+    a block given back."""
+    from specserve.engine import CacheMiss, ModelRunner, RowInput
+
+    runner = ModelRunner(MODELS["mistral"](), max_model_len=256)
+    runner.page(4)
+    runner.forget_slack = 0
+    context = prompts()[2]  # 23 tokens
+    runner.forward([RowInput("a", 0, context)], logits="none")
+    runner.forward([RowInput("a", 23, [5])], logits="last")
+    assert runner.cache.forgotten(0) == 16  # (blocks wholly before position 23 - 8 + 1 = 16)
+    with pytest.raises(CacheMiss) as miss:
+        runner.forward([RowInput("a", 18, [5])], logits="last")  # its window reaches back to 11
+    assert miss.value.valid_length == 0 and runner.valid_length("a") == 0 and runner.cache.forgotten(0) == 0
+    again = runner.forward([RowInput("a", 0, context + [5])], logits="last")
+    alone = ModelRunner(MODELS["mistral"](), max_model_len=256).forward([RowInput("b", 0, context + [5])])
+    torch.testing.assert_close(again, alone)
 
 
 def test_the_paged_kernel_serves_a_windowed_model():

@@ -112,6 +112,12 @@ class Windows:
 
     window: int | None = None
     by_type: bool = False
+    every_layer: bool = True  # (with a window) no layer attends its whole context
+
+    @property
+    def horizon(self) -> int | None:
+        """How far back any layer reads: the window where every layer has it, else None (all)."""
+        return self.window if self.every_layer else None
 
     def masks(self, build: Callable[[int | None], object]) -> object:
         """build(window or None) -> a forward's mask; -> what the model takes: that mask, or one
@@ -177,7 +183,7 @@ def windows_of(config, max_model_len: int | None) -> Windows:
         raise ValueError(f"sliding-window layers need a positive sliding_window, got {window!r}")
     if max_model_len is not None and window >= max_model_len:
         return Windows()
-    return Windows(window, by_type=bool(types))
+    return Windows(window, by_type=bool(types), every_layer=not types or FULL not in types)
 
 
 def block_mask(positions: torch.Tensor, key_length: int, window: int | None = None) -> BlockMask:
@@ -199,7 +205,7 @@ def block_mask(positions: torch.Tensor, key_length: int, window: int | None = No
 def pool_block_mask(positions: torch.Tensor, tables: torch.Tensor, block_size: int, num_blocks: int,
                     scratch: int = 0, window: int | None = None) -> BlockMask:
     """positions [B', Q] int64, tables [B', T] block ids of a paged cache's pool (each row's own
-    blocks first, `scratch` past them; device) -> BlockMask over [B', 1, Q, N * bs]: the keys are
+    blocks, `scratch` elsewhere: past them, and before them once `forget` gave the oldest back; device) -> BlockMask over [B', 1, Q, N * bs]: the keys are
     the pool's positions where they lie (block k // bs, offset k % bs), not a gathered copy.
     Physical key k is visible to query (b, q) iff its block is row b's j-th and j * bs + k % bs
     <= positions[b, q] (and, with a window, > positions[b, q] - window); each row lists only its
@@ -216,7 +222,9 @@ def pool_block_mask(positions: torch.Tensor, tables: torch.Tensor, block_size: i
     index = torch.arange(entries, device=device).expand(rows, entries)  # [B', T]
     lookup.scatter_(1, tables, torch.where(tables == scratch, -1, index))  # (scratch entries all write -1)
     listed = torch.zeros(rows, 1, 1, num_blocks, dtype=torch.int32, device=device)  # [B', 1, 1, N]
-    listed[:, 0, 0, :entries] = tables.to(torch.int32)
+    # own blocks first (a row that gave its oldest blocks back has scratch entries before them)
+    own_first = torch.argsort((tables == scratch).to(torch.int8), dim=1, stable=True)  # [B', T]
+    listed[:, 0, 0, :entries] = tables.gather(1, own_first).to(torch.int32)
     counts = (tables != scratch).sum(1, dtype=torch.int32).view(rows, 1, 1)  # [B', 1, 1]: own blocks
 
     def visible(b, h, q, k):

@@ -61,6 +61,11 @@ COMPILED_SHAPES = 256
 # keys in 64-128 at a time, more than a block may hold, where its decode kernel tiles by the block.
 IN_PLACE_WIDTH = 16
 _COLUMNS = 6  # after the Q token ids: start, write slot, read slot, last, caller->sorted, sorted->caller
+# Positions a later row of a request may start before an earlier row's start: a rollback (drafts
+# rejected, a pipelined block drafted ahead and dropped: at most 2γ + 2, γ <= 16 in a served
+# config). A paged cache of a model whose every layer is windowed gives back the blocks that
+# far and a window behind each row (`_forget_behind`).
+FORGET_SLACK = 64
 
 
 def allocation(num_requests: int, longest: int) -> int:
@@ -291,6 +296,7 @@ class ModelRunner:
         self.stated_max_model_len = max_model_len  # what the caller asked for (None: the model's limit only)
         # sliding-window layers: the forward's masks hide keys past their window (attention.Windows)
         self.windows = windows_of(model.config, self.max_model_len)
+        self.forget_slack = FORGET_SLACK  # (paged, every layer windowed: `_forget_behind`)
         self.cache = SlotKVCache(self.max_model_len, self._key_step())
         self.token_map: torch.Tensor | None = getattr(model, "draft_token_map", None)  # [K] target ids, or None
         self._slot_of: dict[str, int] = {}
@@ -726,6 +732,7 @@ class ModelRunner:
         self._fit(num_slots, needed)
         key_length = self.cache.reserve(num_slots, needed)
         if self.paged:  # each row's blocks up to its padding position and later single-token forwards
+            self._forget_behind(rows, slots)
             for r, n, slot in zip(rows, lengths, slots):
                 end = min(r.start + n + 1 + extra_positions, key_length)
                 self.cache.place(slot, end)
@@ -739,6 +746,23 @@ class ModelRunner:
         ends = [r.start + n for r, n in zip(rows, lengths)]
         return Staged([r.request_id for r in rows], ends, order, padded, width, key_length, gather,
                       sum(lengths), block)
+
+    def _forget_behind(self, rows: list[RowInput], slots: list[int]) -> None:
+        """Paged, where every layer reads a window (`Windows.horizon`): each row's blocks wholly
+        more than the window and `forget_slack` behind its start go back to the pool, so that a
+        request holds about a window of positions however long it runs. A row starting where its
+        window reaches into blocks given back (a rollback past the slack) loses its cache and is
+        a CacheMiss from position 0 (a worker's caller then sends its tokens again)."""
+        window = self.windows.horizon
+        if window is None:
+            return
+        for r, slot in zip(rows, slots):
+            if max(r.start - window + 1, 0) < self.cache.forgotten(slot):
+                self._valid[r.request_id] = 0
+                self.cache.release(slot)
+                raise CacheMiss(r.request_id, 0, r.start)
+        for r, slot in zip(rows, slots):
+            self.cache.forget(slot, r.start - window + 1 - self.forget_slack)
 
     def _host_block(self, rows, slots, order, padded, width, tail_width) -> torch.Tensor:
         """[B', Q + 6] int64 on the host (pinned on CUDA), sorted order, padding rows last."""

@@ -28,6 +28,11 @@ With a pool sized once (`num_blocks`: the server's budget), storage never moves,
 graphs stay valid; without one the pool doubles when full (its `generation` bumps, as the dense
 cache's growth does).
 
+A model whose every layer attends a sliding window never reads a position again once the window
+has passed it: `forget` gives a slot's leading blocks back to the pool (their entries become
+scratch, counted by `forgotten`), so such a request holds about a window of positions however long
+it runs. A copy (`copy_positions`, a fork) leaves what its source gave back behind too.
+
 Prefix sharing (`prefix_caching`): every full block a prefill wrote (committed tokens only) is
 registered under a hash of the whole token prefix it ends (a chain: the previous block's hash and
 its own tokens). A later prefill of the same prefix takes those blocks instead of computing them
@@ -91,6 +96,7 @@ class PagedKVCache:
         self._cached: OrderedDict[int, None] = OrderedDict()  # registered blocks no table holds, LRU first
         self._chains: list[list[int]] = []  # slot -> hashes of its leading registered blocks
         self._tails: list[list[int] | None] = []  # slot -> tokens written past them (None: not followed)
+        self._forgotten: list[int] = []  # slot -> leading table entries given back (`forget`): scratch now
         self._keys: list[torch.Tensor | None] = []  # per layer [N, bs, H, D]
         self._values: list[torch.Tensor | None] = []
         self._features: torch.Tensor | None = None  # [N, bs, F] what prefills' tapped forwards output (`keep_features`)
@@ -136,6 +142,7 @@ class PagedKVCache:
             self._chains.append([])
             self._tails.append([])
             self._uploaded.append(0)
+            self._forgotten.append(0)
         table = self._tables[slot]
         missing = blocks_for(positions, self.block_size) - len(table)
         if missing > 0:
@@ -145,10 +152,32 @@ class PagedKVCache:
     def release(self, slot: int) -> None:
         """The slot's request is gone: its blocks go back to the pool (registered ones stay cached)."""
         if slot < len(self._tables):
-            for block in reversed(self._tables[slot]):
+            for block in reversed(self._tables[slot][self._forgotten[slot]:]):
                 self._drop(block)
             self._tables[slot], self._chains[slot], self._tails[slot] = [], [], []
+            self._forgotten[slot] = 0
             self._change(slot, 0)
+
+    def forget(self, slot: int, before: int) -> int:
+        """No forward will read the slot's positions before `before` again (every layer attends a
+        window that has passed them): the blocks wholly before it go back to the pool (registered
+        ones stay cached), their entries scratch. -> the slot's positions given back so far (a
+        multiple of the block size; `forgotten`)."""
+        if slot >= len(self._tables):  # (nothing placed yet)
+            return 0
+        table = self._tables[slot]
+        first, last = self._forgotten[slot], min(max(before, 0) // self.block_size, len(table))
+        if last > first:
+            for i in range(first, last):
+                self._drop(table[i])
+                table[i] = SCRATCH
+            self._forgotten[slot] = last
+            self._change(slot, first)
+        return self.forgotten(slot)
+
+    def forgotten(self, slot: int) -> int:
+        """Leading positions of the slot given back by `forget` (none of them can be read)."""
+        return self._forgotten[slot] * self.block_size if slot < len(self._forgotten) else 0
 
     def move_slot(self, src: int, dst: int) -> None:
         """Slot src's cache becomes slot dst's (dst released first; nothing is copied)."""
@@ -156,6 +185,7 @@ class PagedKVCache:
         self.place(dst, 0)
         for store in (self._tables, self._chains, self._tails):
             store[dst], store[src] = store[src], []
+        self._forgotten[dst], self._forgotten[src] = self._forgotten[src], 0
         self._change(dst, 0)
         self._change(src, 0)
 
@@ -228,8 +258,13 @@ class PagedKVCache:
             self._tails[slot] = None
 
     def copy_positions(self, src: int, dst: int, start: int, end: int) -> None:
-        """Copy positions [start, end) of slot src into slot dst (taking the blocks dst lacks)."""
+        """Copy positions [start, end) of slot src into slot dst (taking the blocks dst lacks);
+        those src has given back (`forget`) dst gives back too, uncopied."""
         self.place(dst, end)
+        gone = min(self.forgotten(src), end)
+        if start < gone:
+            self.forget(dst, gone)
+            start = gone
         self.writable(dst, start, end)
         self._fit_features()
         src_index = self._flat(self._tables[src], start, end)
