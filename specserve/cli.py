@@ -15,6 +15,7 @@
     specserve bench acceptance [--drafter feature-head]              a drafter's hits position by position: a trace to replay (specserve.bench.acceptance)
     specserve bench prediction [--model tiny]                        code edits with / without a predicted output (specserve.bench.prediction)
     specserve bench history [--model tiny]                           drafting from earlier answers: repeats, templates, unrelated (specserve.bench.history)
+    specserve bench windows [--shape mistral-7b]                     a windowed model's KV blocks given back vs kept (specserve.bench.windows)
 
 A subcommand is one entry in COMMANDS (name -> help, add_arguments, run); a benchmark is one entry
 in BENCHES (name -> module with `main(argv)`).
@@ -139,6 +140,7 @@ BENCHES = {  # name -> module with `main(argv: list[str]) -> int`; its own argpa
     "grammar": "specserve.bench.grammar",
     "prediction": "specserve.bench.prediction",
     "history": "specserve.bench.history",
+    "windows": "specserve.bench.windows",
 }
 
 

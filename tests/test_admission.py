@@ -194,3 +194,18 @@ def test_preemption_takes_the_least_urgent_first():
     assert [s.request_id for s in admission.preempt()] == ["old-low", "plain"]
     assert list(admission.running) == ["urgent"]
     assert [s.request_id for s in admission.waiting] == ["plain", "old-low", "new-low"]
+
+
+def test_paged_needs_leave_out_what_every_windowed_cache_gave_back():
+    """A paged cache whose model is windowed everywhere holds at most `kept_behind` positions
+    before its mark: a request's need leaves the rest out, by the cache that gives back least;
+    one cache keeping everything (None) keeps the whole count."""
+    seq = _seq("w", 90, 50)
+    seq.output, seq.target_len, seq.draft_len = [7] * 10, 99, 60  # 100 tokens
+    full = 100 + 2 * GAMMA + 2
+    assert Admission(8, None, GAMMA, 4).need(seq) == full
+    assert Admission(8, None, GAMMA, 4, {"target_len": 16}).need(seq) == full - (99 - 16)
+    assert Admission(8, None, GAMMA, 4, {"target_len": 16, "draft_len": 16}).need(seq) == full - (60 - 16)
+    assert Admission(8, None, GAMMA, 4, {"target_len": 16, "draft_len": None}).need(seq) == full
+    seq.target_len = seq.draft_len = 0  # (preempted, or not prefilled yet: it will write everything)
+    assert Admission(8, None, GAMMA, 4, {"target_len": 16}).need(seq) == full

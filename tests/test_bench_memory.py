@@ -26,3 +26,18 @@ def test_uniform_runs_each_layout_under_each_attention(tmp_path, capsys):
     assert code == 0 and report["same_uniform"]
     assert sorted(report["uniform"]) == ["dense flex", "dense mask", "paged flex", "paged mask"]
     assert "uniform paged flex / dense flex" in capsys.readouterr().out
+
+
+def test_a_windowed_model_runs_more_requests_at_once_when_it_gives_blocks_back(tmp_path):
+    """`specserve bench windows` on the CPU's small Mistral-style shape: the same tokens both ways,
+    and at a budget that holds three whole requests, giving back what the window passed runs all four."""
+    from specserve.bench import windows
+
+    out = tmp_path / "windows.json"
+    code = windows.main(["--requests", "4", "--prompt", "200", "--new", "24", "--budget", "768", "--window", "32",
+                         "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert code == 0 and report["same_tokens"] and report["window"] == 32
+    given, kept = report["given back"], report["kept"]
+    assert given["peak_running"] == 4 and kept["peak_running"] < 4 and given["preemptions"] == 0
+    assert all(len(t) == 24 for t in given["tokens"].values())

@@ -18,6 +18,7 @@ from specserve import SamplingParams, SpeculativeEngine
 from specserve.distill.train import init_head
 from specserve.engine import attention, cpu_attention
 from specserve.engine.attention import Windows, windows_of
+from specserve.engine.model_runner import FORGET_SLACK
 from specserve.engine.feature_drafter import FeatureDrafterSpec, save_feature_head
 from specserve.engine.proposers import target_vocab_size
 from test_engine_static import emulate_graphs
@@ -281,6 +282,37 @@ def test_a_paged_cache_gives_back_what_every_window_has_passed(name):
     while gemma.has_unfinished():
         gemma.step()
         assert gemma.verifier.runner.cache.forgotten(0) == 0
+
+
+@pytest.mark.parametrize("windowed", [True, False])
+def test_admission_counts_only_what_windowed_requests_still_hold(windowed):
+    """A budget of 16 blocks of 4 (each request fits alone at its 45 positions): counting what
+    every window has passed as given back, the three requests run side by side with no
+    preemption; counting every position (as for a model that keeps them all), they preempt each
+    other. The tokens are HF's either way."""
+    from specserve.engine.engine import kept_behind
+
+    engine = SpeculativeEngine(MODELS["mistral"](), None, num_speculative_tokens=0, kv_block_size=4,
+                               max_cached_tokens=64)
+    assert engine.admission.kept_behind == {"target_len": WINDOW + FORGET_SLACK + 4 - 2}  # (the runner's)
+    engine.verifier.runner.forget_slack = 0  # (read by admission from the runner: set again below)
+    engine.admission.kept_behind = kept_behind(engine.verifier, engine.proposer) if windowed else {}
+    preempt, moved = engine.admission.preempt, []
+
+    def counted() -> list:
+        now = preempt()
+        moved.extend(now)
+        return now
+    engine.admission.preempt = counted
+    for i, prompt in enumerate(prompts()):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=NEW, temperature=0.0))
+    peak, outs = 0, {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        peak = max(peak, len(engine.admission.running))
+    assert [outs[str(i)] for i in range(3)] == reference("mistral")
+    assert peak == 3 and (len(moved) == 0) == windowed, (peak, len(moved))
 
 
 def test_a_row_starting_behind_what_was_given_back_loses_its_cache():

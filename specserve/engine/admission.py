@@ -22,6 +22,11 @@ a pipelined ahead call drafts past them, a padding position), and the scratch bl
 
     (1 + sum over running of blocks_for(tokens so far + 2γ + 3)) x block_size
 
+A model whose every layer attends a sliding window gives back the blocks its window has passed
+(`ModelRunner.kept_behind`): for such caches the count leaves out the positions a request no longer
+holds, those more than `kept_behind` before the cache's mark (`target_len`, `draft_len`), where
+every paged cache of the request gives them back (the least any of them gives back counts).
+
 That admits by what requests use, not by what they might (a chat without max_tokens may reach the
 whole context). As requests grow the sum may pass the budget: then running requests are preempted
 (`preempt`), the highest priority value first and the newest of it first, until it fits again:
@@ -71,9 +76,13 @@ def allocation(needs: list[int], block_size: int | None = None) -> int:
 class Admission:
     """The waiting queue and the running batch of one engine or coordinator (request id -> Sequence)."""
 
-    def __init__(self, max_batch_size: int, budget: int | None, max_gamma: int, block_size: int | None = None) -> None:
+    def __init__(self, max_batch_size: int, budget: int | None, max_gamma: int, block_size: int | None = None,
+                 kept_behind: dict[str, int | None] | None = None) -> None:
+        """kept_behind: per paged cache, by its mark ("target_len", "draft_len"), what it holds
+        behind the mark at most (`ModelRunner.kept_behind`; None: everything)."""
         self.max_batch_size = max_batch_size
         self.block_size = block_size  # the workers' paged caches' block (None: dense caches)
+        self.kept_behind = dict(kept_behind or {})
         self.budget = budget
         self.max_gamma = max_gamma
         self.waiting: deque[Sequence] = deque()
@@ -109,8 +118,15 @@ class Admission:
         """Positions the budget counts for a request: dense, its worst case (the slot is sized
         for it); paged, what it holds now plus one step's headroom."""
         if self.block_size:  # (a pipelined step's ahead call drafts γ + 1 more past the verify's γ)
-            return seq.num_tokens + 2 * self.max_gamma + 2
+            return seq.num_tokens + 2 * self.max_gamma + 2 - self.given_back(seq)
         return positions_needed(seq, self.max_gamma)
+
+    def given_back(self, seq: Sequence) -> int:
+        """Positions every paged cache of the request has given back (or will at its next forward):
+        those more than the cache's `kept_behind` before its mark; 0 where a cache keeps all."""
+        if not self.kept_behind or None in self.kept_behind.values():
+            return 0
+        return min(max(getattr(seq, mark) - kept, 0) for mark, kept in self.kept_behind.items())
 
     def worst(self, seq: Sequence) -> int:
         """The most positions the budget may count for a request (`worst_positions`): never less

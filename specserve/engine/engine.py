@@ -114,7 +114,8 @@ class SpeculativeEngine:
             _loader(tokenizer), self.verifier, proposer, self.eos_token_ids)
         page_runners([self.verifier.runner, getattr(proposer, "runner", None)], kv_block_size, max_cached_tokens,
                      prefix_caching)
-        self.admission = Admission(max_batch_size, max_cached_tokens, num_speculative_tokens, kv_block_size)
+        self.admission = Admission(max_batch_size, max_cached_tokens, num_speculative_tokens, kv_block_size,
+                                   kept_behind(self.verifier, proposer))
         self.loop = StepLoop(self.admission, InProcessExecutor(proposer, self.verifier), self.policy,
                              prefill_chunk_tokens, history)
         self._ids = itertools.count()
@@ -308,6 +309,17 @@ def page_runners(runners, block_size: int | None, max_cached_tokens: int | None,
     for runner in runners:
         if isinstance(runner, ModelRunner):
             runner.page(block_size, blocks, prefix_caching)
+
+
+def kept_behind(verifier, proposer) -> dict[str, int | None]:
+    """Per paged cache of these sides, by the mark admission reads it at ("target_len",
+    "draft_len"), the most positions it holds behind that mark (`ModelRunner.kept_behind`)."""
+    out = {}
+    for mark, side in (("target_len", verifier), ("draft_len", proposer)):
+        runner = getattr(side, "runner", None)
+        if isinstance(runner, ModelRunner) and runner.paged:
+            out[mark] = runner.kept_behind()
+    return out
 
 
 def _loader(tokenizer):

@@ -764,6 +764,15 @@ class ModelRunner:
         for r, slot in zip(rows, slots):
             self.cache.forget(slot, r.start - window + 1 - self.forget_slack)
 
+    def kept_behind(self) -> int | None:
+        """Paged, every layer windowed: the most positions before a row's start that the request
+        still holds once its forward ran (the window and the slack behind the start, rounded
+        down to a block: `_forget_behind`); None: it holds every position (admission counts them)."""
+        window = self.windows.horizon
+        if window is None or not self.paged:
+            return None
+        return window + self.forget_slack + self.cache.block_size - 2
+
     def _host_block(self, rows, slots, order, padded, width, tail_width) -> torch.Tensor:
         """[B', Q + 6] int64 on the host (pinned on CUDA), sorted order, padding rows last."""
         scratch = self.cache.scratch_slot

@@ -203,8 +203,11 @@ class Coordinator:
         self.policy.calibrate_costs("target", ray.get(self.target.time_forwards.remote()))
         if self.draft is not None:
             self.policy.calibrate_costs("draft", ray.get(self.draft.time_forwards.remote()))
+        behind = ray.get(self.target.kept_behind.remote())  # (windowed models' paged caches give blocks back)
+        if self.draft_worker is not None:
+            behind.update(ray.get(self.draft_worker.kept_behind.remote()))
         self.admission = Admission(config.max_batch_size, config.max_cached_tokens, self.max_gamma,
-                                   config.kv_block_size)
+                                   config.kv_block_size, behind)
         self._queues: dict[str, asyncio.Queue] = {}
         self._aborted: set[str] = set()
         self._wake = asyncio.Event()

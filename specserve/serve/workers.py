@@ -29,7 +29,7 @@ from specserve.config import ColocatedDrafter, FeatureDrafter, ModelSource, Plan
 from specserve.engine import CacheMiss, DraftModelProposer, Proposal, RowInput, TargetVerifier
 from specserve.engine.planted import PlantedProposer, read_references
 from specserve.engine.proposers import branch_id
-from specserve.engine.engine import capture_graphs, model_eos_ids, page_runners
+from specserve.engine.engine import capture_graphs, kept_behind, model_eos_ids, page_runners
 from specserve.engine.grammar import WIDE_SHARE, GrammarBook
 from specserve.engine.step import empty_proposal, verified_counts
 from specserve.engine.verifier import prompt_logprobs
@@ -193,6 +193,11 @@ class _Worker:
                 "GPU memory), or page the cache (kv_block_size).",
                 "max_model_len not stated" if runner.stated_max_model_len is None else "it did not fit")
         return seconds
+
+    def kept_behind(self) -> dict[str, int | None]:
+        """Per paged cache here, by the mark admission reads it at, the most positions it holds
+        behind that mark (`engine.kept_behind`: a model whose every layer is windowed)."""
+        return kept_behind(*self._graph_sides())
 
     def cache_grows(self) -> bool:
         """Whether a runner here replays CUDA graphs over a dense cache that was not sized for the

@@ -1,0 +1,163 @@
+"""A model whose every layer is windowed, paged: its blocks given back as the window passes them,
+against kept, at one KV budget, in one run (in process).
+
+    python -m specserve.bench.windows [--requests 8] [--prompt 512] [--new 128] [--budget 2048]
+    python -m specserve.bench.windows --shape mistral-7b --budget 65536 --requests 16 --prompt 6144 --new 512  # a GPU
+
+Random weights of a Mistral-style shape (every layer attends the latest `sliding_window`
+positions; on the CPU a small one, --window positions; `--shape mistral-7b`: Mistral-7B-v0.1's,
+bf16 on the GPU), a target whose greedy token does not flip between kernels (`peaked`). --requests
+requests of --prompt + --new tokens arrive together at a budget of --budget KV positions
+(`max_cached_tokens`), target alone, greedy, twice:
+
+- given back: the runner returns each request's blocks more than its window (and a rollback
+  slack) behind its row (`ModelRunner._forget_behind`), and admission counts only what requests
+  still hold (`Admission.given_back`);
+- kept: every position held and counted, as for a model with a full-attention layer.
+
+Reported per setting: the most requests running at once, preemptions (requests whose caches were
+given up to make room, prefilled again later), the most blocks in use, generated tokens/s over the
+whole run, TTFT p50 / p99; and whether the two settings' tokens are identical (they must be:
+nothing the window hides is ever read). Prints a table, writes JSON; exits 1 if the tokens differ.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from specserve.config import RandomSource
+from specserve.engine import SamplingParams, SpeculativeEngine
+from specserve.engine.engine import kept_behind
+from specserve.models.loading import load_random
+
+# the CPU's shape: Mistral's layout, small enough for a 2-core machine (the window is --window)
+CPU_SHAPE = dict(model_type="mistral", vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                 num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=32768)
+SETTINGS = ("given back", "kept")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shape", default=None, help="a kind: random shape (mistral-7b) on the GPU in bf16, "
+                   "instead of the CPU's small Mistral-style model")
+    p.add_argument("--window", type=int, default=128, help="the CPU shape's sliding window")
+    p.add_argument("--requests", type=int, default=8)
+    p.add_argument("--prompt", type=int, default=512, help="tokens of each request's prompt")
+    p.add_argument("--new", type=int, default=128, help="tokens each request generates")
+    p.add_argument("--budget", type=int, default=2048, help="max_cached_tokens (KV positions)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--out", type=Path, default=Path("bench-results/windows.json"))
+
+
+def load(args) -> tuple[torch.nn.Module, str]:
+    """(the target, the device it lives on)"""
+    if args.shape:
+        gpus = [0] if torch.cuda.is_available() else []
+        source = RandomSource(shape=args.shape, dtype="bfloat16" if gpus else "float32", peaked=True)
+        return load_random(source, gpus), "cuda" if gpus else "cpu"
+    source = RandomSource(shape={**CPU_SHAPE, "sliding_window": args.window}, dtype="float32", peaked=True)
+    return load_random(source, []), "cpu"
+
+
+def prompts(args, vocab: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(0)
+    return torch.randint(1, vocab, (args.requests, args.prompt), generator=generator).tolist()
+
+
+def engine_for(target, args, give_back: bool) -> SpeculativeEngine:
+    engine = SpeculativeEngine(target, None, num_speculative_tokens=0, kv_block_size=args.block_size,
+                               max_cached_tokens=args.budget, max_batch_size=args.requests,
+                               max_model_len=args.prompt + args.new + 64)
+    if not give_back:  # every position held (no forward is ever far enough past a row) and counted
+        engine.verifier.runner.forget_slack = 1 << 40
+        engine.admission.kept_behind = {}
+    if give_back and kept_behind(engine.verifier, engine.proposer).get("target_len") is None:
+        raise SystemExit("this model has a layer that attends its whole context: it gives nothing back")
+    engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+    return engine
+
+
+def run(engine: SpeculativeEngine, batch: list[list[int]], new: int) -> dict:
+    """Every prompt at once; steps until all finish -> peak running, preemptions, peak blocks,
+    tokens/s, TTFTs, tokens."""
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    admission, cache = engine.admission, engine.verifier.runner.cache
+    preempt, moved = admission.preempt, []
+
+    def counted() -> list:
+        now = preempt()
+        moved.extend(now)
+        return now
+
+    admission.preempt = counted
+    began = time.perf_counter()
+    for i, prompt in enumerate(batch):
+        engine.add_request(f"r{i}", prompt, params)
+    first: dict[str, float] = {}
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(batch))}
+    peak_running = peak_blocks = 0
+    try:
+        while engine.has_unfinished():
+            outs = engine.step()
+            peak_running = max(peak_running, len(admission.running))
+            peak_blocks = max(peak_blocks, cache.allocated()[0])
+            now = time.perf_counter() - began
+            for out in outs:
+                if out.new_token_ids and out.request_id not in first:
+                    first[out.request_id] = now
+                tokens[out.request_id] += out.new_token_ids
+    finally:
+        admission.preempt = preempt
+    wall = time.perf_counter() - began
+    ttfts = sorted(first.values())
+    return {"peak_running": peak_running, "preemptions": len(moved), "peak_blocks": peak_blocks,
+            "blocks": cache.num_blocks, "wall_s": wall, "tokens_per_s": sum(map(len, tokens.values())) / wall,
+            "ttft_p50_s": ttfts[len(ttfts) // 2], "ttft_p99_s": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
+            "tokens": tokens}
+
+
+def table(result: dict) -> str:
+    lines = [f"{'setting':<11} {'peak running':>12} {'preempted':>9} {'peak blocks':>13} {'tok/s':>8} "
+             f"{'TTFT p50':>9} {'TTFT p99':>9}"]
+    for name in SETTINGS:
+        row = result[name]
+        lines.append(f"{name:<11} {row['peak_running']:>12} {row['preemptions']:>9} "
+                     f"{row['peak_blocks']:>6} / {row['blocks']:<4} {row['tokens_per_s']:>8.1f} "
+                     f"{row['ttft_p50_s']:>8.2f}s {row['ttft_p99_s']:>8.2f}s")
+    given, kept = result["given back"], result["kept"]
+    lines.append(f"given back / kept: {given['tokens_per_s'] / kept['tokens_per_s']:.2f}x tok/s, "
+                 f"{given['peak_running'] / max(kept['peak_running'], 1):.1f}x requests at once; "
+                 f"same tokens: {result['same_tokens']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="specserve bench windows", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    target, device = load(args)
+    batch = prompts(args, target.config.vocab_size)
+    result: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "device": device,
+                    "window": target.config.sliding_window}
+    for name in SETTINGS:
+        engine = engine_for(target, args, give_back=name == "given back")
+        result[name] = run(engine, batch, args.new)
+        print(f"{name}: peak running {result[name]['peak_running']}, {result[name]['preemptions']} preempted, "
+              f"{result[name]['tokens_per_s']:.1f} tok/s", flush=True)
+        del engine  # (its pool goes before the next one's comes)
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    result["same_tokens"] = result["given back"]["tokens"] == result["kept"]["tokens"]
+    print(table(result))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out}")
+    return 0 if result["same_tokens"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
