@@ -36,6 +36,7 @@ from transformers import MistralConfig, MistralForCausalLM
 from models import ShiftedDraft, hf_greedy, perturbed
 from specserve import SamplingParams, SpeculativeEngine
 from specserve.engine.admission import Admission, allocation
+from specserve.engine.engine import kept_behind
 from specserve.engine.feature_drafter import FeatureDrafterProposer, FeatureDrafterSpec
 from specserve.engine.history import History
 from specserve.engine.model_runner import ModelRunner
@@ -98,6 +99,7 @@ class Scenario:
     budget: int | None = None
     requests: list[Request] = field(default_factory=list)
     window: int | None = None  # the target's sliding window (`windowed`), or none
+    forget_slack: int | None = None  # windowed and paged: the runners' rollback slack (None: theirs)
     history: tuple[int, int] | None = None  # (max_tokens, min_match) of a History drafted from (`draw_history`)
 
     def engine_kwargs(self) -> dict:
@@ -118,6 +120,15 @@ def draw_window(seed: int) -> int | None:
     as they were), or None for the plain target."""
     rng = random.Random(seed * 7919 + 2)
     return rng.choice([8, 24, 64]) if rng.random() < 0.25 else None
+
+
+def draw_forget_slack(seed: int, sc: "Scenario") -> int | None:
+    """A windowed paged scenario's rollback slack (a stream of its own): half of them none at all,
+    so that every block the window passed goes back at once (no in-process row rolls back before
+    its request's last start), None for the runners' own."""
+    if sc.window is None or not sc.block_size:
+        return None
+    return 0 if random.Random(seed * 3571 + 4).random() < 0.5 else None
 
 
 def draw_history(seed: int) -> tuple[int, int] | None:
@@ -302,6 +313,7 @@ def draw_scenario(seed: int) -> Scenario:
     sc.budget = draw_budget(rng, sc)
     sc.window = draw_window(seed)
     sc.history = draw_history(seed)
+    sc.forget_slack = draw_forget_slack(seed, sc)
     return sc
 
 
@@ -448,6 +460,11 @@ def run_scenario(sc: Scenario, head_dir) -> None:
     with_predictions(sc)
     engine = SpeculativeEngine(target_of(sc.window), drafter=drafter_spec(sc, head_dir), tokenizer=byte_tokenizer,
                                **sc.engine_kwargs())
+    if sc.forget_slack is not None:  # (admission reads it from the runners: told again)
+        for runner in (engine.verifier.runner, getattr(engine.proposer, "runner", None)):
+            if isinstance(runner, ModelRunner):
+                runner.forget_slack = sc.forget_slack
+        engine.admission.kept_behind = kept_behind(engine.verifier, engine.proposer)
     results = run_schedule(engine, sc)
     for r in sc.requests:
         check_request(sc, r, results[r.rid])

@@ -1068,6 +1068,7 @@ class ModelRunner:
         for n in self._sizes_that_fit(sizes, len(context)):
             best = float("inf")
             for _ in range(2):
+                self.free("__calibrate__")  # (a fresh start: a windowed paged cache gave its old blocks back)
                 self.forward([RowInput("__calibrate__", 0, context)], logits="none")
                 self.forward([RowInput("__calibrate__", len(context), [0] * n)], logits="last")
                 best = min(best, self.last_forward_seconds)
