@@ -86,6 +86,44 @@ def test_the_coordinator_serves_random_models_with_its_real_workers(local_coordi
     assert coordinator._totals["spec_decode_num_accepted_tokens"] > 0
 
 
+# Mistral's layers: every one windowed (4 positions), so a paged cache gives back what the window passed
+MISTRAL = {**SHAPE, "model_type": "mistral", "head_dim": 16, "sliding_window": 4}
+
+
+@pytest.mark.parametrize("draft_seed", [0, 1], ids=["draft-equal", "draft-wrong"])
+def test_the_coordinator_gives_back_windowed_blocks_under_pipelined_speculation(local_coordinator, draft_seed):
+    """A model windowed everywhere, paged, pipelined (blocks drafted ahead, dropped on a rejection:
+    the draft's rows roll back): both workers give back the blocks behind their rows' windows and
+    slack, the coordinator's admission counts what they keep, and the tokens are the target's."""
+    from test_pipeline import generate
+
+    from specserve.engine import paged_cache
+
+    config = AppConfig.model_validate(dict(
+        served_model_name="random", target={"kind": "random", "shape": MISTRAL, "dtype": "float32", "seed": 0},
+        draft={"kind": "random", "shape": MISTRAL, "dtype": "float32", "seed": draft_seed},
+        speculation=dict(num_speculative_tokens=3, adaptive=False, pipelined=True, execution="eager",
+                         transport="actor_calls"),
+        max_model_len=256, kv_block_size=4))
+    given_back = []
+    forget = paged_cache.PagedKVCache.forget
+
+    def counted(cache, slot, before):
+        given_back.append(forget(cache, slot, before))
+        return given_back[-1]
+
+    coordinator = local_coordinator(config)
+    assert coordinator.admission.kept_behind == {"target_len": 4 + 64 + 4 - 2, "draft_len": 4 + 64 + 4 - 2}
+    prompts = [[5, 17, 230, 4], [299, 1, 2]]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(paged_cache.PagedKVCache, "forget", counted)
+        outs = generate(coordinator, prompts, [SamplingParams(temperature=0.0, max_tokens=120)] * 2)
+    runner = coordinator.target._obj.model.runner
+    assert outs == [hf_greedy(runner.model, p, 120) for p in prompts]
+    assert max(given_back) >= 40  # (contexts of 123 positions: up to 123 - 4 - 64, in whole blocks)
+    assert coordinator._totals["pipelined_prepared"] > 0
+
+
 def test_peaked_weights_keep_the_shape_and_make_greedy_robust():
     plain = load_target(RandomSource(shape=SHAPE, dtype="float32", seed=2))
     peaked = load_target(RandomSource(shape=SHAPE, dtype="float32", seed=2, peaked=True))
