@@ -205,8 +205,9 @@ def block_mask(positions: torch.Tensor, key_length: int, window: int | None = No
 def pool_block_mask(positions: torch.Tensor, tables: torch.Tensor, block_size: int, num_blocks: int,
                     scratch: int = 0, window: int | None = None) -> BlockMask:
     """positions [B', Q] int64, tables [B', T] block ids of a paged cache's pool (each row's own
-    blocks, `scratch` elsewhere: past them, and before them once `forget` gave the oldest back; device) -> BlockMask over [B', 1, Q, N * bs]: the keys are
-    the pool's positions where they lie (block k // bs, offset k % bs), not a gathered copy.
+    blocks, `scratch` elsewhere: past them, and before them once `forget` gave the oldest back;
+    device) -> BlockMask over [B', 1, Q, N * bs]: the keys are the pool's positions where they lie
+    (block k // bs, offset k % bs), not a gathered copy.
     Physical key k is visible to query (b, q) iff its block is row b's j-th and j * bs + k % bs
     <= positions[b, q] (and, with a window, > positions[b, q] - window); each row lists only its
     own blocks, so a short row's kernel skips the rest of the pool. Device ops on fixed shapes (a
