@@ -404,11 +404,12 @@ def test_calibration_times_only_what_a_small_fixed_pool_holds():
     first step: in a fixed pool smaller than that it raised MemoryError (found by the random
     scenarios). It times the sizes that fit, and decodes the target's tokens."""
     prompt = [5, 6, 7]
-    # (64: 3 free blocks hold 16 + 16 + 1 positions, not 16 + 32 + 1; with prefix caching the
-    # context's block is copied before its second forward: one block less; 48: none fits)
+    # (64: 3 free blocks hold 16 + 16 + 1 positions, not 16 + 32 + 1, with prefix caching too: the
+    # context is forwarded once, its registered block never rewritten; 48: 2 blocks, 16 + 15 + 1)
     for gamma, budget, prefix, sizes in [(1, 64, False, {1, 2, 3, 4, 5, 6, 7, 8, 16}),
                                          (3, 64, False, {1, 2, 3, 4, 5, 6, 7, 8, 16}),
-                                         (1, 64, True, {1, 2, 3, 4, 5, 6, 7, 8}), (1, 48, True, set())]:
+                                         (1, 64, True, {1, 2, 3, 4, 5, 6, 7, 8, 16}),
+                                         (1, 48, True, {1, 2, 3, 4, 5, 6, 7, 8})]:
         engine = SpeculativeEngine(target(), tiny_llama(0, layers=4), num_speculative_tokens=gamma, adaptive=True,
                                    kv_block_size=16, max_cached_tokens=budget, prefix_caching=prefix)
         out = engine.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0))[0]

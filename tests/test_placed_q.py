@@ -177,14 +177,14 @@ def test_on_plain_calls_placed_q_gives_the_tokens_of_q_through_the_store(local_c
 
     whole = generate(local_coordinator(config(pipelined=False, gamma=4, place_q=False)), PROMPTS, PARAMS)
     coordinator = local_coordinator(config(pipelined=False, gamma=4))
-    sent, shared = [], workers._shared
+    sent, shared = [], workers.shared_q
 
     def recorded(*args):
         proposal = shared(*args)
         sent.append(proposal.probs)
         return proposal
 
-    monkeypatch.setattr(workers, "_shared", recorded)
+    monkeypatch.setattr(workers, "shared_q", recorded)
     assert generate(coordinator, PROMPTS, PARAMS) == whole
     assert coordinator.executor.q_placed
     placed = [isinstance(q, RowsProbs) and isinstance(q.probs, PlacedQ) for q in sent]
@@ -219,7 +219,7 @@ def test_a_placed_q_that_cannot_be_opened_replans_the_step_without_drafts(local_
 
     whole = generate(local_coordinator(config(pipelined=False, gamma=3, place_q=False)), PROMPTS, PARAMS)
     coordinator = local_coordinator(config(pipelined=False, gamma=3))
-    draft, shared, placed = coordinator.draft_worker._obj, workers._shared, []
+    draft, shared, placed = coordinator.draft_worker._obj, workers.shared_q, []
 
     def vanishing(*args):
         proposal = shared(*args)
@@ -230,7 +230,7 @@ def test_a_placed_q_that_cannot_be_opened_replans_the_step_without_drafts(local_
                 monkeypatch.setattr(placed_q, "_opened", type(placed_q._opened)())
         return proposal
 
-    monkeypatch.setattr(workers, "_shared", vanishing)
+    monkeypatch.setattr(workers, "shared_q", vanishing)
     got = generate(coordinator, PROMPTS, PARAMS)
     assert got[2] == whole[2] and [len(t) for t in got] == [p.max_tokens for p in PARAMS]  # (row 2: greedy)
     assert len(placed) > 3 and coordinator._totals["target_only_steps"] > 0

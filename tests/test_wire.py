@@ -175,7 +175,7 @@ def test_on_plain_calls_the_store_holds_only_the_q_the_rule_reads(local_coordina
     import specserve.serve.workers as workers
 
     coordinator = local_coordinator(config(pipelined=False, gamma=4, place_q=False))  # (through the store)
-    stored, planned, shared = [], [], workers._shared
+    stored, planned, shared = [], [], workers.shared_q
 
     def recorded(proposal, sampling, share, num_draft, outbox=None):
         counts = [g for g, t in zip(num_draft.tolist(), sampling.temperature.tolist()) if t > 0 and g > 0]
@@ -187,7 +187,7 @@ def test_on_plain_calls_the_store_holds_only_the_q_the_rule_reads(local_coordina
         stored.append((tuple(pickle.loads(pickle.dumps(value)).shape[:2]), planned[-1]))
         return pickle.loads(pickle.dumps(value))
 
-    monkeypatch.setattr(workers, "_shared", recorded)
+    monkeypatch.setattr(workers, "shared_q", recorded)
     monkeypatch.setattr(ray, "is_initialized", lambda: True)  # (once the coordinator is up: no placement group)
     monkeypatch.setattr(ray, "put", put)
     assert generate(coordinator, PROMPTS, params) == whole

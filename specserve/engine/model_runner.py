@@ -1065,11 +1065,13 @@ class ModelRunner:
         extrapolates the rest, as it does past the largest size)."""
         context = [0] * CALIBRATION_CONTEXT
         timings = []
-        for n in self._sizes_that_fit(sizes, len(context)):
+        # the context once: each timed forward rewrites the positions after it (no row starts
+        # before another, which a windowed paged cache that gave blocks back could not take)
+        fitting = self._sizes_that_fit(sizes, len(context))
+        self.forward([RowInput("__calibrate__", 0, context)], logits="none")
+        for n in fitting:
             best = float("inf")
             for _ in range(2):
-                self.free("__calibrate__")  # (a fresh start: a windowed paged cache gave its old blocks back)
-                self.forward([RowInput("__calibrate__", 0, context)], logits="none")
                 self.forward([RowInput("__calibrate__", len(context), [0] * n)], logits="last")
                 best = min(best, self.last_forward_seconds)
             timings.append(ForwardTiming(n, best))
@@ -1083,10 +1085,7 @@ class ModelRunner:
         if not (self.paged and self.cache.fixed):
             return list(sizes)
         room, size = self.cache.num_free_blocks, self.cache.block_size
-        # with prefix caching the context's blocks are registered, and its second forward copies
-        # them before it writes them again
-        copies = blocks_for(context, size) if self.cache.prefix_caching else 0
-        return [n for n in sizes if blocks_for(context + n + 1, size) + copies <= room]
+        return [n for n in sizes if blocks_for(context + n + 1, size) <= room]
 
     def map_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         """Ids in the model's output space -> target vocabulary ids."""

@@ -203,9 +203,9 @@ class Coordinator:
         self.policy.calibrate_costs("target", ray.get(self.target.time_forwards.remote()))
         if self.draft is not None:
             self.policy.calibrate_costs("draft", ray.get(self.draft.time_forwards.remote()))
-        behind = ray.get(self.target.kept_behind.remote())  # (windowed models' paged caches give blocks back)
-        if self.draft_worker is not None:
-            behind.update(ray.get(self.draft_worker.kept_behind.remote()))
+        workers = [w for w, _ in sides]
+        caches = ray.get([w.caches.remote() for w in workers])  # [(dense cache grows, kept behind marks)]
+        behind = {mark: kept for _, marks in caches for mark, kept in marks.items()}  # (windowed: blocks go back)
         self.admission = Admission(config.max_batch_size, config.max_cached_tokens, self.max_gamma,
                                    config.kv_block_size, behind)
         self._queues: dict[str, asyncio.Queue] = {}
@@ -229,9 +229,7 @@ class Coordinator:
         self.executor = RemoteExecutor(config, self.target, self.draft_worker, self.draft, self.policy,
                                        self.admission, self._totals, self._records, self.metrics)
         # workers whose graphs sit on dense caches that grow: sized as requests join (`executor.reserve`)
-        workers = [w for w, _ in sides]
-        self.executor.growing = [w for w, grows in zip(workers, ray.get([w.cache_grows.remote() for w in workers]))
-                                 if grows]
+        self.executor.growing = [w for w, (grows, _) in zip(workers, caches) if grows]
         history = config.speculation.history
         self.loop = StepLoop(self.admission, self.executor, self.policy, config.prefill_chunk_tokens,
                              None if history is None else history.engine_history())

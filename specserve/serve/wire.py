@@ -19,6 +19,7 @@ plain values that pickle's C code handles alone:
 """
 from __future__ import annotations
 
+import dataclasses
 import io
 import pickle
 import warnings
@@ -503,3 +504,30 @@ def _decode(e):
     if kind == "v":
         return Verdict(f[0], f[1], _untimes(f[2]), f[3], f[4], f[5], f[6])
     return pickle.loads(f)
+
+
+def shared_q(proposal: Proposal, sampling: BatchSampling, share: bool, num_draft: torch.Tensor | None,
+            outbox: Outbox | None = None) -> Proposal:
+    """The proposal with the part of its q the rule reads (of num_draft [B] drafts a row) placed
+    for the target (`outbox` given: `RowsProbs` of a `PlacedQ`), else in the object store
+    (`SharedProbs`), when `share` and it has one (inside Ray, for the store: a worker object
+    called in-process, as tests do, keeps q in the reply)."""
+    if not share or proposal.probs is None:
+        return proposal
+    if outbox is not None:
+        return dataclasses.replace(proposal, probs=RowsProbs.of(proposal.probs, sampling, num_draft, outbox))
+    import ray
+
+    if not ray.is_initialized():
+        return proposal
+    return dataclasses.replace(proposal, probs=SharedProbs.put(proposal.probs, sampling, num_draft))
+
+
+def q_needed(reply: Reply, call: StepCall, outbox: Outbox | None = None) -> Reply:
+    """The draft side's reply as it crosses the graph to the target: its q cut to what the rule
+    reads (`RowsProbs`: the rows that sample, the positions they verify), placed in `outbox` when given."""
+    proposal = reply.result
+    if proposal is None or not isinstance(proposal.probs, torch.Tensor):
+        return reply
+    probs = RowsProbs.of(proposal.probs, call.sampling, call.num_draft, outbox)
+    return dataclasses.replace(reply, result=dataclasses.replace(proposal, probs=probs))

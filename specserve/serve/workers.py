@@ -13,7 +13,6 @@ coordinator kills the worker) or raise; "slow N" delays them 2 s. The count live
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import os
@@ -35,8 +34,8 @@ from specserve.engine.step import empty_proposal, verified_counts
 from specserve.engine.verifier import prompt_logprobs
 from specserve.engine.sampling import BatchSampling
 
-from .wire import (AheadCall, Block, Reply, RowsProbs, SharedProbs, StepCall, StepReply, fast_tensor_pickling, light, pack,
-                   pack_pair, unpack)
+from .wire import (AheadCall, Block, Reply, RowsProbs, SharedProbs, StepCall, StepReply, fast_tensor_pickling, light,
+                   pack, pack_pair, q_needed, shared_q, unpack)
 from . import placed_q
 from .pipeline import branch_points, branch_sampling, combine_drafts, with_corrections
 from .placed_q import Outbox
@@ -194,15 +193,11 @@ class _Worker:
                 "max_model_len not stated" if runner.stated_max_model_len is None else "it did not fit")
         return seconds
 
-    def kept_behind(self) -> dict[str, int | None]:
-        """Per paged cache here, by the mark admission reads it at, the most positions it holds
-        behind that mark (`engine.kept_behind`: a model whose every layer is windowed)."""
-        return kept_behind(*self._graph_sides())
-
-    def cache_grows(self) -> bool:
-        """Whether a runner here replays CUDA graphs over a dense cache that was not sized for the
-        whole context up front: the coordinator then has it sized as requests join (`reserve`)."""
-        return bool(self._growing())
+    def caches(self) -> tuple[bool, dict[str, int | None]]:
+        """Whether a runner here replays CUDA graphs over a dense cache not sized for the whole
+        context up front (the coordinator then has it sized as requests join: `reserve`), and per
+        paged cache, by the mark admission reads it at, what it keeps behind it (`engine.kept_behind`)."""
+        return bool(self._growing()), kept_behind(*self._graph_sides())
 
     @_serialised
     def reserve(self, num_requests: int, longest: int, budget: int | None) -> None:
@@ -273,7 +268,7 @@ class TargetWorker(_Worker):
         """share_probs: q goes to the object store (`SharedProbs`), not into the reply; only the
         part the rule reads, given num_draft [B], the drafts each row will verify."""
         self._injected_fault("propose")
-        return self._run(rows, lambda: _shared(self.proposer.propose(rows, num_tokens, sampling, uniforms),
+        return self._run(rows, lambda: shared_q(self.proposer.propose(rows, num_tokens, sampling, uniforms),
                                                sampling, share_probs, num_draft), self.proposer)
 
     @_serialised
@@ -513,7 +508,7 @@ class DraftWorker(_Worker):
                 if reply.result is not None and held is not None:
                     reply = Reply(self._assemble(call.block, held, reply.result), reply.seconds)
                 self._step = (call, reply.result)
-                return pack(_q_needed(reply, call, self._placed_to()))
+                return pack(q_needed(reply, call, self._placed_to()))
         finally:
             self._proposing = False
 
@@ -630,7 +625,7 @@ class DraftWorker(_Worker):
                 self._pull_features(rows)
             if alternates:
                 return self.model.propose(rows, num_tokens, sampling, uniforms, alternates=True)
-            return _shared(self.model.propose(rows, num_tokens, sampling, uniforms), sampling, share_probs,
+            return shared_q(self.model.propose(rows, num_tokens, sampling, uniforms), sampling, share_probs,
                            num_draft, self._placed_to())
         return self._run(rows, call)
 
@@ -647,31 +642,6 @@ class _Held:
 
     proposal: Proposal  # tokens [R, G'+1]: the token before block k+1 (guess or correction), then block k+1
     branches: list[str | None]  # [R] the cache each row drafted in: None (its request's own) or a branch
-
-
-def _shared(proposal: Proposal, sampling: BatchSampling, share: bool, num_draft: torch.Tensor | None,
-            outbox: Outbox | None = None) -> Proposal:
-    """The proposal with the part of its q the rule reads (of num_draft [B] drafts a row) placed
-    for the target (`outbox` given: `RowsProbs` of a `PlacedQ`), else in the object store
-    (`SharedProbs`), when `share` and it has one (inside Ray, for the store: a worker object
-    called in-process, as tests do, keeps q in the reply)."""
-    if not share or proposal.probs is None:
-        return proposal
-    if outbox is not None:
-        return dataclasses.replace(proposal, probs=RowsProbs.of(proposal.probs, sampling, num_draft, outbox))
-    if not ray.is_initialized():
-        return proposal
-    return dataclasses.replace(proposal, probs=SharedProbs.put(proposal.probs, sampling, num_draft))
-
-
-def _q_needed(reply: Reply, call: StepCall, outbox: Outbox | None = None) -> Reply:
-    """The draft side's reply as it crosses the graph to the target: its q cut to what the rule
-    reads (`RowsProbs`: the rows that sample, the positions they verify), placed in `outbox` when given."""
-    proposal = reply.result
-    if proposal is None or not isinstance(proposal.probs, torch.Tensor):
-        return reply
-    probs = RowsProbs.of(proposal.probs, call.sampling, call.num_draft, outbox)
-    return dataclasses.replace(reply, result=dataclasses.replace(proposal, probs=probs))
 
 
 def _device_done() -> None:
