@@ -167,10 +167,10 @@ def test_best_of_returns_the_likeliest_of_the_seeded_candidates(http):
     generations n 3 gives for the same seed (seeds seed, seed + 1, seed + 2), whose logprobs rank them."""
     kw = {"temperature": 1.0, "seed": 21, "max_tokens": 12, "ignore_eos": True}
     every = complete(http, "Rank me", n=3, logprobs=0, **kw)
-    score = {c["text"]: sum(c["logprobs"]["token_logprobs"]) / 12 for c in every["choices"]}
+    score = {tuple(c["token_ids"]): sum(c["logprobs"]["token_logprobs"]) / 12 for c in every["choices"]}
     assert len(score) == 3  # (three different candidates: the ranking is a real choice)
     best = complete(http, "Rank me", n=2, best_of=3, **kw)
-    assert [c["text"] for c in best["choices"]] == sorted(score, key=score.get, reverse=True)[:2]
+    assert [tuple(c["token_ids"]) for c in best["choices"]] == sorted(score, key=score.get, reverse=True)[:2]
     assert [c["index"] for c in best["choices"]] == [0, 1] and best["choices"][0]["logprobs"] is None
     assert best["usage"]["completion_tokens"] == 36
 
