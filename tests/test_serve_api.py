@@ -688,6 +688,8 @@ def test_best_of_runs_every_candidate_and_returns_the_n_likeliest_per_token(clie
     sent = len(fake.requests)
     r = _post(client, {**body, "temperature": 0.0, "stream": True})
     assert r.status_code == 200 and len(fake.requests) - sent == 2  # greedy: n generations, streamed
+    sent = len(fake.requests)  # (a temperature the engine decodes greedily is greedy here too)
+    assert _post(client, {**body, "temperature": 1e-6}).status_code == 200 and len(fake.requests) - sent == 2
     for bad in ({"best_of": 1}, {"stream": True}, {"best_of": 65, "n": 1}, {"best_of": 0}):
         assert _error(_post(client, {**body, **bad}), 400)["param"] in ("best_of", "n"), bad
 

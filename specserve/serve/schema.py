@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, StrictBool, model_validator
 
 from specserve.engine.grammar import Grammar
-from specserve.engine.sampling import MAX_LOGPROBS
+from specserve.engine.sampling import GREEDY_BELOW, MAX_LOGPROBS
 
 from .text import TextRules
 
@@ -289,7 +289,7 @@ class CompletionRequest(SamplingRequest):
 
     def ranked(self) -> bool:
         """Whether more candidates run than are returned: best_of > n, sampled, and something generated."""
-        return (self.best_of or 1) > self.n and self.temperature > 0 and self.max_tokens != 0
+        return (self.best_of or 1) > self.n and self.temperature >= GREEDY_BELOW and self.max_tokens != 0
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of the request: one text or token-id list, or a list of them (a batch)."""
