@@ -223,9 +223,11 @@ def pool_block_mask(positions: torch.Tensor, tables: torch.Tensor, block_size: i
     index = torch.arange(entries, device=device).expand(rows, entries)  # [B', T]
     lookup.scatter_(1, tables, torch.where(tables == scratch, -1, index))  # (scratch entries all write -1)
     listed = torch.zeros(rows, 1, 1, num_blocks, dtype=torch.int32, device=device)  # [B', 1, 1, N]
-    # own blocks first (a row that gave its oldest blocks back has scratch entries before them)
-    own_first = torch.argsort((tables == scratch).to(torch.int8), dim=1, stable=True)  # [B', T]
-    listed[:, 0, 0, :entries] = tables.gather(1, own_first).to(torch.int32)
+    if window is None:  # a row's own blocks first, then scratch
+        listed[:, 0, 0, :entries] = tables.to(torch.int32)
+    else:  # (own blocks first: a windowed row may have given its oldest back, scratch entries before them)
+        own_first = torch.argsort((tables == scratch).to(torch.int8), dim=1, stable=True)  # [B', T]
+        listed[:, 0, 0, :entries] = tables.gather(1, own_first).to(torch.int32)
     counts = (tables != scratch).sum(1, dtype=torch.int32).view(rows, 1, 1)  # [B', 1, 1]: own blocks
 
     def visible(b, h, q, k):
