@@ -28,6 +28,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -89,9 +90,10 @@ def workloads(tokenizer, args) -> tuple[list[list[int]], list[list[int]]]:
     return [long] + short, uniform
 
 
-def run(engine: SpeculativeEngine, batch: list[list[int]], new: int) -> dict:
+def run(engine: SpeculativeEngine, batch: list[list[int]], new: int, each_step: Callable[[], None] | None = None
+        ) -> dict:
     """Every prompt at once; steps until all finish -> peak running (while the first request
-    runs), wall, TTFTs, tokens."""
+    runs), wall, TTFTs, tokens. each_step: called after every step (what a caller watches)."""
     params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
     began = time.perf_counter()
     for i, prompt in enumerate(batch):
@@ -103,6 +105,8 @@ def run(engine: SpeculativeEngine, batch: list[list[int]], new: int) -> dict:
         outs = engine.step()
         if "r0" in engine.admission.running:
             peak = max(peak, len(engine.admission.running))
+        if each_step is not None:
+            each_step()
         now = time.perf_counter() - began
         for out in outs:
             if out.new_token_ids and out.request_id not in first:

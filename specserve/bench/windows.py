@@ -25,11 +25,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 
+from specserve.bench import memory
 from specserve.config import RandomSource
 from specserve.engine import SamplingParams, SpeculativeEngine
 from specserve.engine.engine import kept_behind
@@ -82,42 +82,27 @@ def engine_for(target, args, give_back: bool) -> SpeculativeEngine:
 
 
 def run(engine: SpeculativeEngine, batch: list[list[int]], new: int) -> dict:
-    """Every prompt at once; steps until all finish -> peak running, preemptions, peak blocks,
-    tokens/s, TTFTs, tokens."""
-    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    """Every prompt at once (`bench memory`'s run) -> its figures, with the peak running over the
+    whole run, preemptions and the peak blocks in use."""
     admission, cache = engine.admission, engine.verifier.runner.cache
-    preempt, moved = admission.preempt, []
+    preempt, moved, peaks = admission.preempt, [], {"running": 0, "blocks": 0}
 
     def counted() -> list:
         now = preempt()
         moved.extend(now)
         return now
 
+    def watch() -> None:
+        peaks["running"] = max(peaks["running"], len(admission.running))
+        peaks["blocks"] = max(peaks["blocks"], cache.allocated()[0])
+
     admission.preempt = counted
-    began = time.perf_counter()
-    for i, prompt in enumerate(batch):
-        engine.add_request(f"r{i}", prompt, params)
-    first: dict[str, float] = {}
-    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(batch))}
-    peak_running = peak_blocks = 0
     try:
-        while engine.has_unfinished():
-            outs = engine.step()
-            peak_running = max(peak_running, len(admission.running))
-            peak_blocks = max(peak_blocks, cache.allocated()[0])
-            now = time.perf_counter() - began
-            for out in outs:
-                if out.new_token_ids and out.request_id not in first:
-                    first[out.request_id] = now
-                tokens[out.request_id] += out.new_token_ids
+        out = memory.run(engine, batch, new, each_step=watch)
     finally:
         admission.preempt = preempt
-    wall = time.perf_counter() - began
-    ttfts = sorted(first.values())
-    return {"peak_running": peak_running, "preemptions": len(moved), "peak_blocks": peak_blocks,
-            "blocks": cache.num_blocks, "wall_s": wall, "tokens_per_s": sum(map(len, tokens.values())) / wall,
-            "ttft_p50_s": ttfts[len(ttfts) // 2], "ttft_p99_s": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
-            "tokens": tokens}
+    return {**out, "peak_running": peaks["running"], "preemptions": len(moved), "peak_blocks": peaks["blocks"],
+            "blocks": cache.num_blocks}
 
 
 def table(result: dict) -> str:
