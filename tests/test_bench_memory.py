@@ -29,15 +29,17 @@ def test_uniform_runs_each_layout_under_each_attention(tmp_path, capsys):
 
 
 def test_a_windowed_model_runs_more_requests_at_once_when_it_gives_blocks_back(tmp_path):
-    """`specserve bench windows` on the CPU's small Mistral-style shape: the same tokens both ways,
-    and at a budget that holds three whole requests, giving back what the window passed runs all four."""
+    """`specserve bench windows` on the CPU's small Mistral-style shape, keys gathered as on a GPU:
+    the same tokens every way, and at a budget that holds three whole requests, giving back what the
+    window passed runs all four (whether windowed layers gather their windows or every block)."""
     from specserve.bench import windows
 
     out = tmp_path / "windows.json"
     code = windows.main(["--requests", "4", "--prompt", "200", "--new", "24", "--budget", "768", "--window", "32",
-                         "--out", str(out)])
+                         "--gathered", "--out", str(out)])
     report = json.loads(out.read_text())
     assert code == 0 and report["same_tokens"] and report["window"] == 32
-    given, kept = report["given back"], report["kept"]
+    given, kept, whole = report["given back"], report["kept"], report["whole reads"]
     assert given["peak_running"] == 4 and kept["peak_running"] < 4 and given["preemptions"] == 0
+    assert whole["peak_running"] == 4 and whole["preemptions"] == 0
     assert all(len(t) == 24 for t in given["tokens"].values())

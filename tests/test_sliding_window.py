@@ -137,8 +137,10 @@ def test_the_window_changes_these_outputs():
 
 def test_windows_are_read_from_the_config():
     assert windows_of(MODELS["mistral"]().config, 256) == Windows(WINDOW, by_type=False)
-    assert windows_of(MODELS["gemma3"]().config, 256) == Windows(WINDOW, by_type=True, every_layer=False)
-    assert windows_of(MODELS["qwen2"]().config, 256) == Windows(WINDOW, by_type=True, every_layer=False)
+    assert windows_of(MODELS["gemma3"]().config, 256) == Windows(WINDOW, by_type=True, every_layer=False,
+                                                                  sliding=frozenset({0, 2}))
+    assert windows_of(MODELS["qwen2"]().config, 256) == Windows(WINDOW, by_type=True, every_layer=False,
+                                                                 sliding=frozenset({1}))  # (max_window_layers=1)
     assert windows_of(MODELS["mistral"]().config, 256).horizon == WINDOW
     assert windows_of(MODELS["gemma3"]().config, 256).horizon is None  # (its full layers read everything)
     assert windows_of(MODELS["mistral"]().config, WINDOW) == Windows()  # no context reaches past it
@@ -315,6 +317,42 @@ def test_admission_counts_only_what_windowed_requests_still_hold(windowed):
     assert peak == 3 and (len(moved) == 0) == windowed, (peak, len(moved))
 
 
+@pytest.mark.parametrize("key", ["gemma3", "mistral"])
+def test_a_gathered_windowed_layer_reads_only_its_window(key):
+    """Paged, keys gathered under a mask: a windowed layer gathers only the blocks from where its
+    rows' windows start (16 positions for 3 queries: 8 + 3 + 4 - 2 rounded up to blocks of 4),
+    a full layer every block up to K; rows of other lengths in one forward, blocks already given
+    back (Mistral, no slack) behind them. The logits are a dense runner's."""
+    from specserve.engine import ModelRunner, RowInput
+
+    model = MODELS[key]()
+    paged, dense = ModelRunner(model, max_model_len=256), ModelRunner(model, max_model_len=256)
+    paged.page(4)
+    paged.forget_slack = 0
+    reads = []
+    update = paged.cache.update
+
+    def recorded(keys, values, layer_idx, *args, **kwargs):
+        out = update(keys, values, layer_idx, *args, **kwargs)
+        reads.append((layer_idx, out[0].shape[2]))
+        return out
+    paged.cache.update = recorded
+    rng = random.Random(5)
+    contexts = {"a": [rng.randrange(1, VOCAB) for _ in range(37)], "b": [rng.randrange(1, VOCAB) for _ in range(21)]}
+    for runner in (paged, dense):
+        for request_id, context in contexts.items():
+            runner.forward([RowInput(request_id, 0, context[:-3])], logits="none")
+    reads.clear()
+    rows = [RowInput(request_id, len(c) - 3, c[-3:]) for request_id, c in contexts.items()]
+    torch.testing.assert_close(paged.forward(rows, logits="all"), dense.forward(rows, logits="all"))
+    windowed = [layer for layer in range(model.config.num_hidden_layers) if paged.windows.windowed(layer)]
+    assert windowed == ([0, 2] if key == "gemma3" else [0, 1])
+    assert {n for layer, n in reads if layer in windowed} == {16}
+    full = {48} if key == "gemma3" else set()  # (K: 37 rounded up to a multiple of 16)
+    assert {n for layer, n in reads if layer not in windowed} == full
+    assert key == "gemma3" or paged.cache.forgotten(0) == 24  # (blocks before 34 - 8 + 1: read as scratch)
+
+
 def test_a_row_starting_behind_what_was_given_back_loses_its_cache():
     """A rollback past the slack (none here): the runner drops the request's cache and answers
     a CacheMiss from position 0, so a worker's caller sends its tokens again; nothing is read from
@@ -344,23 +382,27 @@ def test_the_paged_kernel_serves_a_windowed_model():
     assert engine.verifier.runner.in_place == "blocks"
 
 
-def test_a_compiled_forward_takes_a_mask_per_layer_type():
+@pytest.mark.parametrize("layout", [{}, dict(kv_block_size=4)], ids=["dense", "paged"])
+def test_a_compiled_forward_takes_a_mask_per_layer_type(layout):
     """execution="compile" (torch.compile, fullgraph): the windowed and full masks are built inside
-    the compiled forward, with no graph break, and the tokens are the model's own."""
-    engine = SpeculativeEngine(MODELS["gemma3"](), None, num_speculative_tokens=0, execution="compile")
+    the compiled forward, with no graph break, and the tokens are the model's own. Paged, the
+    windowed layers gather only their windows' blocks (`_window_reads`) inside it too."""
+    engine = SpeculativeEngine(MODELS["gemma3"](), None, num_speculative_tokens=0, execution="compile", **layout)
     outs = engine.generate(prompts(), SamplingParams(max_tokens=NEW, temperature=0.0))
     assert engine.verifier.runner._compiled is not None
     assert [o.token_ids for o in outs] == reference("gemma3")
 
 
+@pytest.mark.parametrize("layout", [{}, dict(kv_block_size=4)], ids=["dense", "paged"])
 @pytest.mark.parametrize("key", ["gemma3", "mistral"])
-def test_captured_steps_past_the_window_are_the_models_own(key):
+def test_captured_steps_past_the_window_are_the_models_own(key, layout):
     """Graph mode (graphs emulated on the CPU, captured before the first request, batches padded
     to buckets, keys in steps of 256): the masks of each layer type are built inside the captured
-    forwards and draft loops, and the tokens are HF's."""
+    forwards and draft loops, and the tokens are HF's. Paged, a windowed layer reads 12 or 16
+    positions of the 256 (`_window_reads`), its blocks looked up inside the graphs."""
     target = MODELS[key]()
     engine = SpeculativeEngine(target, perturbed(target, 0.3, seed=1), num_speculative_tokens=3, adaptive=False,
-                               max_batch_size=4)
+                               max_batch_size=4, **layout)
     for runner in (engine.verifier.runner, engine.proposer.runner):
         emulate_graphs(runner)
     engine.capture_graphs(progress=False)

@@ -1,24 +1,29 @@
 """A model whose every layer is windowed, paged: its blocks given back as the window passes them,
-against kept, at one KV budget, in one run (in process).
+against kept, at one KV budget, and its keys gathered by window against whole, in one run (in
+process).
 
-    python -m specserve.bench.windows [--requests 8] [--prompt 512] [--new 128] [--budget 2048]
+    python -m specserve.bench.windows [--requests 8] [--prompt 512] [--new 128] [--budget 2048] [--gathered]
     python -m specserve.bench.windows --shape mistral-7b --budget 65536 --requests 16 --prompt 6144 --new 512  # a GPU
 
 Random weights of a Mistral-style shape (every layer attends the latest `sliding_window`
 positions; on the CPU a small one, --window positions; `--shape mistral-7b`: Mistral-7B-v0.1's,
 bf16 on the GPU), a target whose greedy token does not flip between kernels (`peaked`). --requests
 requests of --prompt + --new tokens arrive together at a budget of --budget KV positions
-(`max_cached_tokens`), target alone, greedy, twice:
+(`max_cached_tokens`), target alone, greedy, three times:
 
 - given back: the runner returns each request's blocks more than its window (and a rollback
   slack) behind its row (`ModelRunner._forget_behind`), and admission counts only what requests
   still hold (`Admission.given_back`);
-- kept: every position held and counted, as for a model with a full-attention layer.
+- kept: every position held and counted, as for a model with a full-attention layer;
+- whole reads: given back, but a forward that gathers its rows' keys (under a mask: a GPU's
+  default, and on the CPU forwards wider than its kernel reads, or every forward with --gathered)
+  gathers every block up to its key length, as before windowed layers read only their windows
+  (`ModelRunner._window_reads`).
 
 Reported per setting: the most requests running at once, preemptions (requests whose caches were
 given up to make room, prefilled again later), the most blocks in use, generated tokens/s over the
-whole run, TTFT p50 / p99; and whether the two settings' tokens are identical (they must be:
-nothing the window hides is ever read). Prints a table, writes JSON; exits 1 if the tokens differ.
+whole run, TTFT p50 / p99; and whether the settings' tokens are identical (they must be: nothing
+the window hides is ever read). Prints a table, writes JSON; exits 1 if the tokens differ.
 """
 from __future__ import annotations
 
@@ -38,7 +43,7 @@ from specserve.models.loading import load_random
 # the CPU's shape: Mistral's layout, small enough for a 2-core machine (the window is --window)
 CPU_SHAPE = dict(model_type="mistral", vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
                  num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=32768)
-SETTINGS = ("given back", "kept")
+SETTINGS = ("given back", "kept", "whole reads")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -50,6 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new", type=int, default=128, help="tokens each request generates")
     p.add_argument("--budget", type=int, default=2048, help="max_cached_tokens (KV positions)")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--gathered", action="store_true", help="on the CPU, gather every forward's keys (a GPU's "
+                   "path under a mask) instead of reading decode steps' blocks in place through the CPU kernel")
     p.add_argument("--out", type=Path, default=Path("bench-results/windows.json"))
 
 
@@ -68,13 +75,18 @@ def prompts(args, vocab: int) -> list[list[int]]:
     return torch.randint(1, vocab, (args.requests, args.prompt), generator=generator).tolist()
 
 
-def engine_for(target, args, give_back: bool) -> SpeculativeEngine:
+def engine_for(target, args, setting: str) -> SpeculativeEngine:
     engine = SpeculativeEngine(target, None, num_speculative_tokens=0, kv_block_size=args.block_size,
                                max_cached_tokens=args.budget, max_batch_size=args.requests,
                                max_model_len=args.prompt + args.new + 64)
+    runner = engine.verifier.runner
+    if args.gathered:
+        runner.in_place = None
+    give_back = setting != "kept"
     if not give_back:  # every position held (no forward is ever far enough past a row) and counted
-        engine.verifier.runner.forget_slack = 1 << 40
+        runner.forget_slack = 1 << 40
         engine.admission.kept_behind = {}
+    runner.read_windows = setting != "whole reads"
     if give_back and kept_behind(engine.verifier, engine.proposer).get("target_len") is None:
         raise SystemExit("this model has a layer that attends its whole context: it gives nothing back")
     engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
@@ -113,9 +125,10 @@ def table(result: dict) -> str:
         lines.append(f"{name:<11} {row['peak_running']:>12} {row['preemptions']:>9} "
                      f"{row['peak_blocks']:>6} / {row['blocks']:<4} {row['tokens_per_s']:>8.1f} "
                      f"{row['ttft_p50_s']:>8.2f}s {row['ttft_p99_s']:>8.2f}s")
-    given, kept = result["given back"], result["kept"]
+    given, kept, whole = result["given back"], result["kept"], result["whole reads"]
     lines.append(f"given back / kept: {given['tokens_per_s'] / kept['tokens_per_s']:.2f}x tok/s, "
                  f"{given['peak_running'] / max(kept['peak_running'], 1):.1f}x requests at once; "
+                 f"window reads / whole: {given['tokens_per_s'] / whole['tokens_per_s']:.2f}x tok/s; "
                  f"same tokens: {result['same_tokens']}")
     return "\n".join(lines)
 
@@ -129,14 +142,14 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "device": device,
                     "window": target.config.sliding_window}
     for name in SETTINGS:
-        engine = engine_for(target, args, give_back=name == "given back")
+        engine = engine_for(target, args, name)
         result[name] = run(engine, batch, args.new)
         print(f"{name}: peak running {result[name]['peak_running']}, {result[name]['preemptions']} preempted, "
               f"{result[name]['tokens_per_s']:.1f} tok/s", flush=True)
         del engine  # (its pool goes before the next one's comes)
         if device == "cuda":
             torch.cuda.empty_cache()
-    result["same_tokens"] = result["given back"]["tokens"] == result["kept"]["tokens"]
+    result["same_tokens"] = all(result[name]["tokens"] == result["given back"]["tokens"] for name in SETTINGS)
     print(table(result))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))

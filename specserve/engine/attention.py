@@ -108,11 +108,17 @@ class Windows:
     positions a sliding-window layer attends, its query's own included (key k is visible to
     position p iff p - window < k <= p, HF's `sliding_window`); None where every layer attends
     its whole context. by_type: the model reads one mask per layer type (config.layer_types:
-    Gemma 2 and 3, Qwen2 with use_sliding_window), else one mask for every layer (Mistral, Phi-3)."""
+    Gemma 2 and 3, Qwen2 with use_sliding_window), else one mask for every layer (Mistral, Phi-3).
+    sliding: by type, the indices of the windowed layers."""
 
     window: int | None = None
     by_type: bool = False
     every_layer: bool = True  # (with a window) no layer attends its whole context
+    sliding: frozenset[int] = frozenset()
+
+    def windowed(self, layer_idx: int) -> bool:
+        """Whether layer `layer_idx` attends through the window."""
+        return self.window is not None and (not self.by_type or layer_idx in self.sliding)
 
     @property
     def horizon(self) -> int | None:
@@ -183,7 +189,8 @@ def windows_of(config, max_model_len: int | None) -> Windows:
         raise ValueError(f"sliding-window layers need a positive sliding_window, got {window!r}")
     if max_model_len is not None and window >= max_model_len:
         return Windows()
-    return Windows(window, by_type=bool(types), every_layer=not types or FULL not in types)
+    sliding = frozenset(i for i, kind in enumerate(types or ()) if kind == SLIDING)
+    return Windows(window, by_type=bool(types), every_layer=not types or FULL not in types, sliding=sliding)
 
 
 def block_mask(positions: torch.Tensor, key_length: int, window: int | None = None) -> BlockMask:

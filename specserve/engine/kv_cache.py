@@ -154,12 +154,13 @@ class SlotKVCache:
         self._built = (self._num_slots, self._capacity)
 
     def bind(self, write_slots: torch.Tensor, positions: torch.Tensor, read_slots: torch.Tensor | None,
-             tables: torch.Tensor | None = None, in_place: str | None = None) -> None:
+             tables: torch.Tensor | None = None, in_place: str | None = None,
+             window_tables: torch.Tensor | None = None) -> None:
         """Inside a forward (device tensors): write_slots [B'] int64, positions [B', Q] int64,
-        read_slots [B'] int64 or None when the rows are slots 0..B'-1 (tables, in_place: a paged
-        cache's)."""
-        if in_place:
-            raise ValueError("only a paged cache is read in place")
+        read_slots [B'] int64 or None when the rows are slots 0..B'-1 (tables, in_place,
+        window_tables: a paged cache's)."""
+        if in_place or window_tables is not None:
+            raise ValueError("only a paged cache is read in place or through window tables")
         self._write_slots = write_slots[:, None]
         self._positions = positions
         self._read_slots = read_slots

@@ -297,6 +297,7 @@ class ModelRunner:
         # sliding-window layers: the forward's masks hide keys past their window (attention.Windows)
         self.windows = windows_of(model.config, self.max_model_len)
         self.forget_slack = FORGET_SLACK  # (paged, every layer windowed: `_forget_behind`)
+        self.read_windows = True  # (paged, gathered: windowed layers read only their windows, `_window_reads`)
         self.cache = SlotKVCache(self.max_model_len, self._key_step())
         self.token_map: torch.Tensor | None = getattr(model, "draft_token_map", None)  # [K] target ids, or None
         self._slot_of: dict[str, int] = {}
@@ -354,6 +355,7 @@ class ModelRunner:
             raise RuntimeError("the cache layout changes only while no request is cached")
         check_pageable(self.model.config)
         self.cache = PagedKVCache(block_size, self.max_model_len, num_blocks, prefix_caching, self._key_step())
+        self.cache.windowed_layer = self.windows.windowed
         self.in_place = self._in_place_layout()
 
     def _in_place_layout(self) -> str | None:
@@ -923,8 +925,10 @@ class ModelRunner:
         # a paged cache's rows' block tables [B', K / bs] (read in place: whole, K the pool's)
         tables = self.cache.tables_of(write_slots, key_length // self.cache.block_size) if self.paged else None
         in_place = self.in_place if self._reads_in_place(width) else None
-        self.cache.bind(write_slots, positions, read_slots if gather else None, tables, in_place)
-        mask = self.windows.masks(lambda window: self._mask_for(positions, key_length, tables, in_place, window))
+        window_tables, window_start = self._window_reads(positions, tables, key_length, in_place)
+        self.cache.bind(write_slots, positions, read_slots if gather else None, tables, in_place, window_tables)
+        mask = self.windows.masks(lambda window: self._mask_for(positions, key_length, tables, in_place, window,
+                                                                window_tables, window_start))
         with cpu_linear.selected(self.linear_kernels):
             out = self.model(
                 input_ids=ids,
@@ -995,10 +999,35 @@ class ModelRunner:
         sdpa = getattr(self.model.config, "_attn_implementation", None) == "sdpa"
         return attention.selected(self.model, attention.NAME if self.grouped_attention and sdpa else None)
 
+    def _window_reads(self, positions: torch.Tensor, tables: torch.Tensor | None, key_length: int,
+                      in_place: str | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """A paged forward that gathers its keys under a mask: what its windowed layers read
+        instead of every block up to K (device ops, shapes fixed by Q and the window). A row's
+        queries sit at positions[b, 0] onward, so none of them sees a key before
+        s_b = positions[b, 0] - window + 1: such a layer gathers E entries from s_b's block,
+        E * bs >= window + Q + bs - 2 positions reaching past the row's last query. -> (window
+        tables [B', E] (entries past a table's end clamp to its last: their positions lie past
+        K, past every query, and the mask hides them), the positions they start at [B']), or
+        (None, None) where every block up to K is no more than that."""
+        window = self.windows.window
+        if window is None or tables is None or in_place is not None or self.attention == "flex":
+            return None, None
+        if not self.read_windows:  # (for comparison: every block up to K, as a full layer reads)
+            return None, None
+        size = self.cache.block_size
+        entries = blocks_for(window + positions.shape[1] + size - 2, size)
+        if entries >= tables.shape[1]:
+            return None, None
+        first = torch.div((positions[:, 0] - window + 1).clamp(min=0), size, rounding_mode="floor")  # [B']
+        index = (first[:, None] + torch.arange(entries, device=tables.device)).clamp(max=tables.shape[1] - 1)
+        return tables.gather(1, index), first * size  # [B', E], [B']
+
     def _mask_for(self, positions: torch.Tensor, key_length: int, tables: torch.Tensor | None,
-                  in_place: str | None, window: int | None):
+                  in_place: str | None, window: int | None, window_tables: torch.Tensor | None = None,
+                  window_start: torch.Tensor | None = None):
         """What a forward's layers attend under (of one window: attention.Windows): a mask, a
-        BlockMask, or the CPU kernel's reads of a pool in place."""
+        BlockMask, or the CPU kernel's reads of a pool in place. A windowed layer given window
+        tables (`_window_reads`) gets a mask over just the keys those hold."""
         if in_place == "flat":
             return attention.pool_block_mask(positions, tables, self.cache.block_size, self.cache.num_blocks,
                                              SCRATCH, window)
@@ -1006,16 +1035,23 @@ class ModelRunner:
             return cpu_attention.reads(positions, tables, window)  # [B', 1, 1, 2Q + T] int64, in place of a mask
         if self.attention == "flex":
             return attention.block_mask(positions, key_length, window)
+        if window is not None and window_tables is not None:
+            reach = window_tables.shape[1] * self.cache.block_size
+            return self._mask(positions, reach, window, window_start)
         return self._mask(positions, key_length, window)
 
-    def _mask(self, positions: torch.Tensor, key_length: int, window: int | None = None) -> torch.Tensor:
-        """positions [B', Q] -> [B', 1, Q, K] on the device: key k is visible to a query at
-        position p iff k <= p (and k > p - window, for a sliding-window layer). Boolean for SDPA,
-        additive for eager attention."""
-        keys = torch.arange(key_length, device=positions.device)  # [K]
-        visible = keys[None, None, :] <= positions[:, :, None]  # [B', Q, K]
+    def _mask(self, positions: torch.Tensor, key_length: int, window: int | None = None,
+              start: torch.Tensor | None = None) -> torch.Tensor:
+        """positions [B', Q] -> [B', 1, Q, K] on the device: the key at position k is visible to a
+        query at position p iff k <= p (and k > p - window, for a sliding-window layer). Key j of
+        row b is at position j, or start[b] + j where the row's keys start there ([B'],
+        `_window_reads`). Boolean for SDPA, additive for eager attention."""
+        keys = torch.arange(key_length, device=positions.device)[None, None, :]  # [1, 1, K]
+        if start is not None:
+            keys = keys + start[:, None, None]  # [B', 1, K]
+        visible = keys <= positions[:, :, None]  # [B', Q, K]
         if window is not None:
-            visible = visible & (keys[None, None, :] > positions[:, :, None] - window)
+            visible = visible & (keys > positions[:, :, None] - window)
         visible = visible[:, None]  # [B', 1, Q, K]
         if not self._float_mask:
             return visible

@@ -18,6 +18,10 @@ small copy, and nothing at all on most steps. A forward looks its rows' tables u
 them into flat write indices `[B', Q]`, and `update` writes through those and gathers the tables'
 blocks whole (bs positions per index) in every layer (device ops on fixed shapes: compiled or
 captured like the dense forward).
+A layer that attends a sliding window reads less where the runner hands `bind` window tables
+(`[B', E]`: E entries from the block where each row's window starts, the same E for every row):
+`update` gathers those for the layers `windowed_layer` names, the whole tables for the others, so a
+windowed layer of a long request reads about its window, not its whole context.
 Bound in place, `update` writes and returns the whole pool instead, for an attention that reads
 it through the tables itself: no gather. `"flat"`: `[1, H, N * bs, D]`, for FlexAttention
 (attention.pool_block_mask); such a forward takes the tables whole (`[B', M]`) and its K is the
@@ -51,6 +55,7 @@ pool per device for its layers).
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Callable
 
 import torch
 
@@ -105,6 +110,8 @@ class PagedKVCache:
         self._view_length = 0  # K of the current forward
         self._write: torch.Tensor | None = None  # [B', Q] flat index each new token goes to
         self._read: torch.Tensor | None = None  # [B', K / bs] block ids to gather (None: read in place)
+        self._window_read: torch.Tensor | None = None  # [B', E] those a windowed layer gathers (None: `_read`)
+        self.windowed_layer: Callable[[int], bool] = lambda layer_idx: False  # which layers read `_window_read`
         self._in_place: str | None = None  # the layout `update` returns the pool in, if it does (`bind`)
         self._on_device: dict[torch.device, tuple] = {}
 
@@ -115,9 +122,12 @@ class PagedKVCache:
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """key_states/value_states [B', H, Q, D] -> keys/values of the batch rows [B', H, K, D]
-        (bound in place: the pool, [1, H, N * bs, D] or [N, bs, H, D]; see `bind`)."""
+        ([B', H, E * bs, D] for a windowed layer bound with window tables; bound in place: the
+        pool, [1, H, N * bs, D] or [N, bs, H, D]; see `bind`)."""
         keys, values = self._layer(layer_idx, key_states, value_states)
-        write, read = self._indices(keys.device)  # [B', Q], [B', K / bs]
+        write, read, window_read = self._indices(keys.device)  # [B', Q], [B', K / bs], [B', E]
+        if window_read is not None and self.windowed_layer(layer_idx):
+            read = window_read
         batch, heads = key_states.shape[:2]
         for pool, states in ((keys, key_states), (values, value_states)):  # (D each their own)
             pool.view(-1, heads, states.shape[-1])[write] = states.transpose(1, 2).to(pool.dtype)  # [B', Q, H, D]
@@ -313,16 +323,21 @@ class PagedKVCache:
         self._built = self._num_blocks
 
     def bind(self, write_slots: torch.Tensor, positions: torch.Tensor, read_slots: torch.Tensor | None,
-             tables: torch.Tensor | None = None, in_place: str | None = None) -> None:
+             tables: torch.Tensor | None = None, in_place: str | None = None,
+             window_tables: torch.Tensor | None = None) -> None:
         """Inside a forward (device tensors): positions [B', Q], tables [B', K / bs] block ids
         (the slot columns are the dense cache's and unused here); in_place ("flat" or "blocks"):
-        layers get the whole pool back in that layout, not their rows' keys (no read indices)."""
+        layers get the whole pool back in that layout, not their rows' keys (no read indices);
+        window_tables [B', E]: what the layers `windowed_layer` names gather instead of tables."""
         if in_place not in IN_PLACE:
             raise ValueError(f"in_place is one of {IN_PLACE}, got {in_place!r}")
+        if in_place and window_tables is not None:
+            raise ValueError("window tables are gathered: a forward reading the pool in place takes none")
         size = self.block_size
         block = tables.gather(1, torch.div(positions, size, rounding_mode="floor"))  # [B', Q]
         self._write = block * size + positions % size
         self._read = None if in_place else tables
+        self._window_read = window_tables
         self._in_place = in_place
         self._on_device = {}
 
@@ -489,12 +504,13 @@ class PagedKVCache:
         blocks = torch.tensor(table, dtype=torch.long)[positions // self.block_size]
         return blocks * self.block_size + positions % self.block_size
 
-    def _indices(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def _indices(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(write [B', Q], read [B', K / bs], window read [B', E]) on `device` (a sharded model's)."""
+        bound = (self._write, self._read, self._window_read)
         if device == self._write.device:
-            return self._write, self._read
+            return bound
         if device not in self._on_device:
-            read = None if self._read is None else self._read.to(device)
-            self._on_device[device] = (self._write.to(device), read)
+            self._on_device[device] = tuple(None if t is None else t.to(device) for t in bound)
         return self._on_device[device]
 
     def _layer(self, layer_idx: int, key_like: torch.Tensor, value_like: torch.Tensor
