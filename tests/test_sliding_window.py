@@ -446,3 +446,17 @@ def test_flex_caps_attention_logits_as_the_models_eager_attention_does():
     torch.testing.assert_close(flex, want, atol=1e-5, rtol=1e-5)
     uncapped, _ = eager_attention_forward(module, query, key, value, mask, scaling=1.0, softcap=None)
     assert (uncapped - want).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("key", ["gemma3", "mistral"])
+def test_fused_blocks_attend_through_the_window(key, monkeypatch):
+    """Fused blocks (one compile for every layer) over windowed and full layers, paged: the logits
+    of contexts past the window are the plain runner's (a windowed layer's gathered keys are its
+    window's blocks, handed over between the block's compiled halves)."""
+    from test_fusion import forwards_beside, fused_and_plain
+
+    monkeypatch.setenv("SPECSERVE_CPU_KERNELS", "0")  # (each linear's dispatcher would compile per layer)
+    torch._dynamo.reset()
+    fused, plain = fused_and_plain(MODELS[key](), "aot_eager", 4)
+    contexts = {"a": [i % 90 + 1 for i in range(29)], "b": [i % 90 + 5 for i in range(11)]}
+    assert forwards_beside(fused, plain, contexts, [1, 3, 1, 4, 1]) < 1e-4
