@@ -353,6 +353,34 @@ def test_a_gathered_windowed_layer_reads_only_its_window(key):
     assert key == "gemma3" or paged.cache.forgotten(0) == 24  # (blocks before 34 - 8 + 1: read as scratch)
 
 
+@pytest.mark.parametrize("chunked", [True, False])
+def test_admission_counts_a_windowed_prompt_by_the_chunk_it_takes_next(chunked):
+    """Three 60-token prompts, prefilled 8 tokens a step, under a budget of 24 blocks of 4 (one
+    request's 80 positions and a step's headroom fit alone): counted by what each cache takes next
+    (its mark plus a chunk, less what its window passed) all three prefill side by side; counted
+    by their whole prompts, no more than two run at once. No preemption either way; HF's tokens."""
+    from specserve.engine.engine import kept_behind
+
+    rng = random.Random(11)
+    batch = [[rng.randrange(1, VOCAB) for _ in range(60)] for _ in range(3)]
+    engine = SpeculativeEngine(MODELS["mistral"](), None, num_speculative_tokens=0, kv_block_size=4,
+                               max_cached_tokens=96, prefill_chunk_tokens=8)
+    engine.verifier.runner.forget_slack = 0
+    engine.admission.kept_behind = kept_behind(engine.verifier, engine.proposer)
+    assert engine.admission.chunk == 8
+    engine.admission.chunk = 8 if chunked else None
+    for i, prompt in enumerate(batch):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=NEW, temperature=0.0))
+    peak, outs, moved = 0, {}, 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        peak = max(peak, len(engine.admission.running))
+        moved += sum(s.preempted for s in engine.admission.waiting)
+    assert [outs[str(i)] for i in range(3)] == [hf_greedy(MODELS["mistral"](), p, NEW) for p in batch]
+    assert moved == 0 and peak == (3 if chunked else 2), peak
+
+
 def test_a_row_starting_behind_what_was_given_back_loses_its_cache():
     """A rollback past the slack (none here): the runner drops the request's cache and answers
     a CacheMiss from position 0, so a worker's caller sends its tokens again; nothing is read from

@@ -13,7 +13,7 @@ requests of --prompt + --new tokens arrive together at a budget of --budget KV p
 
 - given back: the runner returns each request's blocks more than its window (and a rollback
   slack) behind its row (`ModelRunner._forget_behind`), and admission counts only what requests
-  still hold (`Admission.given_back`);
+  still hold (`Admission.held`);
 - kept: every position held and counted, as for a model with a full-attention layer;
 - whole reads: given back, but a forward that gathers its rows' keys (under a mask: a GPU's
   default, and on the CPU forwards wider than its kernel reads, or every forward with --gathered)

@@ -25,7 +25,12 @@ a pipelined ahead call drafts past them, a padding position), and the scratch bl
 A model whose every layer attends a sliding window gives back the blocks its window has passed
 (`ModelRunner.kept_behind`): for such caches the count leaves out the positions a request no longer
 holds, those more than `kept_behind` before the cache's mark (`target_len`, `draft_len`), where
-every paged cache of the request gives them back (the least any of them gives back counts).
+every paged cache of the request gives them back (the most any of them still holds counts). Nor
+does it count, while such a request's prompt goes in by chunks (`chunk`: the step loop's
+`prefill_chunk_tokens`), the prompt past the chunk each cache takes next: a cache then holds at
+most its mark plus a chunk, less what it gave back, so a prompt many windows long counts about a
+window and a chunk, not its length. (Its worst case, which decides whether it fits at all, stays
+its whole length: a cache that loses it is sent every token again in one forward.)
 
 That admits by what requests use, not by what they might (a chat without max_tokens may reach the
 whole context). As requests grow the sum may pass the budget: then running requests are preempted
@@ -77,12 +82,14 @@ class Admission:
     """The waiting queue and the running batch of one engine or coordinator (request id -> Sequence)."""
 
     def __init__(self, max_batch_size: int, budget: int | None, max_gamma: int, block_size: int | None = None,
-                 kept_behind: dict[str, int | None] | None = None) -> None:
+                 kept_behind: dict[str, int | None] | None = None, chunk: int | None = None) -> None:
         """kept_behind: per paged cache, by its mark ("target_len", "draft_len"), what it holds
-        behind the mark at most (`ModelRunner.kept_behind`; None: everything)."""
+        behind the mark at most (`ModelRunner.kept_behind`; None: everything); chunk: the most
+        prompt tokens a cache takes in one forward (None: a whole prompt at once)."""
         self.max_batch_size = max_batch_size
         self.block_size = block_size  # the workers' paged caches' block (None: dense caches)
         self.kept_behind = dict(kept_behind or {})
+        self.chunk = chunk or None
         self.budget = budget
         self.max_gamma = max_gamma
         self.waiting: deque[Sequence] = deque()
@@ -118,15 +125,19 @@ class Admission:
         """Positions the budget counts for a request: dense, its worst case (the slot is sized
         for it); paged, what it holds now plus one step's headroom."""
         if self.block_size:  # (a pipelined step's ahead call drafts γ + 1 more past the verify's γ)
-            return seq.num_tokens + 2 * self.max_gamma + 2 - self.given_back(seq)
+            return self.held(seq) + 2 * self.max_gamma + 2
         return positions_needed(seq, self.max_gamma)
 
-    def given_back(self, seq: Sequence) -> int:
-        """Positions every paged cache of the request has given back (or will at its next forward):
-        those more than the cache's `kept_behind` before its mark; 0 where a cache keeps all."""
+    def held(self, seq: Sequence) -> int:
+        """Paged: the most positions any cache of the request holds through its next forward. A
+        cache that keeps everything holds all its tokens; one that gives back (`kept_behind`) holds
+        those from `kept_behind` before its mark on (it has given back the rest, or will at its
+        next forward), and while the prompt goes in by chunks, only up to its mark plus a chunk."""
         if not self.kept_behind or None in self.kept_behind.values():
-            return 0
-        return min(max(getattr(seq, mark) - kept, 0) for mark, kept in self.kept_behind.items())
+            return seq.num_tokens
+        chunked = self.chunk is not None and (not seq.metrics.num_steps or seq.preempted)  # (`step.prefilling`)
+        return max((min(seq.num_tokens, getattr(seq, mark) + self.chunk) if chunked else seq.num_tokens)
+                   - max(getattr(seq, mark) - kept, 0) for mark, kept in self.kept_behind.items())
 
     def worst(self, seq: Sequence) -> int:
         """The most positions the budget may count for a request (`worst_positions`): never less

@@ -115,7 +115,7 @@ class SpeculativeEngine:
         page_runners([self.verifier.runner, getattr(proposer, "runner", None)], kv_block_size, max_cached_tokens,
                      prefix_caching)
         self.admission = Admission(max_batch_size, max_cached_tokens, num_speculative_tokens, kv_block_size,
-                                   kept_behind(self.verifier, proposer))
+                                   kept_behind(self.verifier, proposer), prefill_chunk_tokens)
         self.loop = StepLoop(self.admission, InProcessExecutor(proposer, self.verifier), self.policy,
                              prefill_chunk_tokens, history)
         self._ids = itertools.count()

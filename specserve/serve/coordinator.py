@@ -207,7 +207,7 @@ class Coordinator:
         caches = ray.get([w.caches.remote() for w in workers])  # [(dense cache grows, kept behind marks)]
         behind = {mark: kept for _, marks in caches for mark, kept in marks.items()}  # (windowed: blocks go back)
         self.admission = Admission(config.max_batch_size, config.max_cached_tokens, self.max_gamma,
-                                   config.kv_block_size, behind)
+                                   config.kv_block_size, behind, config.prefill_chunk_tokens)
         self._queues: dict[str, asyncio.Queue] = {}
         self._aborted: set[str] = set()
         self._wake = asyncio.Event()
