@@ -36,10 +36,11 @@ def test_a_windowed_model_runs_more_requests_at_once_when_it_gives_blocks_back(t
 
     out = tmp_path / "windows.json"
     code = windows.main(["--requests", "4", "--prompt", "200", "--new", "24", "--budget", "768", "--window", "32",
-                         "--gathered", "--out", str(out)])
+                         "--gathered", "--settings", "kept,whole prompts,whole reads", "--out", str(out)])
     report = json.loads(out.read_text())
     assert code == 0 and report["same_tokens"] and report["window"] == 32
     given, kept, whole = report["given back"], report["kept"], report["whole reads"]
     assert given["peak_running"] == 4 and kept["peak_running"] < 4 and given["preemptions"] == 0
     assert whole["peak_running"] == 4 and whole["preemptions"] == 0
+    assert report["whole prompts"]["peak_running"] == 4  # (prompts counted whole until prefilled)
     assert all(len(t) == 24 for t in given["tokens"].values())

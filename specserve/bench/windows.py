@@ -3,22 +3,26 @@ against kept, at one KV budget, and its keys gathered by window against whole, i
 process).
 
     python -m specserve.bench.windows [--requests 8] [--prompt 512] [--new 128] [--budget 2048] [--gathered]
+                                      [--settings "given back,kept,whole reads"]
     python -m specserve.bench.windows --shape mistral-7b --budget 65536 --requests 16 --prompt 6144 --new 512  # a GPU
 
 Random weights of a Mistral-style shape (every layer attends the latest `sliding_window`
 positions; on the CPU a small one, --window positions; `--shape mistral-7b`: Mistral-7B-v0.1's,
 bf16 on the GPU), a target whose greedy token does not flip between kernels (`peaked`). --requests
 requests of --prompt + --new tokens arrive together at a budget of --budget KV positions
-(`max_cached_tokens`), target alone, greedy, three times:
+(`max_cached_tokens`), prompts prefilled --chunk tokens a step, target alone, greedy, once per
+setting (--settings; the first three by default):
 
 - given back: the runner returns each request's blocks more than its window (and a rollback
   slack) behind its row (`ModelRunner._forget_behind`), and admission counts only what requests
-  still hold (`Admission.held`);
+  still hold (`Admission.held`: while a prompt goes in, up to the chunk each cache takes next);
 - kept: every position held and counted, as for a model with a full-attention layer;
 - whole reads: given back, but a forward that gathers its rows' keys (under a mask: a GPU's
   default, and on the CPU forwards wider than its kernel reads, or every forward with --gathered)
   gathers every block up to its key length, as before windowed layers read only their windows
-  (`ModelRunner._window_reads`).
+  (`ModelRunner._window_reads`);
+- whole prompts: given back, but admission counts a prompt whole until it is prefilled, as before
+  it counted by the chunk.
 
 Reported per setting: the most requests running at once, preemptions (requests whose caches were
 given up to make room, prefilled again later), the most blocks in use, generated tokens/s over the
@@ -43,7 +47,7 @@ from specserve.models.loading import load_random
 # the CPU's shape: Mistral's layout, small enough for a 2-core machine (the window is --window)
 CPU_SHAPE = dict(model_type="mistral", vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
                  num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=32768)
-SETTINGS = ("given back", "kept", "whole reads")
+SETTINGS = ("given back", "kept", "whole reads", "whole prompts")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -55,6 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new", type=int, default=128, help="tokens each request generates")
     p.add_argument("--budget", type=int, default=2048, help="max_cached_tokens (KV positions)")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--chunk", type=int, default=512, help="prefill_chunk_tokens")
+    p.add_argument("--settings", default=",".join(SETTINGS[:3]), help=f"comma-separated, of {', '.join(SETTINGS)}")
     p.add_argument("--gathered", action="store_true", help="on the CPU, gather every forward's keys (a GPU's "
                    "path under a mask) instead of reading decode steps' blocks in place through the CPU kernel")
     p.add_argument("--out", type=Path, default=Path("bench-results/windows.json"))
@@ -78,7 +84,7 @@ def prompts(args, vocab: int) -> list[list[int]]:
 def engine_for(target, args, setting: str) -> SpeculativeEngine:
     engine = SpeculativeEngine(target, None, num_speculative_tokens=0, kv_block_size=args.block_size,
                                max_cached_tokens=args.budget, max_batch_size=args.requests,
-                               max_model_len=args.prompt + args.new + 64)
+                               max_model_len=args.prompt + args.new + 64, prefill_chunk_tokens=args.chunk)
     runner = engine.verifier.runner
     if args.gathered:
         runner.in_place = None
@@ -87,6 +93,8 @@ def engine_for(target, args, setting: str) -> SpeculativeEngine:
         runner.forget_slack = 1 << 40
         engine.admission.kept_behind = {}
     runner.read_windows = setting != "whole reads"
+    if setting == "whole prompts":
+        engine.admission.chunk = None
     if give_back and kept_behind(engine.verifier, engine.proposer).get("target_len") is None:
         raise SystemExit("this model has a layer that attends its whole context: it gives nothing back")
     engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
@@ -117,19 +125,31 @@ def run(engine: SpeculativeEngine, batch: list[list[int]], new: int) -> dict:
             "blocks": cache.num_blocks}
 
 
+def chosen(text: str) -> list[str]:
+    """--settings -> the settings to run, "given back" first (every other one is compared with it)."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(SETTINGS))
+    if unknown:
+        raise SystemExit(f"unknown settings {unknown}: choose among {', '.join(SETTINGS)}")
+    return ["given back"] + [n for n in SETTINGS[1:] if n in names]
+
+
 def table(result: dict) -> str:
-    lines = [f"{'setting':<11} {'peak running':>12} {'preempted':>9} {'peak blocks':>13} {'tok/s':>8} "
+    names = [n for n in SETTINGS if n in result]
+    lines = [f"{'setting':<13} {'peak running':>12} {'preempted':>9} {'peak blocks':>13} {'tok/s':>8} "
              f"{'TTFT p50':>9} {'TTFT p99':>9}"]
-    for name in SETTINGS:
+    for name in names:
         row = result[name]
-        lines.append(f"{name:<11} {row['peak_running']:>12} {row['preemptions']:>9} "
+        lines.append(f"{name:<13} {row['peak_running']:>12} {row['preemptions']:>9} "
                      f"{row['peak_blocks']:>6} / {row['blocks']:<4} {row['tokens_per_s']:>8.1f} "
                      f"{row['ttft_p50_s']:>8.2f}s {row['ttft_p99_s']:>8.2f}s")
-    given, kept, whole = result["given back"], result["kept"], result["whole reads"]
-    lines.append(f"given back / kept: {given['tokens_per_s'] / kept['tokens_per_s']:.2f}x tok/s, "
-                 f"{given['peak_running'] / max(kept['peak_running'], 1):.1f}x requests at once; "
-                 f"window reads / whole: {given['tokens_per_s'] / whole['tokens_per_s']:.2f}x tok/s; "
-                 f"same tokens: {result['same_tokens']}")
+    given = result["given back"]
+    for name in names[1:]:
+        other = result[name]
+        lines.append(f"given back / {name}: {given['tokens_per_s'] / other['tokens_per_s']:.2f}x tok/s, "
+                     f"{given['peak_running'] / max(other['peak_running'], 1):.1f}x requests at once, "
+                     f"TTFT p50 {given['ttft_p50_s'] / other['ttft_p50_s']:.2f}x")
+    lines.append(f"same tokens: {result['same_tokens']}")
     return "\n".join(lines)
 
 
@@ -137,11 +157,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specserve bench windows", description=__doc__.splitlines()[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
+    names = chosen(args.settings)
     target, device = load(args)
     batch = prompts(args, target.config.vocab_size)
     result: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "device": device,
                     "window": target.config.sliding_window}
-    for name in SETTINGS:
+    for name in names:
         engine = engine_for(target, args, name)
         result[name] = run(engine, batch, args.new)
         print(f"{name}: peak running {result[name]['peak_running']}, {result[name]['preemptions']} preempted, "
@@ -149,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         del engine  # (its pool goes before the next one's comes)
         if device == "cuda":
             torch.cuda.empty_cache()
-    result["same_tokens"] = all(result[name]["tokens"] == result["given back"]["tokens"] for name in SETTINGS)
+    result["same_tokens"] = all(result[name]["tokens"] == result["given back"]["tokens"] for name in names)
     print(table(result))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))

@@ -132,12 +132,17 @@ class Admission:
         """Paged: the most positions any cache of the request holds through its next forward. A
         cache that keeps everything holds all its tokens; one that gives back (`kept_behind`) holds
         those from `kept_behind` before its mark on (it has given back the rest, or will at its
-        next forward), and while the prompt goes in by chunks, only up to its mark plus a chunk."""
+        next forward), and while the prompt goes in by chunks, never more than `kept_behind` and a
+        chunk (what it holds at any mark of the prefill: counted from the start, so that the
+        count does not grow as the prefill goes on and preempt others)."""
         if not self.kept_behind or None in self.kept_behind.values():
             return seq.num_tokens
         chunked = self.chunk is not None and (not seq.metrics.num_steps or seq.preempted)  # (`step.prefilling`)
-        return max((min(seq.num_tokens, getattr(seq, mark) + self.chunk) if chunked else seq.num_tokens)
-                   - max(getattr(seq, mark) - kept, 0) for mark, kept in self.kept_behind.items())
+        most = 0
+        for mark, kept in self.kept_behind.items():
+            held = seq.num_tokens - max(getattr(seq, mark) - kept, 0)
+            most = max(most, min(held, kept + self.chunk) if chunked else held)
+        return most
 
     def worst(self, seq: Sequence) -> int:
         """The most positions the budget may count for a request (`worst_positions`): never less
