@@ -43,4 +43,23 @@ def test_a_windowed_model_runs_more_requests_at_once_when_it_gives_blocks_back(t
     assert given["peak_running"] == 4 and kept["peak_running"] < 4 and given["preemptions"] == 0
     assert whole["peak_running"] == 4 and whole["preemptions"] == 0
     assert report["whole prompts"]["peak_running"] == 4  # (prompts counted whole until prefilled)
+    assert given["long_ttft_s"] is None  # (no --long)
     assert all(len(t) == 24 for t in given["tokens"].values())
+
+
+def test_a_long_windowed_prompt_is_admitted_by_the_chunk_it_takes(tmp_path):
+    """`bench windows --long`: two 600-token prompts queued behind three short requests, at a
+    budget where the second long prompt, counted whole, waits for others to finish: counted by
+    the chunk each cache takes next, all five run at once (no preemption, the same tokens)."""
+    from specserve.bench import windows
+
+    out = tmp_path / "windows.json"
+    code = windows.main(["--requests", "5", "--prompt", "16", "--new", "48", "--long", "2", "--long-prompt", "600",
+                         "--budget", "768", "--window", "32", "--chunk", "64", "--settings", "whole prompts",
+                         "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert code == 0 and report["same_tokens"] and "kept" not in report
+    given, whole = report["given back"], report["whole prompts"]
+    assert given["peak_running"] == 5 and whole["peak_running"] < 5, (given["peak_running"], whole["peak_running"])
+    assert given["preemptions"] == 0 and given["long_ttft_s"] is not None
+    assert all(len(t) == 48 for t in given["tokens"].values())

@@ -93,7 +93,8 @@ def workloads(tokenizer, args) -> tuple[list[list[int]], list[list[int]]]:
 def run(engine: SpeculativeEngine, batch: list[list[int]], new: int, each_step: Callable[[], None] | None = None
         ) -> dict:
     """Every prompt at once; steps until all finish -> peak running (while the first request
-    runs), wall, TTFTs, tokens. each_step: called after every step (what a caller watches)."""
+    runs), wall, TTFTs (p50, p99, and by request), tokens. each_step: called after every step
+    (what a caller watches)."""
     params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
     began = time.perf_counter()
     for i, prompt in enumerate(batch):
@@ -116,7 +117,7 @@ def run(engine: SpeculativeEngine, batch: list[list[int]], new: int, each_step: 
     ttfts = sorted(first.values())
     return {"peak_running": peak, "wall_s": wall, "tokens_per_s": sum(map(len, tokens.values())) / wall,
             "ttft_p50_s": ttfts[len(ttfts) // 2], "ttft_p99_s": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
-            "tokens": tokens}
+            "ttft_s": first, "tokens": tokens}
 
 
 def engine_for(target, draft, args, block_size: int | None, budget: int | None, batch: int,

@@ -26,8 +26,10 @@ setting (--settings; the first three by default):
 
 Reported per setting: the most requests running at once, preemptions (requests whose caches were
 given up to make room, prefilled again later), the most blocks in use, generated tokens/s over the
-whole run, TTFT p50 / p99; and whether the settings' tokens are identical (they must be: nothing
-the window hides is ever read). Prints a table, writes JSON; exits 1 if the tokens differ.
+whole run, TTFT p50 / p99 and the long requests' last (with --long: the last --long requests'
+prompts are --long-prompt tokens, queued behind the others); and whether the settings' tokens are
+identical (they must be: nothing the window hides is ever read). Prints a table, writes JSON;
+exits 1 if the tokens differ.
 """
 from __future__ import annotations
 
@@ -60,6 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", type=int, default=2048, help="max_cached_tokens (KV positions)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--chunk", type=int, default=512, help="prefill_chunk_tokens")
+    p.add_argument("--long", type=int, default=0, help="how many of the requests (the last) have long prompts")
+    p.add_argument("--long-prompt", type=int, default=0, help="tokens of a long request's prompt")
     p.add_argument("--settings", default=",".join(SETTINGS[:3]), help=f"comma-separated, of {', '.join(SETTINGS)}")
     p.add_argument("--gathered", action="store_true", help="on the CPU, gather every forward's keys (a GPU's "
                    "path under a mask) instead of reading decode steps' blocks in place through the CPU kernel")
@@ -77,14 +81,17 @@ def load(args) -> tuple[torch.nn.Module, str]:
 
 
 def prompts(args, vocab: int) -> list[list[int]]:
+    """--requests prompts of --prompt tokens, the last --long of them --long-prompt tokens instead."""
     generator = torch.Generator().manual_seed(0)
-    return torch.randint(1, vocab, (args.requests, args.prompt), generator=generator).tolist()
+    lengths = [args.prompt] * (args.requests - args.long) + [args.long_prompt] * args.long
+    return [torch.randint(1, vocab, (n,), generator=generator).tolist() for n in lengths]
 
 
 def engine_for(target, args, setting: str) -> SpeculativeEngine:
     engine = SpeculativeEngine(target, None, num_speculative_tokens=0, kv_block_size=args.block_size,
                                max_cached_tokens=args.budget, max_batch_size=args.requests,
-                               max_model_len=args.prompt + args.new + 64, prefill_chunk_tokens=args.chunk)
+                               max_model_len=max(args.prompt, args.long_prompt) + args.new + 64,
+                               prefill_chunk_tokens=args.chunk)
     runner = engine.verifier.runner
     if args.gathered:
         runner.in_place = None
@@ -101,9 +108,9 @@ def engine_for(target, args, setting: str) -> SpeculativeEngine:
     return engine
 
 
-def run(engine: SpeculativeEngine, batch: list[list[int]], new: int) -> dict:
+def run(engine: SpeculativeEngine, batch: list[list[int]], new: int, long: int = 0) -> dict:
     """Every prompt at once (`bench memory`'s run) -> its figures, with the peak running over the
-    whole run, preemptions and the peak blocks in use."""
+    whole run, preemptions, the peak blocks in use and the last of the `long` last requests' TTFTs."""
     admission, cache = engine.admission, engine.verifier.runner.cache
     preempt, moved, peaks = admission.preempt, [], {"running": 0, "blocks": 0}
 
@@ -121,8 +128,9 @@ def run(engine: SpeculativeEngine, batch: list[list[int]], new: int) -> dict:
         out = memory.run(engine, batch, new, each_step=watch)
     finally:
         admission.preempt = preempt
+    longs = [t for rid, t in out["ttft_s"].items() if int(rid[1:]) >= len(batch) - long]
     return {**out, "peak_running": peaks["running"], "preemptions": len(moved), "peak_blocks": peaks["blocks"],
-            "blocks": cache.num_blocks}
+            "blocks": cache.num_blocks, "long_ttft_s": max(longs, default=None)}
 
 
 def chosen(text: str) -> list[str]:
@@ -134,15 +142,19 @@ def chosen(text: str) -> list[str]:
     return ["given back"] + [n for n in SETTINGS[1:] if n in names]
 
 
+def seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}s"
+
+
 def table(result: dict) -> str:
     names = [n for n in SETTINGS if n in result]
     lines = [f"{'setting':<13} {'peak running':>12} {'preempted':>9} {'peak blocks':>13} {'tok/s':>8} "
-             f"{'TTFT p50':>9} {'TTFT p99':>9}"]
+             f"{'TTFT p50':>9} {'TTFT p99':>9} {'long TTFT':>9}"]
     for name in names:
         row = result[name]
         lines.append(f"{name:<13} {row['peak_running']:>12} {row['preemptions']:>9} "
                      f"{row['peak_blocks']:>6} / {row['blocks']:<4} {row['tokens_per_s']:>8.1f} "
-                     f"{row['ttft_p50_s']:>8.2f}s {row['ttft_p99_s']:>8.2f}s")
+                     f"{row['ttft_p50_s']:>8.2f}s {row['ttft_p99_s']:>8.2f}s {seconds(row['long_ttft_s']):>9}")
     given = result["given back"]
     for name in names[1:]:
         other = result[name]
@@ -164,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
                     "window": target.config.sliding_window}
     for name in names:
         engine = engine_for(target, args, name)
-        result[name] = run(engine, batch, args.new)
+        result[name] = run(engine, batch, args.new, args.long)
         print(f"{name}: peak running {result[name]['peak_running']}, {result[name]['preemptions']} preempted, "
               f"{result[name]['tokens_per_s']:.1f} tok/s", flush=True)
         del engine  # (its pool goes before the next one's comes)
