@@ -317,16 +317,20 @@ def test_admission_counts_only_what_windowed_requests_still_hold(windowed):
     assert peak == 3 and (len(moved) == 0) == windowed, (peak, len(moved))
 
 
+@pytest.mark.parametrize("attending", ["mask", "flex"])
 @pytest.mark.parametrize("key", ["gemma3", "mistral"])
-def test_a_gathered_windowed_layer_reads_only_its_window(key):
-    """Paged, keys gathered under a mask: a windowed layer gathers only the blocks from where its
-    rows' windows start (16 positions for 3 queries: 8 + 3 + 4 - 2 rounded up to blocks of 4),
-    a full layer every block up to K; rows of other lengths in one forward, blocks already given
-    back (Mistral, no slack) behind them. The logits are a dense runner's."""
+def test_a_gathered_windowed_layer_reads_only_its_window(key, attending):
+    """Paged, keys gathered (under a mask; under flex, rows wider than it reads in place): a
+    windowed layer gathers only the blocks from where its rows' windows start (for Q queries,
+    8 + Q + 4 - 2 positions rounded up to blocks of 4: 16 for 3, 32 for 20), a full layer every
+    block up to K; rows of other lengths in one forward, blocks already given back (Mistral, no
+    slack) behind them. The logits are a dense runner's."""
     from specserve.engine import ModelRunner, RowInput
+    from specserve.engine.model_runner import IN_PLACE_WIDTH
 
     model = MODELS[key]()
-    paged, dense = ModelRunner(model, max_model_len=256), ModelRunner(model, max_model_len=256)
+    options = dict(attention="flex") if attending == "flex" else {}
+    paged, dense = ModelRunner(model, max_model_len=256, **options), ModelRunner(model, max_model_len=256, **options)
     paged.page(4)
     paged.forget_slack = 0
     reads = []
@@ -337,18 +341,20 @@ def test_a_gathered_windowed_layer_reads_only_its_window(key):
         reads.append((layer_idx, out[0].shape[2]))
         return out
     paged.cache.update = recorded
+    width = 3 if attending == "mask" else IN_PLACE_WIDTH + 4  # (flex reads narrower rows in place)
     rng = random.Random(5)
-    contexts = {"a": [rng.randrange(1, VOCAB) for _ in range(37)], "b": [rng.randrange(1, VOCAB) for _ in range(21)]}
+    contexts = {"a": [rng.randrange(1, VOCAB) for _ in range(34 + width)],
+                "b": [rng.randrange(1, VOCAB) for _ in range(18 + width)]}
     for runner in (paged, dense):
         for request_id, context in contexts.items():
-            runner.forward([RowInput(request_id, 0, context[:-3])], logits="none")
+            runner.forward([RowInput(request_id, 0, context[:-width])], logits="none")
     reads.clear()
-    rows = [RowInput(request_id, len(c) - 3, c[-3:]) for request_id, c in contexts.items()]
+    rows = [RowInput(request_id, len(c) - width, c[-width:]) for request_id, c in contexts.items()]
     torch.testing.assert_close(paged.forward(rows, logits="all"), dense.forward(rows, logits="all"))
     windowed = [layer for layer in range(model.config.num_hidden_layers) if paged.windows.windowed(layer)]
     assert windowed == ([0, 2] if key == "gemma3" else [0, 1])
-    assert {n for layer, n in reads if layer in windowed} == {16}
-    full = {48} if key == "gemma3" else set()  # (K: 37 rounded up to a multiple of 16)
+    assert {n for layer, n in reads if layer in windowed} == {16 if width == 3 else 32}
+    full = {-(-(34 + width) // 16) * 16} if key == "gemma3" else set()  # (K rounded up to a multiple of 16)
     assert {n for layer, n in reads if layer not in windowed} == full
     assert key == "gemma3" or paged.cache.forgotten(0) == 24  # (blocks before 34 - 8 + 1: read as scratch)
 

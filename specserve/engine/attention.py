@@ -193,17 +193,22 @@ def windows_of(config, max_model_len: int | None) -> Windows:
     return Windows(window, by_type=bool(types), every_layer=not types or FULL not in types, sliding=sliding)
 
 
-def block_mask(positions: torch.Tensor, key_length: int, window: int | None = None) -> BlockMask:
-    """positions [B', Q] int64 (device) -> BlockMask over [B', 1, Q, K]: key k is visible to query
-    (b, q) iff k <= positions[b, q] (and, with a window, k > positions[b, q] - window); one mask
-    for every head and every layer it is handed to."""
+def block_mask(positions: torch.Tensor, key_length: int, window: int | None = None,
+               start: torch.Tensor | None = None) -> BlockMask:
+    """positions [B', Q] int64 (device) -> BlockMask over [B', 1, Q, K]: the key at position k is
+    visible to query (b, q) iff k <= positions[b, q] (and, with a window, k > positions[b, q] -
+    window); key j of row b is at position j, or start[b] + j ([B']: a windowed layer's keys
+    gathered from where its window starts). One mask for every head and every layer it is handed to."""
     rows, width = positions.shape
 
+    def at(b, k):
+        return k if start is None else start[b] + k
+
     def visible(b, h, q, k):
-        return k <= positions[b, q]
+        return at(b, k) <= positions[b, q]
 
     def recent(b, h, q, k):
-        return (k <= positions[b, q]) & (k > positions[b, q] - window)
+        return (at(b, k) <= positions[b, q]) & (at(b, k) > positions[b, q] - window)
 
     return create_block_mask(visible if window is None else recent, rows, None, width, key_length,
                              device=positions.device, BLOCK_SIZE=(_query_block(positions), _KV_BLOCK))

@@ -1001,16 +1001,16 @@ class ModelRunner:
 
     def _window_reads(self, positions: torch.Tensor, tables: torch.Tensor | None, key_length: int,
                       in_place: str | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """A paged forward that gathers its keys under a mask: what its windowed layers read
-        instead of every block up to K (device ops, shapes fixed by Q and the window). A row's
-        queries sit at positions[b, 0] onward, so none of them sees a key before
-        s_b = positions[b, 0] - window + 1: such a layer gathers E entries from s_b's block,
-        E * bs >= window + Q + bs - 2 positions reaching past the row's last query. -> (window
-        tables [B', E] (entries past a table's end clamp to its last: their positions lie past
-        K, past every query, and the mask hides them), the positions they start at [B']), or
-        (None, None) where every block up to K is no more than that."""
+        """A paged forward that gathers its keys (under a mask, or flex's BlockMask past its
+        in-place width): what its windowed layers read instead of every block up to K (device
+        ops, shapes fixed by Q and the window). A row's queries sit at positions[b, 0] onward,
+        so none of them sees a key before s_b = positions[b, 0] - window + 1: such a layer
+        gathers E entries from s_b's block, E * bs >= window + Q + bs - 2 positions reaching past
+        the row's last query. -> (window tables [B', E] (entries past a table's end clamp to its
+        last: their positions lie past K, past every query, and the mask hides them), the
+        positions they start at [B']), or (None, None) where every block up to K is no more."""
         window = self.windows.window
-        if window is None or tables is None or in_place is not None or self.attention == "flex":
+        if window is None or tables is None or in_place is not None:
             return None, None
         if not self.read_windows:  # (for comparison: every block up to K, as a full layer reads)
             return None, None
@@ -1033,12 +1033,13 @@ class ModelRunner:
                                              SCRATCH, window)
         if in_place == "blocks":
             return cpu_attention.reads(positions, tables, window)  # [B', 1, 1, 2Q + T] int64, in place of a mask
+        if window is not None and window_tables is not None:  # (its keys: the window's blocks)
+            key_length, start = window_tables.shape[1] * self.cache.block_size, window_start
+        else:
+            start = None
         if self.attention == "flex":
-            return attention.block_mask(positions, key_length, window)
-        if window is not None and window_tables is not None:
-            reach = window_tables.shape[1] * self.cache.block_size
-            return self._mask(positions, reach, window, window_start)
-        return self._mask(positions, key_length, window)
+            return attention.block_mask(positions, key_length, window, start)
+        return self._mask(positions, key_length, window, start)
 
     def _mask(self, positions: torch.Tensor, key_length: int, window: int | None = None,
               start: torch.Tensor | None = None) -> torch.Tensor:
