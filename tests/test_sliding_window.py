@@ -362,9 +362,10 @@ def test_a_gathered_windowed_layer_reads_only_its_window(key, attending):
 @pytest.mark.parametrize("chunked", [True, False])
 def test_admission_counts_a_windowed_prompt_by_the_chunk_it_takes_next(chunked):
     """Three 60-token prompts, prefilled 8 tokens a step, under a budget of 24 blocks of 4 (one
-    request's 80 positions and a step's headroom fit alone): counted by what each cache takes next
-    (its mark plus a chunk, less what its window passed) all three prefill side by side; counted
-    by their whole prompts, no more than two run at once. No preemption either way; HF's tokens."""
+    request's 80 positions and a step's headroom fit alone): counted by the most a cache holds
+    at any mark of the prefill (what it keeps behind its mark and a chunk) all three prefill side
+    by side; counted by their whole prompts, no more than two run at once. No preemption either
+    way; HF's tokens."""
     from specserve.engine.engine import kept_behind
 
     rng = random.Random(11)
