@@ -27,9 +27,9 @@ A model whose every layer attends a sliding window gives back the blocks its win
 holds, those more than `kept_behind` before the cache's mark (`target_len`, `draft_len`), where
 every paged cache of the request gives them back (the most any of them still holds counts). Nor
 does it count, while such a request's prompt goes in by chunks (`chunk`: the step loop's
-`prefill_chunk_tokens`), the prompt past the chunk each cache takes next: a cache then holds at
-most its mark plus a chunk, less what it gave back, so a prompt many windows long counts about a
-window and a chunk, not its length. (Its worst case, which decides whether it fits at all, stays
+`prefill_chunk_tokens`), the prompt past what such a cache can hold at any mark of the prefill:
+its `kept_behind` and one chunk, so a prompt many windows long counts about a window and a
+chunk, not its length. (Its worst case, which decides whether it fits at all, stays
 its whole length: a cache that loses it is sent every token again in one forward.)
 
 That admits by what requests use, not by what they might (a chat without max_tokens may reach the
@@ -48,7 +48,7 @@ from collections import deque
 
 from . import model_runner
 from .paged_cache import blocks_for
-from .step import Sequence
+from .step import Sequence, decoding
 
 
 def final_tokens(seq: Sequence) -> int:
@@ -137,7 +137,7 @@ class Admission:
         count does not grow as the prefill goes on and preempt others)."""
         if not self.kept_behind or None in self.kept_behind.values():
             return seq.num_tokens
-        chunked = self.chunk is not None and (not seq.metrics.num_steps or seq.preempted)  # (`step.prefilling`)
+        chunked = self.chunk is not None and not decoding(seq)
         most = 0
         for mark, kept in self.kept_behind.items():
             held = seq.num_tokens - max(getattr(seq, mark) - kept, 0)

@@ -213,12 +213,18 @@ def prefill_end(seq: Sequence) -> int:
     return seq.num_tokens - 1
 
 
+def decoding(seq: Sequence) -> bool:
+    """Whether the request has stepped since its prompt (and output, if preempted) went in: its
+    caches take no more prefill chunks."""
+    return bool(seq.metrics.num_steps) and not seq.preempted
+
+
 def prefilling(seq: Sequence, with_draft: bool, fold: frozenset[str] = frozenset()) -> bool:
     """Whether the request still waits for its tokens to be cached (target, and draft when
     with_draft) before it can step; the target's last chunk need not be if the request is in
     `fold` (its first step carries it). Only before its first step: a draft lagging behind a
     running request (steps without drafts) is caught up by the next propose, as before."""
-    if seq.metrics.num_steps and not seq.preempted:
+    if decoding(seq):
         return False
     end = prefill_end(seq)
     return (seq.target_len < end and seq.request_id not in fold) or (with_draft and seq.draft_len < end)
@@ -260,7 +266,7 @@ def prefill_rows(seqs: list[Sequence], mark: str, budget: int, fold: frozenset[s
     rows: list[RowInput] = []
     width = 0
     for s in seqs:
-        if s.metrics.num_steps and not s.preempted:  # decoding (most rows, most steps)
+        if decoding(s):  # (most rows, most steps)
             continue
         start, end = getattr(s, mark), prefill_end(s)
         if start >= end:
