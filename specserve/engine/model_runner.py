@@ -37,6 +37,7 @@ import torch
 from . import attention, cpu_attention, cpu_linear
 from .attention import check_pageable, check_supported, dispatches, windows_of
 from .fusion import BlockFusion, repeated_blocks
+from .hybrid_cache import HybridPagedKVCache, window_pool_blocks
 from .kv_cache import CAPACITY_STEP, SlotKVCache, capacity_for
 from .paged_cache import SCRATCH, PagedKVCache, blocks_for
 from .sharding import head_dim, kv_cache_bytes_per_token, kv_shape, kv_sizes
@@ -298,6 +299,7 @@ class ModelRunner:
         self.windows = windows_of(model.config, self.max_model_len)
         self.forget_slack = FORGET_SLACK  # (paged, every layer windowed: `_forget_behind`)
         self.read_windows = True  # (paged, gathered: windowed layers read only their windows, `_window_reads`)
+        self.window_pool = True  # (paged, windowed and full layers: a pool per kind, `page`)
         self.cache = SlotKVCache(self.max_model_len, self._key_step())
         self.token_map: torch.Tensor | None = getattr(model, "draft_token_map", None)  # [K] target ids, or None
         self._slot_of: dict[str, int] = {}
@@ -346,17 +348,33 @@ class ModelRunner:
         if size and same:
             self.cache.stack_layers(layers, heads, size, self.dtype, self.device)
 
-    def page(self, block_size: int, num_blocks: int | None = None, prefix_caching: bool = False) -> None:
+    def page(self, block_size: int, num_blocks: int | None = None, prefix_caching: bool = False,
+             rows: int | None = None, widest: int | None = None) -> None:
         """Keep keys and values by block (engine/paged_cache.py) from now on: blocks of
         `block_size` positions from one pool of `num_blocks` (None: a pool that grows), sharing
         computed prompt prefixes when prefix_caching (a tapped runner's features shared with them).
+        A model with both windowed and full layers keeps its windowed layers' keys in a pool of
+        their own (engine/hybrid_cache.py), sized for `rows` requests at once each at a forward
+        of up to `widest` positions (a prefill chunk; None: as large as the full pool).
         Before the first request only."""
         if self._slot_of:
             raise RuntimeError("the cache layout changes only while no request is cached")
         check_pageable(self.model.config)
-        self.cache = PagedKVCache(block_size, self.max_model_len, num_blocks, prefix_caching, self._key_step())
-        self.cache.windowed_layer = self.windows.windowed
+        window = self.windows.window
+        if self.window_pool and window is not None and self.windows.horizon is None:
+            sized = None if rows is None or widest is None else \
+                window_pool_blocks(rows, self._kept_behind(window, block_size), widest, block_size)
+            self.cache = HybridPagedKVCache(self.windows.windowed, block_size, self.max_model_len, num_blocks,
+                                            prefix_caching, self._key_step(), sized)
+        else:
+            self.cache = PagedKVCache(block_size, self.max_model_len, num_blocks, prefix_caching, self._key_step())
+            self.cache.windowed_layer = self.windows.windowed
         self.in_place = self._in_place_layout()
+
+    @property
+    def hybrid(self) -> bool:
+        """Paged, with a pool for the windowed layers and one for the full ones (`page`)."""
+        return getattr(self.cache, "hybrid", False)
 
     def _in_place_layout(self) -> str | None:
         """How a paged forward up to IN_PLACE_WIDTH wide reads the pool where it lies: "flat" under
@@ -750,12 +768,13 @@ class ModelRunner:
                       sum(lengths), block)
 
     def _forget_behind(self, rows: list[RowInput], slots: list[int]) -> None:
-        """Paged, where every layer reads a window (`Windows.horizon`): each row's blocks wholly
-        more than the window and `forget_slack` behind its start go back to the pool, so that a
-        request holds about a window of positions however long it runs. A row starting where its
-        window reaches into blocks given back (a rollback past the slack) loses its cache and is
-        a CacheMiss from position 0 (a worker's caller then sends its tokens again)."""
-        window = self.windows.horizon
+        """Paged, where every layer reads a window (`Windows.horizon`), or into the windowed
+        layers' own pool (`hybrid`): each row's blocks wholly more than the window and
+        `forget_slack` behind its start go back to the pool, so that a request holds about a
+        window of positions however long it runs. A row starting where its window reaches into
+        blocks given back (a rollback past the slack) loses its cache and is a CacheMiss from
+        position 0 (a worker's caller then sends its tokens again)."""
+        window = self.windows.window if self.hybrid else self.windows.horizon
         if window is None:
             return
         for r, slot in zip(rows, slots):
@@ -773,7 +792,11 @@ class ModelRunner:
         window = self.windows.horizon
         if window is None or not self.paged:
             return None
-        return window + self.forget_slack + self.cache.block_size - 2
+        return self._kept_behind(window, self.cache.block_size)
+
+    def _kept_behind(self, window: int, block_size: int) -> int:
+        """Positions before a row's start a cache that gives back behind `window` still holds."""
+        return window + self.forget_slack + block_size - 2
 
     def _host_block(self, rows, slots, order, padded, width, tail_width) -> torch.Tensor:
         """[B', Q + 6] int64 on the host (pinned on CUDA), sorted order, padding rows last."""
@@ -925,7 +948,7 @@ class ModelRunner:
         # a paged cache's rows' block tables [B', K / bs] (read in place: whole, K the pool's)
         tables = self.cache.tables_of(write_slots, key_length // self.cache.block_size) if self.paged else None
         in_place = self.in_place if self._reads_in_place(width) else None
-        window_tables, window_start = self._window_reads(positions, tables, key_length, in_place)
+        window_tables, window_start = self._window_reads(positions, tables, write_slots, in_place)
         self.cache.bind(write_slots, positions, read_slots if gather else None, tables, in_place, window_tables)
         mask = self.windows.masks(lambda window: self._mask_for(positions, key_length, tables, in_place, window,
                                                                 window_tables, window_start))
@@ -999,18 +1022,24 @@ class ModelRunner:
         sdpa = getattr(self.model.config, "_attn_implementation", None) == "sdpa"
         return attention.selected(self.model, attention.NAME if self.grouped_attention and sdpa else None)
 
-    def _window_reads(self, positions: torch.Tensor, tables: torch.Tensor | None, key_length: int,
+    def _window_reads(self, positions: torch.Tensor, tables: torch.Tensor | None, slots: torch.Tensor,
                       in_place: str | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """A paged forward that gathers its keys (under a mask, or flex's BlockMask past its
-        in-place width): what its windowed layers read instead of every block up to K (device
-        ops, shapes fixed by Q and the window). A row's queries sit at positions[b, 0] onward,
-        so none of them sees a key before s_b = positions[b, 0] - window + 1: such a layer
-        gathers E entries from s_b's block, E * bs >= window + Q + bs - 2 positions reaching past
-        the row's last query. -> (window tables [B', E] (entries past a table's end clamp to its
-        last: their positions lie past K, past every query, and the mask hides them), the
-        positions they start at [B']), or (None, None) where every block up to K is no more."""
+        in-place width), or any paged forward of a `hybrid` cache (whose windowed layers always
+        gather, from their own pool; slots [B'] the rows'): what its windowed layers read instead
+        of every block up to K (device ops, shapes fixed by Q and the window). A row's queries
+        sit at positions[b, 0] onward, so none of them sees a key before s_b = positions[b, 0] -
+        window + 1: such a layer gathers E entries from s_b's block, E * bs >= window + Q + bs - 2
+        positions reaching past the row's last query. -> (window tables [B', E] (entries past a
+        table's end clamp to its last: their positions lie past K, past every query, and the mask
+        hides them), the positions they start at [B']), or (None, None) where every block up to
+        K is no more."""
         window = self.windows.window
-        if window is None or tables is None or in_place is not None:
+        if window is None or tables is None:
+            return None, None
+        if self.hybrid:  # (the windowed layers' own tables, as wide as the full layers')
+            tables = self.cache.window_tables_of(slots, tables.shape[1])
+        elif in_place is not None:
             return None, None
         if not self.read_windows:  # (for comparison: every block up to K, as a full layer reads)
             return None, None
@@ -1027,7 +1056,10 @@ class ModelRunner:
                   window_start: torch.Tensor | None = None):
         """What a forward's layers attend under (of one window: attention.Windows): a mask, a
         BlockMask, or the CPU kernel's reads of a pool in place. A windowed layer given window
-        tables (`_window_reads`) gets a mask over just the keys those hold."""
+        tables (`_window_reads`) gets a mask over just the keys those hold; one of a `hybrid`
+        cache always gathers its keys."""
+        if window is not None and self.hybrid:
+            in_place = None
         if in_place == "flat":
             return attention.pool_block_mask(positions, tables, self.cache.block_size, self.cache.num_blocks,
                                              SCRATCH, window)

@@ -30,12 +30,14 @@ serves every length. `"blocks"`: the pools as they are, `[N, bs, H, D]`, for the
 (engine/cpu_attention.py).
 With a pool sized once (`num_blocks`: the server's budget), storage never moves, so captured
 graphs stay valid; without one the pool doubles when full (its `generation` bumps, as the dense
-cache's growth does).
+cache's growth does), up to `grows_to` blocks where that is given.
 
 A model whose every layer attends a sliding window never reads a position again once the window
 has passed it: `forget` gives a slot's leading blocks back to the pool (their entries become
 scratch, counted by `forgotten`), so such a request holds about a window of positions however long
-it runs. A copy (`copy_positions`, a fork) leaves what its source gave back behind too.
+it runs. A copy (`copy_positions`, a fork) leaves what its source gave back behind too. A model with
+full layers too keeps its windowed layers in a cache of their own that does this
+(engine/hybrid_cache.py).
 
 Prefix sharing (`prefix_caching`): every full block a prefill wrote (committed tokens only) is
 registered under a hash of the whole token prefix it ends (a chain: the previous block's hash and
@@ -75,16 +77,18 @@ class PagedKVCache:
     is_compileable = False
 
     def __init__(self, block_size: int, max_model_len: int | None = None, num_blocks: int | None = None,
-                 prefix_caching: bool = False, key_step: int = CAPACITY_STEP) -> None:
+                 prefix_caching: bool = False, key_step: int = CAPACITY_STEP, grows_to: int | None = None) -> None:
         """num_blocks: the pool's fixed size, scratch included (None: grow as needed);
         prefix_caching: share the blocks of prompt prefixes already computed (see above);
-        key_step: K's rounding before whole blocks (`key_length_for`)."""
+        key_step: K's rounding before whole blocks (`key_length_for`); grows_to: num_blocks is
+        where the pool starts, and it may grow up to this many blocks (0: without a limit)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.key_step = key_step
-        self.fixed = num_blocks is not None
+        self.fixed = num_blocks is not None and grows_to is None
+        self._limit = grows_to or None  # the most blocks a growing pool may come to (None: no limit)
         self._num_blocks = num_blocks if num_blocks is not None else 64  # N, scratch included
         if self._num_blocks < 2:
             raise ValueError("a paged cache needs at least 2 blocks (one is scratch)")
@@ -448,10 +452,12 @@ class PagedKVCache:
             del self._content[block]
             self._free.append(block)
         if count > len(self._free):
-            if self.fixed:
+            wanted = self._num_blocks + count - len(self._free)
+            if self.fixed or (self._limit is not None and wanted > self._limit):
                 raise MemoryError(f"the KV pool is out of blocks: {count} wanted, {len(self._free)} free "
                                   f"of {self._num_blocks} (admission should have kept within it)")
-            self._grow(max(self._num_blocks * 2, self._num_blocks + count))
+            grown = max(self._num_blocks * 2, wanted)
+            self._grow(grown if self._limit is None else min(grown, self._limit))
         taken = [self._free.pop() for _ in range(count)]
         for block in taken:
             self._refs[block] = 1

@@ -1,0 +1,188 @@
+"""A paged cache for models with windowed and full layers (Gemma 2 and 3, gpt-oss, Qwen2/3 with
+max_window_layers): the windowed layers keep their keys in a pool of their own that gives back
+what their window has passed (engine/hybrid_cache.py), the full layers keep everything; the
+tokens stay the model's own in every layout."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+from models import perturbed
+from specserve import SamplingParams, SpeculativeEngine
+from specserve.engine import CacheMiss, ModelRunner, RowInput, cpu_attention
+from specserve.engine.hybrid_cache import HybridPagedKVCache, window_pool_blocks
+from specserve.engine.paged_cache import PagedKVCache, blocks_for
+from test_sliding_window import COMMON, MODELS, NEW, WINDOW, prompts, reference
+
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+HYBRID = ("gemma2", "gemma3", "gpt-oss", "qwen2")
+
+
+@functools.lru_cache(None)
+def gemma3_d32():
+    """Gemma 3 with the CPU kernel's head size: its full layers read their pool in place."""
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=3, head_dim=32,
+                              query_pre_attn_scalar=32, sliding_window=WINDOW,
+                              layer_types=["sliding_attention", "full_attention", "sliding_attention"], **COMMON)
+    config._attn_implementation = "sdpa"
+    return Gemma3ForCausalLM(config).eval()
+
+
+def held_blocks(cache: PagedKVCache) -> int:
+    """The most blocks any slot's table holds now (entries given back not counted)."""
+    return max((len(t) - cache.forgotten(s) // cache.block_size for s, t in enumerate(cache._tables) if t), default=0)
+
+
+@pytest.mark.parametrize("key", HYBRID)
+def test_windowed_layers_keep_about_a_window_in_their_own_pool(key):
+    """Target alone and with a windowed draft of the family: the windowed layers' pool holds a
+    window and a step per request (2-3 blocks of 4 for a window of 8, never the 43 positions a
+    request comes to), the full layers' pool every position; the tokens are HF's, and every
+    block is back in both pools once the requests end."""
+    target = MODELS[key]()
+    params = SamplingParams(max_tokens=NEW, temperature=0.0)
+    for draft in (None, perturbed(target, 0.3, seed=1)):
+        engine = SpeculativeEngine(target, draft, num_speculative_tokens=0 if draft is None else 3,
+                                   adaptive=False, kv_block_size=4)
+        runners = [engine.verifier.runner] + ([engine.proposer.runner] if draft is not None else [])
+        assert all(isinstance(r.cache, HybridPagedKVCache) for r in runners)
+        for runner in runners:
+            runner.forget_slack = 0
+        for i, prompt in enumerate(prompts()):
+            engine.add_request(str(i), prompt, params)
+        window_held, full_held, outs = 0, 0, {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                outs.setdefault(out.request_id, []).extend(out.new_token_ids)
+            for runner in runners:
+                window_held = max(window_held, held_blocks(runner.cache.window))
+                full_held = max(full_held, held_blocks(runner.cache.full))
+                assert runner.cache.full.forgotten(0) == 0
+        assert [outs[str(i)] for i in range(3)] == reference(key)
+        # (the full pool: the 40-odd positions the longest request comes to before its last step)
+        assert window_held <= 6 and full_held >= blocks_for(23 + NEW - 3, 4), (window_held, full_held)
+        for runner in runners:
+            assert runner.cache.full.allocated()[0] == runner.cache.window.allocated()[0] == 1  # (scratch)
+
+
+@pytest.mark.parametrize("layout", ["mask", "flex", "kernel"])
+def test_full_layers_read_in_place_while_windowed_ones_gather(layout):
+    """Under flex (a pool BlockMask) and the CPU kernel (its reads), the full layers read their
+    pool where it lies and the windowed layers gather their windows from their own: the
+    tokens are still HF's, and the full layers' reads are the in-place kind."""
+    model = gemma3_d32() if layout == "kernel" else MODELS["gemma3"]()
+    if layout == "kernel" and not cpu_attention.available(32, torch.float32):
+        pytest.skip("the CPU kernel is not built here")
+    engine = SpeculativeEngine(model, None, num_speculative_tokens=0, kv_block_size=4,
+                               attention="flex" if layout == "flex" else "auto")
+    runner = engine.verifier.runner
+    assert runner.hybrid and runner.in_place == {"mask": None, "flex": "flat", "kernel": "blocks"}[layout]
+    want = reference("gemma3") if layout != "kernel" else None
+    params = SamplingParams(max_tokens=NEW, temperature=0.0)
+    got = [out.token_ids for out in engine.generate(prompts(), params)]
+    if want is None:
+        from models import hf_greedy
+        want = [hf_greedy(model, p, NEW) for p in prompts()]
+    assert got == want
+
+
+def test_the_window_pool_is_sized_for_the_batch_and_the_chunk():
+    """With a budget, the full layers' pool is the budget and the windowed layers' is what
+    `max_batch_size` requests need at once, each its window, slack and widest forward (a prefill
+    chunk): it does not grow while they run, and it is far smaller."""
+    params = SamplingParams(max_tokens=NEW, temperature=0.0)
+    engine = SpeculativeEngine(MODELS["gemma3"](), None, num_speculative_tokens=0, kv_block_size=4,
+                               max_cached_tokens=4096, max_batch_size=3, prefill_chunk_tokens=8)
+    cache = engine.verifier.runner.cache
+    kept = engine.verifier.runner._kept_behind(WINDOW, 4)
+    sized = window_pool_blocks(3, kept, 8, 4)
+    assert cache.full.num_blocks == 1024 and cache.window.num_blocks == sized < 1024 / 10
+    got = [out.token_ids for out in engine.generate(prompts(), params)]
+    assert got == reference("gemma3") and cache.window.num_blocks == sized
+    # bytes: the windowed layers (2 of 3) hold the small pool, the full layer the budget
+    full, window = cache.full.memory_bytes(), cache.window.memory_bytes()
+    assert window == full * 2 * sized // 1024 and cache.memory_bytes() == full + window
+
+
+def test_a_window_pool_short_of_blocks_grows_up_to_the_full_pool():
+    """A windowed layers' pool sized for fewer requests than come (forks, a prompt not chunked)
+    grows as the full pool would, never past the full pool's blocks, which always suffice."""
+    cache = HybridPagedKVCache(lambda layer: layer != 1, 4, 256, num_blocks=32, window_blocks=4)
+    cache.place(0, 40)  # 10 blocks: more than the 3 the window pool has besides scratch
+    assert cache.window.num_blocks == 11 and cache.full.num_blocks == 32
+    cache.place(1, 84)  # 21 more: 31 in all, as many as the full pool holds besides scratch
+    assert cache.window.num_blocks == 32
+    with pytest.raises(MemoryError):
+        cache.place(2, 4)
+
+
+def test_a_prompt_takes_the_cached_blocks_both_pools_still_hold():
+    """Prefix caching: a prompt seen before takes cached blocks from both pools, as far as the
+    windowed layers' pool still holds them (it gives them back first, so may evict them first):
+    the full layers' pool may match more, and copies those blocks before the prefill rewrites them.
+    The tokens are HF's every time."""
+    model = MODELS["gemma3"]()
+    params = SamplingParams(max_tokens=NEW, temperature=0.0)
+    engine = SpeculativeEngine(model, None, num_speculative_tokens=0, kv_block_size=4, prefix_caching=True,
+                               max_batch_size=1)
+    cache = engine.verifier.runner.cache
+    matched, taken = [], []  # what the full pool matched, what both did (the request took)
+    for spied, log in ((cache.full, matched), (cache, taken)):
+        spied.match = functools.partial(lambda match, log, *a: log.append(match(*a)) or log[-1], spied.match, log)
+    prompt = prompts()[2]  # 23 tokens: 5 whole blocks before its last token
+    for evicted in (0, 0, 1):
+        window = cache.window  # its least recently used cached block goes (a request's blocks go back last first)
+        for block in window._take(len(window._free) + evicted):
+            window._drop(block)
+        (out,) = engine.generate([prompt], params)
+        assert out.token_ids == reference("gemma3")[2]
+    # the third: the windowed pool lost the prompt's 5th block, so the request takes 4 and computes
+    # from there, the full pool's 5th block copied before it is written
+    assert matched == [0, 20, 20] and taken == [0, 20, 16], (matched, taken)
+    assert cache.full.allocated()[0] == cache.window.allocated()[0] == 1
+
+
+def test_a_fork_copies_both_pools():
+    """A pipelined step's fork (`ModelRunner.fork`) copies the request's positions in both pools;
+    the branch then attends as the request would (its logits equal a copy-free runner's)."""
+    model = MODELS["gemma3"]()
+    context = prompts()[2]  # 23 tokens
+    runner = ModelRunner(model, max_model_len=256)
+    runner.page(4)
+    runner.forward([RowInput("a", 0, context)], logits="none")
+    runner.fork("a", "b", 23)
+    forked = runner.forward([RowInput("b", 23, [5, 6])], logits="all")
+    alone = ModelRunner(model, max_model_len=256).forward([RowInput("c", 0, context + [5, 6])], logits="all")
+    torch.testing.assert_close(forked, alone[:, -2:])
+
+
+def test_a_rollback_behind_the_window_pool_loses_the_cache():
+    """A row starting where its window reaches into blocks the windowed pool gave back: a
+    CacheMiss from 0 (both pools let go), then the tokens sent again give the model's logits."""
+    model = MODELS["gemma3"]()
+    runner = ModelRunner(model, max_model_len=256)
+    runner.page(4)
+    runner.forget_slack = 0
+    context = prompts()[2]
+    runner.forward([RowInput("a", 0, context)], logits="none")
+    runner.forward([RowInput("a", 23, [5])], logits="last")
+    assert runner.cache.forgotten(0) == 16 and runner.cache.full.forgotten(0) == 0
+    with pytest.raises(CacheMiss):
+        runner.forward([RowInput("a", 18, [5])], logits="last")
+    assert runner.valid_length("a") == 0
+    again = runner.forward([RowInput("a", 0, context + [5])], logits="last")
+    alone = ModelRunner(model, max_model_len=256).forward([RowInput("b", 0, context + [5])])
+    torch.testing.assert_close(again, alone)
+
+
+def test_a_switch_keeps_one_pool_for_every_layer():
+    """`window_pool = False` before paging: one pool for every layer, as before (for comparison)."""
+    runner = ModelRunner(MODELS["gemma3"](), max_model_len=256)
+    runner.window_pool = False
+    runner.page(4)
+    assert isinstance(runner.cache, PagedKVCache) and not runner.hybrid
