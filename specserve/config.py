@@ -571,6 +571,17 @@ class AppConfig(_Strict):
         placed there) rather than from inside the target worker."""
         return self.draft is not None or getattr(self.drafter, "worker", "target") == "draft"
 
+    @property
+    def worker_kv(self) -> tuple:
+        """How a worker keeps its KV caches (`engine.page_runners`' arguments): block size (None:
+        dense), budget, prefix caching, and the most requests at once and widest forward that size
+        a windowed layers' own pool."""
+        from specserve.engine.admission import widest_forward
+
+        gamma = self.speculation.num_speculative_tokens
+        return (self.kv_block_size, self.max_cached_tokens, self.prefix_caching, self.max_batch_size,
+                widest_forward(self.prefill_chunk_tokens, gamma))
+
     def max_ongoing(self, deployment: Literal["ingress", "coordinator"]) -> int:
         """A deployment's max_ongoing_requests, by default the larger of BURST_ONGOING and the least
         the other limits need (a coordinator: its batch and queue plus room for control calls)."""

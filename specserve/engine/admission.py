@@ -31,6 +31,9 @@ does it count, while such a request's prompt goes in by chunks (`chunk`: the ste
 its `kept_behind` and one chunk, so a prompt many windows long counts about a window and a
 chunk, not its length. (Its worst case, which decides whether it fits at all, stays
 its whole length: a cache that loses it is sent every token again in one forward.)
+A model with full layers too gives back only in its windowed layers' own pool
+(engine/hybrid_cache.py), sized apart for `max_batch_size` requests at their widest forward
+(`widest_forward`): the budget and this count are its full layers' pool, which holds everything.
 
 That admits by what requests use, not by what they might (a chat without max_tokens may reach the
 whole context). As requests grow the sum may pass the budget: then running requests are preempted
@@ -68,6 +71,13 @@ def worst_positions(tokens: int, max_gamma: int, block_size: int | None = None) 
     past them, 2γ + 2, which a request near its end still writes: its verify row is as wide as
     the batch's)."""
     return tokens + (2 * max_gamma + 2 if block_size else max_gamma)
+
+
+def widest_forward(prefill_chunk_tokens: int | None, max_gamma: int) -> int | None:
+    """The most positions one forward of a request writes: a prompt chunk, or a step's verify and
+    the drafts a pipelined ahead call writes past it (2γ + 3); None where prompts go in whole
+    (as wide as the longest prompt)."""
+    return max(prefill_chunk_tokens, 2 * max_gamma + 3) if prefill_chunk_tokens else None
 
 
 def allocation(needs: list[int], block_size: int | None = None) -> int:

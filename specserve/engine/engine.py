@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .admission import Admission
+from .admission import Admission, widest_forward
 from .model_runner import BATCH_BUCKETS, CALIBRATION_SIZES, ModelRunner, RowInput, batch_bucket
 from .proposers import DrafterSpec, DraftModelProposer, DraftModelSpec, Proposer
 from .sampling import SamplingParams
@@ -113,7 +113,7 @@ class SpeculativeEngine:
         self.grammar = None if tokenizer is None else attach_grammar(
             _loader(tokenizer), self.verifier, proposer, self.eos_token_ids)
         page_runners([self.verifier.runner, getattr(proposer, "runner", None)], kv_block_size, max_cached_tokens,
-                     prefix_caching)
+                     prefix_caching, max_batch_size, widest_forward(prefill_chunk_tokens, num_speculative_tokens))
         self.admission = Admission(max_batch_size, max_cached_tokens, num_speculative_tokens, kv_block_size,
                                    kept_behind(self.verifier, proposer), prefill_chunk_tokens)
         self.loop = StepLoop(self.admission, InProcessExecutor(proposer, self.verifier), self.policy,
@@ -299,16 +299,19 @@ def attach_grammar(tokenizer, verifier: TargetVerifier, proposer, eos_token_ids)
     return book
 
 
-def page_runners(runners, block_size: int | None, max_cached_tokens: int | None, prefix_caching: bool = False) -> None:
+def page_runners(runners, block_size: int | None, max_cached_tokens: int | None, prefix_caching: bool = False,
+                 rows: int | None = None, widest: int | None = None) -> None:
     """Give these runners (None entries skipped) paged caches of `block_size` positions per block,
     each a pool of max_cached_tokens positions (None: pools that grow), sharing computed prefixes
-    when prefix_caching; nothing when block_size is None."""
+    when prefix_caching; nothing when block_size is None. rows, widest: the most requests at once
+    and the widest forward (`widest_forward`), which size a windowed layers' own pool
+    (`ModelRunner.page`)."""
     if not block_size:
         return
     blocks = None if max_cached_tokens is None else max(max_cached_tokens // block_size, 2)
     for runner in runners:
         if isinstance(runner, ModelRunner):
-            runner.page(block_size, blocks, prefix_caching)
+            runner.page(block_size, blocks, prefix_caching, rows, widest)
 
 
 def kept_behind(verifier, proposer) -> dict[str, int | None]:

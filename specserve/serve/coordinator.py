@@ -161,7 +161,7 @@ class Coordinator:
         tokenizer = TokenizerSource(config.target, config.tokenizer)
         self.target = _actor(self.target_worker_class, config.target_worker, 1, f"{tag}:target").remote(
             config.target, config.max_model_len, threads, config.drafter, execution=config.speculation.execution,
-            tokenizer=tokenizer, kv=(config.kv_block_size, config.max_cached_tokens, config.prefix_caching),
+            tokenizer=tokenizer, kv=config.worker_kv,
             wide_share=config.speculation.grammar_wide_share)
         info = ray.get(self.target.info.remote())
         self.vocab_size, self.eos_token_ids = info.vocab_size, info.eos_token_ids
@@ -175,7 +175,7 @@ class Coordinator:
                 config.draft_worker.torch_threads, execution=config.speculation.execution, feature_head=head,
                 target=self.target if head is not None else None, planted=config.speculation.planted,
                 tokenizer=tokenizer, eos_token_ids=info.eos_token_ids,
-                kv=(config.kv_block_size, config.max_cached_tokens, config.prefix_caching),
+                kv=config.worker_kv,
                 q_dtype=info.dtype if info.dtype in ("bfloat16", "float16") else "float32",
                 wide_share=config.speculation.grammar_wide_share)
             self.draft = ProposerSide.of_draft_worker(self.draft_worker)

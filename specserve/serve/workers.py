@@ -165,6 +165,8 @@ class _Worker:
         out = {"rss_bytes": _rss_bytes(), "kv_cache_bytes": cache.memory_bytes()}
         if getattr(cache, "paged", False):  # blocks of the pool in use (the scratch block included) and in all
             out.update(kv_blocks_used=cache.allocated()[0], kv_blocks_total=cache.num_blocks)
+        if getattr(cache, "hybrid", False):  # (the windowed layers' own pool: engine/hybrid_cache.py)
+            out.update(kv_window_blocks_used=cache.window_allocated()[0], kv_window_blocks_total=cache.num_window_blocks)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             out.update(cuda_allocated_bytes=torch.cuda.memory_allocated(),
                        cuda_peak_allocated_bytes=torch.cuda.max_memory_allocated(),
@@ -251,7 +253,7 @@ class TargetWorker(_Worker):
             self.proposer.attach_target(self.model.runner)
         # a feature head on the draft worker pulls this target's features from here (`features`)
         self.feature_server = drafter.engine_spec().server(self.model.runner) if drafter and not here else None
-        # kv: (block size, budget, prefix caching): paged caches for the target and a colocated drafter's model (else dense)
+        # kv: `AppConfig.worker_kv`: paged caches for the target and a colocated drafter's model (else dense)
         page_runners([self.model.runner, getattr(self.proposer, "runner", None)], *kv)
         if tokenizer is not None:  # one book for the verifier and a colocated drafter that masks
             book = self.model.grammar = tokenizer.book(self.model.vocab_size, eos)
