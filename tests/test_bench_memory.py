@@ -63,3 +63,20 @@ def test_a_long_windowed_prompt_is_admitted_by_the_chunk_it_takes(tmp_path):
     assert given["peak_running"] == 5 and whole["peak_running"] < 5, (given["peak_running"], whole["peak_running"])
     assert given["preemptions"] == 0 and given["long_ttft_s"] is not None
     assert all(len(t) == 48 for t in given["tokens"].values())
+
+
+def test_a_hybrid_model_runs_more_requests_in_the_same_kv_bytes(tmp_path):
+    """`bench windows --hybrid` (Gemma 3's layout, small): with the windowed layers in a pool of
+    their own, the full layers' budget grows by what they no longer hold, in the same KV bytes
+    as one pool for all, so more requests run at once; the same tokens every way."""
+    from specserve.bench import windows
+
+    out = tmp_path / "windows.json"
+    code = windows.main(["--hybrid", "--requests", "6", "--prompt", "320", "--new", "16", "--budget", "1536",
+                         "--window", "16", "--chunk", "32", "--settings", "kept,whole reads", "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert code == 0 and report["same_tokens"]
+    given, kept, whole = report["given back"], report["kept"], report["whole reads"]
+    assert kept["budget"] == 1536 and given["budget"] > 1536 and given["kv_bytes"] <= kept["kv_bytes"]
+    assert given["peak_running"] > kept["peak_running"] and whole["peak_running"] == given["peak_running"]
+    assert all(len(t) == 16 for t in given["tokens"].values())

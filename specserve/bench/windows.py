@@ -1,9 +1,10 @@
 """A model whose every layer is windowed, paged: its blocks given back as the window passes them,
 against kept, at one KV budget, and its keys gathered by window against whole, in one run (in
-process).
+process). With --hybrid, a model with windowed and full layers: its windowed layers' own pool,
+which gives back, against one pool for all, at the same KV memory.
 
     python -m specserve.bench.windows [--requests 8] [--prompt 512] [--new 128] [--budget 2048] [--gathered]
-                                      [--settings "given back,kept,whole reads"]
+                                      [--settings "given back,kept,whole reads"] [--hybrid]
     python -m specserve.bench.windows --shape mistral-7b --budget 65536 --requests 16 --prompt 6144 --new 512  # a GPU
 
 Random weights of a Mistral-style shape (every layer attends the latest `sliding_window`
@@ -30,6 +31,16 @@ whole run, TTFT p50 / p99 and the long requests' last (with --long: the last --l
 prompts are --long-prompt tokens, queued behind the others); and whether the settings' tokens are
 identical (they must be: nothing the window hides is ever read). Prints a table, writes JSON;
 exits 1 if the tokens differ.
+
+--hybrid: a Gemma-3-style model instead (on the CPU a small one: five windowed layers to each full
+one, as Gemma 3's; `--shape` a named shape with both kinds), and the settings mean:
+
+- given back: the windowed layers keep their keys in a pool of their own that gives back
+  (engine/hybrid_cache.py), the full layers in one of --budget less what that pool costs, so
+  that both settings hold the same KV bytes: the budget admission counts grows by what the
+  windowed layers no longer hold;
+- kept: one pool of --budget positions for every layer, as before;
+- whole reads: given back, the windowed layers gathering every block of theirs up to K.
 """
 from __future__ import annotations
 
@@ -43,6 +54,7 @@ import torch
 from specserve.bench import memory
 from specserve.config import RandomSource
 from specserve.engine import SamplingParams, SpeculativeEngine
+from specserve.engine.admission import widest_forward
 from specserve.engine.engine import kept_behind
 from specserve.models.loading import load_random
 
@@ -50,6 +62,11 @@ from specserve.models.loading import load_random
 CPU_SHAPE = dict(model_type="mistral", vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
                  num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=32768)
 SETTINGS = ("given back", "kept", "whole reads", "whole prompts")
+# --hybrid on the CPU: Gemma 3's layout (five windowed layers to each full one), as small
+HYBRID_CPU_SHAPE = dict(model_type="gemma3_text", vocab_size=4096, hidden_size=256, intermediate_size=512,
+                        num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4, head_dim=32,
+                        query_pre_attn_scalar=32, max_position_embeddings=32768, tie_word_embeddings=False,
+                        layer_types=["sliding_attention"] * 5 + ["full_attention"])
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -65,6 +82,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--long", type=int, default=0, help="how many of the requests (the last) have long prompts")
     p.add_argument("--long-prompt", type=int, default=0, help="tokens of a long request's prompt")
     p.add_argument("--settings", default=",".join(SETTINGS[:3]), help=f"comma-separated, of {', '.join(SETTINGS)}")
+    p.add_argument("--hybrid", action="store_true", help="a model with windowed and full layers (Gemma 3's "
+                   "layout): a pool for the windowed layers against one for all, at equal KV memory")
     p.add_argument("--gathered", action="store_true", help="on the CPU, gather every forward's keys (a GPU's "
                    "path under a mask) instead of reading decode steps' blocks in place through the CPU kernel")
     p.add_argument("--out", type=Path, default=Path("bench-results/windows.json"))
@@ -76,7 +95,8 @@ def load(args) -> tuple[torch.nn.Module, str]:
         gpus = [0] if torch.cuda.is_available() else []
         source = RandomSource(shape=args.shape, dtype="bfloat16" if gpus else "float32", peaked=True)
         return load_random(source, gpus), "cuda" if gpus else "cpu"
-    source = RandomSource(shape={**CPU_SHAPE, "sliding_window": args.window}, dtype="float32", peaked=True)
+    shape = HYBRID_CPU_SHAPE if args.hybrid else CPU_SHAPE
+    source = RandomSource(shape={**shape, "sliding_window": args.window}, dtype="float32", peaked=True)
     return load_random(source, []), "cpu"
 
 
@@ -95,6 +115,8 @@ def engine_for(target, args, setting: str) -> SpeculativeEngine:
     runner = engine.verifier.runner
     if args.gathered:
         runner.in_place = None
+    if args.hybrid:
+        return hybrid_engine(engine, args, setting)
     give_back = setting != "kept"
     if not give_back:  # every position held (no forward is ever far enough past a row) and counted
         runner.forget_slack = 1 << 40
@@ -106,6 +128,38 @@ def engine_for(target, args, setting: str) -> SpeculativeEngine:
         raise SystemExit("this model has a layer that attends its whole context: it gives nothing back")
     engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
     return engine
+
+
+def hybrid_engine(engine: SpeculativeEngine, args, setting: str) -> SpeculativeEngine:
+    """--hybrid: the engine in the setting (a pool per kind of layer, or one for all, of the same
+    KV bytes: `same_bytes_budget`), warmed up."""
+    runner = engine.verifier.runner
+    if not runner.hybrid:
+        raise SystemExit("--hybrid needs a model with both windowed and full layers")
+    if setting == "whole prompts":
+        raise SystemExit("--hybrid: admission counts such a model's prompts whole anyway (its full layers hold them)")
+    if setting == "kept":  # one pool for every layer (paged again, before any request)
+        runner.window_pool = False
+        runner.page(args.block_size, max(args.budget // args.block_size, 2))
+    else:
+        budget = engine.admission.budget = same_bytes_budget(runner, args.budget)
+        runner.page(args.block_size, budget // args.block_size, False, args.requests, widest_forward(args.chunk, 0))
+    runner.read_windows = setting != "whole reads"
+    if args.gathered:
+        runner.in_place = None
+    engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+    return engine
+
+
+def same_bytes_budget(runner, budget: int) -> int:
+    """--hybrid: the full layers' budget (positions) that, beside the windowed layers' own pool
+    (as the runner sized it: W positions), holds as many KV bytes as `budget` positions in every
+    layer: (budget x layers - W x windowed layers) / full layers, whole blocks."""
+    layers = runner.model.config.num_hidden_layers
+    windowed = sum(runner.windows.windowed(i) for i in range(layers))
+    size = runner.cache.block_size
+    pool = runner.cache.num_window_blocks * size
+    return (budget * layers - pool * windowed) // (layers - windowed) // size * size
 
 
 def run(engine: SpeculativeEngine, batch: list[list[int]], new: int, long: int = 0) -> dict:
@@ -130,7 +184,8 @@ def run(engine: SpeculativeEngine, batch: list[list[int]], new: int, long: int =
         admission.preempt = preempt
     longs = [t for rid, t in out["ttft_s"].items() if int(rid[1:]) >= len(batch) - long]
     return {**out, "peak_running": peaks["running"], "preemptions": len(moved), "peak_blocks": peaks["blocks"],
-            "blocks": cache.num_blocks, "long_ttft_s": max(longs, default=None)}
+            "blocks": cache.num_blocks, "long_ttft_s": max(longs, default=None),
+            "budget": admission.budget, "kv_bytes": cache.memory_bytes()}
 
 
 def chosen(text: str) -> list[str]:
@@ -148,12 +203,12 @@ def seconds(value: float | None) -> str:
 
 def table(result: dict) -> str:
     names = [n for n in SETTINGS if n in result]
-    lines = [f"{'setting':<13} {'peak running':>12} {'preempted':>9} {'peak blocks':>13} {'tok/s':>8} "
-             f"{'TTFT p50':>9} {'TTFT p99':>9} {'long TTFT':>9}"]
+    lines = [f"{'setting':<13} {'budget':>7} {'KV MB':>7} {'peak running':>12} {'preempted':>9} {'peak blocks':>13} "
+             f"{'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'long TTFT':>9}"]
     for name in names:
         row = result[name]
-        lines.append(f"{name:<13} {row['peak_running']:>12} {row['preemptions']:>9} "
-                     f"{row['peak_blocks']:>6} / {row['blocks']:<4} {row['tokens_per_s']:>8.1f} "
+        lines.append(f"{name:<13} {row['budget']:>7} {row['kv_bytes'] / 2**20:>7.1f} {row['peak_running']:>12} "
+                     f"{row['preemptions']:>9} {row['peak_blocks']:>6} / {row['blocks']:<4} {row['tokens_per_s']:>8.1f} "
                      f"{row['ttft_p50_s']:>8.2f}s {row['ttft_p99_s']:>8.2f}s {seconds(row['long_ttft_s']):>9}")
     given = result["given back"]
     for name in names[1:]:
