@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-from models import perturbed
+from models import hf_greedy, perturbed
 from specserve import SamplingParams, SpeculativeEngine
 from specserve.engine import CacheMiss, ModelRunner, RowInput, cpu_attention
 from specserve.engine.hybrid_cache import HybridPagedKVCache, window_pool_blocks
@@ -86,7 +86,6 @@ def test_full_layers_read_in_place_while_windowed_ones_gather(layout):
     params = SamplingParams(max_tokens=NEW, temperature=0.0)
     got = [out.token_ids for out in engine.generate(prompts(), params)]
     if want is None:
-        from models import hf_greedy
         want = [hf_greedy(model, p, NEW) for p in prompts()]
     assert got == want
 
@@ -186,3 +185,33 @@ def test_a_switch_keeps_one_pool_for_every_layer():
     runner.window_pool = False
     runner.page(4)
     assert isinstance(runner.cache, PagedKVCache) and not runner.hybrid
+
+
+def test_pipelined_speculation_over_a_pool_per_kind(local_coordinator):
+    """The server's pipelined loop (its real coordinator and workers in this process) with a
+    Gemma-3-shaped target and draft paged a pool per kind, the windowed pools sized from the
+    config (`AppConfig.worker_kv`): the target's greedy tokens, blocks drafted ahead taken, and
+    every block back once the requests end."""
+    from specserve.config import AppConfig
+    from test_pipeline import generate
+
+    shape = dict(model_type="gemma3_text", vocab_size=259, tie_word_embeddings=False, hidden_size=96,
+                 intermediate_size=192, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=24, query_pre_attn_scalar=24, max_position_embeddings=1024, sliding_window=16,
+                 layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    model = dict(kind="random", shape=shape, dtype="float32", seed=0)
+    config = AppConfig.model_validate(dict(
+        served_model_name="hybrid", target=model, draft=model,  # (the draft is the target: every draft accepted)
+        speculation=dict(num_speculative_tokens=3, adaptive=False, pipelined=True, execution="eager",
+                         transport="actor_calls"),
+        max_model_len=512, kv_block_size=16, max_cached_tokens=8192, prefill_chunk_tokens=64, max_batch_size=4))
+    coordinator = local_coordinator(config)
+    prompts = [[(i * 7 + j) % 250 + 1 for j in range(100 + 30 * i)] for i in range(3)]
+    got = generate(coordinator, prompts, [SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)] * 3)
+    workers = [coordinator.target._obj.model.runner, coordinator.draft_worker._obj.model.runner]
+    assert got == [hf_greedy(workers[0].model, p, 60) for p in prompts]
+    assert coordinator._totals["pipelined_hits"] > 0
+    for runner in workers:
+        cache = runner.cache
+        assert isinstance(cache, HybridPagedKVCache) and cache.num_window_blocks < cache.num_blocks
+        assert cache.full.allocated()[0] == cache.window.allocated()[0] == 1
