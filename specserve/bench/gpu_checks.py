@@ -23,8 +23,9 @@ configurations are the ones whose graph capture has run on a CPU only under emul
 Then model families off the Llama path (docs/engine.md), each a tiny target with its weights
 plus noise as the draft, over random prompts of 9 to 70 tokens, in graphs, greedy tokens against
 HF's own `generate` of the target: sliding-window attention (Gemma 3's windowed and full layers, a
-window of 16) masked over the dense cache, under FlexAttention reading a paged pool in place, and
-masked over a paged pool whose windowed layers gather only their windows' blocks;
+window of 16) masked over the dense cache, and paged over a pool per kind of layer
+(engine/hybrid_cache.py) under FlexAttention (the full layers reading their pool in place) and
+masked (every layer gathered), the windowed layers gathering only their windows' blocks;
 experts (Mixtral: whether its routing captures); latent attention (DeepSeek-V3, cached compressed).
 
 Last, q placed for another process (serve/placed_q.py: CUDA IPC on a GPU, shared memory on a
@@ -295,7 +296,7 @@ FAMILIES = [
                                            sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention",
                                                                                "sliding_attention"]), "mask", False),
     ("windowed, flex, paged in place", "gemma3_text", None, "flex", True),
-    ("windowed, mask, paged gathered", "gemma3_text", None, "mask", True),  # (windowed layers: window's blocks)
+    ("windowed, mask, paged gathered", "gemma3_text", None, "mask", True),  # (a pool per kind; windows' blocks)
     ("experts (Mixtral), mask", "mixtral", dict(num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2),
      "mask", False),
     ("latent (DeepSeek-V3), mask", "deepseek_v3", dict(
