@@ -79,8 +79,8 @@ class HFSource(_Strict):
         return self
 
 
-# Named shapes of `kind: random` (Llama-2-7B's, TinyLlama-1.1B's, and Mistral-7B-v0.1's: grouped
-# queries and a sliding window of 4096 positions), as transformers config fields
+# Named shapes of `kind: random` (Llama-2-7B's, TinyLlama-1.1B's, Mistral-7B-v0.1's: grouped
+# queries and a sliding window of 4096 positions, and Gemma 3 12B's), as transformers config fields
 RANDOM_SHAPES: dict[str, dict] = {
     "llama-7b": dict(model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008,
                      num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
@@ -91,6 +91,13 @@ RANDOM_SHAPES: dict[str, dict] = {
     "mistral-7b": dict(model_type="mistral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
                        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                        max_position_embeddings=32768, sliding_window=4096),
+    # Gemma 3 12B's text model (five windowed layers of 1024 positions to each full one), its output
+    # head untied from the embedding (Gemma ties them) so that `peaked` weights can be made
+    "gemma3-12b": dict(model_type="gemma3_text", vocab_size=262208, hidden_size=3840, intermediate_size=15360,
+                       num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
+                       query_pre_attn_scalar=256, max_position_embeddings=131072, sliding_window=1024,
+                       tie_word_embeddings=False,
+                       layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 8),
 }
 
 

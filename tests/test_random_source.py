@@ -24,7 +24,7 @@ WINDOWED = {"model_type": "gemma3_text", "vocab_size": 300, "hidden_size": 64, "
 
 def test_named_and_given_shapes_validate_and_unknown_ones_are_refused():
     assert RandomSource(shape="llama-7b").config_fields()["hidden_size"] == 4096
-    assert set(RANDOM_SHAPES) == {"llama-7b", "llama-1b", "mistral-7b"}
+    assert set(RANDOM_SHAPES) == {"llama-7b", "llama-1b", "mistral-7b", "gemma3-12b"}
     config = AppConfig.model_validate({"served_model_name": "r", "target": {"kind": "random", "shape": SHAPE, "dtype": "float32"},
                                        "draft": {"kind": "random", "shape": SHAPE, "seed": 1, "dtype": "float32"}})
     assert isinstance(config.target, RandomSource) and config.draft.seed == 1
@@ -45,6 +45,23 @@ def test_the_mistral_shape_is_served_with_its_window():
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     assert sum(p.numel() for p in model.parameters()) == 7_241_732_096  # Mistral-7B-v0.1's count
     assert windows_of(model.config, 32768) == Windows(4096, by_type=False)
+
+
+def test_the_gemma3_shape_has_its_windowed_and_full_layers():
+    """Gemma 3 12B's text shape on the meta device: 11.77B parameters with the embedding tied as
+    Gemma ties it (its output head untied here, for peaked weights: 1.01B more); 40 of its 48 layers
+    attend the last 1024 positions, the others everything, so a paged runner keeps a pool per kind."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = RandomSource(shape="gemma3-12b").config_fields()
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    head = model.lm_head.weight.numel()
+    assert sum(p.numel() for p in model.parameters()) - head == 11_766_034_176
+    windows = windows_of(model.config, 8192)
+    assert windows.window == 1024 and windows.horizon is None
+    assert sum(windows.windowed(i) for i in range(48)) == 40 and not windows.windowed(5)
 
 
 def test_weights_are_seeded_in_the_sources_dtype_and_declare_no_eos():

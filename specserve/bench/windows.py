@@ -6,6 +6,7 @@ which gives back, against one pool for all, at the same KV memory.
     python -m specserve.bench.windows [--requests 8] [--prompt 512] [--new 128] [--budget 2048] [--gathered]
                                       [--settings "given back,kept,whole reads"] [--hybrid]
     python -m specserve.bench.windows --shape mistral-7b --budget 65536 --requests 16 --prompt 6144 --new 512  # a GPU
+    python -m specserve.bench.windows --hybrid --shape gemma3-12b --budget 65536 --requests 16 --prompt 6144 --new 256
 
 Random weights of a Mistral-style shape (every layer attends the latest `sliding_window`
 positions; on the CPU a small one, --window positions; `--shape mistral-7b`: Mistral-7B-v0.1's,
@@ -70,8 +71,8 @@ HYBRID_CPU_SHAPE = dict(model_type="gemma3_text", vocab_size=4096, hidden_size=2
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--shape", default=None, help="a kind: random shape (mistral-7b) on the GPU in bf16, "
-                   "instead of the CPU's small Mistral-style model")
+    p.add_argument("--shape", default=None, help="a kind: random shape (mistral-7b; gemma3-12b with --hybrid) on "
+                   "the GPU in bf16, instead of the CPU's small model")
     p.add_argument("--window", type=int, default=128, help="the CPU shape's sliding window")
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--prompt", type=int, default=512, help="tokens of each request's prompt")
