@@ -581,13 +581,14 @@ class AppConfig(_Strict):
     @property
     def worker_kv(self) -> tuple:
         """How a worker keeps its KV caches (`engine.page_runners`' arguments): block size (None:
-        dense), budget, prefix caching, and the most requests at once and widest forward that size
-        a windowed layers' own pool."""
+        dense), budget, prefix caching, and the most caches at once (requests, and a pipelined
+        draft side's branch forks) and widest forward that size a windowed layers' own pool."""
         from specserve.engine.admission import widest_forward
 
-        gamma = self.speculation.num_speculative_tokens
-        return (self.kv_block_size, self.max_cached_tokens, self.prefix_caching, self.max_batch_size,
-                widest_forward(self.prefill_chunk_tokens, gamma))
+        spec = self.speculation
+        forks = min(spec.branches, spec.num_speculative_tokens) if spec.pipelined else 0
+        return (self.kv_block_size, self.max_cached_tokens, self.prefix_caching, self.max_batch_size * (1 + forks),
+                widest_forward(self.prefill_chunk_tokens, spec.num_speculative_tokens))
 
     def max_ongoing(self, deployment: Literal["ingress", "coordinator"]) -> int:
         """A deployment's max_ongoing_requests, by default the larger of BURST_ONGOING and the least

@@ -215,3 +215,19 @@ def test_pipelined_speculation_over_a_pool_per_kind(local_coordinator):
         cache = runner.cache
         assert isinstance(cache, HybridPagedKVCache) and cache.num_window_blocks < cache.num_blocks
         assert cache.full.allocated()[0] == cache.window.allocated()[0] == 1
+
+
+def test_the_server_sizes_the_window_pool_for_its_batch_chunk_and_forks():
+    """`AppConfig.worker_kv`: the windowed pools are sized for max_batch_size requests at a
+    prefill chunk (or a step's 2γ + 3, if wider), and for a pipelined draft side's branch forks."""
+    from specserve.config import AppConfig
+
+    def kv(**speculation):
+        return AppConfig.model_validate(dict(
+            served_model_name="t", target={"kind": "tiny"}, draft={"kind": "tiny", "noise": 0.1},
+            speculation=dict(num_speculative_tokens=3, **speculation), max_batch_size=4, kv_block_size=16,
+            max_cached_tokens=8192, prefill_chunk_tokens=64)).worker_kv
+
+    assert kv() == (16, 8192, False, 4, 64)
+    assert kv(pipelined=True, branches=2) == (16, 8192, False, 12, 64)
+    assert kv(pipelined=True, branches=8) == (16, 8192, False, 16, 64)  # (at most γ branches a row)
