@@ -120,11 +120,24 @@ def test_a_window_pool_short_of_blocks_grows_up_to_the_full_pool():
         cache.place(2, 4)
 
 
+def evict(cache: PagedKVCache, tokens: list[int], blocks: list[int]) -> None:
+    """Evict from the cache the cached blocks holding these blocks of a prompt of `tokens`, as
+    `PagedKVCache._take` evicts its least recently used."""
+    key, size = None, cache.block_size
+    for i in range(max(blocks, default=-1) + 1):
+        key = hash((key, tuple(tokens[i * size : (i + 1) * size])))
+        if i in blocks:
+            block = cache._index.pop(key)
+            del cache._cached[block], cache._hash_of[block], cache._content[block]
+            cache._free.append(block)
+
+
 def test_a_prompt_takes_the_cached_blocks_both_pools_still_hold():
-    """Prefix caching: a prompt seen before takes cached blocks from both pools, as far as the
-    windowed layers' pool still holds them (it gives them back first, so may evict them first):
-    the full layers' pool may match more, and copies those blocks before the prefill rewrites them.
-    The tokens are HF's every time."""
+    """Prefix caching: a prompt seen before takes cached blocks from both pools: the windowed
+    layers' pool needs only the blocks a forward right after the match reads (its window back
+    from there), so its leading blocks, given back and evicted first, may be gone; where it lost
+    one it needs, it matches less than the full layers' pool, which copies its extra shared
+    blocks before the prefill rewrites them. The tokens are HF's every time."""
     model = MODELS["gemma3"]()
     params = SamplingParams(max_tokens=NEW, temperature=0.0)
     engine = SpeculativeEngine(model, None, num_speculative_tokens=0, kv_block_size=4, prefix_caching=True,
@@ -133,15 +146,13 @@ def test_a_prompt_takes_the_cached_blocks_both_pools_still_hold():
     matched, taken = [], []  # what the full pool matched, what both did (the request took)
     for spied, log in ((cache.full, matched), (cache, taken)):
         spied.match = functools.partial(lambda match, log, *a: log.append(match(*a)) or log[-1], spied.match, log)
-    prompt = prompts()[2]  # 23 tokens: 5 whole blocks before its last token
-    for evicted in (0, 0, 1):
-        window = cache.window  # its least recently used cached block goes (a request's blocks go back last first)
-        for block in window._take(len(window._free) + evicted):
-            window._drop(block)
+    prompt = prompts()[2]  # 23 tokens: 5 whole blocks (0-4) before its last token; a window of 8
+    for evicted in ([], [0, 1], [4]):
+        evict(cache.window, prompt, evicted)
         (out,) = engine.generate([prompt], params)
         assert out.token_ids == reference("gemma3")[2]
-    # the third: the windowed pool lost the prompt's 5th block, so the request takes 4 and computes
-    # from there, the full pool's 5th block copied before it is written
+    # the second prompt: blocks 3 and 4 hold what a forward from 20 reads (13 on); the third lost
+    # block 4, so takes 16 (blocks 2 and 3 hold 9 on) and the full pool's block 4 is copied
     assert matched == [0, 20, 20] and taken == [0, 20, 16], (matched, taken)
     assert cache.full.allocated()[0] == cache.window.allocated()[0] == 1
 
@@ -231,3 +242,43 @@ def test_the_server_sizes_the_window_pool_for_its_batch_chunk_and_forks():
     assert kv() == (16, 8192, False, 4, 64)
     assert kv(pipelined=True, branches=2) == (16, 8192, False, 12, 64)
     assert kv(pipelined=True, branches=8) == (16, 8192, False, 16, 64)  # (at most γ branches a row)
+
+
+def test_a_windowed_prefix_match_needs_only_the_blocks_its_window_reads():
+    """`PagedKVCache.match(reach=)`: a prompt whose leading cached blocks were evicted still
+    takes its last ones where they hold what a forward right after the match reads (positions
+    from P - reach + 1); the blocks before are given back at once (scratch, `forgotten`). A
+    reach into an evicted block takes less, down to nothing; without a reach, a gap at the
+    start takes nothing."""
+    from specserve.engine.paged_cache import SCRATCH
+
+    cache = PagedKVCache(4, 256, prefix_caching=True)
+    tokens = list(range(1, 41))  # 10 blocks
+    cache.place(0, 40)
+    cache.register(0, 0, tokens)
+    cache.release(0)  # every block cached
+    evict(cache, tokens, [0, 1, 2])
+    assert cache.match(1, 0, tokens) == 0
+    assert cache.match(2, 0, tokens, reach=8) == 40  # blocks 8 and 9 hold 33 on
+    assert cache._tables[2][:8] == [SCRATCH] * 8 and cache.forgotten(2) == 32
+    assert cache.match(3, 0, tokens, reach=24) == 40  # blocks 4-9 hold 17 on (in use by slot 2 too)
+    assert cache.match(4, 0, tokens[:24], reach=24) == 0  # it would read from 1: blocks 0-2 are gone
+    for slot in range(5):
+        cache.release(slot)
+    assert cache.allocated()[0] == 1 and cache.num_cached_blocks == 7
+
+
+def test_a_model_windowed_everywhere_takes_a_prefix_past_evicted_blocks():
+    """A Mistral-style model (every layer windowed, one pool) with prefix caching: a prompt whose
+    first cached blocks were evicted takes the blocks its window reads; HF's tokens."""
+    params = SamplingParams(max_tokens=NEW, temperature=0.0)
+    engine = SpeculativeEngine(MODELS["mistral"](), None, num_speculative_tokens=0, kv_block_size=4,
+                               prefix_caching=True, max_batch_size=1)
+    cache, taken = engine.verifier.runner.cache, []
+    cache.match = functools.partial(lambda match, *a: taken.append(match(*a)) or taken[-1], cache.match)
+    prompt = prompts()[2]
+    for evicted in ([], [0, 1]):
+        evict(cache, prompt, evicted)
+        (out,) = engine.generate([prompt], params)
+        assert out.token_ids == reference("mistral")[2]
+    assert taken == [0, 20]

@@ -27,10 +27,12 @@ its keys gathered by the window tables the runner looks up in the window cache's
 CPU kernel): the two kinds of layer take different masks already (`attention.Windows.masks`).
 
 Prefix sharing (`prefix_caching`) registers a prefill's blocks in both. A later prompt takes the
-blocks both still hold: the full cache matches first, the window cache as far as that; where the
-window cache (whose registered blocks are given back and so evicted first) matched less, the
-prefill computes from there, and the full cache's extra shared blocks are copied before they are
-written (`writable`, copy on write). Features kept for a feature drafter stay with the full cache.
+blocks both still hold: the full cache matches first, the window cache as far as that, needing
+only the blocks a forward right after the match reads (its registered blocks are given back, and
+so evicted, first: a prompt's leading ones, which that forward does not read); where the window
+cache matched less, the prefill computes from there, and the full cache's extra shared blocks
+are copied before they are written (`writable`, copy on write). Features kept for a feature
+drafter stay with the full cache.
 """
 from __future__ import annotations
 
@@ -143,11 +145,14 @@ class HybridPagedKVCache:
             cache.move_slot(src, dst)
 
     # -- prefix sharing ---------------------------------------------------------------------
-    def match(self, slot: int, start: int, tokens: list[int], root: int | None = None) -> int:
+    def match(self, slot: int, start: int, tokens: list[int], root: int | None = None,
+              reach: int | None = None) -> int:
         """The cached blocks both pools hold for a leading part of `tokens` -> how many tokens
-        (see the module's text: the full pool's extra matched blocks are copied on write)."""
+        (see the module's text: the full pool's extra matched blocks are copied on write).
+        reach: the windowed layers' window (their pool then needs only the blocks a forward
+        right after the match reads: `PagedKVCache.match`)."""
         taken = self.full.match(slot, start, tokens, root)
-        return self.window.match(slot, start, tokens[:taken], root) if taken else 0
+        return self.window.match(slot, start, tokens[:taken], root, reach) if taken else 0
 
     def register(self, slot: int, start: int, tokens: list[int], root: int | None = None) -> None:
         for cache in self._both():

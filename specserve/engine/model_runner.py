@@ -706,12 +706,21 @@ class ModelRunner:
         if not getattr(self.cache, "prefix_caching", False) or row.start != self.valid_length(row.request_id):
             return 0
         tokens = row.tokens[:-1] if spare_last else row.tokens
-        taken = self.cache.match(self._slot(row.request_id), row.start, tokens, root)
+        taken = self.cache.match(self._slot(row.request_id), row.start, tokens, root, self._match_reach())
         if taken:
             self._valid[row.request_id] = row.start + taken
             self.cached_tokens[row.request_id] = self.cached_tokens.get(row.request_id, 0) + taken
             self._hand_kept_features(row.request_id, row.start, row.start + taken)
         return taken
+
+    def _match_reach(self) -> int | None:
+        """How far back the layers whose cache gives blocks back read (`PagedKVCache.match`: a
+        prefix match then needs only the blocks a forward after it reads): the windowed layers'
+        window in a `hybrid` cache, every layer's where all are windowed and no tap keeps
+        features at every position (a feature drafter reads them all); None: every block."""
+        if self.hybrid:
+            return self.windows.window
+        return self.windows.horizon if self.tapped is None else None
 
     def register_prefix(self, row: RowInput, root: int | None = None) -> None:
         """After a forward wrote a row of committed tokens (paged): the blocks they filled may be

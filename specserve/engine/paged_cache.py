@@ -45,8 +45,10 @@ its own tokens). A later prefill of the same prefix takes those blocks instead o
 (`match`): they join its table read-only, counted by reference. A block nobody references stays
 cached, least recently used first out when the pool needs blocks. A forward that would write into
 a shared or registered block (a request rolled back into its prompt) first copies it into a block
-of its own (`writable`: copy on write), so a cached block never changes. A runner whose forwards
-also output per-position features (a feature drafter's tap) keeps a prefill's features by block
+of its own (`writable`: copy on write), so a cached block never changes. Where every layer reads
+only a window (`match(reach=)`), a prompt needs only the cached blocks its next forward reads,
+its last window's: the leading ones, which such a cache gives back and so evicts first, may be
+gone. A runner whose forwards also output per-position features (a feature drafter's tap) keeps a prefill's features by block
 beside its keys (`keep_features`, one more pool `[N, bs, F]`), so that a request taking the blocks
 gets their features too (`kept_features`): the drafter needs one per position.
 
@@ -204,12 +206,15 @@ class PagedKVCache:
         self._change(src, 0)
 
     # -- prefix sharing ---------------------------------------------------------------------
-    def match(self, slot: int, start: int, tokens: list[int], root: int | None = None) -> int:
+    def match(self, slot: int, start: int, tokens: list[int], root: int | None = None,
+              reach: int | None = None) -> int:
         """Before a prefill of `tokens` at `start` (committed tokens): take the cached blocks that
         hold a leading part of them -> how many of the tokens they hold. It continues the slot's
         registered blocks: from a block boundary, or from inside the block the slot's last prefill
         ended in (its private copy of that block is then swapped for the cached one). root: the
-        hash chain's start (`register`'s)."""
+        hash chain's start (`register`'s). reach: every layer reads only this many positions back
+        (a window: `forget` gives the rest back), so from a block boundary only the blocks a
+        forward right after the match reads need be cached (`_match_window`)."""
         self.place(slot, 0)
         chain, tail, table = self._chains[slot], self._tails[slot], self._tables[slot]
         size = self.block_size
@@ -217,6 +222,8 @@ class PagedKVCache:
             return 0
         if len(table) != len(chain) + bool(tail):
             return 0
+        if reach is not None and not tail:
+            return self._match_window(slot, tokens, root, reach)
         taken = 0
         while taken + size - len(tail) <= len(tokens):
             content = (chain[-1] if chain else root, tuple(tail) + tuple(tokens[taken : taken + size - len(tail)]))
@@ -232,6 +239,39 @@ class PagedKVCache:
             taken += size - len(tail)
             tail = self._tails[slot] = []
         return taken
+
+    def _match_window(self, slot: int, tokens: list[int], root: int | None, reach: int) -> int:
+        """`match` from a block boundary where layers read `reach` positions back: the longest
+        run of whole blocks of `tokens` whose last ones, those holding the positions a forward
+        from the run's end P reads (from P - reach + 1), are all cached. The blocks before those
+        are given back at once (their entries scratch, `forgotten`), cached or not, so a prompt
+        whose leading blocks were evicted (a window pool gives them back first) still takes its
+        last window's. -> tokens taken."""
+        chain, table, size = self._chains[slot], self._tables[slot], self.block_size
+        first = len(chain)  # the slot's block the run begins at
+        keys, found, previous = [], [], chain[-1] if chain else root
+        for i in range(len(tokens) // size):
+            content = (previous, tuple(tokens[i * size : (i + 1) * size]))
+            previous = hash(content)
+            block = self._index.get(previous)
+            keys.append(previous)
+            found.append(block if block is not None and self._content[block] == content else None)
+        for end in range(len(found), 0, -1):  # the longest run first
+            needed = max((first + end) * size - reach + 1, 0) // size  # the first block a forward then reads
+            if needed >= self._forgotten[slot] and all(b is not None for b in found[max(needed - first, 0) : end]):
+                break
+        else:
+            return 0
+        self.forget(slot, needed * size)  # (the slot's own blocks before `needed`)
+        self._change(slot, len(table))
+        for i in range(end):
+            block = found[i] if first + i >= needed else SCRATCH
+            if block != SCRATCH:
+                self._hold(block)
+            table.append(block)
+            chain.append(keys[i])
+        self._forgotten[slot] = max(self._forgotten[slot], needed)
+        return end * size
 
     def register(self, slot: int, start: int, tokens: list[int], root: int | None = None) -> None:
         """After a prefill wrote committed `tokens` at `start`: index the slot's blocks they filled.
