@@ -206,12 +206,14 @@ class HybridPagedKVCache:
 
     def bind(self, write_slots: torch.Tensor, positions: torch.Tensor, read_slots: torch.Tensor | None,
              tables: torch.Tensor | None = None, in_place: str | None = None,
-             window_tables: torch.Tensor | None = None) -> None:
+             window_tables: torch.Tensor | None = None, own: torch.Tensor | None = None) -> None:
         """As `PagedKVCache.bind`: tables [B', T] the full layers' (read in place where in_place
         says); window_tables [B', E], what the windowed layers gather in their pool (None: every
-        entry of their tables up to T), which they always gather."""
+        entry of their tables up to T), which they always gather; own [B', T]: their tables, where
+        they write (None: looked up here, `window_tables_of`)."""
         self.full.bind(write_slots, positions, read_slots, tables, in_place)
-        own = self.window_tables_of(write_slots, tables.shape[1])  # [B', T] where they write
+        if own is None:
+            own = self.window_tables_of(write_slots, tables.shape[1])
         self.window.bind(write_slots, positions, read_slots, own, None, window_tables)
 
     # -- accounting -------------------------------------------------------------------------

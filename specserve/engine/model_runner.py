@@ -957,8 +957,11 @@ class ModelRunner:
         # a paged cache's rows' block tables [B', K / bs] (read in place: whole, K the pool's)
         tables = self.cache.tables_of(write_slots, key_length // self.cache.block_size) if self.paged else None
         in_place = self.in_place if self._reads_in_place(width) else None
-        window_tables, window_start = self._window_reads(positions, tables, write_slots, in_place)
-        self.cache.bind(write_slots, positions, read_slots if gather else None, tables, in_place, window_tables)
+        # a hybrid cache's windowed layers' own tables [B', K / bs] (they write and read there)
+        own = self.cache.window_tables_of(write_slots, tables.shape[1]) if self.hybrid else None
+        window_tables, window_start = self._window_reads(positions, tables if own is None else own, in_place)
+        self.cache.bind(write_slots, positions, read_slots if gather else None, tables, in_place, window_tables,
+                        *(() if own is None else (own,)))
         mask = self.windows.masks(lambda window: self._mask_for(positions, key_length, tables, in_place, window,
                                                                 window_tables, window_start))
         with cpu_linear.selected(self.linear_kernels):
@@ -1031,11 +1034,11 @@ class ModelRunner:
         sdpa = getattr(self.model.config, "_attn_implementation", None) == "sdpa"
         return attention.selected(self.model, attention.NAME if self.grouped_attention and sdpa else None)
 
-    def _window_reads(self, positions: torch.Tensor, tables: torch.Tensor | None, slots: torch.Tensor,
+    def _window_reads(self, positions: torch.Tensor, tables: torch.Tensor | None,
                       in_place: str | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """A paged forward that gathers its keys (under a mask, or flex's BlockMask past its
         in-place width), or any paged forward of a `hybrid` cache (whose windowed layers always
-        gather, from their own pool; slots [B'] the rows'): what its windowed layers read instead
+        gather, from their own pool: tables are then theirs): what its windowed layers read instead
         of every block up to K (device ops, shapes fixed by Q and the window). A row's queries
         sit at positions[b, 0] onward, so none of them sees a key before s_b = positions[b, 0] -
         window + 1: such a layer gathers E entries from s_b's block, E * bs >= window + Q + bs - 2
@@ -1044,11 +1047,7 @@ class ModelRunner:
         hides them), the positions they start at [B']), or (None, None) where every block up to
         K is no more."""
         window = self.windows.window
-        if window is None or tables is None:
-            return None, None
-        if self.hybrid:  # (the windowed layers' own tables, as wide as the full layers')
-            tables = self.cache.window_tables_of(slots, tables.shape[1])
-        elif in_place is not None:
+        if window is None or tables is None or (in_place is not None and not self.hybrid):
             return None, None
         if not self.read_windows:  # (for comparison: every block up to K, as a full layer reads)
             return None, None
