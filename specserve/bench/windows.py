@@ -113,27 +113,30 @@ def engine_for(target, args, setting: str) -> SpeculativeEngine:
                                max_cached_tokens=args.budget, max_batch_size=args.requests,
                                max_model_len=max(args.prompt, args.long_prompt) + args.new + 64,
                                prefill_chunk_tokens=args.chunk)
+    (pool_setting if args.hybrid else give_back_setting)(engine, args, setting)
     runner = engine.verifier.runner
-    if args.gathered:
-        runner.in_place = None
-    if args.hybrid:
-        return hybrid_engine(engine, args, setting)
-    give_back = setting != "kept"
-    if not give_back:  # every position held (no forward is ever far enough past a row) and counted
-        runner.forget_slack = 1 << 40
-        engine.admission.kept_behind = {}
     runner.read_windows = setting != "whole reads"
-    if setting == "whole prompts":
-        engine.admission.chunk = None
-    if give_back and kept_behind(engine.verifier, engine.proposer).get("target_len") is None:
-        raise SystemExit("this model has a layer that attends its whole context: it gives nothing back")
+    if args.gathered:  # (after the runner was paged again, if it was: `page` sets its layout)
+        runner.in_place = None
     engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
     return engine
 
 
-def hybrid_engine(engine: SpeculativeEngine, args, setting: str) -> SpeculativeEngine:
-    """--hybrid: the engine in the setting (a pool per kind of layer, or one for all, of the same
-    KV bytes: `same_bytes_budget`), warmed up."""
+def give_back_setting(engine: SpeculativeEngine, args, setting: str) -> None:
+    """A model windowed everywhere: whether its cache gives back and admission counts it so."""
+    give_back = setting != "kept"
+    if not give_back:  # every position held (no forward is ever far enough past a row) and counted
+        engine.verifier.runner.forget_slack = 1 << 40
+        engine.admission.kept_behind = {}
+    if setting == "whole prompts":
+        engine.admission.chunk = None
+    if give_back and kept_behind(engine.verifier, engine.proposer).get("target_len") is None:
+        raise SystemExit("this model has a layer that attends its whole context: it gives nothing back")
+
+
+def pool_setting(engine: SpeculativeEngine, args, setting: str) -> None:
+    """--hybrid: the runner paged again, a pool per kind of layer or one for all, of the same KV
+    bytes (`same_bytes_budget`)."""
     runner = engine.verifier.runner
     if not runner.hybrid:
         raise SystemExit("--hybrid needs a model with both windowed and full layers")
@@ -145,11 +148,6 @@ def hybrid_engine(engine: SpeculativeEngine, args, setting: str) -> SpeculativeE
     else:
         budget = engine.admission.budget = same_bytes_budget(runner, args.budget)
         runner.page(args.block_size, budget // args.block_size, False, args.requests, widest_forward(args.chunk, 0))
-    runner.read_windows = setting != "whole reads"
-    if args.gathered:
-        runner.in_place = None
-    engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
-    return engine
 
 
 def same_bytes_budget(runner, budget: int) -> int:
