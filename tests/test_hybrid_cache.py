@@ -15,7 +15,7 @@ from specserve import SamplingParams, SpeculativeEngine
 from specserve.engine import CacheMiss, ModelRunner, RowInput, cpu_attention
 from specserve.engine.hybrid_cache import HybridPagedKVCache, window_pool_blocks
 from specserve.engine.paged_cache import PagedKVCache, blocks_for
-from test_sliding_window import COMMON, MODELS, NEW, WINDOW, prompts, reference
+from test_sliding_window import COMMON, MODELS, NEW, WINDOW, held_blocks, prompts, reference
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
@@ -31,11 +31,6 @@ def gemma3_d32():
                               layer_types=["sliding_attention", "full_attention", "sliding_attention"], **COMMON)
     config._attn_implementation = "sdpa"
     return Gemma3ForCausalLM(config).eval()
-
-
-def held_blocks(cache: PagedKVCache) -> int:
-    """The most blocks any slot's table holds now (entries given back not counted)."""
-    return max((len(t) - cache.forgotten(s) // cache.block_size for s, t in enumerate(cache._tables) if t), default=0)
 
 
 @pytest.mark.parametrize("key", HYBRID)
@@ -122,14 +117,12 @@ def test_a_window_pool_short_of_blocks_grows_up_to_the_full_pool():
 
 def evict(cache: PagedKVCache, tokens: list[int], blocks: list[int]) -> None:
     """Evict from the cache the cached blocks holding these blocks of a prompt of `tokens`, as
-    `PagedKVCache._take` evicts its least recently used."""
+    `PagedKVCache._take` evicts its least recently used (`_evict`)."""
     key, size = None, cache.block_size
     for i in range(max(blocks, default=-1) + 1):
         key = hash((key, tuple(tokens[i * size : (i + 1) * size])))
         if i in blocks:
-            block = cache._index.pop(key)
-            del cache._cached[block], cache._hash_of[block], cache._content[block]
-            cache._free.append(block)
+            cache._evict(cache._index[key])
 
 
 def test_a_prompt_takes_the_cached_blocks_both_pools_still_hold():

@@ -244,6 +244,11 @@ def test_greedy_past_the_window_is_the_models_own(key, layout):
     assert sum(o.metrics.num_accepted_tokens for o in outs) > 0
 
 
+def held_blocks(cache) -> int:
+    """The most blocks any slot of a paged cache holds now (entries given back not counted)."""
+    return max((len(t) - cache.forgotten(s) // cache.block_size for s, t in enumerate(cache._tables) if t), default=0)
+
+
 FORGETTING = {"mistral": dict(kv_block_size=4), "phi3": dict(kv_block_size=4),
               "mistral-d32": dict(kv_block_size=4),  # (read by the CPU kernel where it is built)
               "mistral-flex": dict(attention="flex", kv_block_size=4)}
@@ -271,8 +276,7 @@ def test_a_paged_cache_gives_back_what_every_window_has_passed(name):
             for out in engine.step():
                 outs.setdefault(out.request_id, []).extend(out.new_token_ids)
             for r, runner in enumerate(runners):
-                held[r] = max(held[r], max((len(t) - runner.cache.forgotten(s) // 4 for s, t in
-                                            enumerate(runner.cache._tables) if t), default=0))
+                held[r] = max(held[r], held_blocks(runner.cache))
         assert [outs[str(i)] for i in range(3)] == reference(key)
         # a row holds its window (8 positions: 2-3 blocks of 4) plus a step's positions, never its 43
         assert all(blocks <= 6 for blocks in held.values()), held

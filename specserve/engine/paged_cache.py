@@ -487,10 +487,7 @@ class PagedKVCache:
     def _take(self, count: int) -> list[int]:
         """count fresh blocks (referenced once): free ones, then the least recently used cached ones."""
         while count > len(self._free) and self._cached:
-            block, _ = self._cached.popitem(last=False)
-            del self._index[self._hash_of.pop(block)]
-            del self._content[block]
-            self._free.append(block)
+            self._evict(next(iter(self._cached)))  # (the least recently used)
         if count > len(self._free):
             wanted = self._num_blocks + count - len(self._free)
             if self.fixed or (self._limit is not None and wanted > self._limit):
@@ -502,6 +499,13 @@ class PagedKVCache:
         for block in taken:
             self._refs[block] = 1
         return taken
+
+    def _evict(self, block: int) -> None:
+        """A cached block (registered, held by no table) is forgotten by the index and freed."""
+        del self._cached[block]
+        del self._index[self._hash_of.pop(block)]
+        del self._content[block]
+        self._free.append(block)
 
     def _hold(self, block: int) -> None:
         self._refs[block] += 1
